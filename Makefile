@@ -1,0 +1,68 @@
+# mtrain: `make train` runs the embedded default end to end on a CPU; `make test` runs the suite.
+# Each target installs what it still needs through `make setup` (a .venv with a CPU-only torch).
+
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+MTRAIN      := $(VENV)/bin/mtrain
+STAMP       := $(VENV)/.setup-done
+# CPU machines: the pinned CPU build of torch; a package that wants another torch fails instead of
+# pulling a CUDA build. GPU machines: make setup TORCH_SPEC=torch CONSTRAINTS=
+TORCH_SPEC  ?= torch==2.13.0
+CONSTRAINTS ?= -c constraints-cpu.txt
+# mosaicml-streaming's declared pins conflict with this stack: installed without them (see mtrain/data/mds.py).
+STREAMING   := mosaicml-streaming==0.13.0 zstd python-snappy cramjam Brotli catalogue xxhash
+
+export HF_HUB_OFFLINE=1
+export HF_DATASETS_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export WANDB_SILENT=true
+export PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false
+
+.PHONY: setup test train eval data bench clean help
+
+help:
+	@echo "make setup   create $(VENV) and install mtrain with its CPU dependencies"
+	@echo "make train   embedded default: synthetic data -> pack -> 1K stage -> 8K YaRN stage -> compare"
+	@echo "make eval    evaluate the stage-2 checkpoint (NIAH grid, RULER synthetic tasks, perplexity)"
+	@echo "make test    run the test suite"
+	@echo "make clean   remove runs/ and packed/synthetic data (keeps $(VENV))"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-cpu.txt Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(CONSTRAINTS) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(CONSTRAINTS) -e ".[deepspeed,dev]"
+	$(PY) -m pip install -q --no-deps $(STREAMING)
+	$(PY) -c "import torch, transformers, accelerate, deepspeed, triton, datasets, wandb; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+	touch $(STAMP)
+
+# ---- the embedded default -------------------------------------------------------------------------
+data/synthetic/train.jsonl: | $(STAMP)
+	$(PY) -m mtrain.data.synthetic --out $@ --docs 3000 --seed 0
+
+data/synthetic/long.jsonl: | $(STAMP)
+	$(PY) -m mtrain.data.synthetic --out $@ --docs 150 --min-sentences 300 --max-sentences 1500 --seed 1
+
+data: $(STAMP) data/synthetic/train.jsonl data/synthetic/long.jsonl
+	$(MTRAIN) pack --source data/synthetic/train.jsonl:jsonl --tokenizer mtrain/assets/tiny-tokenizer \
+		--seq-len 1024 --out data/packed/tiny-1k
+	$(MTRAIN) pack --source data/synthetic/long.jsonl:jsonl@0.9 --source data/synthetic/train.jsonl:jsonl@0.1 \
+		--tokenizer mtrain/assets/tiny-tokenizer --seq-len 8192 --out data/packed/tiny-8k
+
+train: data
+	$(MTRAIN) train recipes/tiny.yaml
+	$(MTRAIN) train recipes/tiny-extend.yaml
+	$(MTRAIN) compare runs/tiny runs/tiny-extend --plot runs/compare-loss.png
+
+eval: $(STAMP)
+	@test -d runs/tiny-extend/final || { echo "no runs/tiny-extend/final: run 'make train' first"; exit 2; }
+	$(MTRAIN) eval eval/tiny.yaml --model runs/tiny-extend/final --out runs/tiny-extend/eval
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf runs data/packed data/synthetic

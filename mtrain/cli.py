@@ -1,0 +1,67 @@
+"""The `mtrain` command line: one subcommand per stage (pack, train, eval, compare, bench, export).
+
+Each stage module exposes `register(subparsers)`; it adds its parser and sets `func`. Stage modules keep
+heavy imports (torch, transformers) inside their run functions so `mtrain --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from mtrain.errors import MtrainError
+
+# subcommand module -> registered in this order in `mtrain --help`
+STAGE_MODULES = (
+    "mtrain.data.cli",
+    "mtrain.train.cli",
+    "mtrain.eval.cli",
+    "mtrain.compare",
+    "mtrain.bench",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mtrain",
+        description="Context extension for HF Qwen2.5/Llama models with distributed dynamic sparse "
+        "ring attention: pack data, train, evaluate, compare runs.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in STAGE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # stage not part of this install
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("MTRAIN_DEBUG") == "1"
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        result = args.func(args)
+    except MtrainError as exc:
+        if debug:
+            raise
+        print(f"mtrain {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mtrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)

@@ -1,0 +1,343 @@
+"""Recipe configuration: typed dataclasses loaded from one YAML per recipe, validated at load.
+
+Unknown keys, wrong types and missing paths fail with a message that names the key (and the closest
+valid key); `--set section.key=value` overrides apply before validation; `save()` writes the resolved config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from mtrain.errors import ConfigError
+
+ATTENTION_KINDS = ("dense", "mtraining", "zigzag-dense", "zigzag-sparse", "sdpa", "eager")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """HF checkpoint folder to continue training from (config.json + weights). Exclusive with `config`."""
+    config: Optional[str] = None
+    """A config.json to initialise a model from scratch (random weights), e.g. the tiny default's."""
+    tokenizer: Optional[str] = None
+    """Tokenizer folder; defaults to `path`. Saved next to every exported checkpoint."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter and activation dtype (bf16 on GPUs; fp32 on CPUs)."""
+    rope_theta: Optional[float] = None
+    """Override the RoPE base (ProLong uses 128M at 512K); None keeps the checkpoint's."""
+    rope_scaling: Optional[dict] = None
+    """e.g. {rope_type: yarn, factor: 16, original_max_position_embeddings: 32768}; written into config.json."""
+    max_position_embeddings: Optional[int] = None
+    """Override; with YaRN it defaults to original_max_position_embeddings x factor."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer in backward (activation checkpointing)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Packed dataset folder written by `mtrain pack` (MDS shards + manifest)."""
+    seq_len: int = 1024
+    """Tokens per training sequence; must equal the packed dataset's seq_len."""
+    document_masking: bool = True
+    """Attention never crosses packed documents; position_ids restart at document starts."""
+    shuffle: bool = True
+    """Shuffle sample order each epoch (seeded by train.seed)."""
+
+
+@dataclass
+class AttentionConfig:
+    kind: str = "dense"
+    """One of: dense, mtraining, zigzag-dense, zigzag-sparse, sdpa, eager."""
+    block_size: int = 64
+    """Sparse kernel block size (tokens)."""
+    recall: float = 0.95
+    """Target attention-mass recall of the online vertical-slash estimate."""
+    last_q: int = 64
+    """Queries (at the end of the sequence) used to estimate the sparse pattern."""
+    max_vertical: int = 4096
+    """Budget cap on vertical (key column) lines per head."""
+    max_slash: int = 4096
+    """Budget cap on slash (diagonal offset) lines per head."""
+
+
+@dataclass
+class ParallelConfig:
+    cp_size: int = 1
+    """Context-parallel group size: ranks that share one sequence. DP size = world / cp_size."""
+    layout: str = "block-stripe"
+    """Sequence layout over a CP group: contiguous, zigzag, stripe, block-stripe."""
+    granularity: int = 64
+    """Stripe width (tokens) for block-stripe."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    schedule: Literal["cosine", "rewarm", "constant"] = "cosine"
+    """cosine: warmup then cosine to min_lr_ratio; rewarm: from the checkpoint's LR, rewarm then decay."""
+    warmup_steps: int = 0
+    """Linear warmup steps (overrides warmup_ratio when > 0)."""
+    warmup_ratio: float = 0.1
+    min_lr_ratio: float = 0.1
+    """Floor of the decay as a fraction of lr."""
+
+
+@dataclass
+class LoggingConfig:
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; metrics.jsonl is written in every mode."""
+    project: str = "mtrain"
+    run_name: Optional[str] = None
+    """Defaults to the output folder's name."""
+    log_every: int = 1
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/default"
+    """Run folder: metrics.jsonl, config.yaml, checkpoints/, final/ (the exported HF checkpoint)."""
+    max_steps: int = 100
+    """Optimizer steps."""
+    save_every: int = 0
+    """Checkpoint every N optimizer steps (0: only at the end and on SIGTERM)."""
+    seed: int = 0
+    deterministic: bool = False
+    """Deterministic algorithms and seeded everything: reruns and resumes give bit-identical losses on CPU."""
+    micro_batch_size: int = 1
+    """Sequences per rank per forward."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    deepspeed: Optional[str] = None
+    """DeepSpeed JSON config (ZeRO-2, optionally with CPU offload); None trains without DeepSpeed."""
+    export: bool = True
+    """Write a plain HF checkpoint (safetensors + config + tokenizer) to OUTPUT_DIR/final at the end."""
+    max_bad_steps: int = 10
+    """Stop after this many skipped non-finite losses."""
+    loss_chunk: int = 4096
+    """Tokens per chunk of the LM head + cross-entropy (no [S, vocab] logits are ever materialised)."""
+
+
+@dataclass
+class RecipeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        def plain(value):
+            if isinstance(value, tuple):
+                return list(value)
+            return value
+
+        return {
+            f.name: {k: plain(v) for k, v in dataclasses.asdict(getattr(self, f.name)).items()}
+            for f in dataclasses.fields(self)
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the resolved config as YAML, atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        os.replace(tmp, path)
+
+
+def _suggest(name: str, options) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check `value` against the field's type annotation; convert where the conversion is lossless."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}{_suggest(str(value), map(str, args))}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 2e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if annotation is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {annotation!r}")
+
+
+def _build_section(cls, section: str, raw: Any):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(f"unknown key '{section}.{key}'{_suggest(key, names)}; valid keys of '{section}': {', '.join(sorted(names))}")
+        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _parse_override_value(text: str) -> Any:
+    """`--set a.b=VALUE`: VALUE is read as YAML, so 1 -> int, true -> bool, [1,2] -> list, x -> str."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `section.key=value` strings to a raw recipe dict (before validation)."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.key=value")
+        dotted, text = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        if len(parts) < 2:
+            raise ConfigError(f"override '{item}' must name a section and a key, like train.max_steps=10")
+        section, key = parts[0], ".".join(parts[1:])
+        value = _parse_override_value(text)
+        target = raw.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"override '{item}': section '{section}' is not a mapping")
+        if "." in key:  # nested dict field, e.g. model.rope_scaling.factor=16
+            head, rest = key.split(".", 1)
+            nested = dict(target.get(head) or {})
+            nested[rest] = value
+            target[head] = nested
+        else:
+            target[key] = value
+    return raw
+
+
+def _check(recipe: RecipeConfig) -> None:
+    """Cross-field checks that need more than the types."""
+    m, d, a, p, t, o = recipe.model, recipe.data, recipe.attention, recipe.parallel, recipe.train, recipe.optim
+    if (m.path is None) == (m.config is None):
+        raise ConfigError("model: set exactly one of 'model.path' (a checkpoint to continue) or 'model.config' (a config.json to start from)")
+    for key, value in (("model.path", m.path), ("model.config", m.config), ("model.tokenizer", m.tokenizer), ("train.deepspeed", t.deepspeed)):
+        if value is not None and not Path(value).exists():
+            raise ConfigError(f"{key}: path '{value}' does not exist (relative paths are taken from the current directory)")
+    if m.path is None and m.tokenizer is None:
+        raise ConfigError("model.tokenizer: required when the model starts from 'model.config'")
+    if not d.path:
+        raise ConfigError("data.path: required (a folder written by `mtrain pack`)")
+    if not Path(d.path).exists():
+        raise ConfigError(f"data.path: '{d.path}' does not exist; write it with `mtrain pack ... --out {d.path}`")
+    if a.kind not in ATTENTION_KINDS:
+        raise ConfigError(f"attention.kind: '{a.kind}' is not one of {', '.join(ATTENTION_KINDS)}{_suggest(a.kind, ATTENTION_KINDS)}")
+    positive = {
+        "data.seq_len": d.seq_len, "train.max_steps": t.max_steps, "train.micro_batch_size": t.micro_batch_size,
+        "train.grad_accum": t.grad_accum, "parallel.cp_size": p.cp_size, "attention.block_size": a.block_size,
+        "attention.last_q": a.last_q, "parallel.granularity": p.granularity, "train.loss_chunk": t.loss_chunk,
+        "logging.log_every": recipe.logging.log_every,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be positive, got {value}")
+    if t.save_every < 0:
+        raise ConfigError(f"train.save_every: must be >= 0 (0 = only at the end), got {t.save_every}")
+    if not 0.0 < a.recall <= 1.0:
+        raise ConfigError(f"attention.recall: must be in (0, 1], got {a.recall}")
+    if not 0.0 <= o.min_lr_ratio <= 1.0 or not 0.0 <= o.warmup_ratio < 1.0:
+        raise ConfigError("optim: need 0 <= min_lr_ratio <= 1 and 0 <= warmup_ratio < 1")
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr: must be positive, got {o.lr}")
+    if m.rope_scaling is not None:
+        rs = m.rope_scaling
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind is None:
+            raise ConfigError("model.rope_scaling: needs 'rope_type' (e.g. yarn)")
+        if kind in ("yarn", "linear", "dynamic") and not isinstance(rs.get("factor"), (int, float)):
+            raise ConfigError(f"model.rope_scaling.factor: required for rope_type '{kind}'")
+        if kind == "yarn" and not isinstance(rs.get("original_max_position_embeddings"), int):
+            raise ConfigError("model.rope_scaling.original_max_position_embeddings: required for yarn (the pre-extension context length)")
+    if p.layout not in ("contiguous", "zigzag", "stripe", "block-stripe"):
+        raise ConfigError(f"parallel.layout: '{p.layout}' is not one of contiguous, zigzag, stripe, block-stripe{_suggest(p.layout, ('contiguous', 'zigzag', 'stripe', 'block-stripe'))}")
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RecipeConfig:
+    """Load a recipe YAML (or only overrides when `path` is None), apply overrides, validate, return it.
+
+    Relative paths inside the recipe are taken from the current directory (run from the repo root).
+    """
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe '{path}' does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"recipe '{path}' is not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"recipe '{path}' must be a mapping of sections (model, data, train, ...)")
+    raw = apply_overrides(raw, overrides or [])
+    sections = {f.name: f.type for f in dataclasses.fields(RecipeConfig)}
+    hints = typing.get_type_hints(RecipeConfig)
+    built = {}
+    for name, value in raw.items():
+        if name not in sections:
+            raise ConfigError(f"unknown section '{name}'{_suggest(name, sections)}; sections: {', '.join(sections)}")
+        built[name] = _build_section(hints[name], name, value)
+    recipe = RecipeConfig(**built)
+    _check(recipe)
+    return recipe

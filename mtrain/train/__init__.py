@@ -1,0 +1,1 @@
+"""The training stage: the Trainer, LR schedules, chunked loss and run logging."""

@@ -1,0 +1,39 @@
+"""LM loss without [S, vocab] logits: the head and cross-entropy run in recomputed token chunks.
+
+Returns the *sum* of token losses and the count of valid tokens, so the caller normalises by the
+global count (over a whole context-parallel group and all micro-batches), never by a local mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+
+
+def chunked_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor, chunk: int = 4096):
+    """Sum of next-token cross-entropy over valid labels, and their count.
+
+    hidden: [B, S, H] final hidden states; labels: [B, S] already aligned with `hidden` (labels[i] is the
+    target for position i; -100 = ignore). Each chunk's logits are recomputed in backward, so peak
+    memory is one chunk of logits, not S of them.
+    """
+    if hidden.shape[:2] != labels.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on [B, S]")
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_y = labels.reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat_y.numel(), chunk):
+        h, y = flat_h[start : start + chunk], flat_y[start : start + chunk]
+        if not bool((y != -100).any()):
+            continue
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss_sum, h, lm_head.weight, lm_head.bias, y, use_reentrant=False)
+        else:
+            total = total + _chunk_loss_sum(h, lm_head.weight, lm_head.bias, y)
+    return total, (flat_y != -100).sum()

@@ -1,0 +1,362 @@
+"""The training loop: model, packed data, AdamW + schedule, checkpoints, metrics; launched by accelerate.
+
+Every stateful thing (model, optimizer, scheduler, data cursor, RNG, counters) is saved together in one
+checkpoint folder; rerunning the same command resumes from the `latest` marker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtrain.config import RecipeConfig
+from mtrain.errors import MtrainError
+from mtrain.train.loss import chunked_lm_loss
+from mtrain.train.metrics import MetricsLogger
+from mtrain.train.schedule import lr_factor, warmup_steps
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+@dataclass
+class TrainState:
+    """Counters saved with every checkpoint."""
+
+    step: int = 0
+    tokens: int = 0
+    bad_steps: int = 0
+    dp_size: int = 1
+    cp_size: int = 1
+
+    def state_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool: causal and within one document (documents start where position_ids == 0)."""
+    doc = torch.cumsum((position_ids == 0).to(torch.int32), dim=-1)
+    same_doc = doc[:, :, None] == doc[:, None, :]
+    s = position_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
+    return (same_doc & causal)[:, None]
+
+
+class Trainer:
+    """Runs `recipe` to `train.max_steps`, resuming from OUTPUT_DIR/checkpoints/latest if present."""
+
+    def __init__(self, recipe: RecipeConfig):
+        self.recipe = recipe
+        self.out = Path(recipe.train.output_dir)
+        self._stop_requested = False
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _accelerator(self):
+        from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
+
+        handlers = []
+        if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # accelerate's default backend on CPU reports one process and shards nothing: use gloo.
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        plugin = None
+        if self.recipe.train.deepspeed:
+            plugin = self._deepspeed_plugin()
+        return Accelerator(
+            gradient_accumulation_steps=self.recipe.train.grad_accum,
+            kwargs_handlers=handlers,
+            deepspeed_plugin=plugin,
+            mixed_precision="no",
+        )
+
+    def _deepspeed_plugin(self):
+        from accelerate.utils import DeepSpeedPlugin
+
+        t = self.recipe.train
+        ds = json.loads(Path(t.deepspeed).read_text())
+        ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+        ds["gradient_accumulation_steps"] = t.grad_accum
+        ds["gradient_clipping"] = self.recipe.optim.grad_clip
+        ds.pop("train_batch_size", None)
+        ds["bf16"] = {"enabled": self.recipe.model.dtype == "bfloat16"}
+        ds["fp16"] = {"enabled": self.recipe.model.dtype == "float16"}
+        return DeepSpeedPlugin(hf_ds_config=ds)
+
+    def _attn_implementation(self) -> str:
+        kind = self.recipe.attention.kind
+        if kind in ("dense", "sdpa"):
+            return "sdpa"
+        if kind == "eager":
+            return "eager"
+        from mtrain.models.attention import register_attention  # sparse / ring kinds
+
+        return register_attention(self.recipe)
+
+    def _optimizer(self, model):
+        o = self.recipe.optim
+        decay, no_decay = [], []
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+
+    def _scheduler(self, optimizer):
+        o, t = self.recipe.optim, self.recipe.train
+        warm = warmup_steps(t.max_steps, o.warmup_steps, o.warmup_ratio)
+
+        def factor(step: int) -> float:
+            return lr_factor(step, t.max_steps, schedule=o.schedule, warmup=warm,
+                             min_ratio=o.min_lr_ratio, start_ratio=o.min_lr_ratio)
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _checkpoint_root(self) -> Path:
+        return self.out / "checkpoints"
+
+    def _latest_checkpoint(self) -> Path | None:
+        marker = self._checkpoint_root() / LATEST
+        if not marker.exists():
+            return None
+        path = self._checkpoint_root() / marker.read_text().strip()
+        if not path.is_dir():
+            raise MtrainError(f"checkpoint marker {marker} points at missing folder {path}; delete the marker to start over")
+        return path
+
+    def _save_checkpoint(self, accelerator) -> None:
+        name = f"step-{self.state.step:07d}"
+        root = self._checkpoint_root()
+        final, tmp = root / name, root / (name + ".tmp")
+        if accelerator.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        (tmp / f"trainer_state_rank{accelerator.process_index}.json").write_text(
+            json.dumps({"state": self.state.state_dict(), "data": self.reader.state_dict()})
+        )
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            self.recipe.save(tmp / "config.yaml")
+            (tmp / "meta.json").write_text(json.dumps({"git_revision": git_revision(), "step": self.state.step}))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            marker_tmp = root / (LATEST + ".tmp")
+            marker_tmp.write_text(name)
+            os.replace(marker_tmp, root / LATEST)  # written last: a checkpoint exists only once this lands
+            log.info("saved checkpoint %s", final)
+        accelerator.wait_for_everyone()
+
+    def _load_checkpoint(self, accelerator, path: Path) -> None:
+        accelerator.load_state(str(path))
+        saved = json.loads((path / f"trainer_state_rank{accelerator.process_index}.json").read_text())
+        state = saved["state"]
+        if (state["dp_size"], state["cp_size"]) != (self.state.dp_size, self.state.cp_size):
+            raise MtrainError(
+                f"checkpoint {path} was written with dp_size={state['dp_size']} cp_size={state['cp_size']}, "
+                f"this run has dp_size={self.state.dp_size} cp_size={self.state.cp_size}; launch with the same "
+                "number of processes and parallel.cp_size, or start a new train.output_dir"
+            )
+        self.state.load_state_dict(state)
+        self.reader.load_state_dict(saved["data"])
+        log.info("resumed from %s at step %d", path, self.state.step)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _on_sigterm(self, signum, frame) -> None:
+        log.warning("SIGTERM: checkpointing after this step, then stopping")
+        self._stop_requested = True
+
+    def _next_batch(self, it):
+        try:
+            return next(it), it
+        except StopIteration:
+            it = iter(self.reader)  # next epoch; the reader's cursor moves to it
+            return next(it), it
+
+    def _model_flops_per_token(self, model, seq_len: int) -> float:
+        cfg = model.config
+        n_params = sum(p.numel() for p in model.parameters())
+        n_params -= cfg.vocab_size * cfg.hidden_size  # embedding lookup is not a matmul
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        attn = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len  # causal: half of 12·L·d·S
+        return 6 * n_params + attn
+
+    def run(self) -> dict:
+        r, t = self.recipe, self.recipe.train
+        seed_everything(t.seed, t.deterministic)
+        accelerator = self._accelerator()
+        world = accelerator.num_processes
+        if world % r.parallel.cp_size != 0:
+            raise MtrainError(f"parallel.cp_size={r.parallel.cp_size} does not divide the {world} launched processes")
+        if r.parallel.cp_size > 1:
+            raise MtrainError("parallel.cp_size > 1 needs a context-parallel attention.kind (dense ring or mtraining); "
+                              f"'{r.attention.kind}' runs on one rank per sequence: set parallel.cp_size=1")
+        dp_size, dp_rank = world // r.parallel.cp_size, accelerator.process_index // r.parallel.cp_size
+        self.state = TrainState(dp_size=dp_size, cp_size=r.parallel.cp_size)
+
+        from mtrain.data import TrainingReader
+        from mtrain.models import export_hf, load_model, load_tokenizer
+
+        self.reader = TrainingReader(r.data.path, dp_rank=dp_rank, dp_size=dp_size, seed=t.seed,
+                                     shuffle=r.data.shuffle, document_masking=r.data.document_masking)
+        if getattr(self.reader, "seq_len", r.data.seq_len) != r.data.seq_len:
+            raise MtrainError(f"data.seq_len={r.data.seq_len} but {r.data.path} was packed at seq_len={self.reader.seq_len}")
+        tokenizer = load_tokenizer(r.model)
+        model = load_model(r.model, self._attn_implementation())
+        optimizer = self._optimizer(model)
+        scheduler = self._scheduler(optimizer)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        # The scheduler stays unwrapped (accelerate would step it once per process) but is checkpointed.
+        accelerator.register_for_checkpointing(scheduler)
+        if accelerator.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            r.save(self.out / "config.yaml")
+
+        ckpt = self._latest_checkpoint()
+        if ckpt is not None:
+            self._load_checkpoint(accelerator, ckpt)
+        metrics = MetricsLogger(
+            self.out, wandb_mode=r.logging.wandb, project=r.logging.project,
+            run_name=r.logging.run_name or self.out.name, config=r.to_dict(), resume_step=self.state.step,
+            enabled=accelerator.is_main_process,
+        )
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        unwrapped = accelerator.unwrap_model(model)
+        base, lm_head = unwrapped.get_decoder(), unwrapped.get_output_embeddings()
+        flops_per_token = self._model_flops_per_token(unwrapped, r.data.seq_len)
+        device = accelerator.device
+        it = iter(self.reader)
+        model.train()
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=t.max_steps, initial=self.state.step, desc=f"train {self.out.name}", unit="step",
+                   disable=not accelerator.is_main_process, dynamic_ncols=True)
+        last = {}
+        try:
+            while self.state.step < t.max_steps and not self._stop_requested:
+                start = time.perf_counter()
+                micro = []
+                for _ in range(t.grad_accum):
+                    rows = []
+                    for _ in range(t.micro_batch_size):
+                        sample, it = self._next_batch(it)
+                        rows.append(sample)
+                    micro.append({k: torch.stack([s[k] for s in rows]).to(device)
+                                  for k in ("input_ids", "labels", "position_ids")})
+                local_valid = sum(int((b["labels"] != -100).sum()) for b in micro)
+                counts = torch.tensor([local_valid, sum(b["input_ids"].numel() for b in micro)], dtype=torch.float64,
+                                      device=device)
+                counts = accelerator.reduce(counts, reduction="sum")
+                global_valid, global_tokens = max(1.0, float(counts[0])), int(counts[1])
+
+                loss_sum_local = torch.zeros((), dtype=torch.float64)
+                for batch in micro:
+                    with accelerator.accumulate(model):
+                        mask = document_mask(batch["position_ids"]) if r.data.document_masking else None
+                        hidden = base(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                      attention_mask=mask, use_cache=False).last_hidden_state
+                        loss_sum, _ = chunked_lm_loss(hidden, lm_head, batch["labels"], chunk=t.loss_chunk)
+                        # Normalise by the global count of valid tokens. accelerate divides by grad_accum
+                        # and DDP averages over ranks: undo both so the gradient is that of the global mean.
+                        scaled = loss_sum * (world * t.grad_accum / global_valid)
+                        accelerator.backward(scaled)
+                        loss_sum_local += loss_sum.detach().double().cpu()
+                        if accelerator.sync_gradients:
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.optim.grad_clip or float("inf"))
+                loss_total = accelerator.reduce(loss_sum_local.to(device), reduction="sum")
+                loss = float(loss_total) / global_valid
+                grad_norm = float(grad_norm)
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                    optimizer.zero_grad(set_to_none=True)
+                    self.state.bad_steps += 1
+                    log.warning("step %d: non-finite loss/grad (%s, %s), skipped (%d so far)",
+                                self.state.step + 1, loss, grad_norm, self.state.bad_steps)
+                    if self.state.bad_steps > t.max_bad_steps:
+                        raise MtrainError(f"{self.state.bad_steps} non-finite steps (train.max_bad_steps="
+                                          f"{t.max_bad_steps}); lower optim.lr or check the data")
+                else:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                lr = scheduler.get_last_lr()[0]  # the LR this step used
+                scheduler.step()
+                self.state.step += 1
+                self.state.tokens += global_tokens
+                elapsed = time.perf_counter() - start
+                last = {
+                    "step": self.state.step,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens": self.state.tokens,
+                    "tokens_per_s": global_tokens / elapsed,
+                    "tflops": flops_per_token * global_tokens / elapsed / world / 1e12,
+                    "skipped_steps": self.state.bad_steps,
+                }
+                if torch.cuda.is_available():
+                    last["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                if self.state.step % r.logging.log_every == 0 or self.state.step == t.max_steps:
+                    metrics.log(last)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+                if (t.save_every and self.state.step % t.save_every == 0) or self._stop_requested:
+                    self._save_checkpoint(accelerator)
+        finally:
+            bar.close()
+            signal.signal(signal.SIGTERM, previous)
+            metrics.close()
+
+        if self._stop_requested:
+            log.warning("stopped by SIGTERM at step %d; rerun the same command to resume", self.state.step)
+            return last
+        if ckpt_needed(self.state.step, t):
+            self._save_checkpoint(accelerator)
+        if t.export:
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                export_hf(accelerator.unwrap_model(model), tokenizer, self.out / "final")
+                log.info("exported HF checkpoint to %s", self.out / "final")
+        accelerator.wait_for_everyone()
+        return last
+
+
+def ckpt_needed(step: int, t) -> bool:
+    """Save a final checkpoint unless the last periodic one already covers this step."""
+    return step > 0 and not (t.save_every and step % t.save_every == 0)

@@ -1,0 +1,80 @@
+"""Recipe loading: typed validation, overrides, clear errors naming the key."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mtrain.config import load_recipe
+from mtrain.errors import ConfigError
+
+
+@pytest.fixture()
+def recipe_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "packed").mkdir()
+    (tmp_path / "cfg.json").write_text("{}")
+    (tmp_path / "tok").mkdir()
+    recipe = {
+        "model": {"config": "cfg.json", "tokenizer": "tok"},
+        "data": {"path": "packed", "seq_len": 256},
+        "train": {"output_dir": "out", "max_steps": 5},
+    }
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_loads_and_applies_overrides(recipe_file):
+    r = load_recipe(recipe_file, ["train.max_steps=7", "optim.lr=2e-4", "train.deterministic=true",
+                                  "model.rope_scaling.rope_type=yarn", "model.rope_scaling.factor=4",
+                                  "model.rope_scaling.original_max_position_embeddings=256"])
+    assert r.train.max_steps == 7
+    assert r.optim.lr == pytest.approx(2e-4)
+    assert r.train.deterministic is True
+    assert r.model.rope_scaling == {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 256}
+    assert r.parallel.cp_size == 1 and r.attention.kind == "dense"
+
+
+def test_unknown_key_named_with_suggestion(recipe_file):
+    with pytest.raises(ConfigError, match=r"train\.max_step'.*did you mean 'max_steps'"):
+        load_recipe(recipe_file, ["train.max_step=3"])
+    with pytest.raises(ConfigError, match="bogus_key"):
+        load_recipe(recipe_file, ["train.bogus_key=1"])
+    with pytest.raises(ConfigError, match="unknown section 'trian'.*'train'"):
+        load_recipe(recipe_file, ["trian.max_steps=1"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.max_steps=abc", r"train\.max_steps: expected an integer"),
+        ("train.deterministic=3", r"train\.deterministic: expected true or false"),
+        ("optim.schedule=cosin", r"optim\.schedule: 'cosin' is not one of .*did you mean 'cosine'"),
+        ("attention.kind=mtrainig", r"attention\.kind: 'mtrainig'.*did you mean 'mtraining'"),
+        ("data.path=nowhere", r"data\.path: 'nowhere' does not exist"),
+        ("model.tokenizer=missing-tok", r"model\.tokenizer: path 'missing-tok' does not exist"),
+        ("parallel.cp_size=0", r"parallel\.cp_size: must be positive"),
+        ("model.rope_scaling.rope_type=yarn", r"model\.rope_scaling\.factor: required"),
+    ],
+)
+def test_bad_values_name_the_key(recipe_file, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(recipe_file, [override])
+
+
+def test_resolved_config_round_trips(recipe_file, tmp_path):
+    r = load_recipe(recipe_file, ["train.seed=3"])
+    r.save(tmp_path / "resolved.yaml")
+    again = load_recipe(tmp_path / "resolved.yaml")
+    assert again == r
+
+
+def test_cli_bogus_key_is_one_short_line(recipe_file):
+    proc = subprocess.run([sys.executable, "-m", "mtrain", "train", str(recipe_file), "--set", "train.bogus_key=1"],
+                          capture_output=True, text=True, cwd=recipe_file.parent)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "bogus_key" in lines[0] and "Traceback" not in proc.stderr

@@ -1,0 +1,121 @@
+"""End to end on the tiny model: pack -> train -> kill -9 -> resume (bit-identical) -> export -> compare."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
+from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    from mtrain.data import pack
+
+    root = tmp_path_factory.mktemp("data")
+    write_jsonl(root / "docs.jsonl", generate(CorpusSpec(num_docs=120, max_sentences=40, seed=5)))
+    pack([f"{root / 'docs.jsonl'}:jsonl"], str(TOKENIZER_DIR), SEQ, root / "packed", progress=False, workers=1)
+    return root / "packed"
+
+
+def _recipe(tmp_path: Path, packed: Path, out: str, **train) -> Path:
+    import yaml
+
+    recipe = {
+        "model": {"config": str(MODEL_CONFIG), "tokenizer": str(TOKENIZER_DIR)},
+        "data": {"path": str(packed), "seq_len": SEQ},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "logging": {"wandb": "disabled"},
+        "train": {"output_dir": str(tmp_path / out), "max_steps": 6, "save_every": 3, "micro_batch_size": 2,
+                  "grad_accum": 2, "deterministic": True, **train},
+    }
+    path = tmp_path / f"{out}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _mtrain(*args, **kw):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "mtrain", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _losses(run: Path) -> dict:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_train_resume_export(tmp_path, packed):
+    full = _mtrain("train", str(_recipe(tmp_path, packed, "full")))
+    out, _ = full.communicate(timeout=600)
+    assert full.returncode == 0, out
+    ref = _losses(tmp_path / "full")
+    assert sorted(ref) == [1, 2, 3, 4, 5, 6]
+    assert ref[6] < ref[1]
+
+    # Same recipe, killed with SIGKILL once the step-3 checkpoint is committed, then rerun unchanged.
+    recipe = _recipe(tmp_path, packed, "killed")
+    marker = tmp_path / "killed" / "checkpoints" / "latest"
+    proc = _mtrain("train", str(recipe))
+    deadline = time.time() + 300
+    while not (marker.exists() and marker.read_text().strip() == "step-0000003"):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = _mtrain("train", str(recipe))
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    assert "resumed from" in out
+    got = _losses(tmp_path / "killed")
+    assert got == ref  # bit-identical, every step, no duplicated lines
+
+    # The exported checkpoint is a plain HF folder that transformers loads with the trained weights.
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    final = tmp_path / "killed" / "final"
+    model = AutoModelForCausalLM.from_pretrained(final)
+    trained = load_file(str(tmp_path / "killed" / "checkpoints" / "step-0000006" / "model.safetensors"))
+    for name, tensor in model.state_dict().items():
+        if name in trained:
+            assert torch.equal(tensor, trained[name]), name
+
+    cmp = subprocess.run([sys.executable, "-m", "mtrain", "compare", str(tmp_path / "full"), str(tmp_path / "killed"),
+                          "--plot", str(tmp_path / "cmp.png")], capture_output=True, text=True, cwd=REPO)
+    assert cmp.returncode == 0, cmp.stderr
+    assert "final loss" in cmp.stdout and "killed" in cmp.stdout
+    assert (tmp_path / "cmp.png").stat().st_size > 1000
+
+
+def test_yarn_written_to_exported_config(tmp_path, packed):
+    from transformers import AutoConfig
+
+    from mtrain.config import load_recipe
+    from mtrain.train.trainer import Trainer
+
+    base = load_recipe(_recipe(tmp_path, packed, "base", max_steps=1, save_every=0))
+    Trainer(base).run()
+    ext = load_recipe(None, [
+        f"model.path={tmp_path / 'base' / 'final'}", "model.rope_scaling.rope_type=yarn",
+        "model.rope_scaling.factor=4.0", "model.rope_scaling.original_max_position_embeddings=1024",
+        f"data.path={packed}", f"data.seq_len={SEQ}", "logging.wandb=disabled",
+        f"train.output_dir={tmp_path / 'ext'}", "train.max_steps=1",
+    ])
+    Trainer(ext).run()
+    raw = json.loads((tmp_path / "ext" / "final" / "config.json").read_text())
+    assert raw["max_position_embeddings"] == 4096
+    assert raw["rope_scaling"]["type"] == "yarn" and raw["rope_scaling"]["factor"] == 4.0
+    assert raw["rope_scaling"]["original_max_position_embeddings"] == 1024
+    cfg = AutoConfig.from_pretrained(tmp_path / "ext" / "final")
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 4.0
