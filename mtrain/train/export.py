@@ -33,7 +33,8 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
     ckpt = run_dir / "checkpoints" / marker.read_text().strip()
     recipe = load_recipe(ckpt / "config.yaml")
     model = load_model(recipe.model, "sdpa")
-    state = _checkpoint_state_dict(ckpt)
+    # the trainer checkpoints the model inside its ChunkedLossLM wrapper: drop the wrapper's prefix
+    state = {k.removeprefix("model."): v for k, v in _checkpoint_state_dict(ckpt).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight") or not model.config.tie_word_embeddings]
     if missing or unexpected:

@@ -37,3 +37,21 @@ def chunked_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torc
         else:
             total = total + _chunk_loss_sum(h, lm_head.weight, lm_head.bias, y)
     return total, (flat_y != -100).sum()
+
+
+class ChunkedLossLM(torch.nn.Module):
+    """A causal LM whose forward returns (sum of token losses, valid-token count) without full logits.
+
+    Wrapping the HF model in one module lets DDP / DeepSpeed see the whole forward (they hook it to
+    reduce gradients) while the LM head and cross-entropy still run chunk by chunk.
+    """
+
+    def __init__(self, model: torch.nn.Module, chunk: int = 4096):
+        super().__init__()
+        self.model = model
+        self.chunk = chunk
+
+    def forward(self, input_ids, position_ids, labels, attention_mask=None):
+        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                          attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return chunked_lm_loss(hidden, self.model.get_output_embeddings(), labels, chunk=self.chunk)

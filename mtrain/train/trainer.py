@@ -23,7 +23,7 @@ import torch
 
 from mtrain.config import RecipeConfig
 from mtrain.errors import MtrainError
-from mtrain.train.loss import chunked_lm_loss
+from mtrain.train.loss import ChunkedLossLM
 from mtrain.train.metrics import MetricsLogger
 from mtrain.train.schedule import lr_factor, warmup_steps
 
@@ -89,25 +89,36 @@ class Trainer:
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs
 
-        handlers = []
-        if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # accelerate's default backend on CPU reports one process and shards nothing: use gloo.
+        handlers, cpu = [], False
+        distributed_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if distributed_cpu:
+            # accelerate on CPU: gloo, and cpu=True for plain DDP (without it accelerate reports no
+            # distribution and reduces nothing); cpu=True would disable DeepSpeed, which runs on gloo as is.
             handlers.append(InitProcessGroupKwargs(backend="gloo"))
         plugin = None
-        if self.recipe.train.deepspeed:
-            plugin = self._deepspeed_plugin()
+        # DeepSpeed comes from the recipe (train.deepspeed) or from an accelerate config that names a file;
+        # either way mtrain fills the batch/clip/precision fields so they always agree with the recipe.
+        ds_file = self.recipe.train.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if ds_file and ds_file != "none":
+            plugin = self._deepspeed_plugin(ds_file)
+        elif distributed_cpu:
+            cpu = True
         return Accelerator(
             gradient_accumulation_steps=self.recipe.train.grad_accum,
             kwargs_handlers=handlers,
             deepspeed_plugin=plugin,
+            cpu=cpu,
             mixed_precision="no",
         )
 
-    def _deepspeed_plugin(self):
+    def _deepspeed_plugin(self, ds_file: str):
         from accelerate.utils import DeepSpeedPlugin
 
         t = self.recipe.train
-        ds = json.loads(Path(t.deepspeed).read_text())
+        try:
+            ds = json.loads(Path(ds_file).read_text())
+        except (OSError, ValueError) as exc:
+            raise MtrainError(f"DeepSpeed config '{ds_file}' cannot be read as JSON: {exc}") from None
         ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
         ds["gradient_accumulation_steps"] = t.grad_accum
         ds["gradient_clipping"] = self.recipe.optim.grad_clip
@@ -117,12 +128,11 @@ class Trainer:
         return DeepSpeedPlugin(hf_ds_config=ds)
 
     def _attn_implementation(self) -> str:
+        """transformers' own sdpa/eager (document masks as 4D masks), or an mtrain kind registered with HF."""
         kind = self.recipe.attention.kind
-        if kind in ("dense", "sdpa"):
-            return "sdpa"
-        if kind == "eager":
-            return "eager"
-        from mtrain.models.attention import register_attention  # sparse / ring kinds
+        if kind in ("sdpa", "eager"):
+            return kind
+        from mtrain.models.attention import register_attention
 
         return register_attention(self.recipe)
 
@@ -219,28 +229,66 @@ class Trainer:
         attn = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len  # causal: half of 12·L·d·S
         return 6 * n_params + attn
 
+    def _setup_parallel(self, accelerator):
+        """The DP x CP mesh, the sequence layout and the attention context of this rank."""
+        from mtrain.models.attention import CONTEXT, KINDS, layout_name
+        from mtrain.parallel import Layout
+        from mtrain.train.mesh import build_mesh
+
+        r = self.recipe
+        if r.parallel.cp_size > 1 and r.attention.kind not in KINDS:
+            raise MtrainError(f"parallel.cp_size={r.parallel.cp_size} needs a context-parallel attention.kind "
+                              f"({', '.join(KINDS)}); '{r.attention.kind}' runs on one rank per sequence")
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        mesh = build_mesh(accelerator.num_processes, accelerator.process_index, r.parallel.cp_size,
+                          int(local) if local else None)
+        layout = Layout.create(layout_name(r), world_size=mesh.cp_size, granularity=r.parallel.granularity)
+        layout.check(r.data.seq_len)
+        CONTEXT.group, CONTEXT.layout = mesh.cp_group, layout
+        CONTEXT.inner_group, CONTEXT.outer_group = mesh.inner_group, mesh.outer_group
+        return mesh, layout
+
+    def _micro_batch(self, samples: list[dict], device) -> dict:
+        """Stack samples, keep this CP rank's layout shard, and hand document spans to the attention."""
+        from mtrain.models.attention import CONTEXT, KINDS
+
+        r = self.recipe
+        batch = {k: torch.stack([s[k] for s in samples]) for k in ("input_ids", "labels", "position_ids")}
+        own_kernel = r.attention.kind in KINDS
+        if own_kernel:
+            CONTEXT.doc_spans = ([[tuple(map(int, span)) for span in s["doc_spans"]] for s in samples]
+                                 if r.data.document_masking else [])
+        elif r.data.document_masking:
+            batch["attention_mask"] = document_mask(batch["position_ids"])
+        if self.mesh.cp_size > 1:
+            # labels are already shifted globally, so every shard keeps its own targets
+            for key in ("input_ids", "labels", "position_ids"):
+                batch[key] = self.layout.shard(batch[key], self.mesh.cp_rank, dim=1)
+        return {k: v.to(device) for k, v in batch.items()}
+
     def run(self) -> dict:
         r, t = self.recipe, self.recipe.train
         seed_everything(t.seed, t.deterministic)
         accelerator = self._accelerator()
         world = accelerator.num_processes
-        if world % r.parallel.cp_size != 0:
-            raise MtrainError(f"parallel.cp_size={r.parallel.cp_size} does not divide the {world} launched processes")
-        if r.parallel.cp_size > 1:
-            raise MtrainError("parallel.cp_size > 1 needs a context-parallel attention.kind (dense ring or mtraining); "
-                              f"'{r.attention.kind}' runs on one rank per sequence: set parallel.cp_size=1")
-        dp_size, dp_rank = world // r.parallel.cp_size, accelerator.process_index // r.parallel.cp_size
-        self.state = TrainState(dp_size=dp_size, cp_size=r.parallel.cp_size)
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and (world != launched or accelerator.distributed_type == "NO"):
+            raise MtrainError(f"launched {launched} processes but accelerate sees {world} with distribution "
+                              f"'{accelerator.distributed_type}': gradients would not be reduced")
+        self.mesh, self.layout = self._setup_parallel(accelerator)
+        self.state = TrainState(dp_size=self.mesh.dp_size, cp_size=self.mesh.cp_size)
 
         from mtrain.data import TrainingReader
         from mtrain.models import export_hf, load_model, load_tokenizer
+        from mtrain.models.attention import CONTEXT
 
-        self.reader = TrainingReader(r.data.path, dp_rank=dp_rank, dp_size=dp_size, seed=t.seed,
+        self.reader = TrainingReader(r.data.path, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, seed=t.seed,
                                      shuffle=r.data.shuffle, document_masking=r.data.document_masking)
         if getattr(self.reader, "seq_len", r.data.seq_len) != r.data.seq_len:
             raise MtrainError(f"data.seq_len={r.data.seq_len} but {r.data.path} was packed at seq_len={self.reader.seq_len}")
         tokenizer = load_tokenizer(r.model)
-        model = load_model(r.model, self._attn_implementation())
+        hf_model = load_model(r.model, self._attn_implementation())
+        model = ChunkedLossLM(hf_model, chunk=t.loss_chunk)
         optimizer = self._optimizer(model)
         scheduler = self._scheduler(optimizer)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -259,9 +307,7 @@ class Trainer:
             enabled=accelerator.is_main_process,
         )
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        unwrapped = accelerator.unwrap_model(model)
-        base, lm_head = unwrapped.get_decoder(), unwrapped.get_output_embeddings()
-        flops_per_token = self._model_flops_per_token(unwrapped, r.data.seq_len)
+        flops_per_token = self._model_flops_per_token(hf_model, r.data.seq_len)
         device = accelerator.device
         it = iter(self.reader)
         model.train()
@@ -273,29 +319,34 @@ class Trainer:
         try:
             while self.state.step < t.max_steps and not self._stop_requested:
                 start = time.perf_counter()
-                micro = []
-                for _ in range(t.grad_accum):
-                    rows = []
-                    for _ in range(t.micro_batch_size):
-                        sample, it = self._next_batch(it)
-                        rows.append(sample)
-                    micro.append({k: torch.stack([s[k] for s in rows]).to(device)
-                                  for k in ("input_ids", "labels", "position_ids")})
-                local_valid = sum(int((b["labels"] != -100).sum()) for b in micro)
-                counts = torch.tensor([local_valid, sum(b["input_ids"].numel() for b in micro)], dtype=torch.float64,
+                samples = []
+                for _ in range(t.grad_accum * t.micro_batch_size):
+                    sample, it = self._next_batch(it)
+                    samples.append(sample)
+                groups = [samples[i : i + t.micro_batch_size] for i in range(0, len(samples), t.micro_batch_size)]
+                local_valid = 0
+                for g in groups:
+                    labels = torch.stack([s["labels"] for s in g])
+                    if self.mesh.cp_size > 1:
+                        labels = self.layout.shard(labels, self.mesh.cp_rank, dim=1)
+                    local_valid += int((labels != -100).sum())
+                counts = torch.tensor([local_valid, sum(s["input_ids"].numel() for s in samples)], dtype=torch.float64,
                                       device=device)
                 counts = accelerator.reduce(counts, reduction="sum")
-                global_valid, global_tokens = max(1.0, float(counts[0])), int(counts[1])
+                # every CP rank counted the whole sample's tokens: count each sequence once
+                global_valid, global_tokens = max(1.0, float(counts[0])), int(counts[1]) // self.mesh.cp_size
 
+                CONTEXT.densities = []
                 loss_sum_local = torch.zeros((), dtype=torch.float64)
-                for batch in micro:
+                grad_norm = None
+                for g in groups:
+                    batch = self._micro_batch(g, device)
                     with accelerator.accumulate(model):
-                        mask = document_mask(batch["position_ids"]) if r.data.document_masking else None
-                        hidden = base(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                      attention_mask=mask, use_cache=False).last_hidden_state
-                        loss_sum, _ = chunked_lm_loss(hidden, lm_head, batch["labels"], chunk=t.loss_chunk)
+                        loss_sum, _ = model(batch["input_ids"], batch["position_ids"], batch["labels"],
+                                            batch.get("attention_mask"))
                         # Normalise by the global count of valid tokens. accelerate divides by grad_accum
-                        # and DDP averages over ranks: undo both so the gradient is that of the global mean.
+                        # and DDP / DeepSpeed average over ranks: undo both so the gradient is that of the
+                        # global token mean (CP ranks' partial gradients add up to the full one).
                         scaled = loss_sum * (world * t.grad_accum / global_valid)
                         accelerator.backward(scaled)
                         loss_sum_local += loss_sum.detach().double().cpu()
@@ -303,8 +354,8 @@ class Trainer:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.optim.grad_clip or float("inf"))
                 loss_total = accelerator.reduce(loss_sum_local.to(device), reduction="sum")
                 loss = float(loss_total) / global_valid
-                grad_norm = float(grad_norm)
-                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+                if not (math.isfinite(loss) and (math.isfinite(grad_norm) or accelerator.distributed_type == "DEEPSPEED")):
                     optimizer.zero_grad(set_to_none=True)
                     self.state.bad_steps += 1
                     log.warning("step %d: non-finite loss/grad (%s, %s), skipped (%d so far)",
@@ -330,6 +381,8 @@ class Trainer:
                     "tflops": flops_per_token * global_tokens / elapsed / world / 1e12,
                     "skipped_steps": self.state.bad_steps,
                 }
+                if CONTEXT.densities:
+                    last["attention_density"] = sum(CONTEXT.densities) / len(CONTEXT.densities)
                 if torch.cuda.is_available():
                     last["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 if self.state.step % r.logging.log_every == 0 or self.state.step == t.max_steps:
@@ -351,7 +404,7 @@ class Trainer:
         if t.export:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                export_hf(accelerator.unwrap_model(model), tokenizer, self.out / "final")
+                export_hf(accelerator.unwrap_model(model).model, tokenizer, self.out / "final")
                 log.info("exported HF checkpoint to %s", self.out / "final")
         accelerator.wait_for_everyone()
         return last

@@ -1,0 +1,126 @@
+"""mtrain's attention kinds as HF attention implementations (transformers' AttentionInterface).
+
+`register_attention(recipe)` registers the recipe's kind under the name `mtrain-<kind>` together with a
+mask function that returns None (no S x S mask is ever built); the trainer loads the model with
+`attn_implementation=` that name. Per-batch facts the attention needs (the CP group, layout, and the
+document spans of the packed sample) live in one `AttentionContext` that the trainer sets per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mtrain.errors import MtrainError
+
+# attention.kind -> (sparse?, layout name, or None for the recipe's parallel.layout)
+KINDS = {
+    "dense": (False, None),
+    "mtraining": (True, "block-stripe"),
+    "zigzag-dense": (False, "zigzag"),
+    "zigzag-sparse": (True, "zigzag"),
+}
+
+
+@dataclass
+class AttentionContext:
+    """What the registered attention functions read; set by the trainer before each forward."""
+
+    kind: str = "dense"
+    sparse: bool = False
+    settings: object = None
+    """mtrain.parallel.SparseSettings for sparse kinds."""
+    group: object = None
+    """The CP process group (None when cp_size == 1)."""
+    layout: object = None
+    """mtrain.parallel.Layout of the CP group."""
+    inner_group: object = None
+    outer_group: object = None
+    """Hierarchical ring groups (inner = one node, outer = across nodes), or None for a flat ring."""
+    doc_spans: list = field(default_factory=list)
+    """Per batch row, [(start, end), ...] of the packed documents in GLOBAL positions; [] = one document."""
+    densities: list = field(default_factory=list)
+    """Computed fraction of causal pairs per sparse call (for logging), reset by the trainer each step."""
+
+
+CONTEXT = AttentionContext()
+
+
+def _no_mask(*args, **kwargs):
+    """Mask function for mtrain kinds: attention masking is done inside the kernels."""
+    return None
+
+
+def _local_attention(q, k, v, scaling):
+    """One rank holds the whole sequence: dense causal or online vertical-slash sparse attention."""
+    from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
+
+    if not CONTEXT.sparse:
+        return dense_attention(q, k, v, causal=True, softmax_scale=scaling)
+    s = CONTEXT.settings
+    index = estimate_vertical_slash(q.detach(), k.detach(), recall=s.recall, last_q=min(s.last_q, q.shape[1]),
+                                    max_vertical=s.max_vertical, max_slash=s.max_slash, block_size=s.block_size,
+                                    softmax_scale=scaling)
+    CONTEXT.densities.append(float(index.density()))
+    return vertical_slash_attention(q, k, v, index, softmax_scale=scaling)
+
+
+def _per_document(q, k, v, scaling):
+    """Packed samples on one rank: each document is its own causal sequence (no cross-document pairs)."""
+    outs = []
+    for b, spans in enumerate(CONTEXT.doc_spans):
+        pieces = [_local_attention(q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], scaling) for s, e in spans]
+        outs.append(torch.cat(pieces, dim=1))
+    return torch.cat(outs, dim=0)
+
+
+def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF attention function: query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE.
+
+    Returns (out [B, S_local, Hq, D], None).
+    """
+    if dropout and module.training:
+        raise MtrainError("mtrain attention kinds do not implement attention dropout; set attention_dropout=0")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if CONTEXT.group is None:
+        out = _per_document(q, k, v, scaling) if CONTEXT.doc_spans else _local_attention(q, k, v, scaling)
+    else:
+        if CONTEXT.doc_spans and any(len(spans) > 1 for spans in CONTEXT.doc_spans):
+            raise MtrainError(
+                "document masking with parallel.cp_size > 1 is not supported yet by the ring kernels; "
+                "set data.document_masking=false or parallel.cp_size=1"
+            )
+        from mtrain.parallel import ring_attention
+
+        out = ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout,
+                             sparse=CONTEXT.settings if CONTEXT.sparse else None, softmax_scale=scaling,
+                             inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group)
+    return out, None
+
+
+def register_attention(recipe) -> str:
+    """Register the recipe's attention kind with transformers; return the `attn_implementation` name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from mtrain.parallel import SparseSettings
+
+    kind = recipe.attention.kind
+    if kind not in KINDS:
+        raise MtrainError(f"attention.kind '{kind}' has no mtrain implementation; use one of {', '.join(KINDS)}")
+    sparse, _ = KINDS[kind]
+    a = recipe.attention
+    CONTEXT.kind, CONTEXT.sparse = kind, sparse
+    CONTEXT.settings = SparseSettings(recall=a.recall, last_q=a.last_q, max_vertical=a.max_vertical,
+                                      max_slash=a.max_slash, block_size=a.block_size) if sparse else None
+    name = f"mtrain-{kind}"
+    AttentionInterface.register(name, mtrain_attention)
+    AttentionMaskInterface.register(name, _no_mask)
+    return name
+
+
+def layout_name(recipe) -> str:
+    """The sequence layout an attention kind runs on (zigzag kinds force zigzag)."""
+    forced = KINDS.get(recipe.attention.kind, (False, None))[1]
+    return forced or recipe.parallel.layout
