@@ -44,10 +44,12 @@ def _recipe(tmp_path: Path, packed: Path, out: str, **train) -> Path:
     return path
 
 
-def _mtrain(*args, **kw):
+def _torchrun(nproc: int, *args):
+    """`torchrun -m mtrain ARGS` in its own session, so a SIGKILL reaches every rank."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "mtrain", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "mtrain", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def _losses(run: Path) -> dict:
@@ -55,7 +57,9 @@ def _losses(run: Path) -> dict:
 
 
 def test_train_resume_export(tmp_path, packed):
-    full = _mtrain("train", str(_recipe(tmp_path, packed, "full")))
+    """CP=2 under torchrun: 6 steps straight vs killed (kill -9) after the step-3 checkpoint and rerun."""
+    cp2 = ["--set", "parallel.cp_size=2", "--set", "data.document_masking=false"]
+    full = _torchrun(2, "train", str(_recipe(tmp_path, packed, "full")), *cp2)
     out, _ = full.communicate(timeout=600)
     assert full.returncode == 0, out
     ref = _losses(tmp_path / "full")
@@ -65,15 +69,15 @@ def test_train_resume_export(tmp_path, packed):
     # Same recipe, killed with SIGKILL once the step-3 checkpoint is committed, then rerun unchanged.
     recipe = _recipe(tmp_path, packed, "killed")
     marker = tmp_path / "killed" / "checkpoints" / "latest"
-    proc = _mtrain("train", str(recipe))
+    proc = _torchrun(2, "train", str(recipe), *cp2)
     deadline = time.time() + 300
     while not (marker.exists() and marker.read_text().strip() == "step-0000003"):
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() < deadline
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed = _mtrain("train", str(recipe))
+    resumed = _torchrun(2, "train", str(recipe), *cp2)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
     assert "resumed from" in out
@@ -121,3 +125,17 @@ def test_yarn_written_to_exported_config(tmp_path, packed):
     assert raw["rope_scaling"]["original_max_position_embeddings"] == 1024
     cfg = AutoConfig.from_pretrained(tmp_path / "ext" / "final")
     assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 4.0
+
+
+def test_dp2_cp2_runs(tmp_path, packed):
+    """4 processes: 2 data-parallel groups of 2 context-parallel ranks, sparse MTraining attention."""
+    proc = _torchrun(4, "train", str(_recipe(tmp_path, packed, "dpcp", max_steps=2, save_every=0, grad_accum=1,
+                                                micro_batch_size=1)),
+                     "--set", "parallel.cp_size=2", "--set", "attention.kind=mtraining", "--set", "attention.block_size=32",
+                     "--set", "parallel.granularity=32", "--set", "data.document_masking=false")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    rows = [json.loads(line) for line in (tmp_path / "dpcp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["tokens"] for r in rows] == [2 * SEQ, 4 * SEQ]  # 2 DP groups x 1 sequence per step
+    assert all(0 < r["attention_density"] <= 1 for r in rows)

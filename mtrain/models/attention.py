@@ -75,6 +75,27 @@ def _per_document(q, k, v, scaling):
     return torch.cat(outs, dim=0)
 
 
+def _ring(q, k, v, scaling):
+    """This rank's shard of a context-parallel group: dense or sparse ring attention."""
+    import torch.distributed as dist
+
+    from mtrain.parallel import ring_attention
+    from mtrain.parallel.estimate import estimate_index
+
+    index = None
+    if CONTEXT.sparse:
+        # Estimated across the group (no rank does it for the others); identical on every rank.
+        world, rank = dist.get_world_size(CONTEXT.group), dist.get_rank(CONTEXT.group)
+        seq_len = q.shape[1] * world
+        positions = CONTEXT.layout.indices(seq_len, rank).to(q.device)
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        index = estimate_index(q.detach(), k.detach(), positions, positions, seq_len, CONTEXT.settings, scale,
+                               CONTEXT.group)
+        CONTEXT.densities.append(float(index.density()))
+    return ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, index=index, softmax_scale=scaling,
+                          inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group)
+
+
 def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """HF attention function: query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE.
 
@@ -91,11 +112,7 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
                 "document masking with parallel.cp_size > 1 is not supported yet by the ring kernels; "
                 "set data.document_masking=false or parallel.cp_size=1"
             )
-        from mtrain.parallel import ring_attention
-
-        out = ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout,
-                             sparse=CONTEXT.settings if CONTEXT.sparse else None, softmax_scale=scaling,
-                             inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group)
+        out = _ring(q, k, v, scaling)
     return out, None
 
 

@@ -1,0 +1,80 @@
+"""torchrun worker: one forward/backward of tiny Qwen2 and Llama models with each mtrain attention kind,
+context-parallel over all ranks, compared with the same step on one rank (the whole sequence).
+
+Writes one JSON line per (model, kind) with the worst relative error of the loss and of every gradient.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from mtrain.config import load_recipe
+from mtrain.models.attention import CONTEXT, layout_name, register_attention
+from mtrain.parallel import Layout
+from mtrain.tiny import tiny_config
+from mtrain.train.loss import ChunkedLossLM
+
+SEQ = 256
+
+
+def configs():
+    qwen = tiny_config()
+    fields = {k: getattr(qwen, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "num_key_value_heads", "head_dim")}
+    return {"qwen2": qwen, "llama": LlamaConfig(**fields, max_position_embeddings=4096, tie_word_embeddings=False)}
+
+
+def step(model, ids, pos, labels, n_valid):
+    model.zero_grad(set_to_none=True)
+    loss_sum, _ = model(ids, pos, labels)
+    (loss_sum / n_valid).backward()
+    return loss_sum.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 700, (1, SEQ))
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    pos = torch.arange(SEQ)[None]
+    n_valid = int((labels != -100).sum())
+    rows = []
+    for model_name, config in configs().items():
+        for kind in ("dense", "mtraining", "zigzag-dense", "zigzag-sparse"):
+            recipe = load_recipe(None, [f"attention.kind={kind}", "attention.block_size=32", "attention.last_q=32",
+                                        "attention.recall=0.6", "attention.max_vertical=16", "attention.max_slash=16",
+                                        f"parallel.cp_size={world}", "parallel.granularity=32",
+                                        "model.config=mtrain/assets/tiny-qwen2/config.json",
+                                        "model.tokenizer=mtrain/assets/tiny-tokenizer", "data.path=."])
+            name = register_attention(recipe)
+            torch.manual_seed(1)
+            model = ChunkedLossLM(AutoModelForCausalLM.from_config(config, attn_implementation=name), chunk=200)
+            CONTEXT.group, CONTEXT.doc_spans, CONTEXT.densities = None, [], []
+            ref_loss, ref_grads = step(model, ids, pos, labels, n_valid)
+            density = sum(CONTEXT.densities) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
+            layout = Layout.create(layout_name(recipe), world_size=world, granularity=32)
+            CONTEXT.group, CONTEXT.layout = dist.group.WORLD, layout
+            loss, grads = step(model, layout.shard(ids, rank), layout.shard(pos, rank), layout.shard(labels, rank), n_valid)
+            dist.all_reduce(loss)
+            worst = 0.0
+            for key, g in grads.items():
+                dist.all_reduce(g)
+                scale = max(1e-6, float(ref_grads[key].abs().max()))
+                worst = max(worst, float((g - ref_grads[key]).abs().max()) / scale)
+            rows.append({"model": model_name, "kind": kind, "world": world,
+                         "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)), "grad_rel": worst,
+                         "density": density})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
