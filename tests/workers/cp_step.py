@@ -17,7 +17,7 @@ from mtrain.parallel import Layout
 from mtrain.tiny import tiny_config
 from mtrain.train.loss import ChunkedLossLM
 
-SEQ = 256
+SEQ = 512
 
 
 def configs():
