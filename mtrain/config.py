@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import yaml
 
 from mtrain.errors import ConfigError
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 ATTENTION_KINDS = ("dense", "mtraining", "zigzag-dense", "zigzag-sparse", "sdpa", "eager")
 
 
@@ -274,8 +276,11 @@ def _check(recipe: RecipeConfig) -> None:
     if (m.path is None) == (m.config is None):
         raise ConfigError("model: set exactly one of 'model.path' (a checkpoint to continue) or 'model.config' (a config.json to start from)")
     for key, value in (("model.path", m.path), ("model.config", m.config), ("model.tokenizer", m.tokenizer), ("train.deepspeed", t.deepspeed)):
-        if value is not None and not Path(value).exists():
-            raise ConfigError(f"{key}: path '{value}' does not exist (relative paths are taken from the current directory)")
+        if value is None or Path(value).exists():
+            continue
+        if key in ("model.path", "model.tokenizer") and _HUB_ID.fullmatch(value):
+            continue  # a hub id such as Qwen/Qwen2.5-3B: resolved by transformers (from its cache when offline)
+        raise ConfigError(f"{key}: path '{value}' does not exist (relative paths are taken from the current directory)")
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: required when the model starts from 'model.config'")
     if not d.path:
