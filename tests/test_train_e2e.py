@@ -56,6 +56,23 @@ def _losses(run: Path) -> dict:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
+GOLDEN = Path(__file__).resolve().parent / "assets" / "losses" / "tiny-cp2.json"
+
+
+def _check_golden(losses: dict) -> None:
+    """The tiny CP=2 loss curve must not drift from the committed one (MTRAIN_UPDATE_GOLDEN=1 rewrites it).
+
+    The tolerance allows for another CPU's float rounding, not for a change in what is computed.
+    """
+    if os.environ.get("MTRAIN_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(json.dumps({str(k): v for k, v in sorted(losses.items())}, indent=1) + "\n")
+    golden = {int(k): v for k, v in json.loads(GOLDEN.read_text()).items()}
+    assert sorted(golden) == sorted(losses)
+    for step, loss in losses.items():
+        assert abs(loss - golden[step]) <= 1e-3 * abs(golden[step]), (step, loss, golden[step])
+
+
 def test_train_resume_export(tmp_path, packed):
     """CP=2 under torchrun: 6 steps straight vs killed (kill -9) after the step-3 checkpoint and rerun."""
     cp2 = ["--set", "parallel.cp_size=2", "--set", "data.document_masking=false"]
@@ -65,6 +82,7 @@ def test_train_resume_export(tmp_path, packed):
     ref = _losses(tmp_path / "full")
     assert sorted(ref) == [1, 2, 3, 4, 5, 6]
     assert ref[6] < ref[1]
+    _check_golden(ref)
 
     # Same recipe, killed with SIGKILL once the step-3 checkpoint is committed, then rerun unchanged.
     recipe = _recipe(tmp_path, packed, "killed")
