@@ -114,6 +114,17 @@ def test_train_resume_export(tmp_path, packed):
     for name, tensor in model.state_dict().items():
         if name in trained:
             assert torch.equal(tensor, trained[name]), name
+    # ... and gives the trained model's logits: plain transformers (sdpa) vs mtrain's own attention.
+    from mtrain.config import load_recipe
+    from mtrain.models.attention import CONTEXT, register_attention
+
+    name = register_attention(load_recipe(recipe, ["parallel.cp_size=1"]))
+    ours = AutoModelForCausalLM.from_pretrained(final, attn_implementation=name)
+    CONTEXT.group, CONTEXT.doc_spans = None, []
+    ids = torch.randint(0, 700, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        plain, trained_logits = model(ids).logits, ours(ids).logits
+    assert torch.allclose(plain, trained_logits, atol=1e-5, rtol=1e-5)
 
     cmp = subprocess.run([sys.executable, "-m", "mtrain", "compare", str(tmp_path / "full"), str(tmp_path / "killed"),
                           "--plot", str(tmp_path / "cmp.png")], capture_output=True, text=True, cwd=REPO)
