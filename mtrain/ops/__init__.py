@@ -1,0 +1,21 @@
+"""Attention kernels for mtrain: vertical-slash sparse attention (index, estimator, Triton kernels),
+dense attention, the ring-facing partial entry points and the pure-PyTorch reference. No transformers here."""
+
+from mtrain.ops import partial, reference
+from mtrain.ops.attention import partial_attention, vertical_slash_attention
+from mtrain.ops.dense import dense_attention, dense_backend
+from mtrain.ops.estimate import estimate_vertical_slash
+from mtrain.ops.index import SparseIndex
+from mtrain.ops.partial import merge_partial
+
+__all__ = [
+    "SparseIndex",
+    "dense_attention",
+    "dense_backend",
+    "estimate_vertical_slash",
+    "merge_partial",
+    "partial",
+    "partial_attention",
+    "reference",
+    "vertical_slash_attention",
+]

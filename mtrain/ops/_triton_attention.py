@@ -1,0 +1,637 @@
+"""Triton kernels for block-sparse + column attention with global positions (forward, dQ, dK/dV) and
+their launchers; `mtrain.ops.partial` and `vertical_slash_attention` are the public doors to them."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from mtrain.ops.index import ColumnPlan, column_plan, compact, transpose_blocks
+
+_LOG2E = 1.4426950408889634
+# Positions of padded keys: larger than any real position, so the causal test drops them.
+_FAR = tl.constexpr(1 << 60)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, QP, KP, BI, BC, CI, CC,
+    scale_log2,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
+    sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch,
+    Sq, Sk, H, GROUP,
+    BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, HAS_COLS: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
+    h = bh % H
+    hk = h // GROUP
+    offs_t = tl.arange(0, TILE)
+    offs_d = tl.arange(0, D)
+    rows = i * BS + offs_t
+    row_ok = (offs_t < BS) & (rows < Sq)
+    q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    qp = tl.load(QP + rows, mask=row_ok, other=-1)
+    m_i = tl.full([TILE], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE], tl.float32)
+    acc = tl.zeros([TILE, D], tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    n_iter = tl.load(BC + b * sbcb + h * sbch + i)
+    for n in range(0, n_iter):
+        j = tl.load(BI + b * sbib + h * sbih + i * sbii + n)
+        keys = j * BS + offs_t
+        key_ok = (offs_t < BS) & (keys < Sk)
+        kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
+        k = tl.load(k_base + keys[:, None] * sks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * svs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        ok = key_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            ok = ok & (kp[None, :] <= qp[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    if HAS_COLS:
+        n_cols = tl.load(CC + b * sccb + h * scch + i)
+        for c0 in range(0, n_cols, TILE):
+            slot = c0 + offs_t
+            c_ok = slot < n_cols
+            cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
+            kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
+            k = tl.load(k_base + cid[:, None] * sks + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+            v = tl.load(v_base + cid[:, None] * svs + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            ok = c_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                ok = ok & (kp[None, :] <= qp[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(O + b * sob + rows[:, None] * sos + h * soh + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + b * slb + h * slh + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, QP, KP, BI, BC, CI, CC,
+    scale_log2, scale,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sgb, sgs, sgh, skgb, skgs, skgh,
+    sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch,
+    Sq, Sk, H, GROUP,
+    BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, HAS_COLS: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
+):
+    """dQ of one query block; with ATOMIC also adds this block's dK/dV shares with fp32 atomics."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
+    h = bh % H
+    hk = h // GROUP
+    offs_t = tl.arange(0, TILE)
+    offs_d = tl.arange(0, D)
+    rows = i * BS + offs_t
+    row_ok = (offs_t < BS) & (rows < Sq)
+    q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * sdb + rows[:, None] * sds + h * sdh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("inf"))
+    # A row that saw no key (lse = -inf) gets p = 0 everywhere.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
+    qp = tl.load(QP + rows, mask=row_ok, other=-1)
+    dq = tl.zeros([TILE, D], tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    n_iter = tl.load(BC + b * sbcb + h * sbch + i)
+    for n in range(0, n_iter):
+        j = tl.load(BI + b * sbib + h * sbih + i * sbii + n)
+        keys = j * BS + offs_t
+        key_ok = (offs_t < BS) & (keys < Sk)
+        kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
+        k = tl.load(k_base + keys[:, None] * sks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * svs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        ok = key_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            ok = ok & (kp[None, :] <= qp[:, None])
+        p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        if ATOMIC:
+            kv_off = b * skgb + keys[:, None] * skgs + hk * skgh + offs_d[None, :]
+            tl.atomic_add(DV + kv_off, tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC),
+                          mask=key_ok[:, None])
+            tl.atomic_add(DK + kv_off, tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale,
+                          mask=key_ok[:, None])
+    if HAS_COLS:
+        n_cols = tl.load(CC + b * sccb + h * scch + i)
+        for c0 in range(0, n_cols, TILE):
+            slot = c0 + offs_t
+            c_ok = slot < n_cols
+            cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
+            kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
+            k = tl.load(k_base + cid[:, None] * sks + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+            v = tl.load(v_base + cid[:, None] * svs + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            ok = c_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                ok = ok & (kp[None, :] <= qp[:, None])
+            p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+            if ATOMIC:
+                kv_off = b * skgb + cid[:, None] * skgs + hk * skgh + offs_d[None, :]
+                tl.atomic_add(DV + kv_off, tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC),
+                              mask=c_ok[:, None])
+                tl.atomic_add(DK + kv_off, tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale,
+                              mask=c_ok[:, None])
+    tl.store(DQ + b * sgb + rows[:, None] * sgs + h * sgh + offs_d[None, :], dq * scale, mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, EXK, EXV, QP, KP, TI, PRE, IT, IS, IE, ISL,
+    scale_log2, scale,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sgb, sgs, sgh,
+    stib, stih, stij,
+    Sq, Sk, HKV, GROUP, n_kblocks,
+    BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """dK, dV of one work item: a slice of the (head, query block) pairs that use one key block, summed
+    over the query heads of its GQA group in registers. The first item of a key block writes dK/dV; the
+    rest write to extra slots that `_reduce_kernel` adds in a fixed order (no atomics)."""
+    item = tl.program_id(0)
+    t = tl.load(IT + item)
+    start = tl.load(IS + item)
+    end = tl.load(IE + item)
+    slot = tl.load(ISL + item)
+    j = t % n_kblocks
+    bh = t // n_kblocks
+    b = (bh // HKV).to(tl.int64)  # batch offsets can pass 2**31 elements
+    hk = bh % HKV
+    offs_t = tl.arange(0, TILE)
+    offs_d = tl.arange(0, D)
+    keys = j * BS + offs_t
+    key_ok = (offs_t < BS) & (keys < Sk)
+    kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
+    k = tl.load(K + b * skb + keys[:, None] * sks + hk * skh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + b * svb + keys[:, None] * svs + hk * svh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    dk = tl.zeros([TILE, D], tl.float32)
+    dv = tl.zeros([TILE, D], tl.float32)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        # PRE holds, per key block, where each head's list starts in the item numbering.
+        p0 = tl.load(PRE + t * (GROUP + 1) + g)
+        p1 = tl.load(PRE + t * (GROUP + 1) + g + 1)
+        for n in range(tl.maximum(start, p0) - p0, tl.minimum(end, p1) - p0):
+            i = tl.load(TI + b * stib + h * stih + j * stij + n)
+            rows = i * BS + offs_t
+            row_ok = (offs_t < BS) & (rows < Sq)
+            qp = tl.load(QP + rows, mask=row_ok, other=-1)
+            q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None],
+                        other=0.0)
+            do = tl.load(DO + b * sdb + rows[:, None] * sds + h * sdh + offs_d[None, :],
+                         mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("inf"))
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
+            st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2
+            ok = key_ok[:, None] & row_ok[None, :]
+            if CAUSAL:
+                ok = ok & (kp[:, None] <= qp[None, :])
+            pt = tl.where(ok, tl.exp2(st - lse2[None, :]), 0.0)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+            dst = pt * (dpt - delta[None, :])
+            dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    if slot < 0:
+        out_off = b * sgb + keys[:, None] * sgs + hk * sgh + offs_d[None, :]
+        tl.store(DK + out_off, dk * scale, mask=key_ok[:, None])
+        tl.store(DV + out_off, dv, mask=key_ok[:, None])
+    else:
+        ex_off = slot.to(tl.int64) * (TILE * D) + offs_t[:, None] * D + offs_d[None, :]
+        tl.store(EXK + ex_off, dk * scale)
+        tl.store(EXV + ex_off, dv)
+
+
+@triton.jit
+def _col_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DKC, DVC, EXK, EXV, QP, KP, U, TQ, TB, IT, IS, IE, ISL,
+    scale_log2, scale,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh,
+    sub, suh, stqb, stqh, stqc, scb, sch, scu,
+    Sq, H, GROUP, u_cap, n_chunks,
+    BS: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """dK, dV of one work item: a chunk of a query head's vertical columns against a slice of the query
+    blocks that use them (first item writes, the rest go to extra slots, as in `_dkdv_kernel`)."""
+    item = tl.program_id(0)
+    t = tl.load(IT + item)
+    start = tl.load(IS + item)
+    end = tl.load(IE + item)
+    item_slot = tl.load(ISL + item)
+    c = t % n_chunks
+    bh = t // n_chunks
+    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
+    h = bh % H
+    hk = h // GROUP
+    offs_c = tl.arange(0, CH)
+    offs_t = tl.arange(0, TILE)
+    offs_d = tl.arange(0, D)
+    slot = c * CH + offs_c
+    cid = tl.load(U + b * sub + h * suh + slot, mask=slot < u_cap, other=-1)
+    c_ok = cid >= 0
+    cid = tl.where(c_ok, cid, 0)
+    kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
+    k = tl.load(K + b * skb + cid[:, None] * sks + hk * skh + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+    v = tl.load(V + b * svb + cid[:, None] * svs + hk * svh + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+    dk = tl.zeros([CH, D], tl.float32)
+    dv = tl.zeros([CH, D], tl.float32)
+    for n in range(start, end):
+        i = tl.load(TQ + b * stqb + h * stqh + c * stqc + n)
+        bits = tl.load(TB + b * stqb + h * stqh + c * stqc + n)
+        active = ((bits >> offs_c.to(tl.int64)) & 1) != 0
+        rows = i * BS + offs_t
+        row_ok = (offs_t < BS) & (rows < Sq)
+        qp = tl.load(QP + rows, mask=row_ok, other=-1)
+        q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + b * sdb + rows[:, None] * sds + h * sdh + offs_d[None, :], mask=row_ok[:, None],
+                     other=0.0)
+        lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2
+        ok = (active & c_ok)[:, None] & row_ok[None, :]
+        if CAUSAL:
+            ok = ok & (kp[:, None] <= qp[None, :])
+        pt = tl.where(ok, tl.exp2(st - lse2[None, :]), 0.0)
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    if item_slot < 0:
+        out_off = b * scb + h * sch + slot[:, None] * scu + offs_d[None, :]
+        tl.store(DKC + out_off, dk * scale, mask=(slot < u_cap)[:, None])
+        tl.store(DVC + out_off, dv, mask=(slot < u_cap)[:, None])
+    else:
+        ex_off = item_slot.to(tl.int64) * (CH * D) + offs_c[:, None] * D + offs_d[None, :]
+        tl.store(EXK + ex_off, dk * scale)
+        tl.store(EXV + ex_off, dv)
+
+
+@triton.jit
+def _reduce_kernel(DK, DV, EXK, EXV, OFF, NROWS, ES, EC, rstride, ROWS: tl.constexpr, D: tl.constexpr):
+    """Add the extra slots of one split target to its rows, in slot order (deterministic)."""
+    p = tl.program_id(0)
+    off = tl.load(OFF + p)
+    nrows = tl.load(NROWS + p)
+    first = tl.load(ES + p)
+    count = tl.load(EC + p)
+    offs_r = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, D)
+    ptr = off + offs_r[:, None] * rstride + offs_d[None, :]
+    m = (offs_r < nrows)[:, None]
+    ak = tl.load(DK + ptr, mask=m, other=0.0)
+    av = tl.load(DV + ptr, mask=m, other=0.0)
+    base = first.to(tl.int64) * (ROWS * D) + offs_r[:, None] * D + offs_d[None, :]
+    for e in range(0, count):
+        ak += tl.load(EXK + base + e * (ROWS * D))
+        av += tl.load(EXV + base + e * (ROWS * D))
+    tl.store(DK + ptr, ak, mask=m)
+    tl.store(DV + ptr, av, mask=m)
+
+
+def _tile(block_size: int) -> int:
+    # tl.dot needs tiles of at least 16; smaller or odd blocks run in a padded, masked tile.
+    return max(16, triton.next_power_of_2(block_size))
+
+
+# (num_warps, num_stages) per kernel on CUDA; scripts/bench_attention.py measures the choices.
+CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3)}
+# Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);
+# tests set a small number to force splitting.
+ITEM_LIMIT: int | None = None
+
+
+def _opts(q: torch.Tensor, kernel: str, tile: int = 64) -> dict:
+    if q.device.type != "cuda":
+        return {}
+    warps, stages = CUDA_LAUNCH[kernel]
+    if tile >= 128:
+        # 128x128 tiles with a 128 head dim: twice the warps, one stage less (shared memory).
+        warps, stages = 2 * warps, max(1, stages - 1)
+    return {"num_warps": warps, "num_stages": stages}
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    """Launch; when a pipelining depth does not fit in shared memory (large tiles, fp32), retry shallower."""
+    while True:
+        try:
+            kernel[grid](*args, **kwargs)
+            return
+        except triton.runtime.errors.OutOfResources:
+            if kwargs.get("num_stages", 1) <= 1:
+                raise
+            kwargs["num_stages"] -= 1
+
+
+def _prec(q: torch.Tensor) -> str:
+    # fp32 inputs keep full fp32 products (tests, references); 16-bit inputs use the tensor cores.
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _check_inputs(q: torch.Tensor) -> None:
+    if q.device.type != "cuda" and not isinstance(_fwd_kernel, InterpretedFunction):
+        # triton.jit reads TRITON_INTERPRET when this module is first imported.
+        raise ValueError(
+            "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before mtrain.ops' Triton module is "
+            "first imported; set it at process start, or use impl='torch'"
+        )
+    D = q.shape[-1]
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"the Triton attention kernels need a power-of-two head dim >= 16; got {D}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the Triton attention kernels take fp16, bf16 or fp32, not {q.dtype}; use impl='torch'")
+
+
+def _visible_blocks(q_pos, k_pos, block_size, causal):
+    """[nQB, nKB] bool: key blocks holding at least one key some query of the block may see."""
+    Sq, Sk = q_pos.numel(), k_pos.numel()
+    nqb, nkb = -(-Sq // block_size), -(-Sk // block_size)
+    if not causal:
+        return torch.ones(nqb, nkb, dtype=torch.bool, device=q_pos.device)
+    q_pad = torch.full((nqb * block_size,), -1, dtype=torch.int64, device=q_pos.device)
+    q_pad[:Sq] = q_pos
+    k_pad = torch.full((nkb * block_size,), 1 << 62, dtype=torch.int64, device=q_pos.device)
+    k_pad[:Sk] = k_pos
+    q_max = q_pad.view(nqb, block_size).amax(-1)
+    k_min = k_pad.view(nkb, block_size).amin(-1)
+    return k_min[None, :] <= q_max[:, None]
+
+
+def _dense_lists(q_pos, k_pos, block_size, causal, B, H, plans):
+    """Block lists (and their transpose) for `blocks=None`: every visible key block, shared by all heads."""
+    if "dense" not in plans:
+        vis = _visible_blocks(q_pos, k_pos, block_size, causal)
+        ids, counts = compact(vis)
+        t_ids, t_counts = compact(vis.t())
+        plans["dense"] = (ids, counts, t_ids, t_counts)
+    ids, counts, t_ids, t_counts = plans["dense"]
+    # Zero strides over batch and heads: one list in memory for every (b, h).
+    return (ids.expand(B, H, *ids.shape), counts.expand(B, H, *counts.shape),
+            t_ids.expand(B, H, *t_ids.shape), t_counts.expand(B, H, *t_counts.shape))
+
+
+def _int32(t: torch.Tensor, device) -> torch.Tensor:
+    t = t.to(device=device, dtype=torch.int32)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans):
+    B, Sq, Hq, D = q.shape
+    _check_inputs(q)
+    if blocks is None:
+        bi, bc, ti, tc = _dense_lists(q_pos.to(q.device), k_pos.to(q.device), block_size, causal, B, Hq, plans)
+    else:
+        bi, bc = _int32(blocks[0], q.device), _int32(blocks[1], q.device)
+        ti = tc = None
+    if columns is None:
+        ci = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=q.device)
+        cc = torch.zeros(1, 1, 1, dtype=torch.int32, device=q.device)
+    else:
+        ci, cc = _int32(columns[0], q.device), _int32(columns[1], q.device)
+    qp = q_pos.to(device=q.device, dtype=torch.int64).contiguous()
+    kp = k_pos.to(device=q.device, dtype=torch.int64).contiguous()
+    return bi, bc, ti, tc, ci, cc, columns is not None, qp, kp
+
+
+def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans=None):
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    plans = {} if plans is None else plans
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    bi, bc, _, _, ci, cc, has_cols, qp, kp = _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal,
+                                                       plans)
+    nqb = -(-Sq // block_size)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    _launch(
+        _fwd_kernel, (nqb, B * Hq),
+        q, k, v, out, lse, qp, kp, bi, bc, ci, cc,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
+        ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1),
+        Sq, Sk, Hq, Hq // Hkv,
+        BS=block_size, TILE=_tile(block_size), D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=_prec(q),
+        **_opts(q, "fwd", _tile(block_size)),
+    )
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
+             deterministic=True, plans=None):
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    plans = {} if plans is None else plans
+    q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
+    bi, bc, ti, tc, ci, cc, has_cols, qp, kp = _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size,
+                                                         causal, plans)
+    nqb, nkb = -(-Sq // block_size), -(-Sk // block_size)
+    tile = _tile(block_size)
+    prec = _prec(q)
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, Sq]
+    lse = lse.float().contiguous()
+    dq = torch.empty(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
+    alloc = torch.empty if deterministic else torch.zeros
+    dk = alloc(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
+    dv = alloc(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
+    common = (
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        lse.stride(0), lse.stride(1),
+    )
+    _launch(
+        _dq_kernel, (nqb, B * Hq),
+        q, k, v, dout, lse, delta, dq, dk, dv, qp, kp, bi, bc, ci, cc,
+        scale * _LOG2E, scale, *common, dq.stride(0), dq.stride(1), dq.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
+        ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1),
+        Sq, Sk, Hq, group,
+        BS=block_size, TILE=tile, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
+        ATOMIC=not deterministic, **_opts(q, "dq", tile),
+    )
+    if not deterministic:
+        return dq, dk, dv
+    if ti is None:
+        if "t" not in plans:
+            plans["t"] = transpose_blocks(bi, bc, nkb)
+        ti, tc = plans["t"]
+    kv_plan = _kv_work_plan(tc, B, Hkv, group, nkb, dk, block_size, plans)
+    extra_k = torch.empty(max(1, kv_plan["n_extra"]), tile, D, dtype=torch.float32, device=q.device)
+    extra_v = torch.empty_like(extra_k)
+    _launch(
+        _dkdv_kernel, (kv_plan["n_items"],),
+        q, k, v, dout, lse, delta, dk, dv, extra_k, extra_v, qp, kp, ti, kv_plan["pre"],
+        kv_plan["target"], kv_plan["start"], kv_plan["end"], kv_plan["slot"],
+        scale * _LOG2E, scale, *common, dk.stride(0), dk.stride(1), dk.stride(2),
+        ti.stride(0), ti.stride(1), ti.stride(2),
+        Sq, Sk, Hkv, group, nkb,
+        BS=block_size, TILE=tile, D=D, CAUSAL=causal, PREC=prec, **_opts(q, "dkdv", tile),
+    )
+    _reduce(dk, dv, extra_k, extra_v, kv_plan, dk.stride(1), tile, D)
+    if has_cols:
+        chunk = min(tile, 64)
+        if ("c", chunk) not in plans:
+            plans[("c", chunk)] = column_plan(ci, cc, Sk, chunk)
+        plan = plans[("c", chunk)]
+        universe = plan.universe
+        u_cap = universe.shape[-1]
+        n_chunks = plan.q_ids.shape[2]
+        dkc = torch.empty(B, Hq, u_cap, D, dtype=torch.float32, device=q.device)
+        dvc = torch.empty_like(dkc)
+        col_plan = _col_work_plan(plan, dkc, plans)
+        extra_k = torch.empty(max(1, col_plan["n_extra"]), chunk, D, dtype=torch.float32, device=q.device)
+        extra_v = torch.empty_like(extra_k)
+        _launch(
+            _col_dkdv_kernel, (col_plan["n_items"],),
+            q, k, v, dout, lse, delta, dkc, dvc, extra_k, extra_v, qp, kp, universe, plan.q_ids, plan.bits,
+            col_plan["target"], col_plan["start"], col_plan["end"], col_plan["slot"],
+            scale * _LOG2E, scale, *common,
+            universe.stride(0), universe.stride(1), plan.q_ids.stride(0), plan.q_ids.stride(1),
+            plan.q_ids.stride(2), dkc.stride(0), dkc.stride(1), dkc.stride(2),
+            Sq, Hq, group, u_cap, n_chunks,
+            BS=block_size, TILE=tile, CH=chunk, D=D, CAUSAL=causal, PREC=prec, **_opts(q, "col", tile),
+        )
+        _reduce(dkc, dvc, extra_k, extra_v, col_plan, dkc.stride(2), chunk, D)
+        scatter = _column_scatter(universe, B, Sk, Hkv, group, plans)
+        flat_k, flat_v = dk.view(-1, D), dv.view(-1, D)
+        for rows, heads, sel in scatter:
+            # A head's columns are distinct, so each step touches every row at most once: exact and
+            # independent of scheduling.
+            flat_k[rows] += dkc[:, heads][sel]
+            flat_v[rows] += dvc[:, heads][sel]
+    return dq, dk, dv
+
+
+def prepare_backward(index, num_kv_heads: int, head_dim: int) -> None:
+    """Build, and cache in `index._cache`, all the deterministic backward derives from a SparseIndex:
+    the transposed index, the column plan and the work items (so it can be timed with the index)."""
+    B, Hq, nqb = index.block_counts.shape
+    S, bs, plans = index.seq_len, index.block_size, index._cache
+    group = Hq // num_kv_heads
+    _, tc = index.transposed()
+    dk = torch.empty(B, S, num_kv_heads, head_dim, device="meta")
+    _kv_work_plan(tc, B, num_kv_heads, group, nqb, dk, bs, plans)
+    chunk = min(_tile(bs), 64)
+    plan = index.column_plan(chunk)
+    _col_work_plan(plan, torch.empty(B, Hq, plan.universe.shape[-1], head_dim, device="meta"), plans)
+    _column_scatter(plan.universe, B, S, num_kv_heads, group, plans)
+
+
+def _split_work(work: torch.Tensor) -> dict:
+    """Cut per-target work (list lengths) into items of at most ~2x the mean, so one long list (the sink
+    block every query block uses) does not serialize the backward. Returns the item tables."""
+    dev = work.device
+    work = work.long().flatten()
+    n_targets = work.numel()
+    limit = ITEM_LIMIT or max(256, 2 * int(work.sum()) // max(1, n_targets) + 1)
+    n_items = ((work + limit - 1) // limit).clamp(min=1)
+    total = int(n_items.sum())
+    target = torch.repeat_interleave(torch.arange(n_targets, device=dev), n_items)
+    first = torch.cumsum(n_items, 0) - n_items
+    r = torch.arange(total, device=dev) - first[target]
+    start = r * limit
+    end = torch.minimum(start + limit, work[target])
+    slot = torch.where(r > 0, torch.cumsum((r > 0).long(), 0) - 1, -1)
+    n_more = n_items - 1
+    heavy = torch.nonzero(n_more > 0).flatten()
+    return {
+        "n_items": total, "n_extra": total - n_targets,
+        "target": target.int(), "start": start.int(), "end": end.int(), "slot": slot.int(),
+        "heavy": heavy, "extra_start": (torch.cumsum(n_more, 0) - n_more)[heavy].int(),
+        "extra_count": n_more[heavy].int(),
+    }
+
+
+def _kv_work_plan(tc, B, Hkv, group, nkb, dk, block_size, plans) -> dict:
+    key = ("kv_items", tuple(dk.stride()))
+    if key not in plans:
+        counts = tc.expand(B, Hkv * group, nkb).reshape(B, Hkv, group, nkb).permute(0, 1, 3, 2).long()
+        pre = torch.zeros(B, Hkv, nkb, group + 1, dtype=torch.int32, device=tc.device)
+        pre[..., 1:] = counts.cumsum(-1)
+        plan = _split_work(pre[..., -1])
+        plan["pre"] = pre.contiguous()
+        t = plan["heavy"]
+        j, bh = t % nkb, t // nkb
+        b, hk = bh // Hkv, bh % Hkv
+        Sk = dk.shape[1]
+        plan["off"] = (b * dk.stride(0) + j * block_size * dk.stride(1) + hk * dk.stride(2)).long()
+        plan["nrows"] = torch.clamp(Sk - j * block_size, max=block_size).int()
+        plans[key] = plan
+    return plans[key]
+
+
+def _col_work_plan(plan: ColumnPlan, dkc, plans) -> dict:
+    key = ("col_items", plan.chunk, tuple(dkc.stride()))
+    if key not in plans:
+        work = _split_work(plan.counts)
+        B, H, n_chunks = plan.counts.shape
+        t = work["heavy"]
+        c, bh = t % n_chunks, t // n_chunks
+        b, h = bh // H, bh % H
+        u_cap = dkc.shape[2]
+        work["off"] = (b * dkc.stride(0) + h * dkc.stride(1) + c * plan.chunk * dkc.stride(2)).long()
+        work["nrows"] = torch.clamp(u_cap - c * plan.chunk, max=plan.chunk).int()
+        plans[key] = work
+    return plans[key]
+
+
+def _reduce(dst_k, dst_v, extra_k, extra_v, plan, row_stride, rows, D) -> None:
+    n = plan["heavy"].numel()
+    if n:
+        _reduce_kernel[(n,)](dst_k, dst_v, extra_k, extra_v, plan["off"], plan["nrows"], plan["extra_start"],
+                             plan["extra_count"], row_stride, ROWS=rows, D=D)
+
+
+def _column_scatter(universe, B, Sk, Hkv, group, plans):
+    """Per GQA step g: (flat rows of dk [B*Sk*Hkv], heads, selection) for the columns of heads g, G+g, ..."""
+    if "col_scatter" not in plans:
+        dev = universe.device
+        b_idx = torch.arange(B, device=dev)[:, None, None]
+        hk_idx = torch.arange(Hkv, device=dev)[None, :, None]
+        steps = []
+        for g in range(group):
+            heads = torch.arange(Hkv, device=dev) * group + g
+            u = universe[:, heads].long()
+            sel = u >= 0
+            rows = ((b_idx * Sk + u.clamp(min=0)) * Hkv + hk_idx)[sel]
+            steps.append((rows, heads, sel))
+        plans["col_scatter"] = steps
+    return plans["col_scatter"]

@@ -1,0 +1,86 @@
+"""Differentiable vertical-slash sparse attention on one device: an autograd Function over the partial
+kernels (Triton on GPU / interpreter, PyTorch otherwise) with query and key positions 0..S-1."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mtrain.ops import partial
+from mtrain.ops.index import SparseIndex
+
+
+class _PartialAttention(torch.autograd.Function):
+    """out, lse = partial attention; backward through `partial.attention_backward` (lse not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans):
+        out, lse = partial.attention_forward(
+            q, k, v, q_pos=q_pos, k_pos=k_pos, blocks=blocks, columns=columns, block_size=block_size,
+            softmax_scale=scale, causal=causal, impl=impl, plans=plans,
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans = ctx.args
+        dq, dk, dv = partial.attention_backward(
+            dout, q, k, v, out, lse, q_pos=q_pos, k_pos=k_pos, blocks=blocks, columns=columns,
+            block_size=block_size, softmax_scale=scale, causal=causal, impl=impl,
+            deterministic=deterministic, plans=plans,
+        )
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 10
+
+
+def partial_attention(q, k, v, *, q_pos, k_pos, blocks=None, columns=None, block_size=64, softmax_scale=None,
+                      causal=True, impl="auto", deterministic=True, plans=None):
+    """Differentiable `partial.attention_forward` (same arguments); returns (out, lse), lse without grad."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _PartialAttention.apply(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, impl,
+                                   deterministic, plans)
+
+
+def vertical_slash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: SparseIndex,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    impl: str = "auto",
+    deterministic: bool = True,
+):
+    """Causal vertical-slash sparse attention, differentiable in q, k and v.
+
+    q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] with Hq % Hkv == 0 (GQA: query head h reads kv head
+    h // (Hq // Hkv); K/V are not repeated in memory). index: a `SparseIndex` for these B, Hq, S.
+    Computes softmax(scale * q k^T) v over exactly the pairs of `index.to_mask()` (causal: key
+    position <= query position), accumulating in fp32. S need not be a multiple of the block size:
+    the last block is partial and masked. softmax_scale defaults to 1/sqrt(D).
+    impl: "auto" (Triton kernels on CUDA and under TRITON_INTERPRET=1, else PyTorch), "triton", "torch".
+    deterministic: True (default) = backward without atomics (dQ per query block, dK/dV per key block
+    through the transposed index, looping over the GQA group's heads, vertical columns per column
+    chunk); False = one fused kernel per query block adding dK/dV with fp32 atomics (no transposed
+    index; results vary in the last bits between runs). The torch path is deterministic either way.
+    Returns out [B, S, Hq, D] in q.dtype, and with return_lse also lse [B, Hq, S] fp32 (no gradient).
+    """
+    B, S, Hq, _ = q.shape
+    if index.seq_len != S or tuple(index.block_ids.shape[:2]) != (B, Hq):
+        raise ValueError(
+            f"index is for B={index.block_ids.shape[0]}, Hq={index.block_ids.shape[1]}, S={index.seq_len} but q is "
+            f"[B={B}, S={S}, Hq={Hq}, D]; build the index from these q/k (estimate_vertical_slash) or with from_lines"
+        )
+    if index.block_ids.device != q.device:
+        index = index.to(q.device)
+    pos = torch.arange(S, device=q.device)
+    out, lse = partial_attention(
+        q, k, v, q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns, block_size=index.block_size,
+        softmax_scale=softmax_scale, causal=True, impl=impl, deterministic=deterministic, plans=index._cache,
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,105 @@
+"""estimate_vertical_slash on planted patterns: recall reached, diagonal and sinks always present,
+budgets (caps and floors) respected, one shared budget per KV group; and dense_attention on the CPU."""
+
+import math
+
+import pytest
+import torch
+
+from mtrain.ops import dense_attention, dense_backend, estimate_vertical_slash, reference
+from mtrain.ops.estimate import _select, slash_scores
+
+
+def planted(S=256, Hq=4, Hkv=2, D=32, offset=9, outlier=100, seed=0):
+    """Queries that attend to key `outlier` (a vertical) and to the key `offset` tokens back (a slash)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, S, Hq, D, generator=gen) * 0.3
+    k = torch.randn(1, S, Hkv, D, generator=gen)
+    k[:, outlier, :, :] = 0.0
+    k[:, outlier, :, 0] = 40.0  # logit ~14, as strong as the slash's
+    q[:, :, :, 0] = 2.0
+    g = Hq // Hkv
+    for h in range(Hq):
+        q[:, offset:, h, 1:] += 2.5 * k[:, :-offset, h // g, 1:]
+    return q, k
+
+
+def last_rows_recall(q, k, index, last_q):
+    """Fraction of the last rows' attention mass (float64, computed here) inside the index mask."""
+    B, S, Hq, D = q.shape
+    _, lse = reference.attention(q.double(), k.double(), k.double(), causal=True)
+    g = Hq // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(g, dim=2)) / math.sqrt(D)
+    p = torch.exp(s - lse[..., None]).tril()
+    mask = index.to_mask()
+    rows = slice(S - last_q, S)
+    return (p[..., rows, :] * mask[..., rows, :]).sum(dim=(-1, -2)) / last_q
+
+
+@pytest.mark.parametrize("recall", [0.9, 0.95])
+def test_recall_reached_and_planted_lines_found(recall):
+    q, k = planted()
+    index = estimate_vertical_slash(q, k, recall=recall, last_q=32, block_size=16)
+    assert (last_rows_recall(q, k, index, 32) >= recall - 1e-6).all()
+    mask = index.to_mask()
+    S = q.shape[1]
+    rows = torch.arange(9, S)
+    assert mask[:, :, rows, rows - 9].all()  # the planted slash
+    assert mask[:, :, 100:, 100].all()  # the planted vertical
+    assert index.density() < 0.8
+
+
+def test_diagonal_and_sink_always_present_and_caps_hold():
+    q, k = planted()
+    index = estimate_vertical_slash(q, k, recall=0.99, last_q=16, max_vertical=2, max_slash=1, block_size=16,
+                                    min_vertical=1, min_slash=1)
+    n = index.n_blocks
+    for i in range(n):
+        ids = index.block_ids[..., i, :]
+        assert ((ids == 0).any(-1) & (ids == i).any(-1)).all()
+    assert (index.col_counts <= 2).all()
+    # One slash offset crosses at most two key blocks per query block: diagonal + sink + 2.
+    assert (index.block_counts <= 4).all()
+
+
+def test_select_floors_caps_and_minimality():
+    scores = torch.tensor([[5.0, 3.0, 1.0, 0.5, 0.5, 0.0]])
+    assert _select(scores, 0.5, 6, 1).tolist() == [[0]]  # 5/10 reaches 0.5; padding is trimmed
+    assert _select(scores, 0.8, 6, 1).tolist()[0][:2] == [0, 1]  # 8/10
+    assert (_select(scores, 0.8, 6, 1) >= 0).sum() == 2
+    assert (_select(scores, 0.5, 6, 3) >= 0).sum() == 3  # minimum budget
+    assert _select(scores, 1.0, 2, 1).tolist() == [[0, 1]]  # cap
+    assert (_select(scores, 1.0, 6, 6) >= 0).sum() == 5  # zero-mass entries are never kept
+
+
+def test_share_kv_group_gives_one_list_per_group():
+    q, k = planted(Hq=4, Hkv=2)
+    index = estimate_vertical_slash(q, k, recall=0.9, last_q=32, block_size=16, share_kv_group=True)
+    assert torch.equal(index.block_ids[:, 0], index.block_ids[:, 1])
+    assert torch.equal(index.col_ids[:, 2], index.col_ids[:, 3])
+
+
+def test_slash_scores_sum_diagonals():
+    probs = torch.arange(12, dtype=torch.float32).view(1, 2, 6)  # rows at positions 4 and 5 of S = 6
+    got = slash_scores(probs)[0]
+    want = torch.zeros(6)
+    for r, pos in enumerate((4, 5)):
+        for j in range(pos + 1):
+            want[pos - j] += probs[0, r, j]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 1)])
+def test_dense_attention_cpu_matches_reference(Hq, Hkv):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 24, Hq, 16, generator=gen, requires_grad=True)
+    k = torch.randn(2, 24, Hkv, 16, generator=gen, requires_grad=True)
+    v = torch.randn(2, 24, Hkv, 16, generator=gen, requires_grad=True)
+    assert dense_backend(q) == "sdpa" and dense_backend(q, return_lse=True) == "torch"
+    out = dense_attention(q, k, v, causal=True)
+    out2, lse = dense_attention(q, k, v, causal=True, return_lse=True)
+    r_out, r_lse = reference.attention(q.double(), k.double(), v.double(), causal=True)
+    assert torch.allclose(out.double(), r_out, atol=1e-5) and torch.allclose(out2.double(), r_out, atol=1e-5)
+    assert torch.allclose(lse.double(), r_lse, atol=1e-5)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(k.grad).all()
