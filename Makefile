@@ -26,6 +26,7 @@ help:
 	@echo "make train   embedded default: synthetic data -> pack -> 1K stage -> 8K YaRN stage -> compare"
 	@echo "make eval    evaluate the stage-2 checkpoint (NIAH grid, RULER synthetic tasks, perplexity)"
 	@echo "make test    run the test suite"
+	@echo "make bench   imbalance table (CPU); kernel and training benchmarks when a GPU is present"
 	@echo "make clean   remove runs/ and packed/synthetic data (keeps $(VENV))"
 
 setup: $(STAMP)
@@ -60,6 +61,12 @@ train: data
 eval: $(STAMP)
 	@test -d runs/tiny-extend/final || { echo "no runs/tiny-extend/final: run 'make train' first"; exit 2; }
 	$(MTRAIN) eval eval/tiny.yaml --model runs/tiny-extend/final --out runs/tiny-extend/eval
+
+bench: $(STAMP)
+	$(MTRAIN) bench imbalance
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PY) scripts/bench_attention.py && $(PY) scripts/bench_train.py; \
+	else echo "no GPU here: run scripts/bench_attention.py, scripts/bench_train.py and scripts/bench_ring.py on a GPU machine"; fi
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

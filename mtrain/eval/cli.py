@@ -1,0 +1,81 @@
+"""`mtrain eval`: run an eval suite on a HF checkpoint folder with the hf or vllm backend, resumable.
+
+`register(subparsers)` adds the subcommand; heavy imports happen inside `run` so `mtrain --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from mtrain.errors import MtrainError
+
+DEFAULT_SUITE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "eval", "tiny.yaml")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="evaluate a checkpoint: RULER, needle-in-a-haystack, PG-19 perplexity, InfiniteBench",
+        description="Evaluate a HF checkpoint folder on a suite (eval/*.yaml). Predictions are appended per "
+        "sample to OUT/predictions/*.jsonl, so a rerun with the same --out resumes; a run of another "
+        "checkpoint or setting in OUT is refused. Writes OUT/results.json, results.csv, ruler_table.md, "
+        "niah_heatmap.png, pg19_perplexity.png.",
+    )
+    parser.add_argument("suite", nargs="?", default=DEFAULT_SUITE,
+                        help="suite YAML (default: eval/tiny.yaml, the embedded default)")
+    parser.add_argument("--model", help="HF checkpoint folder (config.json, weights, tokenizer)")
+    parser.add_argument("--backend", choices=("hf", "vllm"), default=None,
+                        help="hf (transformers, default) or vllm (optional GPU extra)")
+    parser.add_argument("--tasks", help="comma-separated task names or patterns, e.g. niah,ruler/*,pg19")
+    parser.add_argument("--lengths", type=_int_list,
+                        help="comma-separated lengths replacing the suite's, e.g. 4096,8192")
+    parser.add_argument("--samples", type=int, help="samples per length for every task (niah: haystacks per cell)")
+    parser.add_argument("--max-length", type=int,
+                        help="backend context limit (default: from the checkpoint config and its rope scaling)")
+    parser.add_argument("--out", required=True, help="output folder; reuse it to resume")
+    parser.add_argument("--score-only", action="store_true", help="only re-score OUT/predictions; loads no model")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtrain.eval.runner import run_suite
+    from mtrain.eval.scoring import score_run
+    from mtrain.eval.suite import load_suite
+
+    if args.score_only:
+        results = score_run(args.out)
+    else:
+        if not args.model:
+            raise MtrainError("--model is required (a HF checkpoint folder) unless --score-only")
+        suite = load_suite(args.suite, tasks=args.tasks.split(",") if args.tasks else None,
+                           lengths=args.lengths, samples=args.samples)
+        backend = args.backend or suite.backend.get("name", "hf")
+        options = {"max_length": args.max_length} if args.max_length else {}
+        results = run_suite(suite, args.model, args.out, backend=backend, backend_options=options,
+                            progress=not args.no_progress)
+    print(summary(results))
+    print(f"wrote {os.path.join(args.out, 'results.json')}")
+    return 0
+
+
+def summary(results: dict) -> str:
+    """A short text table: task x length scores, then the RULER averages."""
+    lines = []
+    for name, by_length in results["tasks"].items():
+        cells = ", ".join(f"{L}: {c['score']:.2f}" for L, c in by_length.items())
+        lines.append(f"{name:28s} {by_length[next(iter(by_length))]['metric']:>18s}  {cells}")
+    if "ruler" in results:
+        lines.append("ruler average                " + json.dumps(
+            {L: round(c["average"], 2) for L, c in results["ruler"].items()}))
+    return "\n".join(lines)
