@@ -1,0 +1,122 @@
+"""`ring_attention`: the public entry point that picks the plan (dense, given index, estimated index) and the
+ring schedule (flat, or hierarchical inner/outer) for local shards of one context-parallel group."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from mtrain.errors import MtrainError
+from mtrain.parallel.comm import hierarchical_groups, local_world_size_from_env
+from mtrain.parallel.estimate import SparseSettings, estimate_index
+from mtrain.parallel.layout import Layout
+from mtrain.parallel.plan import dense_plan, sparse_plan
+from mtrain.parallel.ring_flat import ring_flat_attention
+from mtrain.parallel.ring_hierarchical import ring_hierarchical_attention
+
+
+def _check_shapes(q, k, v, layout: Layout, world: int) -> int:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise MtrainError(
+            f"ring_attention wants q [B, S_local, Hq, D] and k, v [B, S_local, Hkv, D]; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+        raise MtrainError(
+            f"ring_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must share B, S_local and D, and "
+            "Hq must be a multiple of Hkv"
+        )
+    if layout.world_size != world:
+        raise MtrainError(f"layout is for {layout.world_size} ranks but the CP group has {world}")
+    seq_len = q.shape[1] * world
+    layout.check(seq_len)
+    return seq_len
+
+
+def _check_index(index, q, seq_len: int) -> None:
+    if int(index.seq_len) != seq_len:
+        raise MtrainError(f"SparseIndex is for {index.seq_len} tokens but the CP group holds {seq_len}")
+    if tuple(index.block_ids.shape[:2]) != (q.shape[0], q.shape[2]):
+        raise MtrainError(
+            f"SparseIndex has [B, Hq] = {tuple(index.block_ids.shape[:2])}, the queries {(q.shape[0], q.shape[2])}"
+        )
+
+
+def _pick_groups(group, inner_group, outer_group):
+    """(inner, outer) for the hierarchical ring, or None for the flat one."""
+    if (inner_group is None) != (outer_group is None):
+        raise MtrainError("pass both inner_group and outer_group for a hierarchical ring, or neither")
+    if inner_group is not None:
+        return inner_group, outer_group
+    local = local_world_size_from_env()
+    world = dist.get_world_size(group)
+    if local is not None and 1 < local < world and world % local == 0:
+        return hierarchical_groups(group, local)
+    return None
+
+
+def _warn_unbalanced(layout: Layout, inner_group) -> None:
+    local = dist.get_world_size(inner_group)
+    if layout.local_world_size != local and local < layout.world_size and not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(
+            f"hierarchical ring with nodes of {local} ranks over {layout!r}: correct, but its ring steps are "
+            f"not balanced; build the layout with local_world_size={local} (and shard the data with it)",
+            stacklevel=3,
+        )
+
+
+_WARNED: list = []
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    layout: Layout,
+    index=None,
+    sparse: SparseSettings | None = None,
+    softmax_scale: float | None = None,
+    inner_group=None,
+    outer_group=None,
+) -> torch.Tensor:
+    """Causal attention over a sequence sharded across a context-parallel group; differentiable.
+
+    q: [B, S_local, Hq, D], k, v: [B, S_local, Hkv, D]: this rank's shard, `layout.shard(x, cp_rank)`
+    (positions `layout.indices(S, cp_rank)`, S = S_local * group size). Only the Hkv heads travel.
+    group: the CP process group (None = the default world group).
+    index: a global `mtrain.ops.SparseIndex` (vertical-slash sparse) or None; sparse: `SparseSettings`
+    to estimate the index online across the group (no rank computes it for the others); neither = dense.
+    inner_group/outer_group: a hierarchical ring (inner = one node's consecutive CP ranks; outer = a second
+    communicator over the CP ranks, see `comm.hierarchical_groups`, or the ranks with equal node-local
+    index, in which case the CP group carries the outer ring); when not given they are derived from
+    LOCAL_WORLD_SIZE if it splits the group into several nodes (collective on first use), else flat. Its
+    steps are balanced when the layout is built with local_world_size = the inner group's size.
+    Returns out [B, S_local, Hq, D] in q.dtype; partial results are merged in fp32 through the LSE.
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    hierarchy = _pick_groups(group, inner_group, outer_group)
+    seq_len = _check_shapes(q, k, v, layout, world)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if index is not None and sparse is not None:
+        raise MtrainError("ring_attention: give either a SparseIndex (index=) or estimation settings (sparse=)")
+    if sparse is not None:
+        positions = layout.indices(seq_len, rank).to(q.device)
+        index = estimate_index(q, k, positions, positions, seq_len, sparse, scale, group)
+    if index is not None:
+        _check_index(index, q, seq_len)
+        plan = sparse_plan(index, layout, rank, q.device)
+    else:
+        plan = dense_plan(layout, seq_len, rank, q.device)
+    if hierarchy is None:
+        out, _ = ring_flat_attention(q, k, v, plan, group, scale)
+    else:
+        _warn_unbalanced(layout, hierarchy[0])
+        out, _ = ring_hierarchical_attention(q, k, v, plan, group, hierarchy[0], hierarchy[1], scale)
+    return out

@@ -1,0 +1,169 @@
+"""Hierarchical ring schedule: an inner ring over a node's ranks, an outer ring across nodes; every
+inter-node transfer (KV forward, dK/dV backward) is in flight during a whole inner ring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtrain.errors import MtrainError
+from mtrain.parallel.comm import TAG_GRAD, TAG_KV, RingComm
+from mtrain.parallel.merge import PartialAccumulator, accum_dtype
+from mtrain.parallel.plan import RingPlan
+from mtrain.parallel.steps import (
+    columns_backward, columns_forward, start_column_gather, step_backward, step_forward,
+)
+
+
+@dataclass(frozen=True)
+class NodeGrid:
+    """CP rank g = node * L + local (inner groups are consecutive CP ranks); on the ring, the process sits
+    at slot s = local * N + node. The inner ring moves KV by N slots, the outer ring (slot s -> s + 1,
+    always across nodes) by 1, so at outer step o, inner step i each process holds the KV of slot
+    s - o - i * N. With a layout built with local_world_size = L (slot s holds stripe s) every rank then
+    attends at the same diagonal distance o + i * N: the flat ring's balance, in another step order."""
+
+    nodes: int
+    local_size: int
+    node: int
+    local: int
+
+    @property
+    def slot(self) -> int:
+        return self.local * self.nodes + self.node
+
+    def cp_rank_of_slot(self, slot: int) -> int:
+        slot %= self.nodes * self.local_size
+        return (slot % self.nodes) * self.local_size + slot // self.nodes
+
+
+def node_grid(cp_rank: int, cp_size: int, inner_size: int, inner_rank: int) -> NodeGrid:
+    if cp_size % inner_size or cp_rank != (cp_rank // inner_size) * inner_size + inner_rank:
+        raise MtrainError(
+            f"hierarchical ring: CP rank {cp_rank} of {cp_size} is not node x {inner_size} + local {inner_rank}; "
+            "the inner groups must be runs of consecutive CP ranks (see mtrain.parallel.comm.hierarchical_groups)"
+        )
+    return NodeGrid(cp_size // inner_size, inner_size, cp_rank // inner_size, inner_rank)
+
+
+def _comms(group, inner_group, outer_group) -> tuple[RingComm, RingComm, NodeGrid]:
+    """(inner ring, communicator for the outer ring, grid). The outer ring links slot s to s + 1, across
+    nodes; an outer_group over all CP ranks carries it on its own communicator. The other common form, the
+    ranks with equal node-local index, lacks the wrap links (last node, local l -> first node, local l + 1),
+    so then the CP group's own communicator carries the outer ring (still beside the inner ring's)."""
+    cp, inner, outer = RingComm(group), RingComm(inner_group), RingComm(outer_group)
+    grid = node_grid(cp.rank, cp.size, inner.size, inner.rank)
+    if (outer.size, outer.rank) == (cp.size, cp.rank):
+        return inner, outer, grid
+    if (outer.size, outer.rank) == (grid.nodes, grid.node):
+        return inner, cp, grid
+    raise MtrainError(
+        f"hierarchical ring: outer_group (rank {outer.rank} of {outer.size}) is neither a copy of the CP group "
+        f"(rank {cp.rank} of {cp.size}) nor the ranks with this node-local index (node {grid.node} of {grid.nodes})"
+    )
+
+
+def _outer_shift(outer: RingComm, grid: NodeGrid, tensors, by: int = 1, tag: int = TAG_KV):
+    """Send to the process at slot s + by, receive from the one at s - by."""
+    return outer.shift(tensors, tag=tag, send_to=grid.cp_rank_of_slot(grid.slot + by),
+                       recv_from=grid.cp_rank_of_slot(grid.slot - by))
+
+
+def origin_rank(grid: NodeGrid, outer_step: int, inner_step: int) -> int:
+    """CP rank whose KV shard this process holds at (outer_step, inner_step)."""
+    return grid.cp_rank_of_slot(grid.slot - outer_step - inner_step * grid.nodes)
+
+
+def _forward(q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float):
+    inner, outer, grid = _comms(group, inner_group, outer_group)
+    gather = start_column_gather(k, v, plan, group) if plan.columns is not None else None
+    acc = PartialAccumulator(q)
+    aux: dict = {}  # per-call state fused dense kernels hand from forward to backward
+    base = [k, v]
+    for o in range(grid.nodes):
+        next_base = _outer_shift(outer, grid, base) if o < grid.nodes - 1 else None  # overlaps the inner ring
+        held = base
+        for i in range(grid.local_size):
+            incoming = inner.shift(held) if i < grid.local_size - 1 else None
+            origin = origin_rank(grid, o, i)
+            if origin not in plan.skip:
+                step_forward(acc, q, held[0], held[1], plan, origin, scale, aux)
+            if incoming is not None:
+                held = incoming.wait()
+        if next_base is not None:
+            base = next_base.wait()
+    columns_kv = None
+    if gather is not None:
+        buf, work = gather
+        work.wait()
+        columns_kv = (buf[0], buf[1])
+        columns_forward(acc, q, buf[0], buf[1], plan, scale)
+    return acc.out.to(q.dtype), acc.lse, columns_kv, aux
+
+
+def _inner_ring_backward(dout, q, base, out, lse, plan, inner, grid, o, scale, dq, aux):
+    """One inner ring of backward: returns this node's fp32 (dK, dV) for the base shard, back at its holder."""
+    held = base
+    in_flight = None
+    for i in range(grid.local_size):
+        incoming = inner.shift(held) if i < grid.local_size - 1 else None
+        origin = origin_rank(grid, o, i)
+        if i == 0:
+            acc = [torch.zeros(base[0].shape, dtype=accum_dtype(base[0]), device=base[0].device) for _ in range(2)]
+        else:
+            acc = in_flight.wait()
+        if origin not in plan.skip:
+            step_backward(dq, acc[0], acc[1], dout, q, held[0], held[1], out, lse, plan, origin, scale, aux)
+        in_flight = inner.shift(acc, tag=TAG_GRAD)  # the last shift returns it to the base's holder
+        if incoming is not None:
+            held = incoming.wait()
+    return in_flight.wait()
+
+
+def _backward(dout, q, k, v, out, lse, columns_kv, aux, plan: RingPlan, group, inner_group, outer_group, scale):
+    inner, outer, grid = _comms(group, inner_group, outer_group)
+    dq = torch.zeros(q.shape, dtype=accum_dtype(q), device=q.device)
+    base = [k, v]
+    node_grads_in_flight = None
+    for o in range(grid.nodes):
+        next_base = _outer_shift(outer, grid, base) if o < grid.nodes - 1 else None
+        node_acc = _inner_ring_backward(dout, q, base, out, lse, plan, inner, grid, o, scale, dq, aux)
+        # the earlier nodes' sum for this base shard left the previous node one inner ring ago
+        if node_grads_in_flight is not None:
+            earlier = node_grads_in_flight.wait()
+            node_acc = [node_acc[0] + earlier[0], node_acc[1] + earlier[1]]
+        # forward to the holder of this base at the next outer step; after the last, straight home
+        # (the base of outer step N-1 came from slot s - (N-1))
+        by = 1 if o < grid.nodes - 1 else -(grid.nodes - 1)
+        node_grads_in_flight = _outer_shift(outer, grid, node_acc, by=by, tag=TAG_GRAD)
+        if next_base is not None:
+            base = next_base.wait()
+    dk, dv = node_grads_in_flight.wait()
+    if columns_kv is not None:
+        dq += columns_backward(dout, q, columns_kv[0], columns_kv[1], out, lse, plan, scale, group, dk, dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class RingHierarchicalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float):
+        out, lse, columns_kv, aux = _forward(q, k, v, plan, group, inner_group, outer_group, scale)
+        saved = [q, k, v, out, lse] + (list(columns_kv) if columns_kv is not None else [])
+        ctx.save_for_backward(*saved)
+        ctx.plan, ctx.groups, ctx.scale, ctx.aux = plan, (group, inner_group, outer_group), scale, aux
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *columns_kv = ctx.saved_tensors
+        grads = _backward(
+            dout.contiguous(), q, k, v, out, lse, tuple(columns_kv) or None, ctx.aux, ctx.plan, *ctx.groups, ctx.scale
+        )
+        return (*grads, None, None, None, None, None)
+
+
+def ring_hierarchical_attention(q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float):
+    """Hierarchical ring attention on local shards: q [B, S_local, Hq, D], k/v [B, S_local, Hkv, D] -> (out, lse)."""
+    return RingHierarchicalAttention.apply(q, k, v, plan, group, inner_group, outer_group, scale)

@@ -1,0 +1,344 @@
+"""Ring attention on one host's GPUs (torchrun --nproc_per_node 2 scripts/bench_ring.py): dense and sparse ring
+against CP=1 at equal tokens per GPU, PyTorch's context_parallel in the same run, step compute vs transfer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mtrain.ops import SparseIndex  # noqa: E402
+from mtrain.ops.attention import vertical_slash_attention  # noqa: E402
+from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
+from mtrain.parallel.comm import RingComm  # noqa: E402
+from mtrain.parallel.estimate import estimate_index  # noqa: E402
+from mtrain.parallel.merge import PartialAccumulator  # noqa: E402
+from mtrain.parallel.plan import dense_plan, sparse_plan  # noqa: E402
+from mtrain.parallel.steps import step_backward, step_forward  # noqa: E402
+
+
+def _tokens(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        out.append(int(part[:-1]) * 1024 if part.endswith("K") else int(part))
+    return out
+
+
+def timed(fn, iters: int, warmup: int) -> float:
+    """Median milliseconds of fn() over iters runs after warmup runs, all ranks in step."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def lines(seq_len: int, heads: int, seed: int, window: int, far: int, verticals: int):
+    """A fixed per-head budget (window + far slashes + verticals + sinks): the work per query row does not
+    depend on the length, so tokens/s at CP=1 and CP=2 compare like for like."""
+    g = torch.Generator().manual_seed(seed)
+    slash = torch.stack([torch.cat([torch.arange(window), torch.randint(window, seq_len // 2, (far,), generator=g)])
+                         for _ in range(heads)])[None]
+    vertical = torch.randint(0, seq_len, (1, heads, verticals), generator=g)
+    return vertical, slash
+
+
+def make_index(seq_len, args, device):
+    vertical, slash = lines(seq_len, args.heads, 0, args.window, args.far_slashes, args.verticals)
+    return SparseIndex.from_lines(vertical.to(device), slash.to(device), seq_len, args.block_size)
+
+
+def inputs(seq_len, hq, hkv, dim, device, seed=1):
+    g = torch.Generator(device=device).manual_seed(seed)
+    shapes = [(1, seq_len, hq, dim), (1, seq_len, hkv, dim), (1, seq_len, hkv, dim), (1, seq_len, hq, dim)]
+    return [torch.randn(s, generator=g, device=device, dtype=torch.bfloat16) for s in shapes]
+
+
+def sdpa_cudnn(q, k, v):
+    """[B, S, H, D] in and out; SDPA's cuDNN backend, causal."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True).transpose(1, 2)
+
+
+def fwd_bwd(fn, tensors, dout):
+    leaves = [t.detach().requires_grad_(True) for t in tensors]
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        fn(*leaves).backward(dout)
+
+    return run, leaves
+
+
+def dense_flops(seq_len, heads, dim):
+    return 7.0 * seq_len * seq_len * heads * dim  # causal fwd (2 S^2 H D) + bwd (2.5x fwd)
+
+
+def check(rank, world, args, device, report):
+    """Ring vs single-GPU reference at a small length: max abs error of out and dq (bf16)."""
+    seq_len = 16384
+    for name, hq, hkv, layout_name, sparse in (("dense", args.heads, args.heads, "zigzag", False),
+                                               ("sparse", args.heads, args.kv_heads, "block-stripe", True)):
+        try:
+            report.append(_check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse))
+        except Exception as exc:  # the other check and the timings still run
+            report.append({"check": name, "layout": layout_name, "error": f"{type(exc).__name__}: {exc}"})
+            if rank == 0:
+                traceback.print_exc()
+
+
+def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse):
+    q, k, v, dout = inputs(seq_len, hq, hkv, args.dim, device)
+    index = make_index(seq_len, args, device) if sparse else None
+    run_ref, ref_leaves = fwd_bwd(
+        (lambda a, b, c: vertical_slash_attention(a, b, c, index)) if sparse else sdpa_cudnn, (q, k, v), dout)
+    ref_out = (vertical_slash_attention(q, k, v, index) if sparse else sdpa_cudnn(q, k, v)).float()
+    run_ref()
+    layout = Layout.create(layout_name, world_size=world, granularity=args.block_size)
+    shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
+    leaves = [t.detach().requires_grad_(True) for t in shard[:3]]
+    out = ring_attention(*leaves, group=None, layout=layout, index=index)
+    out.backward(shard[3])
+    err_out = float((out.detach().float() - layout.shard(ref_out.detach(), rank)).abs().max())
+    err_dq = float((leaves[0].grad.float() - layout.shard(ref_leaves[0].grad.float(), rank)).abs().max())
+    return {"check": name, "layout": layout_name, "seq_len": seq_len, "max_err_out": err_out,
+            "max_err_dq": err_dq}
+
+
+def bench_tokens(tokens, rank, world, args, device, report):
+    seq = tokens * world
+    row = {"tokens_per_gpu": tokens, "cp": world}
+
+    def attempt(key, fn):
+        try:
+            row[key] = fn()
+        except Exception as exc:  # one failing variant must not hide the others' numbers
+            row[key] = None
+            row[key + "_error"] = f"{type(exc).__name__}: {exc}"
+            if rank == 0:
+                traceback.print_exc()
+        torch.cuda.empty_cache()
+
+    h, hkv, d = args.heads, args.kv_heads, args.dim
+
+    # dense, 16/16 heads as PERF.md's context-parallel figures
+    def cp1_dense():
+        q, k, v, dout = inputs(tokens, h, h, d, device)
+        run, _ = fwd_bwd(sdpa_cudnn, (q, k, v), dout)
+        return timed(run, args.iters, args.warmup)
+
+    def ring_dense():
+        q, k, v, dout = inputs(seq, h, h, d, device)
+        layout = Layout.create("zigzag", world_size=world)
+        shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
+        del q, k, v, dout
+        run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout), shard[:3], shard[3])
+        return timed(run, args.iters, args.warmup)
+
+    def torch_cp():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh("cuda", (world,))
+        q, k, v, dout = inputs(seq, h, h, d, device)
+        qh, kh, vh, doh = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))
+        del q, k, v, dout
+        buffers = [qh, kh, vh, doh]
+        # buffers are resharded in place, which tensors that require grad refuse: ask for grad inside
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(buffers)):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            for t in (qh, kh, vh):
+                t.requires_grad_(True)
+
+            def run():
+                for t in (qh, kh, vh):
+                    t.grad = None
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).backward(doh)
+
+            return timed(run, args.iters, args.warmup)
+
+    attempt("cp1_dense_ms", cp1_dense)
+    attempt("ring_dense_ms", ring_dense)
+    attempt("torch_cp_dense_ms", torch_cp)
+    for key in ("cp1_dense", "ring_dense", "torch_cp_dense"):
+        if row.get(key + "_ms"):
+            n = tokens if key == "cp1_dense" else seq
+            row[key + "_tflops_per_gpu"] = dense_flops(n, h, d) / (1 if key == "cp1_dense" else world) / (row[key + "_ms"] * 1e9)
+
+    # sparse, Qwen2.5-3B heads (16 q / 2 kv), fixed per-row budget
+    def cp1_sparse():
+        q, k, v, dout = inputs(tokens, h, hkv, d, device)
+        index = make_index(tokens, args, device)
+        row["density_cp1"] = index.block_density()
+        run, _ = fwd_bwd(lambda a, b, c: vertical_slash_attention(a, b, c, index), (q, k, v), dout)
+        return timed(run, args.iters, args.warmup)
+
+    def ring_sparse(estimate: bool):
+        def go():
+            q, k, v, dout = inputs(seq, h, hkv, d, device)
+            layout = Layout.create("block-stripe", world_size=world, granularity=args.block_size)
+            index = None if estimate else make_index(seq, args, device)
+            if index is not None:
+                row["density_ring"] = index.block_density()
+            # budgets as the given index's, so the difference is the estimation itself (random inputs
+            # spread attention evenly; uncapped top-p would pick nearly every line)
+            settings = SparseSettings(block_size=args.block_size, max_vertical=args.verticals,
+                                      max_slash=args.window + args.far_slashes) if estimate else None
+            shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
+            del q, k, v, dout
+            run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
+                                                           sparse=settings), shard[:3], shard[3])
+            return timed(run, args.iters, args.warmup)
+        return go
+
+    attempt("cp1_sparse_ms", cp1_sparse)
+    attempt("ring_sparse_ms", ring_sparse(False))
+    attempt("ring_sparse_estimated_ms", ring_sparse(True))
+
+    # one ring step's compute against one KV transfer, measured apart
+    def step_parts():
+        parts = {}
+        comm = RingComm(None)
+        for label, hk, layout_name in (("dense", h, "zigzag"), ("sparse", hkv, "block-stripe")):
+            q, k, v, dout = inputs(tokens, h, hk, d, device)
+            layout = Layout.create(layout_name, world_size=world, granularity=args.block_size)
+            plan = (dense_plan(layout, seq, rank, device) if label == "dense"
+                    else sparse_plan(make_index(seq, args, device), layout, rank, device))
+            origin = (rank - 1) % world
+            scale = 1.0 / math.sqrt(d)
+
+            def compute():
+                acc = PartialAccumulator(q)
+                aux = {}
+                if origin not in plan.skip:
+                    step_forward(acc, q, k, v, plan, origin, scale, aux)
+                    out, lse = acc.out.to(q.dtype), acc.lse
+                    dq = torch.zeros(q.shape, dtype=torch.float32, device=device)
+                    dk = torch.zeros(k.shape, dtype=torch.float32, device=device)
+                    dv = torch.zeros_like(dk)
+                    step_backward(dq, dk, dv, dout, q, k, v, out, lse, plan, origin, scale, aux)
+
+            parts[f"{label}_step_compute_ms"] = timed(compute, args.iters, args.warmup)
+            if label == "sparse":  # the per-call costs around the steps: remapping and online estimation
+                index = make_index(seq, args, device)
+                parts["sparse_plan_ms"] = timed(lambda: sparse_plan(index, layout, rank, device), args.iters,
+                                                args.warmup)
+                pos = layout.indices(seq, rank).to(device)
+                settings = SparseSettings(block_size=args.block_size, max_vertical=args.verticals,
+                                          max_slash=args.window + args.far_slashes)
+                parts["estimate_index_ms"] = timed(
+                    lambda: estimate_index(q, k, pos, pos, seq, settings, scale, None), args.iters, args.warmup)
+            parts[f"{label}_kv_transfer_ms"] = timed(lambda: comm.shift([k, v]).wait(), args.iters, args.warmup)
+            parts[f"{label}_dkv_transfer_ms"] = timed(
+                lambda: comm.shift([k.float(), v.float()]).wait(), args.iters, args.warmup)
+        return parts
+
+    attempt("step_parts", step_parts)
+    report.append(row)
+
+
+def print_table(report):
+    print("\n== correctness (bf16 ring vs single-GPU at 16K, max abs error) ==")
+    for r in report:
+        if "check" in r and "error" in r:
+            print(f"{r['check']:<7} {r['layout']:<13} failed: {r['error'][:100]}")
+        elif "check" in r:
+            print(f"{r['check']:<7} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}")
+    print("\n== fwd+bwd per GPU ==")
+    print(f"{'tok/GPU':>8} {'variant':<28} {'ms':>9} {'TFLOP/s/GPU':>12} {'vs CP=1':>8}")
+    for r in report:
+        if "tokens_per_gpu" not in r:
+            continue
+        t = r["tokens_per_gpu"]
+        for key, base in (("cp1_dense", None), ("ring_dense", "cp1_dense"), ("torch_cp_dense", "cp1_dense"),
+                          ("cp1_sparse", None), ("ring_sparse", "cp1_sparse"), ("ring_sparse_estimated", "cp1_sparse")):
+            ms = r.get(key + "_ms")
+            if ms is None:
+                print(f"{t // 1024:>7}K {key:<28} failed: {r.get(key + '_ms_error', '')[:80]}")
+                continue
+            tf = r.get(key + "_tflops_per_gpu")
+            # per-GPU throughput against CP=1 at equal tokens per GPU: dense work per token grows with the
+            # length, so compare TFLOP/s; the sparse budget per query row is fixed, so compare tokens/s
+            ratio = None
+            if base and r.get(base + "_ms"):
+                ratio = tf / r[base + "_tflops_per_gpu"] if tf else r[base + "_ms"] / ms
+            print(f"{t // 1024:>7}K {key:<28} {ms:>9.2f} {tf if tf else float('nan'):>12.1f} "
+                  f"{(f'{ratio:.3f}' if ratio else '-'):>8}")
+        if r.get("ring_dense_ms") and r.get("torch_cp_dense_ms"):
+            print(f"{'':>9}ring dense / torch context_parallel TFLOP/s: {r['torch_cp_dense_ms'] / r['ring_dense_ms']:.3f}")
+        parts = r.get("step_parts")
+        if parts:
+            print(f"{'':>9}one step: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens-per-gpu", type=_tokens, default=_tokens("64K,128K"))
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--far-slashes", type=int, default=48)
+    parser.add_argument("--verticals", type=int, default=200)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    report: list[dict] = []
+    if rank == 0:
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)} x {world}, "
+              f"heads {args.heads}/{args.kv_heads} x {args.dim}, bf16", flush=True)
+    if not args.skip_check:
+        try:
+            check(rank, world, args, device, report)
+        except Exception:
+            if rank == 0:
+                traceback.print_exc()
+    for tokens in args.tokens_per_gpu:
+        bench_tokens(tokens, rank, world, args, device, report)
+        if rank == 0:
+            print(json.dumps(report[-1]), flush=True)
+    if rank == 0:
+        print_table(report)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The imbalance measure on hand-computable indices, its invariants, and the balance claim at small scale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtrain.ops import SparseIndex
+from mtrain.ops.index import blocks_for_causal_dense
+from mtrain.parallel import LAYOUT_NAMES, Layout, imbalance
+
+
+def _sink_and_diagonal(n_blocks: int, block: int, vertical=()) -> SparseIndex:
+    # no slashes: every row keeps just its diagonal block and the sink block (plus optional verticals)
+    v = torch.tensor([list(vertical)], dtype=torch.long).view(1, 1, -1)
+    return SparseIndex.from_lines(v, torch.empty(1, 1, 0, dtype=torch.long), n_blocks * block, block)
+
+
+def test_dense_contiguous_by_hand():
+    # 16 blocks, 4 ranks of 4 blocks: step 0 is a causal 4x4 triangle (10 blocks), an earlier shard is 16
+    index = blocks_for_causal_dense(256, 16, 1, 1)
+    result = imbalance(index, Layout.create("contiguous", world_size=4), vertical_on_ring=True)
+    r = torch.arange(4).view(-1, 1)
+    s = torch.arange(4).view(1, -1)
+    expected = torch.where(s == 0, 10.0, torch.where(s <= r, 16.0, 0.0)).double()
+    assert torch.equal(result["work"], expected)
+    assert result["worker"] == pytest.approx(58 / 34)
+    assert result["step"] == pytest.approx(58 / 34)
+    assert result["total"] == pytest.approx(136)
+
+
+@pytest.mark.parametrize("name", ["zigzag", "stripe"])
+def test_dense_balanced_layouts(name):
+    index = blocks_for_causal_dense(256, 16, 1, 1)
+    result = imbalance(index, Layout.create(name, world_size=4), vertical_on_ring=True)
+    assert result["worker"] == pytest.approx(1.0)
+    assert result["step"] == pytest.approx(1.0)
+    assert result["total"] == pytest.approx(136)
+
+
+def test_sink_on_and_off_the_ring_by_hand():
+    # block-stripe with G = block: row i lives on rank i % 4; rows list {0, i}
+    index = _sink_and_diagonal(16, 16)
+    layout = Layout.create("block-stripe", world_size=4, granularity=16)
+    on = imbalance(index, layout, vertical_on_ring=True)
+    # on the ring: diagonals at step 0 (4 per rank; row 0's diagonal is the sink itself), the sink of
+    # rank r's rows lands at step r (rank 0: rows 4, 8, 12 at step 0)
+    expected = torch.tensor([[7, 0, 0, 0], [4, 4, 0, 0], [4, 0, 4, 0], [4, 0, 0, 4]], dtype=torch.float64)
+    assert torch.equal(on["work"], expected)
+    assert on["step"] == pytest.approx(19 / 7.75)
+    assert on["worker"] == pytest.approx(8 / 7.75)
+    off = imbalance(index, layout)
+    # off the ring: only diagonals remain on it (rank 0's row 0 diagonal is the sink); each rank attends
+    # its 4 rows' sinks locally
+    assert torch.equal(off["work"][:, 0], torch.tensor([3.0, 4, 4, 4], dtype=torch.float64))
+    assert torch.equal(off["work"][:, 1:], torch.zeros(4, 3, dtype=torch.float64))
+    assert torch.equal(off["local"], torch.full((4,), 4.0, dtype=torch.float64))
+    assert off["step"] == pytest.approx(8 / 7.75)
+    assert off["total"] == pytest.approx(on["total"])
+
+
+def test_vertical_column_lands_on_its_owner_step():
+    # token 85 lies in block 5 (rank 1); rows 6..15 attend it as an extra column (1/16 block each)
+    index = _sink_and_diagonal(16, 16, vertical=[85])
+    layout = Layout.create("block-stripe", world_size=4, granularity=16)
+    on = imbalance(index, layout, vertical_on_ring=True)
+    base = imbalance(_sink_and_diagonal(16, 16), layout, vertical_on_ring=True)
+    extra = on["work"] - base["work"]
+    rows = torch.arange(6, 16)
+    expected = torch.zeros(4, 4, dtype=torch.float64)
+    for row in rows.tolist():
+        expected[row % 4, (row % 4 - 1) % 4] += 1 / 16
+    assert torch.allclose(extra, expected)
+    off = imbalance(index, layout)
+    assert off["total"] == pytest.approx(on["total"])
+    assert float(off["local"].sum() - imbalance(_sink_and_diagonal(16, 16), layout)["local"].sum()) == pytest.approx(10 / 16)
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_total_work_is_layout_independent(name):
+    g = torch.Generator().manual_seed(0)
+    index = SparseIndex.from_lines(torch.randint(0, 512, (2, 2, 8), generator=g),
+                                   torch.randint(0, 512, (2, 2, 6), generator=g), 512, 16)
+    expected = float(index.block_counts.sum())
+    expected += sum(  # each column costs the rows of its query block, in units of 16 x 16
+        float(((index.col_ids[..., i, :] >= 0).sum() * 16)) for i in range(index.block_ids.shape[2])
+    ) / 256
+    for on_ring in (True, False):
+        result = imbalance(index, Layout.create(name, world_size=4, granularity=16), vertical_on_ring=on_ring)
+        assert result["total"] == pytest.approx(expected)
+        assert result["work"].shape == (4, 4)
+
+
+def test_block_stripe_balances_slashes_where_zigzag_does_not():
+    # 64K tokens, CP = 8: a 512-token window, far slashes, sinks and verticals (the DESIGN §3.3 setting)
+    seq_len, g = 1 << 16, torch.Generator().manual_seed(0)
+    slash = torch.cat([torch.arange(512), torch.randint(512, seq_len // 2, (24,), generator=g)]).view(1, 1, -1)
+    vertical = torch.randint(0, seq_len, (1, 1, 100), generator=g)
+    index = SparseIndex.from_lines(vertical, slash, seq_len, 64)
+    stripe = imbalance(index, Layout.create("block-stripe", world_size=8))
+    zigzag = imbalance(index, Layout.create("zigzag", world_size=8))
+    assert stripe["step"] <= 1.05
+    assert zigzag["step"] >= 1.3
+    # keeping the sink and verticals on the ring costs block-stripe its balance
+    assert imbalance(index, Layout.create("block-stripe", world_size=8), vertical_on_ring=True)["step"] > stripe["step"]
+
+
+def test_bench_imbalance_command(capsys, tmp_path):
+    from mtrain.cli import main
+
+    out_json = tmp_path / "rows.json"
+    code = main(["bench", "imbalance", "--cp", "4,8", "--lengths", "32K", "--layouts", "zigzag,block-stripe",
+                 "--json", str(out_json)])
+    assert code == 0
+    table = capsys.readouterr().out
+    rows = [line.split() for line in table.splitlines() if line.strip().startswith("32K")]
+    assert [(r[1], r[2]) for r in rows] == [("4", "zigzag"), ("4", "block-stripe"), ("8", "zigzag"), ("8", "block-stripe")]
+    import json
+
+    saved = json.loads(out_json.read_text())
+    assert len(saved) == 4 and all(r["step_off_ring"] >= 1.0 for r in saved)
+    # block-stripe keeps its balance with the sink and verticals off the ring
+    assert saved[3]["layout"] == "block-stripe" and saved[3]["step_off_ring"] < saved[2]["step_off_ring"]
+
+
+def test_bench_imbalance_rejects_unknown_layout(capsys):
+    from mtrain.cli import main
+
+    assert main(["bench", "imbalance", "--layouts", "diagonal", "--lengths", "8K"]) == 2
+    assert "choose one of" in capsys.readouterr().err
+
+
+def test_hierarchical_ring_balanced_only_with_the_node_aware_layout():
+    seq_len, g = 1 << 15, torch.Generator().manual_seed(1)
+    slash = torch.cat([torch.arange(256), torch.randint(256, seq_len // 2, (16,), generator=g)]).view(1, 1, -1)
+    index = SparseIndex.from_lines(torch.randint(0, seq_len, (1, 1, 50), generator=g), slash, seq_len, 64)
+    flat = imbalance(index, Layout.create("block-stripe", world_size=8))
+    plain = imbalance(index, Layout.create("block-stripe", world_size=8), local_world_size=4)
+    nodes = imbalance(index, Layout.create("block-stripe", world_size=8, local_world_size=4), local_world_size=4)
+    assert nodes["step"] == pytest.approx(flat["step"])  # the same distances, visited in another order
+    assert plain["step"] > flat["step"] + 0.05  # a node's ranks at different distances in one step
+    assert plain["worker"] == pytest.approx(flat["worker"])
+    # by hand, contiguous dense, 2 nodes of 2 (plain layout): rank 3 = node 1, local 1 sits at slot 3 and
+    # visits slots 3, 1, 2, 0 -> ranks 3, 2 (its node's inner ring), then 1, 0 (from the other node)
+    dense = blocks_for_causal_dense(256, 16, 1, 1)
+    by_hand = imbalance(dense, Layout.create("contiguous", world_size=4), vertical_on_ring=True, local_world_size=2)
+    assert by_hand["work"][3].tolist() == [10.0, 16.0, 16.0, 16.0]
+    # rank 1 = node 0, local 1, slot 2: visits slots 2, 0, 1, 3 -> ranks 1, 0, 2, 3 (the last two in its future)
+    assert by_hand["work"][1].tolist() == [10.0, 16.0, 0.0, 0.0]
