@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mtrain.ops import SparseIndex, estimate_vertical_slash, partial, reference  # noqa: E402
 from mtrain.ops import _triton_attention  # noqa: E402
-from mtrain.ops.index import transpose_blocks  # noqa: E402
+from mtrain.ops.index import transpose_blocks_csr  # noqa: E402
 from mtrain.ops.reference import block_mask_from_lists  # noqa: E402
 
 
@@ -214,7 +214,16 @@ def main() -> int:
     ap.add_argument("--check-dtypes", nargs="*", default=["float32", "bfloat16"])
     ap.add_argument("--sweep", action="store_true", help="try launch configs of our kernels at the first size")
     ap.add_argument("--densities-only", action="store_true", help="print index densities (CPU ok) and stop")
+    ap.add_argument("--index-build", nargs=2, type=int, metavar=("NV", "NS"),
+                    help="time and peak memory of SparseIndex.from_lines + the transposed index for one head with NV "
+                         "verticals and NS slashes: offset builder (ragged transpose) vs the previous flag-matrix "
+                         "builder (padded transpose); CPU ok; then stop")
+    ap.add_argument("--index-build-one", nargs=5, metavar=("BUILDER", "S", "NV", "NS", "BS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.index_build_one:
+        return index_build_one(*args.index_build_one)
+    if args.index_build:
+        return index_build(args.seqs, args.block_sizes, *args.index_build)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "bench_attention.log"), "a")
@@ -376,6 +385,73 @@ def main() -> int:
     return 0
 
 
+def index_build_one(builder: str, S: str, nv: str, ns: str, bs: str) -> int:
+    """Child process of --index-build: one builder at one size; prints a JSON line (own process, so that
+    ru_maxrss measures this build alone: peak resident memory above the inputs' baseline)."""
+    import resource
+
+    S, nv, ns, bs = int(S), int(nv), int(ns), int(bs)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    g = torch.Generator().manual_seed(0)
+    vertical = torch.randint(0, S, (1, 1, nv), generator=g)
+    # Half the slashes local (offsets < 4096, many share blocks), half anywhere: like estimated indices.
+    slash = torch.cat([torch.randint(0, 4096, (1, 1, ns // 2), generator=g),
+                       torch.randint(0, S, (1, 1, ns - ns // 2), generator=g)], -1)
+    if builder == "flags":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from test_ops_index import flag_matrix_from_lines, flag_matrix_transpose
+
+        def build():
+            return SparseIndex(*flag_matrix_from_lines(vertical, slash, S, bs), S, bs)
+
+        def transpose(index):
+            return flag_matrix_transpose(index.block_ids, index.block_counts, index.n_blocks)
+    else:
+        def build():
+            return SparseIndex.from_lines(vertical, slash, S, bs)
+
+        def transpose(index):
+            return transpose_blocks_csr(index.block_ids, index.block_counts, index.n_blocks)
+
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t_build, t_t = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        index = build()
+        t1 = time.perf_counter()
+        transpose(index)
+        t_build.append(t1 - t0)
+        t_t.append(time.perf_counter() - t1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # The minimum of 5: the CPU machines are shared, and interference only ever adds time.
+    print(json.dumps({"build_ms": 1e3 * min(t_build), "transpose_ms": 1e3 * min(t_t),
+                      "peak_mb": (peak - base) / 1024, "listed": int(index.block_counts.sum()),
+                      "cols": int(index.col_counts.sum())}))
+    return 0
+
+
+def index_build(seqs, block_sizes, nv: int, ns: int) -> int:
+    """--index-build: the table of index building cost per size, flag-matrix builder vs offset builder."""
+    import subprocess
+
+    print(f"# index build, one head, {nv} verticals, {ns} slashes, CPU threads {torch.get_num_threads()}, "
+          f"torch {torch.__version__}")
+    print("| S | block | builder | from_lines ms | transposed ms | peak MB above inputs | listed blocks | columns |")
+    print("|---|---|---|---|---|---|---|---|")
+    for S in seqs:
+        for bs in block_sizes:
+            for builder in ("flags", "offsets"):
+                run = subprocess.run([sys.executable, os.path.abspath(__file__), "--index-build-one", builder, str(S),
+                                      str(nv), str(ns), str(bs)], capture_output=True, text=True)
+                if run.returncode:
+                    print(f"| {S} | {bs} | {builder} | failed: {run.stderr.strip().splitlines()[-1][:120]} |")
+                    continue
+                r = json.loads(run.stdout.strip().splitlines()[-1])
+                print(f"| {S} | {bs} | {builder} | {r['build_ms']:.1f} | {r['transpose_ms']:.1f} | "
+                      f"{r['peak_mb']:.0f} | {r['listed']} | {r['cols']} |", flush=True)
+    return 0
+
+
 def index_breakdown(q, k, recall, bs, Hkv, D, log):
     """Time the pieces of index building once each (estimation, lines -> index, backward plans)."""
     from mtrain.ops.estimate import _select, last_query_probs, slash_scores
@@ -390,7 +466,7 @@ def index_breakdown(q, k, recall, bs, Hkv, D, log):
     s_idx = _select(sl, recall, 4096, 16).reshape(B, Hq, -1)
     t_lines = timed(lambda: SparseIndex.from_lines(v_idx, s_idx, S, bs), 3)
     index = SparseIndex.from_lines(v_idx, s_idx, S, bs)
-    t_t = timed(lambda: transpose_blocks(index.block_ids, index.block_counts, index.n_blocks), 3)
+    t_t = timed(lambda: transpose_blocks_csr(index.block_ids, index.block_counts, index.n_blocks), 3)
     t_prep = timed(lambda: _triton_attention.prepare_backward(
         SparseIndex(index.block_ids, index.block_counts, index.col_ids, index.col_counts, S, bs), Hkv, D), 3)
     log(f"   index breakdown S={S} bs={bs}: probs {t_probs:.2f} select {t_sel:.2f} from_lines {t_lines:.2f} "
@@ -400,7 +476,7 @@ def index_breakdown(q, k, recall, bs, Hkv, D, log):
 def sweep(q, k, v, dout, pos, bs, log):
     """Time our kernels under a few (num_warps, num_stages) choices; keep the fastest per kernel."""
     index = estimate_vertical_slash(q, k, recall=0.95, block_size=bs)
-    index.transposed()
+    index.transposed_csr()
     args = dict(q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns, block_size=bs, plans=index._cache)
     out, lse = partial.attention_forward(q, k, v, **args)
     choices = [(4, 2), (4, 3), (8, 2), (8, 3)]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mtrain.ops import SparseIndex
+from mtrain.ops import index as index_module
 from mtrain.ops.index import compact
 
 
@@ -83,3 +84,65 @@ def test_compact_keeps_order_and_pads():
 def test_bad_lines_are_refused():
     with pytest.raises(ValueError, match="vertical must be"):
         SparseIndex.from_lines(torch.zeros(2, 3), torch.zeros(1, 2, 3), 16, 4)
+
+
+def flag_matrix_from_lines(vertical, slash, S, bs):
+    """The previous builder (a dense [B, H, nQB, nQB + 1] flag matrix), kept as an independent reference."""
+    B, H, _ = vertical.shape
+    n = -(-S // bs)
+    qb = torch.arange(n)
+    flags = torch.zeros(B, H, n, n + 1, dtype=torch.bool)
+    flags[:, :, qb, qb] = True
+    flags[:, :, :, 0] = True
+    if slash.shape[-1] > 0:
+        d = slash.long()[:, :, None, :]
+        row_lo = (qb * bs)[None, None, :, None]
+        row_hi = torch.clamp((qb + 1) * bs, max=S)[None, None, :, None] - 1
+        ok = (d >= 0) & (d < S) & (row_hi - d >= 0)
+        flags.scatter_(-1, torch.where(ok, (row_lo - d).clamp(min=0) // bs, n).expand(B, H, n, -1), True)
+        flags.scatter_(-1, torch.where(ok, (row_hi - d).clamp(min=0) // bs, n).expand(B, H, n, -1), True)
+    flags = flags[..., :n]
+    block_ids, block_counts = compact(flags)
+    if vertical.shape[-1] == 0:
+        return block_ids, block_counts, torch.full((B, H, n, 1), -1, dtype=torch.int32), torch.zeros(B, H, n).int()
+    v, _ = torch.sort(torch.where((vertical >= 0) & (vertical < S), vertical.long(), S), dim=-1)
+    dup = torch.zeros_like(v, dtype=torch.bool)
+    dup[..., 1:] = v[..., 1:] == v[..., :-1]
+    v_ok = (v < S) & ~dup
+    v_blk = torch.where(v_ok, v // bs, 0)
+    covered = torch.gather(flags, -1, v_blk[:, :, None, :].expand(B, H, n, -1))
+    active = v_ok[:, :, None, :] & (v_blk[:, :, None, :] < qb[None, None, :, None]) & ~covered
+    col_ids, col_counts = compact(active, v[:, :, None, :].expand(B, H, n, -1).clamp(max=S - 1))
+    return block_ids, block_counts, col_ids, col_counts
+
+
+def flag_matrix_transpose(block_ids, block_counts, n_kblocks):
+    """The previous transpose (dense [B, H, nKB, nQB] flags), kept as an independent reference."""
+    B, H, nqb, maxb = block_ids.shape
+    valid = (torch.arange(maxb) < block_counts[..., None].long()) & (block_ids >= 0)
+    flags = torch.zeros(B, H, n_kblocks + 1, nqb, dtype=torch.bool)
+    q_idx = torch.arange(nqb)[None, None, :, None].expand_as(block_ids)
+    b_idx = torch.arange(B)[:, None, None, None].expand_as(block_ids)
+    h_idx = torch.arange(H)[None, :, None, None].expand_as(block_ids)
+    flags[b_idx, h_idx, torch.where(valid, block_ids.long(), n_kblocks), q_idx] = True
+    return compact(flags[:, :, :n_kblocks])
+
+
+@pytest.mark.parametrize("S,bs,nv,ns", [(1000, 16, 12, 9), (1024, 64, 40, 30), (777, 32, 0, 5), (300, 7, 9, 0),
+                                        (130, 64, 3, 2), (64, 64, 2, 2), (2000, 8, 50, 200)])
+def test_offset_builder_equals_flag_matrix_builder(S, bs, nv, ns, monkeypatch):
+    """The list-proportional builder gives the previous builder's tensors exactly (shapes included),
+    for ragged lengths, duplicates, padding, offsets past the sequence, and the transposed view."""
+    monkeypatch.setattr(index_module, "_SCATTER_ELEMS", 6 * max(nv, 1) * 5)  # several scatter steps
+    gen = torch.Generator().manual_seed(S + bs)
+    for trial in range(3):
+        vertical = torch.randint(-2, S + 3, (2, 3, nv), generator=gen)
+        near = torch.randint(0, 3 * bs, (2, 3, ns // 2), generator=gen)  # many offsets share blocks
+        slash = torch.cat([near, torch.randint(-2, S + 3, (2, 3, ns - ns // 2), generator=gen)], -1)
+        index = SparseIndex.from_lines(vertical, slash, S, bs)
+        want = flag_matrix_from_lines(vertical, slash, S, bs)
+        for got, ref in zip((index.block_ids, index.block_counts, index.col_ids, index.col_counts), want):
+            assert got.dtype == ref.dtype and torch.equal(got, ref)
+        t_ids, t_counts = index.transposed()
+        r_ids, r_counts = flag_matrix_transpose(index.block_ids, index.block_counts, index.n_blocks)
+        assert torch.equal(t_ids, r_ids) and torch.equal(t_counts, r_counts)

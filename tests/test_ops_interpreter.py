@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-KERNEL_TEST_FILES = ["test_ops_partial.py", "test_ops_sparse_attention.py"]
+KERNEL_TEST_FILES = ["test_ops_partial.py", "test_ops_sparse_attention.py", "test_ops_docmask.py"]
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
     not IN_INTERPRETER, reason="Triton kernel test: run by test_kernel_tests_in_interpreter_process"

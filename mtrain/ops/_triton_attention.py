@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from mtrain.ops.index import ColumnPlan, column_plan, compact, transpose_blocks
+from mtrain.ops.index import ColumnPlan, column_plan, compact, transpose_blocks_csr
 
 _LOG2E = 1.4426950408889634
 # Positions of padded keys: larger than any real position, so the causal test drops them.
@@ -17,13 +17,13 @@ _FAR = tl.constexpr(1 << 60)
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, QP, KP, BI, BC, CI, CC,
+    Q, K, V, O, LSE, QP, KP, BI, BC, CI, CC, QD, KD,
     scale_log2,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
-    sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch,
+    sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb,
     Sq, Sk, H, GROUP,
     BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, HAS_COLS: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
 ):
     i = tl.program_id(0)
     bh = tl.program_id(1)
@@ -36,6 +36,8 @@ def _fwd_kernel(
     row_ok = (offs_t < BS) & (rows < Sq)
     q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     qp = tl.load(QP + rows, mask=row_ok, other=-1)
+    if HAS_DOC:
+        qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
     m_i = tl.full([TILE], float("-inf"), tl.float32)
     l_i = tl.zeros([TILE], tl.float32)
     acc = tl.zeros([TILE, D], tl.float32)
@@ -53,6 +55,9 @@ def _fwd_kernel(
         ok = key_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             ok = ok & (kp[None, :] <= qp[:, None])
+        if HAS_DOC:
+            kd = tl.load(KD + b * skdb + keys, mask=key_ok, other=-1)
+            ok = ok & (kd[None, :] == qd[:, None])
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -74,6 +79,9 @@ def _fwd_kernel(
             ok = c_ok[None, :] & row_ok[:, None]
             if CAUSAL:
                 ok = ok & (kp[None, :] <= qp[:, None])
+            if HAS_DOC:
+                kd = tl.load(KD + b * skdb + cid, mask=c_ok, other=-1)
+                ok = ok & (kd[None, :] == qd[:, None])
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -92,13 +100,13 @@ def _fwd_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, QP, KP, BI, BC, CI, CC,
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, QP, KP, BI, BC, CI, CC, QD, KD,
     scale_log2, scale,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sgb, sgs, sgh, skgb, skgs, skgh,
-    sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch,
+    sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb,
     Sq, Sk, H, GROUP,
     BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, HAS_COLS: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr, HAS_DOC: tl.constexpr,
 ):
     """dQ of one query block; with ATOMIC also adds this block's dK/dV shares with fp32 atomics."""
     i = tl.program_id(0)
@@ -117,6 +125,8 @@ def _dq_kernel(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
     qp = tl.load(QP + rows, mask=row_ok, other=-1)
+    if HAS_DOC:
+        qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
     dq = tl.zeros([TILE, D], tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
@@ -132,6 +142,9 @@ def _dq_kernel(
         ok = key_ok[None, :] & row_ok[:, None]
         if CAUSAL:
             ok = ok & (kp[None, :] <= qp[:, None])
+        if HAS_DOC:
+            kd = tl.load(KD + b * skdb + keys, mask=key_ok, other=-1)
+            ok = ok & (kd[None, :] == qd[:, None])
         p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
@@ -155,6 +168,9 @@ def _dq_kernel(
             ok = c_ok[None, :] & row_ok[:, None]
             if CAUSAL:
                 ok = ok & (kp[None, :] <= qp[:, None])
+            if HAS_DOC:
+                kd = tl.load(KD + b * skdb + cid, mask=c_ok, other=-1)
+                ok = ok & (kd[None, :] == qd[:, None])
             p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
@@ -170,17 +186,18 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, EXK, EXV, QP, KP, TI, PRE, IT, IS, IE, ISL,
+    Q, K, V, DO, LSE, DELTA, DK, DV, EXK, EXV, QP, KP, TI, TS, PRE, IT, IS, IE, ISL, QD, KD,
     scale_log2, scale,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sgb, sgs, sgh,
-    stib, stih, stij,
+    stsb, stsh, sqdb, skdb,
     Sq, Sk, HKV, GROUP, n_kblocks,
     BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
 ):
     """dK, dV of one work item: a slice of the (head, query block) pairs that use one key block, summed
     over the query heads of its GQA group in registers. The first item of a key block writes dK/dV; the
-    rest write to extra slots that `_reduce_kernel` adds in a fixed order (no atomics)."""
+    rest write to extra slots that `_reduce_kernel` adds in a fixed order (no atomics). The transposed
+    index is ragged: head h's list of key block j is TI[TS[b, h, j] :][: count]."""
     item = tl.program_id(0)
     t = tl.load(IT + item)
     start = tl.load(IS + item)
@@ -195,6 +212,8 @@ def _dkdv_kernel(
     keys = j * BS + offs_t
     key_ok = (offs_t < BS) & (keys < Sk)
     kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
+    if HAS_DOC:
+        kd = tl.load(KD + b * skdb + keys, mask=key_ok, other=-1)
     k = tl.load(K + b * skb + keys[:, None] * sks + hk * skh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     v = tl.load(V + b * svb + keys[:, None] * svs + hk * svh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     dk = tl.zeros([TILE, D], tl.float32)
@@ -204,8 +223,9 @@ def _dkdv_kernel(
         # PRE holds, per key block, where each head's list starts in the item numbering.
         p0 = tl.load(PRE + t * (GROUP + 1) + g)
         p1 = tl.load(PRE + t * (GROUP + 1) + g + 1)
+        t_base = tl.load(TS + b * stsb + h * stsh + j)
         for n in range(tl.maximum(start, p0) - p0, tl.minimum(end, p1) - p0):
-            i = tl.load(TI + b * stib + h * stih + j * stij + n)
+            i = tl.load(TI + t_base + n)
             rows = i * BS + offs_t
             row_ok = (offs_t < BS) & (rows < Sq)
             qp = tl.load(QP + rows, mask=row_ok, other=-1)
@@ -220,6 +240,9 @@ def _dkdv_kernel(
             ok = key_ok[:, None] & row_ok[None, :]
             if CAUSAL:
                 ok = ok & (kp[:, None] <= qp[None, :])
+            if HAS_DOC:
+                qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
+                ok = ok & (kd[:, None] == qd[None, :])
             pt = tl.where(ok, tl.exp2(st - lse2[None, :]), 0.0)
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
             dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -237,13 +260,13 @@ def _dkdv_kernel(
 
 @triton.jit
 def _col_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DKC, DVC, EXK, EXV, QP, KP, U, TQ, TB, IT, IS, IE, ISL,
+    Q, K, V, DO, LSE, DELTA, DKC, DVC, EXK, EXV, QP, KP, U, TQ, TB, IT, IS, IE, ISL, QD, KD,
     scale_log2, scale,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh,
-    sub, suh, stqb, stqh, stqc, scb, sch, scu,
+    sub, suh, stqb, stqh, stqc, scb, sch, scu, sqdb, skdb,
     Sq, H, GROUP, u_cap, n_chunks,
     BS: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, HAS_DOC: tl.constexpr,
 ):
     """dK, dV of one work item: a chunk of a query head's vertical columns against a slice of the query
     blocks that use them (first item writes, the rest go to extra slots, as in `_dkdv_kernel`)."""
@@ -265,6 +288,8 @@ def _col_dkdv_kernel(
     c_ok = cid >= 0
     cid = tl.where(c_ok, cid, 0)
     kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
+    if HAS_DOC:
+        kd = tl.load(KD + b * skdb + cid, mask=c_ok, other=-1)
     k = tl.load(K + b * skb + cid[:, None] * sks + hk * skh + offs_d[None, :], mask=c_ok[:, None], other=0.0)
     v = tl.load(V + b * svb + cid[:, None] * svs + hk * svh + offs_d[None, :], mask=c_ok[:, None], other=0.0)
     dk = tl.zeros([CH, D], tl.float32)
@@ -286,6 +311,9 @@ def _col_dkdv_kernel(
         ok = (active & c_ok)[:, None] & row_ok[None, :]
         if CAUSAL:
             ok = ok & (kp[:, None] <= qp[None, :])
+        if HAS_DOC:
+            qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
+            ok = ok & (kd[:, None] == qd[None, :])
         pt = tl.where(ok, tl.exp2(st - lse2[None, :]), 0.0)
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
         dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -392,16 +420,19 @@ def _visible_blocks(q_pos, k_pos, block_size, causal):
 
 
 def _dense_lists(q_pos, k_pos, block_size, causal, B, H, plans):
-    """Block lists (and their transpose) for `blocks=None`: every visible key block, shared by all heads."""
+    """Block lists (and their ragged transpose, see `transpose_blocks_csr`) for `blocks=None`: every
+    visible key block, shared by all heads."""
     if "dense" not in plans:
         vis = _visible_blocks(q_pos, k_pos, block_size, causal)
         ids, counts = compact(vis)
-        t_ids, t_counts = compact(vis.t())
-        plans["dense"] = (ids, counts, t_ids, t_counts)
-    ids, counts, t_ids, t_counts = plans["dense"]
+        _, t_flat = torch.nonzero(vis.t(), as_tuple=True)  # row-major: per key block, query blocks in order
+        t_counts = vis.sum(0, dtype=torch.int32)
+        t_starts = torch.cumsum(t_counts, 0, dtype=torch.int64) - t_counts
+        plans["dense"] = (ids, counts, (t_flat.to(torch.int32), t_starts, t_counts))
+    ids, counts, (t_flat, t_starts, t_counts) = plans["dense"]
     # Zero strides over batch and heads: one list in memory for every (b, h).
     return (ids.expand(B, H, *ids.shape), counts.expand(B, H, *counts.shape),
-            t_ids.expand(B, H, *t_ids.shape), t_counts.expand(B, H, *t_counts.shape))
+            (t_flat, t_starts.expand(B, H, *t_starts.shape), t_counts.expand(B, H, *t_counts.shape)))
 
 
 def _int32(t: torch.Tensor, device) -> torch.Tensor:
@@ -409,14 +440,64 @@ def _int32(t: torch.Tensor, device) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans):
+def _doc_ranges(doc: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of `block_size` tokens, the smallest and largest document id: [B, nBlocks] each."""
+    B, S = doc.shape
+    n = -(-S // block_size)
+    pad = n * block_size - S
+    lo = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).max)
+    hi = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).min)
+    return lo.view(B, n, block_size).amin(-1), hi.view(B, n, block_size).amax(-1)
+
+
+def _keep_left(ids: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack the kept entries of each -1 padded list [..., M] to the left, in order; trim the padding."""
+    counts = keep.sum(-1, dtype=torch.int32)
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    slot = torch.where(keep, keep.cumsum(-1) - 1, width)  # dropped entries land in a dump slot
+    out = torch.full((*ids.shape[:-1], width + 1), -1, dtype=torch.int32, device=ids.device)
+    out.scatter_(-1, slot, torch.where(keep, ids, -1).to(torch.int32))
+    return out[..., :width].contiguous(), counts
+
+
+def _doc_filter(bi, bc, ci, cc, has_cols, qd, kd, block_size):
+    """Drop listed key blocks and columns whose document ids cannot meet the query block's: a block is
+    kept only when its doc-id range overlaps the query block's (exact for any ids: equal ids need
+    overlapping ranges). Tiles that survive still test the ids pair by pair in the kernels."""
+    B = qd.shape[0]
+    q_lo, q_hi = _doc_ranges(qd, block_size)  # [B, nqb]
+    k_lo, k_hi = _doc_ranges(kd, block_size)  # [B, nkb]
+    # Lists shared by all heads (blocks=None) are filtered once per batch row, not once per head.
+    H = bi.shape[1]
+    shared = bi.stride(1) == 0 and bc.stride(1) == 0
+    ids = (bi[:, :1] if shared else bi).expand(B, -1, -1, -1)
+    cnt = (bc[:, :1] if shared else bc).expand(B, -1, -1)
+    valid = (torch.arange(ids.shape[-1], device=ids.device) < cnt[..., None].long()) & (ids >= 0)
+    j = ids.long().clamp(min=0)
+    bidx = torch.arange(B, device=ids.device)[:, None, None, None]
+    keep = valid & (k_lo[bidx, j] <= q_hi[:, None, :, None]) & (k_hi[bidx, j] >= q_lo[:, None, :, None])
+    bi, bc = _keep_left(ids, keep)
+    if shared:
+        bi, bc = bi.expand(B, H, *bi.shape[2:]), bc.expand(B, H, bc.shape[2])
+    if has_cols:
+        valid = (torch.arange(ci.shape[-1], device=ci.device) < cc[..., None].long()) & (ci >= 0)
+        cdoc = kd[bidx, ci.long().clamp(min=0)]
+        keep = valid & (cdoc >= q_lo[:, None, :, None]) & (cdoc <= q_hi[:, None, :, None])
+        ci, cc = _keep_left(ci, keep)
+    return bi, bc, ci, cc
+
+
+def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, q_doc=None, k_doc=None):
+    """Lists, positions and document ids on q's device. With document ids the lists are filtered
+    (`_doc_filter`) and everything derived from them is cached in plans["doc"], apart from the
+    doc-free entries."""
     B, Sq, Hq, D = q.shape
     _check_inputs(q)
     if blocks is None:
-        bi, bc, ti, tc = _dense_lists(q_pos.to(q.device), k_pos.to(q.device), block_size, causal, B, Hq, plans)
+        bi, bc, tr = _dense_lists(q_pos.to(q.device), k_pos.to(q.device), block_size, causal, B, Hq, plans)
     else:
         bi, bc = _int32(blocks[0], q.device), _int32(blocks[1], q.device)
-        ti = tc = None
+        tr = None
     if columns is None:
         ci = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=q.device)
         cc = torch.zeros(1, 1, 1, dtype=torch.int32, device=q.device)
@@ -424,44 +505,56 @@ def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans):
         ci, cc = _int32(columns[0], q.device), _int32(columns[1], q.device)
     qp = q_pos.to(device=q.device, dtype=torch.int64).contiguous()
     kp = k_pos.to(device=q.device, dtype=torch.int64).contiguous()
-    return bi, bc, ti, tc, ci, cc, columns is not None, qp, kp
+    if q_doc is None:
+        qd = kd = torch.zeros(1, dtype=torch.int64, device=q.device)  # never read (HAS_DOC=False)
+    else:
+        qd = q_doc.to(device=q.device, dtype=torch.int64).contiguous()
+        kd = k_doc.to(device=q.device, dtype=torch.int64).contiguous()
+        plans = plans.setdefault("doc", {})
+        if "lists" not in plans:
+            plans["lists"] = _doc_filter(bi, bc, ci, cc, columns is not None, qd, kd, block_size)
+        bi, bc, ci, cc = plans["lists"]
+        tr = None
+    return bi, bc, tr, ci, cc, columns is not None, qp, kp, qd, kd, plans
 
 
-def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans=None):
+def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans=None, *, q_doc=None,
+            k_doc=None):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     plans = {} if plans is None else plans
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    bi, bc, _, _, ci, cc, has_cols, qp, kp = _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal,
-                                                       plans)
+    bi, bc, _, ci, cc, has_cols, qp, kp, qd, kd, plans = _prepare(
+        q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, q_doc, k_doc)
     nqb = -(-Sq // block_size)
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
     _launch(
         _fwd_kernel, (nqb, B * Hq),
-        q, k, v, out, lse, qp, kp, bi, bc, ci, cc,
+        q, k, v, out, lse, qp, kp, bi, bc, ci, cc, qd, kd,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
-        ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1),
+        ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
         Sq, Sk, Hq, Hq // Hkv,
         BS=block_size, TILE=_tile(block_size), D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=_prec(q),
-        **_opts(q, "fwd", _tile(block_size)),
+        HAS_DOC=q_doc is not None, **_opts(q, "fwd", _tile(block_size)),
     )
     return out, lse
 
 
 def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
-             deterministic=True, plans=None):
+             deterministic=True, plans=None, q_doc=None, k_doc=None):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
     plans = {} if plans is None else plans
     q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
-    bi, bc, ti, tc, ci, cc, has_cols, qp, kp = _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size,
-                                                         causal, plans)
+    bi, bc, tr, ci, cc, has_cols, qp, kp, qd, kd, plans = _prepare(
+        q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, q_doc, k_doc)
+    has_doc = q_doc is not None
     nqb, nkb = -(-Sq // block_size), -(-Sk // block_size)
     tile = _tile(block_size)
     prec = _prec(q)
@@ -478,32 +571,33 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     )
     _launch(
         _dq_kernel, (nqb, B * Hq),
-        q, k, v, dout, lse, delta, dq, dk, dv, qp, kp, bi, bc, ci, cc,
+        q, k, v, dout, lse, delta, dq, dk, dv, qp, kp, bi, bc, ci, cc, qd, kd,
         scale * _LOG2E, scale, *common, dq.stride(0), dq.stride(1), dq.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
-        ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1),
+        ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
         Sq, Sk, Hq, group,
         BS=block_size, TILE=tile, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
-        ATOMIC=not deterministic, **_opts(q, "dq", tile),
+        ATOMIC=not deterministic, HAS_DOC=has_doc, **_opts(q, "dq", tile),
     )
     if not deterministic:
         return dq, dk, dv
-    if ti is None:
+    if tr is None:
         if "t" not in plans:
-            plans["t"] = transpose_blocks(bi, bc, nkb)
-        ti, tc = plans["t"]
+            plans["t"] = transpose_blocks_csr(bi, bc, nkb)
+        tr = plans["t"]
+    ti, ts, tc = tr
     kv_plan = _kv_work_plan(tc, B, Hkv, group, nkb, dk, block_size, plans)
     extra_k = torch.empty(max(1, kv_plan["n_extra"]), tile, D, dtype=torch.float32, device=q.device)
     extra_v = torch.empty_like(extra_k)
     _launch(
         _dkdv_kernel, (kv_plan["n_items"],),
-        q, k, v, dout, lse, delta, dk, dv, extra_k, extra_v, qp, kp, ti, kv_plan["pre"],
-        kv_plan["target"], kv_plan["start"], kv_plan["end"], kv_plan["slot"],
+        q, k, v, dout, lse, delta, dk, dv, extra_k, extra_v, qp, kp, ti, ts, kv_plan["pre"],
+        kv_plan["target"], kv_plan["start"], kv_plan["end"], kv_plan["slot"], qd, kd,
         scale * _LOG2E, scale, *common, dk.stride(0), dk.stride(1), dk.stride(2),
-        ti.stride(0), ti.stride(1), ti.stride(2),
+        ts.stride(0), ts.stride(1), qd.stride(0), kd.stride(0),
         Sq, Sk, Hkv, group, nkb,
-        BS=block_size, TILE=tile, D=D, CAUSAL=causal, PREC=prec, **_opts(q, "dkdv", tile),
+        BS=block_size, TILE=tile, D=D, CAUSAL=causal, PREC=prec, HAS_DOC=has_doc, **_opts(q, "dkdv", tile),
     )
     _reduce(dk, dv, extra_k, extra_v, kv_plan, dk.stride(1), tile, D)
     if has_cols:
@@ -522,12 +616,13 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         _launch(
             _col_dkdv_kernel, (col_plan["n_items"],),
             q, k, v, dout, lse, delta, dkc, dvc, extra_k, extra_v, qp, kp, universe, plan.q_ids, plan.bits,
-            col_plan["target"], col_plan["start"], col_plan["end"], col_plan["slot"],
+            col_plan["target"], col_plan["start"], col_plan["end"], col_plan["slot"], qd, kd,
             scale * _LOG2E, scale, *common,
             universe.stride(0), universe.stride(1), plan.q_ids.stride(0), plan.q_ids.stride(1),
-            plan.q_ids.stride(2), dkc.stride(0), dkc.stride(1), dkc.stride(2),
+            plan.q_ids.stride(2), dkc.stride(0), dkc.stride(1), dkc.stride(2), qd.stride(0), kd.stride(0),
             Sq, Hq, group, u_cap, n_chunks,
-            BS=block_size, TILE=tile, CH=chunk, D=D, CAUSAL=causal, PREC=prec, **_opts(q, "col", tile),
+            BS=block_size, TILE=tile, CH=chunk, D=D, CAUSAL=causal, PREC=prec, HAS_DOC=has_doc,
+            **_opts(q, "col", tile),
         )
         _reduce(dkc, dvc, extra_k, extra_v, col_plan, dkc.stride(2), chunk, D)
         scatter = _column_scatter(universe, B, Sk, Hkv, group, plans)
@@ -546,7 +641,7 @@ def prepare_backward(index, num_kv_heads: int, head_dim: int) -> None:
     B, Hq, nqb = index.block_counts.shape
     S, bs, plans = index.seq_len, index.block_size, index._cache
     group = Hq // num_kv_heads
-    _, tc = index.transposed()
+    _, _, tc = index.transposed_csr()
     dk = torch.empty(B, S, num_kv_heads, head_dim, device="meta")
     _kv_work_plan(tc, B, num_kv_heads, group, nqb, dk, bs, plans)
     chunk = min(_tile(bs), 64)

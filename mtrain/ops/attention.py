@@ -15,34 +15,36 @@ class _PartialAttention(torch.autograd.Function):
     """out, lse = partial attention; backward through `partial.attention_backward` (lse not differentiable)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans):
+    def forward(ctx, q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans,
+                q_doc, k_doc):
         out, lse = partial.attention_forward(
             q, k, v, q_pos=q_pos, k_pos=k_pos, blocks=blocks, columns=columns, block_size=block_size,
-            softmax_scale=scale, causal=causal, impl=impl, plans=plans,
+            softmax_scale=scale, causal=causal, impl=impl, plans=plans, q_doc=q_doc, k_doc=k_doc,
         )
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans)
+        ctx.args = (q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans, q_doc, k_doc)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans = ctx.args
+        q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans, q_doc, k_doc = ctx.args
         dq, dk, dv = partial.attention_backward(
             dout, q, k, v, out, lse, q_pos=q_pos, k_pos=k_pos, blocks=blocks, columns=columns,
             block_size=block_size, softmax_scale=scale, causal=causal, impl=impl,
-            deterministic=deterministic, plans=plans,
+            deterministic=deterministic, plans=plans, q_doc=q_doc, k_doc=k_doc,
         )
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 10
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12
 
 
 def partial_attention(q, k, v, *, q_pos, k_pos, blocks=None, columns=None, block_size=64, softmax_scale=None,
-                      causal=True, impl="auto", deterministic=True, plans=None):
-    """Differentiable `partial.attention_forward` (same arguments); returns (out, lse), lse without grad."""
+                      causal=True, impl="auto", deterministic=True, plans=None, q_doc=None, k_doc=None):
+    """Differentiable `partial.attention_forward` (same arguments, document ids q_doc [B, Sq] / k_doc
+    [B, Sk] included); returns (out, lse), lse without grad."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _PartialAttention.apply(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, impl,
-                                   deterministic, plans)
+                                   deterministic, plans, q_doc, k_doc)
 
 
 def vertical_slash_attention(
@@ -55,6 +57,7 @@ def vertical_slash_attention(
     *,
     impl: str = "auto",
     deterministic: bool = True,
+    doc_ids: torch.Tensor | None = None,
 ):
     """Causal vertical-slash sparse attention, differentiable in q, k and v.
 
@@ -68,6 +71,8 @@ def vertical_slash_attention(
     through the transposed index, looping over the GQA group's heads, vertical columns per column
     chunk); False = one fused kernel per query block adding dK/dV with fp32 atomics (no transposed
     index; results vary in the last bits between runs). The torch path is deterministic either way.
+    doc_ids: optional integer tensor [B, S] of document ids (packed samples; equal id = same
+    document): a query then attends only to keys of its own document, on top of the index.
     Returns out [B, S, Hq, D] in q.dtype, and with return_lse also lse [B, Hq, S] fp32 (no gradient).
     """
     B, S, Hq, _ = q.shape
@@ -79,8 +84,12 @@ def vertical_slash_attention(
     if index.block_ids.device != q.device:
         index = index.to(q.device)
     pos = torch.arange(S, device=q.device)
+    # With document ids everything the kernels derive comes from the doc-filtered lists: a per-call
+    # dict (shared by this call's forward and backward) keeps it out of the index's cache.
+    plans = index._cache if doc_ids is None else {}
     out, lse = partial_attention(
         q, k, v, q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns, block_size=index.block_size,
-        softmax_scale=softmax_scale, causal=True, impl=impl, deterministic=deterministic, plans=index._cache,
+        softmax_scale=softmax_scale, causal=True, impl=impl, deterministic=deterministic, plans=plans,
+        q_doc=doc_ids, k_doc=doc_ids,
     )
     return (out, lse) if return_lse else out

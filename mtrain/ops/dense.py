@@ -46,15 +46,29 @@ def dense_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    *,
+    doc_ids: torch.Tensor | None = None,
 ):
     """Dense (optionally causal) attention, differentiable in q, k, v.
 
     q: [B, S, Hq, D]; k, v: [B, Sk, Hkv, D], Hq % Hkv == 0 (GQA). causal masks key j > query i
     (aligned at position 0). softmax_scale defaults to 1/sqrt(D). Returns out [B, S, Hq, D] in q.dtype
     and, with return_lse, lse [B, Hq, S] fp32 (natural log, no gradient). Backend: see `dense_backend`.
+    doc_ids: optional integer tensor [B, S] of document ids (packed samples; needs Sk == S): a query
+    attends only to keys of its own document. These calls run our partial kernels (Triton on CUDA,
+    which skip key blocks of other documents; PyTorch on the CPU), never an S x S mask.
     """
     _check_qkv(q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if doc_ids is not None:
+        from mtrain.ops.attention import partial_attention
+
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"doc_ids needs as many keys as queries; got Sq={q.shape[1]}, Sk={k.shape[1]}")
+        pos = torch.arange(q.shape[1], device=q.device)
+        out, lse = partial_attention(q, k, v, q_pos=pos, k_pos=pos, softmax_scale=scale, causal=causal,
+                                     block_size=64, q_doc=doc_ids, k_doc=doc_ids)
+        return (out, lse) if return_lse else out
     backend = dense_backend(q, return_lse)
     if backend == "flash_attn":
         from flash_attn import flash_attn_func

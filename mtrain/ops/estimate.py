@@ -10,11 +10,18 @@ import torch
 from mtrain.ops.index import SparseIndex
 
 
-def last_query_probs(q: torch.Tensor, k: torch.Tensor, last_q: int, softmax_scale: float | None = None) -> torch.Tensor:
+def last_query_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    last_q: int,
+    softmax_scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal softmax of the last `last_q` queries over all keys: fp32 [B, Hkv, G, last_q, S].
 
     Query head h = hkv * G + g reads kv head hkv (K is never repeated). Row r sits at position
-    S - last_q + r and sees keys 0..S - last_q + r.
+    S - last_q + r and sees keys 0..S - last_q + r (only those of its own document when doc_ids
+    [B, S] is given).
     """
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -24,8 +31,11 @@ def last_query_probs(q: torch.Tensor, k: torch.Tensor, last_q: int, softmax_scal
     ql = q[:, S - n :].float().reshape(B, n, Hkv, G, D)
     s = torch.einsum("bqhgd,bkhd->bhgqk", ql, k.float()) * scale
     rows = torch.arange(S - n, S, device=q.device)
-    future = torch.arange(S, device=q.device)[None, :] > rows[:, None]
-    return torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
+    hidden = torch.arange(S, device=q.device)[None, :] > rows[:, None]  # [n, S]
+    if doc_ids is not None:
+        other_doc = doc_ids[:, S - n :, None] != doc_ids[:, None, :]  # [B, n, S]
+        hidden = (hidden | other_doc)[:, None, None]
+    return torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1)
 
 
 def slash_scores(probs: torch.Tensor) -> torch.Tensor:
@@ -76,6 +86,7 @@ def estimate_vertical_slash(
     share_kv_group: bool = False,
     softmax_scale: float | None = None,
     slash_recall: float | None = None,
+    doc_ids: torch.Tensor | None = None,
 ) -> SparseIndex:
     """Estimate the vertical-slash pattern of causal attention and return its `SparseIndex`.
 
@@ -92,6 +103,10 @@ def estimate_vertical_slash(
     The index always holds the diagonal block and the first key block (sinks), whatever the scores.
     share_kv_group: sum the scores over the query heads of each KV group and select once per group
     (one budget per group: cheaper index, identical lists for the group's heads).
+    doc_ids: optional integer tensor [B, S] of document ids (packed samples): the last queries then
+    score only keys of their own document, so keys the attention will mask never win a vertical or
+    slash slot. Verticals and slashes still apply to every query block (the kernels mask them per
+    document); the pattern is therefore that of the last document(s).
     """
     if not 0.0 < recall <= 1.0:
         raise ValueError(f"recall must be in (0, 1]; got {recall}")
@@ -100,8 +115,13 @@ def estimate_vertical_slash(
         raise ValueError(f"k must be [B={B}, S={S}, Hkv, D] with Hq % Hkv == 0; got {tuple(k.shape)}")
     Hkv = k.shape[2]
     G = Hq // Hkv
+    if doc_ids is not None and (doc_ids.shape != (B, S) or doc_ids.is_floating_point()):
+        raise ValueError(
+            f"doc_ids must be an integer tensor [B={B}, S={S}]; got {doc_ids.dtype} {tuple(doc_ids.shape)}"
+        )
     with torch.no_grad():
-        probs = last_query_probs(q, k, last_q, softmax_scale)  # [B, Hkv, G, n, S]
+        docs = None if doc_ids is None else doc_ids.to(q.device)
+        probs = last_query_probs(q, k, last_q, softmax_scale, docs)  # [B, Hkv, G, n, S]
         vert = probs.sum(-2)
         slash = slash_scores(probs)
         if share_kv_group:

@@ -34,24 +34,67 @@ def compact(flags: torch.Tensor, values: torch.Tensor | None = None) -> tuple[to
     return out.view(*lead, width), counts
 
 
-def transpose_blocks(
-    block_ids: torch.Tensor, block_counts: torch.Tensor, n_kblocks: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (b, h, key block j) the sorted query blocks whose list contains j.
+def group_entries(group: torch.Tensor, values: torch.Tensor, n_groups: int):
+    """Ragged (CSR) lists: entry e goes to list group[e], keeping the order of e within a list.
 
-    block_ids [B, H, nQB, MAXB] (-1 padded), block_counts [B, H, nQB] ->
-    (q_ids [B, H, nKB, MAXT] int32, -1 padded; counts [B, H, nKB] int32).
+    group (LongTensor [E], 0 <= group < n_groups), values [E] -> (flat int32 [E]: the lists one after
+    another; starts int64 [n_groups]: where each list begins in flat; counts int32 [n_groups]). One
+    stable sort of E entries: time and memory follow the number of entries, not n_groups x the
+    longest list.
+    """
+    # int32 keys sort markedly faster on the CPU than int64.
+    key = group.to(torch.int32) if n_groups < 2**31 else group
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(group, minlength=n_groups)
+    starts = torch.cumsum(counts, 0) - counts
+    return values[order].to(torch.int32), starts, counts.to(torch.int32)
+
+
+def pad_groups(flat: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """CSR lists (as from `group_entries`, any leading shape of starts/counts) -> padded [..., M] int32,
+    -1 padded, M = the longest list (at least 1), as `compact` returns them."""
+    lead = counts.shape
+    counts, starts = counts.reshape(-1).long(), starts.reshape(-1)
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    group = torch.repeat_interleave(torch.arange(counts.numel(), device=flat.device), counts)
+    pos = torch.arange(group.numel(), device=flat.device) - starts[group]
+    out = torch.full((counts.numel(), width), -1, dtype=torch.int32, device=flat.device)
+    out[group, pos] = flat[starts[group] + pos]
+    return out.view(*lead, width)
+
+
+def transpose_blocks_csr(
+    block_ids: torch.Tensor, block_counts: torch.Tensor, n_kblocks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (b, h, key block j) the sorted query blocks whose list contains j, as ragged lists.
+
+    block_ids [B, H, nQB, MAXB] (-1 padded), block_counts [B, H, nQB] -> (q_ids int32 [E], the lists
+    one after another; starts int64 [B, H, nKB] into q_ids; counts int32 [B, H, nKB]). Works on the
+    listed entries only: no [nKB, nQB] matrix (the sink block's list alone is nQB long, so a padded
+    transposed index would be nKB x nQB).
     """
     B, H, nqb, maxb = block_ids.shape
     dev = block_ids.device
     valid = (torch.arange(maxb, device=dev) < block_counts[..., None].long()) & (block_ids >= 0)
-    kb = torch.where(valid, block_ids.long(), n_kblocks)  # invalid entries land in a dump row
-    flags = torch.zeros(B, H, n_kblocks + 1, nqb, dtype=torch.bool, device=dev)  # built transposed
-    b_idx = torch.arange(B, device=dev)[:, None, None, None]
-    h_idx = torch.arange(H, device=dev)[None, :, None, None]
-    q_idx = torch.arange(nqb, device=dev)[None, None, :, None]
-    flags[b_idx, h_idx, kb, q_idx] = True
-    return compact(flags[:, :, :n_kblocks])
+    flat = torch.nonzero(valid.reshape(-1)).flatten()  # row-major: i ascending within each (b, h)
+    j = block_ids.reshape(-1)[flat].long()
+    row = flat // maxb  # (b * H + h) * nQB + i
+    i = row % nqb
+    q_ids, starts, counts = group_entries((row - i) // nqb * n_kblocks + j, i, B * H * n_kblocks)
+    return q_ids, starts.view(B, H, n_kblocks), counts.view(B, H, n_kblocks)
+
+
+def transpose_blocks(
+    block_ids: torch.Tensor, block_counts: torch.Tensor, n_kblocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (b, h, key block j) the sorted query blocks whose list contains j, padded.
+
+    block_ids [B, H, nQB, MAXB] (-1 padded), block_counts [B, H, nQB] ->
+    (q_ids [B, H, nKB, MAXT] int32, -1 padded; counts [B, H, nKB] int32). The kernels use the ragged
+    `transpose_blocks_csr` (this padded form is nKB x nQB when the sink block is listed everywhere).
+    """
+    q_ids, starts, counts = transpose_blocks_csr(block_ids, block_counts, n_kblocks)
+    return pad_groups(q_ids, starts, counts), counts
 
 
 @dataclass
@@ -97,6 +140,41 @@ def column_plan(col_ids: torch.Tensor, col_counts: torch.Tensor, seq_k: int, chu
     return ColumnPlan(universe, q_ids, packed_bits.contiguous(), counts, chunk)
 
 
+# Padding of the block-offset sets: larger than any real offset.
+_NONE = 1 << 62
+# Elements of the temporaries of one step of the vertical-coverage scatter in `from_lines`.
+_SCATTER_ELEMS = 1 << 24
+
+
+def _offset_set(offsets: torch.Tensor) -> torch.Tensor:
+    """Sorted distinct offsets per (b, h): [B, H, K] (padding _NONE) -> [B, H, K'] ascending, _NONE padded."""
+    o, _ = torch.sort(offsets, dim=-1)
+    dup = torch.zeros_like(o, dtype=torch.bool)
+    dup[..., 1:] = o[..., 1:] == o[..., :-1]
+    o, _ = torch.sort(torch.where(dup, _NONE, o), dim=-1)
+    width = max(int((o < _NONE).sum(-1).max()), 1)
+    return o[..., :width].contiguous()
+
+
+def _rows_from_offsets(offs: torch.Tensor, rows: torch.Tensor):
+    """Per query block i in `rows`: how many offsets o <= i (`pick`), whether the sink block 0 is extra
+    (offset i absent), and the list length; offs [B, H, K] sorted, holding 0."""
+    B, H, _ = offs.shape
+    pick = torch.searchsorted(offs, rows.expand(B, H, -1).contiguous(), right=True)  # >= 1: offs holds 0
+    sink = torch.gather(offs, -1, pick - 1) != rows
+    return pick + sink, pick, sink
+
+
+def _expand_rows(offs, rows, counts, pick, sink, width: int) -> torch.Tensor:
+    """Block lists [B, H, len(rows), width], ascending: [0 if sink] + [i - offs[pick-1], ..., i - offs[0]]."""
+    t = torch.arange(width, device=offs.device)
+    src = pick[..., None] - 1 - t + sink[..., None].long()  # which offset lands in slot t
+    o = torch.gather(offs[:, :, None, :].expand(-1, -1, rows.numel(), -1), -1,
+                     src.clamp(min=0, max=offs.shape[-1] - 1))
+    ids = torch.where(sink[..., None] & (t == 0), 0, rows[:, None] - o)
+    return torch.where(t < counts[..., None], ids, -1).to(torch.int32)
+
+
 @dataclass
 class SparseIndex:
     """Which (query, key) pairs vertical-slash attention computes, in GLOBAL coordinates.
@@ -107,7 +185,7 @@ class SparseIndex:
         -1 padded; col_counts [B, Hq, nQB].
     seq_len, block_size: ints; nQB = ceil(seq_len / block_size).
     Built by `from_lines` or `estimate_vertical_slash` (vectorized tensor ops, no loop over blocks),
-    or directly from these tensors. `transposed()` gives the per-key-block view the deterministic
+    or directly from these tensors. `transposed_csr()` gives the per-key-block view the deterministic
     backward uses; derived data is cached with the index (`_cache`), so treat the tensors as frozen.
     """
 
@@ -153,6 +231,8 @@ class SparseIndex:
         diagonal block and the first key block (sinks); each slash offset d adds the (at most two)
         key blocks its diagonal crosses in each query block; verticals inside a computed block are
         dropped from the column lists, the rest become extra columns for every later query block.
+        Time and memory follow the size of the lists: the slashes are reduced to a per-head set of
+        block offsets i - j, which gives every row's list arithmetically (no nQB x nQB flags).
         """
         if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
             raise ValueError(
@@ -163,33 +243,54 @@ class SparseIndex:
         B, H, _ = vertical.shape
         dev = vertical.device
         n = -(-seq_len // block_size)
-        qb = torch.arange(n, device=dev)
-        flags = torch.zeros(B, H, n, n + 1, dtype=torch.bool, device=dev)  # last column = dump slot
-        flags[:, :, qb, qb] = True
-        flags[:, :, :, 0] = True
-        if slash.shape[-1] > 0:
-            d = slash.long()[:, :, None, :]  # [B,H,1,Ns]
-            ok = (d >= 0) & (d < seq_len)
-            row_lo = (qb * block_size)[None, None, :, None]
-            row_hi = torch.clamp((qb + 1) * block_size, max=seq_len)[None, None, :, None] - 1
-            key_lo, key_hi = row_lo - d, row_hi - d
-            ok = ok & (key_hi >= 0)
-            lo_blk = torch.where(ok, key_lo.clamp(min=0) // block_size, n)
-            hi_blk = torch.where(ok, key_hi.clamp(min=0) // block_size, n)
-            flags.scatter_(-1, lo_blk.expand(B, H, n, -1), True)
-            flags.scatter_(-1, hi_blk.expand(B, H, n, -1), True)
-        flags = flags[..., :n]
-        block_ids, block_counts = compact(flags)
+        tail = seq_len - (n - 1) * block_size  # length of the last query block
+        # A slash d = a*bs + r crosses, in every full query block i, key blocks i - a and (r > 0) i - a - 1;
+        # in a short last block of `tail` rows, i - a only when r < tail. So each query block's list
+        # is {0 (sink)} + {i - o : o in O, o <= i} for a per-head set O of BLOCK offsets holding 0
+        # (the diagonal): built from O alone, without any nQB x nQB flags.
+        d = slash.long()
+        ok = (d >= 0) & (d < seq_len)
+        a, r = d // block_size, d % block_size
+        zero = torch.zeros(B, H, 1, dtype=torch.long, device=dev)
+        offs = _offset_set(torch.cat([zero, torch.where(ok, a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1))
+        rows = torch.arange(n, device=dev)
+        counts, pick, sink = _rows_from_offsets(offs, rows)
+        last = None
+        if tail < block_size:
+            offs_last = _offset_set(torch.cat(
+                [zero, torch.where(ok & (r < tail), a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1))
+            last = _rows_from_offsets(offs_last, rows[-1:])
+            counts[..., -1:], pick[..., -1:], sink[..., -1:] = last
+        width = max(int(counts.max()), 1)
+        block_ids = _expand_rows(offs, rows, counts, pick, sink, width)
+        if last is not None:
+            block_ids[:, :, -1:] = _expand_rows(offs_last, rows[-1:], *last, width)
+        block_counts = counts.to(torch.int32)
 
         if vertical.shape[-1] > 0:
             v, _ = torch.sort(torch.where((vertical >= 0) & (vertical < seq_len), vertical.long(), seq_len), dim=-1)
             dup = torch.zeros_like(v, dtype=torch.bool)
             dup[..., 1:] = v[..., 1:] == v[..., :-1]
             v_ok = (v < seq_len) & ~dup  # [B,H,Nv]
-            v_blk = torch.where(v_ok, v // block_size, 0)
-            covered = torch.gather(flags, -1, v_blk[:, :, None, :].expand(B, H, n, -1))
-            active = v_ok[:, :, None, :] & (v_blk[:, :, None, :] < qb[None, None, :, None]) & ~covered
-            col_ids, col_counts = compact(active, v[:, :, None, :].expand(B, H, n, -1).clamp(max=seq_len - 1))
+            v_blk = torch.where(v_ok, v // block_size, n)
+            # A vertical is a column of every later query block whose list misses its key block: rows
+            # v_blk + o (o in O) hold that block, and every row holds block 0.
+            active = torch.zeros(B, H, n + 1, v.shape[-1], dtype=torch.bool, device=dev)  # last row = dump
+            active[:, :, :n] = (v_blk[:, :, None, :] < rows[None, None, :, None]) & (v_blk > 0)[:, :, None, :]
+            step = max(1, _SCATTER_ELEMS // max(1, B * H * v.shape[-1]))  # bounds the [B, H, step, Nv] temporaries
+            for o0 in range(0, offs.shape[-1], step):
+                o = offs[:, :, o0 : o0 + step, None]
+                hit = v_blk[:, :, None, :] + o
+                active.scatter_(2, torch.where((hit < n) & (o < _NONE), hit, n), False)
+            active = active[:, :, :n]
+            if last is not None:
+                o_last = (n - 1) - v_blk  # the short last row tests its own offset set
+                at = torch.searchsorted(offs_last, o_last).clamp(max=offs_last.shape[-1] - 1)
+                covered = torch.gather(offs_last, -1, at) == o_last
+                active[:, :, -1] = (v_blk < n - 1) & (v_blk > 0) & ~covered
+            slots, col_counts = compact(active)  # which vertical, in sorted order
+            col_ids = torch.where(slots >= 0, torch.gather(v, -1, slots.long().clamp(min=0).flatten(2)).view_as(slots),
+                                  -1).to(torch.int32)
         else:
             col_ids = torch.full((B, H, n, 1), -1, dtype=torch.int32, device=dev)
             col_counts = torch.zeros(B, H, n, dtype=torch.int32, device=dev)
@@ -241,9 +342,16 @@ class SparseIndex:
         return float(self.block_counts.double().mean() / ((n + 1) / 2))
 
     def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_ids [B, Hq, nKB, MAXT], counts): per key block, the query blocks that compute it (cached)."""
+        """(q_ids [B, Hq, nKB, MAXT], counts): per key block, the query blocks that compute it, padded.
+        MAXT is nQB whenever the sink block is listed everywhere: for inspection and small S."""
+        q_ids, starts, counts = self.transposed_csr()
+        return pad_groups(q_ids, starts, counts), counts
+
+    def transposed_csr(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_ids int32 [E], starts int64 [B, Hq, nKB], counts int32 [B, Hq, nKB]): the transposed index as
+        ragged lists (what the deterministic backward reads; cached)."""
         if "t" not in self._cache:
-            self._cache["t"] = transpose_blocks(self.block_ids, self.block_counts, self.n_blocks)
+            self._cache["t"] = transpose_blocks_csr(self.block_ids, self.block_counts, self.n_blocks)
         return self._cache["t"]
 
     def column_plan(self, chunk: int) -> ColumnPlan:

@@ -22,8 +22,21 @@ def _use_triton(impl: str, device: torch.device) -> bool:
     return impl == "triton"
 
 
-def _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size):
+def _check_docs(q_doc, k_doc, B: int, Sq: int, Sk: int) -> None:
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("document masking needs both q_doc and k_doc (or neither)")
+    if q_doc is None:
+        return
+    for name, t, n in (("q_doc", q_doc, Sq), ("k_doc", k_doc, Sk)):
+        if t.shape != (B, n) or t.is_floating_point() or t.is_complex():
+            raise ValueError(
+                f"{name} must be an integer tensor [B={B}, {n}] of document ids; got {t.dtype} {tuple(t.shape)}"
+            )
+
+
+def _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size, q_doc=None, k_doc=None):
     B, Sq, Sk, Hq, _ = _check_qkv(q, k, v)
+    _check_docs(q_doc, k_doc, B, Sq, Sk)
     if block_size < 1:
         raise ValueError(f"block_size must be positive; got {block_size}")
     if q_pos.shape != (Sq,) or k_pos.shape != (Sk,):
@@ -55,7 +68,11 @@ def _slice_lists(arg, start: int, stop: int, block_size: int):
     return ids[:, :, start // block_size : -(-stop // block_size)], counts[:, :, start // block_size : -(-stop // block_size)]
 
 
-def _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal):
+def _doc_rows(q_doc, start: int, stop: int):
+    return None if q_doc is None else q_doc[:, start:stop]
+
+
+def _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc=None, k_doc=None):
     B, Sq, Sk, Hq, Hkv = _check_qkv(q, k, v)
     q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -68,6 +85,7 @@ def _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, ca
         keep = partial_mask(
             q_pos[start:stop], k_pos, batch=B, heads=Hq, blocks=_slice_lists(blocks, start, stop, block_size),
             columns=_slice_lists(columns, start, stop, block_size), block_size=block_size, causal=causal,
+            q_doc=_doc_rows(q_doc, start, stop), k_doc=k_doc,
         )
         s = torch.matmul(q[:, start:stop].to(cdt).transpose(1, 2), kh.transpose(-1, -2)) * scale
         s = s.masked_fill(~keep, float("-inf"))
@@ -78,7 +96,8 @@ def _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, ca
     return out, lse
 
 
-def _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal):
+def _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc=None,
+                    k_doc=None):
     B, Sq, Sk, Hq, Hkv = _check_qkv(q, k, v)
     q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -93,6 +112,7 @@ def _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, bloc
         keep = partial_mask(
             q_pos[start:stop], k_pos, batch=B, heads=Hq, blocks=_slice_lists(blocks, start, stop, block_size),
             columns=_slice_lists(columns, start, stop, block_size), block_size=block_size, causal=causal,
+            q_doc=_doc_rows(q_doc, start, stop), k_doc=k_doc,
         )
         qc = q[:, start:stop].to(cdt).transpose(1, 2)
         doc = dout[:, start:stop].to(cdt).transpose(1, 2)
@@ -126,6 +146,8 @@ def attention_forward(
     causal: bool = True,
     impl: str = "auto",
     plans: dict | None = None,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a query shard against one key/value shard; returns (out, lse) for an LSE merge.
 
@@ -144,18 +166,25 @@ def attention_forward(
         TRITON_INTERPRET=1, else torch), "triton" or "torch". The Triton path takes fp16, bf16 and
         fp32 with a power-of-two head dim >= 16 and accumulates in fp32; float64 needs impl="torch".
     plans: optional dict the Triton path fills with derived index data (the lists for blocks=None,
-        the transposed index) and reuses on later calls; pass the same dict only while positions and
-        lists stay the same (e.g. forward and backward of one step), never across different shards.
+        the transposed index) and reuses on later calls; pass the same dict only while positions,
+        lists and document ids stay the same (e.g. forward and backward of one step), never across
+        different shards.
+    q_doc: integer tensor [B, Sq] and k_doc [B, Sk] of document ids (any integers; equal id = same
+        document), both or neither: a pair is then kept only when q_doc == k_doc as well (packed
+        samples). The Triton path drops listed key blocks and columns whose doc-id range cannot meet
+        the query block's before launching (with increasing ids, as a packer numbers documents, that
+        is every block of other documents) and tests the ids pair by pair in the remaining tiles.
     Returns out [B, Sq, Hq, D] in q.dtype and lse [B, Hq, Sq] float32 (natural log); rows that see
     no key get out = 0 and lse = -inf. Not differentiable itself: use `attention_backward`.
     """
-    _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size)
+    _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size, q_doc, k_doc)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if _use_triton(impl, q.device):
         from mtrain.ops import _triton_attention
 
-        return _triton_attention.forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans)
-    return _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal)
+        return _triton_attention.forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans,
+                                         q_doc=q_doc, k_doc=k_doc)
+    return _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc, k_doc)
 
 
 def attention_backward(
@@ -176,6 +205,8 @@ def attention_backward(
     impl: str = "auto",
     deterministic: bool = True,
     plans: dict | None = None,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one partial attention step, given the FINAL (merged) out and lse of the rows.
 
@@ -190,17 +221,19 @@ def attention_backward(
     per column chunk): bitwise repeatable. `deterministic=False` adds dK/dV with fp32 atomics from the
     dQ kernel (no transposed index; slower under GQA, see BENCHMARKS.md). `plans`: as in
     `attention_forward` (also holds the transposed index; `SparseIndex` keeps one per index).
+    q_doc, k_doc: document ids as in `attention_forward` (pass the same ones as the forward).
     """
-    _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size)
+    _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size, q_doc, k_doc)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if _use_triton(impl, q.device):
         from mtrain.ops import _triton_attention
 
         return _triton_attention.backward(
             dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
-            deterministic=deterministic, plans=plans,
+            deterministic=deterministic, plans=plans, q_doc=q_doc, k_doc=k_doc,
         )
-    return _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal)
+    return _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
+                           q_doc, k_doc)
 
 
 def merge_partial(

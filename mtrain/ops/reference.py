@@ -54,12 +54,15 @@ def partial_mask(
     columns=None,
     block_size: int = 64,
     causal: bool = True,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The bool [B, Hq, Sq, Sk] of (query, key) pairs that `mtrain.ops.partial` computes.
 
     A pair is kept when its key block is listed for the query's block (every block when `blocks` is
     None) or its key token is one of the query block's extra columns, and, when `causal`,
-    k_pos <= q_pos. Blocks are `block_size` consecutive local tokens of the query / key shard.
+    k_pos <= q_pos, and, when document ids q_doc [B, Sq] / k_doc [B, Sk] are given, q_doc == k_doc.
+    Blocks are `block_size` consecutive local tokens of the query / key shard.
     """
     Sq, Sk = q_pos.numel(), k_pos.numel()
     dev = q_pos.device
@@ -76,6 +79,8 @@ def partial_mask(
         mask = mask | cflags[:, :, q_blk]
     if causal:
         mask = mask & (k_pos.to(dev)[None, :] <= q_pos.to(dev)[:, None])
+    if q_doc is not None:
+        mask = mask & (q_doc.to(dev)[:, None, :, None] == k_doc.to(dev)[:, None, None, :])
     return mask
 
 
