@@ -17,7 +17,11 @@ import time
 
 import torch
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script only
+
 SHAPES = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, intermediate_size=384, vocab_size=1024, tie_word_embeddings=True),
     # hidden, layers, q heads, kv heads, head dim, intermediate, vocab
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          head_dim=64, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
@@ -38,10 +42,10 @@ def build(shape: str, kind: str, seq_len: int, recall: float, max_lines: int):
                                 "model.config=mtrain/assets/tiny-qwen2/config.json",
                                 "model.tokenizer=mtrain/assets/tiny-tokenizer", "data.path=."])
     name = register_attention(recipe)
-    CONTEXT.group, CONTEXT.doc_spans = None, []
+    CONTEXT.group, CONTEXT.doc_ids = None, None
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=max(seq_len, 32768), rope_theta=1e6)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name, dtype=torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -58,33 +62,36 @@ def run(shape: str, kind: str, seq_len: int, steps: int, recall: float, max_line
 
     model, cfg = build(shape, kind, seq_len, recall, max_lines)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    ids = torch.randint(0, cfg.vocab_size, (1, seq_len), device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=DEVICE == "cuda")
+    ids = torch.randint(0, cfg.vocab_size, (1, seq_len), device=DEVICE)
     labels = torch.roll(ids, -1, 1)
     labels[:, -1] = -100
-    pos = torch.arange(seq_len, device="cuda")[None]
-    torch.cuda.reset_peak_memory_stats()
+    pos = torch.arange(seq_len, device=DEVICE)[None]
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     try:
         for i in range(steps + 1):  # step 0 compiles / autotunes
             CONTEXT.densities = []
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             loss_sum, n = model(ids, pos, labels)
             (loss_sum / n).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
+            sync()
             if i:
                 times.append(time.perf_counter() - t0)
             losses.append(float(loss_sum / n))
     except torch.OutOfMemoryError:
         return {"kind": kind, "seq_len": seq_len, "oom": True}
     finally:
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
         del model, opt
         gc.collect()
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     step_s = sorted(times)[len(times) // 2]
     return {"kind": kind, "seq_len": seq_len, "step_s": step_s, "tokens_per_s": seq_len / step_s, "peak_gb": peak,
             "loss": losses[-1], "density": (sum(CONTEXT.densities) / len(CONTEXT.densities)) if CONTEXT.densities else 1.0,
@@ -96,12 +103,11 @@ def check(shape: str) -> float:
     out = []
     for kind in ("dense", "mtraining"):
         model, cfg = build(shape, kind, 4096, 1.0, 1 << 20)
-        ids = torch.randint(0, cfg.vocab_size, (1, 4096), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        ids = torch.randint(0, cfg.vocab_size, (1, 4096), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
         with torch.no_grad():
-            loss_sum, n = model(ids, torch.arange(4096, device="cuda")[None], torch.roll(ids, -1, 1))
+            loss_sum, n = model(ids, torch.arange(4096, device=DEVICE)[None], torch.roll(ids, -1, 1))
         out.append(float(loss_sum / n))
         del model
-        torch.cuda.empty_cache()
     return abs(out[0] - out[1]) / abs(out[0])
 
 
@@ -118,7 +124,8 @@ def main() -> None:
     print(f"check: |loss(dense) - loss(mtraining, recall 1)| / loss = {rel:.2e}")
     assert rel < 2e-2, "sparse path with a full index disagrees with dense"
     rows = [run(args.shape, k, s, args.steps, args.recall, args.max_lines) for s in args.seq_lens for k in args.kinds]
-    print(f"\n{args.shape}, bf16, activation checkpointing, AdamW; {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
+    print(f"\n{args.shape}, bf16, activation checkpointing, AdamW; {where}, torch {torch.__version__}")
     print(f"{'seq':>8} {'kind':<10} {'step s':>8} {'tokens/s':>10} {'TFLOP/s*':>9} {'peak GB':>8} {'density':>8} {'x dense':>8}")
     for s in args.seq_lens:
         dense = next((r for r in rows if r["seq_len"] == s and r["kind"] == "dense" and not r.get("oom")), None)

@@ -120,7 +120,7 @@ def test_train_resume_export(tmp_path, packed):
 
     name = register_attention(load_recipe(recipe, ["parallel.cp_size=1"]))
     ours = AutoModelForCausalLM.from_pretrained(final, attn_implementation=name)
-    CONTEXT.group, CONTEXT.doc_spans = None, []
+    CONTEXT.group, CONTEXT.doc_ids = None, None
     ids = torch.randint(0, 700, (1, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         plain, trained_logits = model(ids).logits, ours(ids).logits

@@ -38,8 +38,8 @@ class AttentionContext:
     inner_group: object = None
     outer_group: object = None
     """Hierarchical ring groups (inner = one node, outer = across nodes), or None for a flat ring."""
-    doc_spans: list = field(default_factory=list)
-    """Per batch row, [(start, end), ...] of the packed documents in GLOBAL positions; [] = one document."""
+    doc_ids: object = None
+    """LongTensor [B, S] of document ids over the WHOLE (global) sequence, or None for one document per row."""
     densities: list = field(default_factory=list)
     """Computed fraction of causal pairs per sparse call (for logging), reset by the trainer each step."""
 
@@ -52,27 +52,39 @@ def _no_mask(*args, **kwargs):
     return None
 
 
-def _local_attention(q, k, v, scaling):
+def _local_attention(q, k, v, scaling, doc_ids=None):
     """One rank holds the whole sequence: dense causal or online vertical-slash sparse attention."""
     from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
 
     if not CONTEXT.sparse:
-        return dense_attention(q, k, v, causal=True, softmax_scale=scaling)
+        if doc_ids is None:
+            return dense_attention(q, k, v, causal=True, softmax_scale=scaling)
+        return _dense_per_document(q, k, v, scaling, doc_ids)
     s = CONTEXT.settings
     index = estimate_vertical_slash(q.detach(), k.detach(), recall=s.recall, last_q=min(s.last_q, q.shape[1]),
                                     max_vertical=s.max_vertical, max_slash=s.max_slash, block_size=s.block_size,
-                                    softmax_scale=scaling)
+                                    min_vertical=s.min_vertical, min_slash=s.min_slash,
+                                    share_kv_group=s.share_kv_group, slash_recall=s.slash_recall,
+                                    softmax_scale=scaling, doc_ids=doc_ids)
     CONTEXT.densities.append(float(index.density()))
-    return vertical_slash_attention(q, k, v, index, softmax_scale=scaling)
+    return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
 
 
-def _per_document(q, k, v, scaling):
-    """Packed samples on one rank: each document is its own causal sequence (no cross-document pairs)."""
-    outs = []
-    for b, spans in enumerate(CONTEXT.doc_spans):
-        pieces = [_local_attention(q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], scaling) for s, e in spans]
-        outs.append(torch.cat(pieces, dim=1))
-    return torch.cat(outs, dim=0)
+def _dense_per_document(q, k, v, scaling, doc_ids):
+    """Dense attention on packed rows, one causal call per document (the fastest dense kernel, no mask)."""
+    from mtrain.ops import dense_attention
+
+    rows = []
+    for b in range(q.shape[0]):
+        _, lengths = torch.unique_consecutive(doc_ids[b], return_counts=True)
+        pieces, start = [], 0
+        for n in lengths.tolist():
+            sl = slice(start, start + n)
+            pieces.append(dense_attention(q[b : b + 1, sl], k[b : b + 1, sl], v[b : b + 1, sl], causal=True,
+                                          softmax_scale=scaling))
+            start += n
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0)
 
 
 def _ring(q, k, v, scaling):
@@ -105,11 +117,11 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise MtrainError("mtrain attention kinds do not implement attention dropout; set attention_dropout=0")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if CONTEXT.group is None:
-        out = _per_document(q, k, v, scaling) if CONTEXT.doc_spans else _local_attention(q, k, v, scaling)
+        out = _local_attention(q, k, v, scaling, CONTEXT.doc_ids)
     else:
-        if CONTEXT.doc_spans and any(len(spans) > 1 for spans in CONTEXT.doc_spans):
+        if CONTEXT.doc_ids is not None and bool((CONTEXT.doc_ids != CONTEXT.doc_ids[:, :1]).any()):
             raise MtrainError(
-                "document masking with parallel.cp_size > 1 is not supported yet by the ring kernels; "
+                "document masking with parallel.cp_size > 1 is not supported yet by the ring; "
                 "set data.document_masking=false or parallel.cp_size=1"
             )
         out = _ring(q, k, v, scaling)

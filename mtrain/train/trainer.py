@@ -256,8 +256,10 @@ class Trainer:
         batch = {k: torch.stack([s[k] for s in samples]) for k in ("input_ids", "labels", "position_ids")}
         own_kernel = r.attention.kind in KINDS
         if own_kernel:
-            CONTEXT.doc_spans = ([[tuple(map(int, span)) for span in s["doc_spans"]] for s in samples]
-                                 if r.data.document_masking else [])
+            # document ids of the whole sample (every CP rank holds all of them): a new document where
+            # position_ids restart at 0
+            CONTEXT.doc_ids = (torch.cumsum((batch["position_ids"] == 0).long(), dim=1).to(device)
+                               if r.data.document_masking else None)
         elif r.data.document_masking:
             batch["attention_mask"] = document_mask(batch["position_ids"])
         if self.mesh.cp_size > 1:

@@ -54,7 +54,7 @@ def main(out_path: str) -> None:
             name = register_attention(recipe)
             torch.manual_seed(1)
             model = ChunkedLossLM(AutoModelForCausalLM.from_config(config, attn_implementation=name), chunk=200)
-            CONTEXT.group, CONTEXT.doc_spans, CONTEXT.densities = None, [], []
+            CONTEXT.group, CONTEXT.doc_ids, CONTEXT.densities = None, None, []
             ref_loss, ref_grads = step(model, ids, pos, labels, n_valid)
             density = sum(CONTEXT.densities) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
             layout = Layout.create(layout_name(recipe), world_size=world, granularity=32)
