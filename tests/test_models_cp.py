@@ -21,10 +21,17 @@ def test_cp_step_matches_single_rank(tmp_path, world):
     proc = torchrun(world, "tests/workers/cp_step.py", str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {(r["model"], r["kind"]) for r in rows} == {
-        (m, k) for m in ("qwen2", "llama") for k in ("dense", "mtraining", "zigzag-dense", "zigzag-sparse")}
+    assert {(r["model"], r["kind"], r["documents"]) for r in rows} == {
+        (m, k, d) for m in ("qwen2", "llama") for k in ("dense", "mtraining", "zigzag-dense", "zigzag-sparse")
+        for d in (False, True)}
     for r in rows:
         assert r["loss_rel"] < 1e-5, r
         assert r["grad_rel"] < 1e-5, r
         # the sparse kinds really skip work (budgets of 16 lines at 512 tokens), the dense ones do not
         assert (r["density"] < 0.9) if r["kind"] in ("mtraining", "zigzag-sparse") else r["density"] == 1.0, r
+    # document masking really changes the computation (and CP reproduces the masked one)
+    for m in ("qwen2", "llama"):
+        for k in ("dense", "mtraining"):
+            plain, masked = (next(r for r in rows if (r["model"], r["kind"], r["documents"]) == (m, k, d))
+                             for d in (False, True))
+            assert abs(plain["loss"] - masked["loss"]) > 1e-4, (plain, masked)

@@ -46,6 +46,22 @@ def make_index(batch: int, seed: int) -> SparseIndex:
     return SparseIndex.from_lines(vertical, torch.cat([window, far], -1), SEQ_LEN, BLOCK)
 
 
+def make_docs() -> torch.Tensor:
+    """Document ids [2, SEQ_LEN] of two packed samples with different spans: starts mid-block and
+    mid-shard, a one-token document in each (mid-sequence; the very last token), ids not 0..n-1."""
+    docs = torch.zeros(2, SEQ_LEN, dtype=torch.long)
+    for row, (starts, first_id, step) in enumerate((([0, 37, 38, 100, 171, 230], 0, 1),
+                                                    ([0, 23, 90, 91, 150, 255], 5, 3))):
+        for n, start in enumerate(starts):
+            docs[row, start:] = first_id + n * step
+    return docs
+
+
+def doc_mask(docs: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] same-document pairs."""
+    return (docs[:, :, None] == docs[:, None, :])[:, None]
+
+
 def _inputs(batch: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, SEQ_LEN, HQ, DIM, generator=g, dtype=torch.float64)
@@ -59,8 +75,10 @@ def _max_err(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_world_size=None):
+def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_world_size=None, docs=False):
+    """One ring run (fwd + bwd) against the float64 reference; docs: with document ids (`make_docs`)."""
     batch, seed = 2, 7
+    doc_ids = make_docs() if docs else None
     q, k, v, dout = _inputs(batch, seed)
     scale = 1.0 / math.sqrt(DIM)
     index = make_index(batch, seed) if mode == "sparse" else None
@@ -77,7 +95,7 @@ def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_w
         kwargs = {"inner_group": groups[0], "outer_group": groups[1]}
     shards = [layout.shard(t.float(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
     out = ring_attention(shards[0], shards[1], shards[2], group=None, layout=layout, index=index,
-                         sparse=settings, **kwargs)
+                         sparse=settings, doc_ids=doc_ids, **kwargs)
     out.backward(shards[3])
 
     record = {}
@@ -87,10 +105,12 @@ def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_w
         from mtrain.parallel.estimate import estimate_index
 
         pos = layout.indices(SEQ_LEN, rank)
-        got = estimate_index(shards[0].detach(), shards[1].detach(), pos, pos, SEQ_LEN, settings, scale, None)
+        got = estimate_index(shards[0].detach(), shards[1].detach(), pos, pos, SEQ_LEN, settings, scale, None,
+                             doc_ids=doc_ids)
         ref_index = estimate_vertical_slash(
             q.float(), k.float(), recall=0.9, last_q=16, max_vertical=6, max_slash=6, block_size=BLOCK,
-            min_vertical=2, min_slash=2, share_kv_group=settings.share_kv_group, softmax_scale=scale)
+            min_vertical=2, min_slash=2, share_kv_group=settings.share_kv_group, softmax_scale=scale,
+            doc_ids=doc_ids)
         record["index_equal"] = all(
             torch.equal(getattr(got, f), getattr(ref_index, f))
             for f in ("block_ids", "block_counts", "col_ids", "col_counts"))
@@ -99,6 +119,13 @@ def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_w
     # the single-device reference on the whole sequence, float64 autograd
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     mask = ref_index.to_mask() if ref_index is not None else None
+    if doc_ids is not None:  # the same-document rule on top of causal + index
+        causal = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()
+        doc_free = mask
+        mask = (causal if mask is None else mask) & doc_mask(doc_ids)
+        # the documents must matter, or the document cases would prove nothing
+        free_out = reference_attention(q, k, v, doc_free, scale)
+        record["gap_to_doc_free"] = _max_err(out.detach(), layout.shard(free_out, rank))
     ref_out = reference_attention(*full, mask, scale)
     ref_out.backward(dout)
     record["out"] = _max_err(out.detach(), layout.shard(ref_out.detach(), rank))
@@ -107,7 +134,7 @@ def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_w
         record["gap_to_dense"] = _max_err(out.detach(), layout.shard(dense_out, rank))
     for name, got, ref in zip(("dq", "dk", "dv"), shards[:3], full):
         record[name] = _max_err(got.grad, layout.shard(ref.grad, rank))
-    results[f"{world}/{layout_name}/{mode}/{schedule}"] = record
+    results[f"{world}/{layout_name}/{mode}{'-docs' if docs else ''}/{schedule}"] = record
 
 
 def _run_bf16_case(rank, world, layout_name, mode, results):
@@ -155,6 +182,12 @@ def _worker(rank, world, init_file, out_dir, hierarchies):
         for mode in ("dense", "sparse"):
             _run_case(rank, world, layout_name, mode, "flat", None, results)
     if world == 4:
+        # document masking: every layout x dense / given index / estimated index x flat / hierarchical 2x2
+        for schedule, doc_groups, local in (("flat", None, None), ("hierarchical2x2", hierarchical_groups(None, 2), 2)):
+            for layout_name in LAYOUT_NAMES:
+                for mode in DOC_MODES:
+                    _run_case(rank, world, layout_name, mode, schedule, doc_groups, results, local_world_size=local,
+                              docs=True)
         # outer group as the trainer's mesh builds it: the ranks with equal node-local index
         by_local = [dist.new_group([n * 2 + local for n in range(2)]) for local in range(2)]
         groups = (hierarchical_groups(None, 2)[0], by_local[rank % 2])
@@ -179,6 +212,7 @@ def _worker(rank, world, init_file, out_dir, hierarchies):
 
 
 _WORLDS = {2: (), 4: (2,), 8: (4,)}  # world size -> node sizes of the hierarchical cases (2x2, 2x4)
+DOC_MODES = ("dense", "sparse", "estimate")  # with document ids (world 4: every layout, flat and 2x2)
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +236,8 @@ def _cases():
             for layout_name in LAYOUT_NAMES:
                 for mode in ("dense", "sparse"):
                     cases.append(f"{world}/{layout_name}/{mode}/{schedule}")
+    cases += [f"4/{layout_name}/{mode}-docs/{schedule}" for schedule in ("flat", "hierarchical2x2")
+              for layout_name in LAYOUT_NAMES for mode in DOC_MODES]
     return cases + ["4/block-stripe/sparse/hierarchical2x2-local-outer", "4/block-stripe/estimate/flat", "4/zigzag/estimate-shared/flat", "4/zigzag/sparse/derived"]
 
 
@@ -226,6 +262,8 @@ def test_ring_matches_single_device(ring_results, case):
         if "index_equal" in record:
             assert record["index_equal"], f"{case} rank {rank}: estimated index differs from the single-device one"
             assert record["index_density"] < 0.9, f"{case}: the estimate kept nearly everything; the test is too weak"
+    if "gap_to_doc_free" in records[0]:
+        assert max(r["gap_to_doc_free"] for r in records) > 1e-2, f"{case}: documents changed nothing"
     if "gap_to_dense" in records[0]:  # some rank's rows must differ from dense (the first rows may not)
         assert max(r["gap_to_dense"] for r in records) > 1e-2, f"{case}: sparse output equals dense attention"
 
@@ -253,9 +291,19 @@ def test_ring_attention_argument_errors(single_process_group):
         ring_attention(q, torch.randn(1, 64, 3, 16), torch.randn(1, 64, 3, 16), group=None, layout=layout)
     with pytest.raises(MtrainError, match="both inner_group and outer_group"):
         ring_attention(q, kv, kv, group=None, layout=layout, inner_group=dist.group.WORLD)
+    with pytest.raises(MtrainError, match="doc_ids must be an integer tensor"):
+        ring_attention(q, kv, kv, group=None, layout=layout, doc_ids=torch.zeros(1, 32, dtype=torch.long))
+    with pytest.raises(MtrainError, match="doc_ids must be an integer tensor"):
+        ring_attention(q, kv, kv, group=None, layout=layout, doc_ids=torch.zeros(1, 64))
     with pytest.raises(MtrainError, match="recall must be in"):
         SparseSettings(recall=1.5)
     # one rank: the ring is plain attention
     out = ring_attention(q, kv, kv, group=None, layout=layout)
     ref = reference_attention(q.double(), kv.double(), kv.double(), None, 0.25)
+    assert _max_err(out, ref) < OUT_TOL
+    # and with documents, plain attention within each document
+    docs = (torch.arange(64) >= 29).long()[None]
+    out = ring_attention(q, kv, kv, group=None, layout=layout, doc_ids=docs)
+    mask = torch.ones(64, 64, dtype=torch.bool).tril() & doc_mask(docs)
+    ref = reference_attention(q.double(), kv.double(), kv.double(), mask, 0.25)
     assert _max_err(out, ref) < OUT_TOL

@@ -75,7 +75,7 @@ def _check_golden(losses: dict) -> None:
 
 def test_train_resume_export(tmp_path, packed):
     """CP=2 under torchrun: 6 steps straight vs killed (kill -9) after the step-3 checkpoint and rerun."""
-    cp2 = ["--set", "parallel.cp_size=2", "--set", "data.document_masking=false"]
+    cp2 = ["--set", "parallel.cp_size=2"]  # packed documents masked inside the ring
     full = _torchrun(2, "train", str(_recipe(tmp_path, packed, "full")), *cp2)
     out, _ = full.communicate(timeout=600)
     assert full.returncode == 0, out
@@ -161,7 +161,7 @@ def test_dp2_cp2_runs(tmp_path, packed):
     proc = _torchrun(4, "train", str(_recipe(tmp_path, packed, "dpcp", max_steps=2, save_every=0, grad_accum=1,
                                                 micro_batch_size=1)),
                      "--set", "parallel.cp_size=2", "--set", "attention.kind=mtraining", "--set", "attention.block_size=32",
-                     "--set", "parallel.granularity=32", "--set", "data.document_masking=false")
+                     "--set", "parallel.granularity=32")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     rows = [json.loads(line) for line in (tmp_path / "dpcp" / "metrics.jsonl").read_text().splitlines()]

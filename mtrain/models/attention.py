@@ -102,10 +102,10 @@ def _ring(q, k, v, scaling):
         positions = CONTEXT.layout.indices(seq_len, rank).to(q.device)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         index = estimate_index(q.detach(), k.detach(), positions, positions, seq_len, CONTEXT.settings, scale,
-                               CONTEXT.group)
+                               CONTEXT.group, doc_ids=CONTEXT.doc_ids)
         CONTEXT.densities.append(float(index.density()))
     return ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, index=index, softmax_scale=scaling,
-                          inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group)
+                          inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group, doc_ids=CONTEXT.doc_ids)
 
 
 def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -119,11 +119,6 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     if CONTEXT.group is None:
         out = _local_attention(q, k, v, scaling, CONTEXT.doc_ids)
     else:
-        if CONTEXT.doc_ids is not None and bool((CONTEXT.doc_ids != CONTEXT.doc_ids[:, :1]).any()):
-            raise MtrainError(
-                "document masking with parallel.cp_size > 1 is not supported yet by the ring; "
-                "set data.document_masking=false or parallel.cp_size=1"
-            )
         out = _ring(q, k, v, scaling)
     return out, None
 

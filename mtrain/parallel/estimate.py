@@ -65,12 +65,14 @@ def _top_p(scores, ids, total, recall: float, cap: int, minimum: int) -> torch.T
 
 def estimate_lines(
     q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: int,
-    settings: SparseSettings, scale: float, group,
+    settings: SparseSettings, scale: float, group, doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(vertical [B, Hq, Nv], slash [B, Hq, Ns]), -1 padded, identical on every rank of `group`.
 
     q [B, S_local, Hq, D], k [B, S_local, Hkv, D] local shards; q_pos/k_pos their global positions.
     Vertical and slash scores are token level, as in `mtrain.ops.estimate_vertical_slash`.
+    doc_ids: global document ids [B, seq_len] (the same on every rank) or None: the last queries then score
+    only keys of their own document, as `estimate_vertical_slash(..., doc_ids=)` does.
     """
     b, _, hq, d = q.shape
     hkv = k.shape[2]
@@ -88,6 +90,9 @@ def estimate_lines(
         qg = last_q.float().view(b, last, hkv, hq // hkv, d)
         logits = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.float()).reshape(b, hq, last, -1) * scale
         visible = k_pos[None, :] <= last_pos[:, None]  # [last, S_local]
+        if doc_ids is not None:  # [B, 1, last, S_local]: same document only
+            docs = doc_ids.to(q.device)
+            visible = (visible & (docs[:, last_pos, None] == docs[:, None, k_pos]))[:, None]
         logits = logits.masked_fill(~visible, float("-inf"))
         row_max = logits.amax(dim=-1)
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -129,9 +134,10 @@ def estimate_lines(
     return vertical, slash
 
 
-def estimate_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group):
+def estimate_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
+                   doc_ids: torch.Tensor | None = None):
     """The global SparseIndex of the estimated lines (identical on every rank of `group`)."""
     from mtrain.ops import SparseIndex
 
-    vertical, slash = estimate_lines(q, k, q_pos, k_pos, seq_len, settings, scale, group)
+    vertical, slash = estimate_lines(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids)
     return SparseIndex.from_lines(vertical, slash, seq_len, settings.block_size)

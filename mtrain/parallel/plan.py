@@ -3,6 +3,7 @@ sink block and vertical columns taken off the ring into one local pass; built on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -53,10 +54,25 @@ class RingPlan:
     skip: set[int]
     columns: OffRingColumns | None
     rects: dict[int, list[Rect] | None] = field(default_factory=dict)
+    doc_ids: torch.Tensor | None = None
+    """Global document ids [B, seq_len] (packed samples) or None; see `with_documents`."""
 
     @property
     def q_pos(self) -> torch.Tensor:
         return self.positions[self.rank]
+
+    def docs(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Document ids [B, n] of the tokens at global `positions` (padding positions >= seq_len read the
+        last token's id: they are causally invisible anyway), or None without document masking."""
+        if self.doc_ids is None:
+            return None
+        return self.doc_ids[:, positions.clamp(max=self.seq_len - 1)]
+
+    def with_documents(self, doc_ids: torch.Tensor) -> "RingPlan":
+        """A copy (cached plans stay untouched) whose steps keep only same-document pairs. The dense
+        rectangles are dropped: a fused SDPA rectangle cannot mask documents, so those steps run the
+        partial kernels, which take the ids (and on the GPU skip the blocks of other documents)."""
+        return dataclasses.replace(self, rects={}, doc_ids=doc_ids)
 
 
 @functools.lru_cache(maxsize=16)

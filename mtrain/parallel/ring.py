@@ -45,6 +45,16 @@ def _check_index(index, q, seq_len: int) -> None:
         )
 
 
+def _check_docs(doc_ids, q, seq_len: int) -> torch.Tensor:
+    if doc_ids.dim() != 2 or tuple(doc_ids.shape) != (q.shape[0], seq_len) or doc_ids.is_floating_point() \
+            or doc_ids.dtype == torch.bool:
+        raise MtrainError(
+            f"ring_attention: doc_ids must be an integer tensor [B={q.shape[0]}, S={seq_len}] of the whole "
+            f"sequence's document ids (the same on every CP rank); got {doc_ids.dtype} {tuple(doc_ids.shape)}"
+        )
+    return doc_ids.to(device=q.device, dtype=torch.int64)
+
+
 def _pick_groups(group, inner_group, outer_group):
     """(inner, outer) for the hierarchical ring, or None for the flat one."""
     if (inner_group is None) != (outer_group is None):
@@ -84,6 +94,7 @@ def ring_attention(
     softmax_scale: float | None = None,
     inner_group=None,
     outer_group=None,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over a sequence sharded across a context-parallel group; differentiable.
 
@@ -97,6 +108,9 @@ def ring_attention(
     index, in which case the CP group carries the outer ring); when not given they are derived from
     LOCAL_WORLD_SIZE if it splits the group into several nodes (collective on first use), else flat. Its
     steps are balanced when the layout is built with local_world_size = the inner group's size.
+    doc_ids: integer tensor [B, S] of GLOBAL document ids of the whole sequence (packed samples; equal id =
+    same document), identical on every rank of the group: a query then attends only to keys of its own
+    document, in every ring step and the off-ring pass; the online estimate scores only same-document keys.
     Returns out [B, S_local, Hq, D] in q.dtype; partial results are merged in fp32 through the LSE.
     """
     world = dist.get_world_size(group)
@@ -106,14 +120,18 @@ def ring_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if index is not None and sparse is not None:
         raise MtrainError("ring_attention: give either a SparseIndex (index=) or estimation settings (sparse=)")
+    if doc_ids is not None:
+        doc_ids = _check_docs(doc_ids, q, seq_len)
     if sparse is not None:
         positions = layout.indices(seq_len, rank).to(q.device)
-        index = estimate_index(q, k, positions, positions, seq_len, sparse, scale, group)
+        index = estimate_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids)
     if index is not None:
         _check_index(index, q, seq_len)
         plan = sparse_plan(index, layout, rank, q.device)
     else:
         plan = dense_plan(layout, seq_len, rank, q.device)
+    if doc_ids is not None:
+        plan = plan.with_documents(doc_ids)
     if hierarchy is None:
         out, _ = ring_flat_attention(q, k, v, plan, group, scale)
     else:

@@ -1,5 +1,5 @@
-"""Per-step attention calls (mtrain.ops.partial with global positions and local block lists, or dense
-rectangles) and the off-ring sink + vertical-column pass, shared by every ring schedule."""
+"""Per-step attention calls (mtrain.ops.partial with global positions, local block lists and the shards'
+document ids, or dense rectangles) and the off-ring sink + vertical-column pass, shared by every ring schedule."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def step_forward(acc: PartialAccumulator, q, k, v, plan: RingPlan, origin: int, 
         q, k, v, q_pos=plan.q_pos, k_pos=plan.positions[origin],
         blocks=None if blocks is None else blocks.as_blocks(),
         block_size=plan.block_size, softmax_scale=scale, causal=True,
+        q_doc=plan.docs(plan.q_pos), k_doc=plan.docs(plan.positions[origin]),
     ))
 
 
@@ -45,6 +46,7 @@ def step_backward(dq, dk, dv, dout, q, k, v, out, lse, plan: RingPlan, origin: i
         dout, q, k, v, out, lse, q_pos=plan.q_pos, k_pos=plan.positions[origin],
         blocks=None if blocks is None else blocks.as_blocks(),
         block_size=plan.block_size, softmax_scale=scale, causal=True,
+        q_doc=plan.docs(plan.q_pos), k_doc=plan.docs(plan.positions[origin]),
     )
     dq += dq_s
     dk += dk_s
@@ -77,6 +79,7 @@ def columns_forward(acc: PartialAccumulator, q, kc, vc, plan: RingPlan, scale: f
     acc.add(*partial.attention_forward(
         q, kc, vc, q_pos=plan.q_pos, k_pos=plan.columns.positions, blocks=blocks, columns=columns,
         block_size=plan.block_size, softmax_scale=scale, causal=True,
+        q_doc=plan.docs(plan.q_pos), k_doc=plan.docs(plan.columns.positions),
     ))
 
 
@@ -87,6 +90,7 @@ def columns_backward(dout, q, kc, vc, out, lse, plan: RingPlan, scale: float, gr
     dq, dkc, dvc = partial.attention_backward(
         dout, q, kc, vc, out, lse, q_pos=plan.q_pos, k_pos=plan.columns.positions, blocks=blocks,
         columns=columns, block_size=plan.block_size, softmax_scale=scale, causal=True,
+        q_doc=plan.docs(plan.q_pos), k_doc=plan.docs(plan.columns.positions),
     )
     grads = torch.stack([dkc.to(dk.dtype), dvc.to(dv.dtype)])
     dist.all_reduce(grads, group=group)

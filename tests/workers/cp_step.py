@@ -1,7 +1,7 @@
 """torchrun worker: one forward/backward of tiny Qwen2 and Llama models with each mtrain attention kind,
 context-parallel over all ranks, compared with the same step on one rank (the whole sequence).
 
-Writes one JSON line per (model, kind) with the worst relative error of the loss and of every gradient.
+Writes one JSON line per (model, kind, with or without packed documents) with the worst relative error of the loss and of every gradient.
 """
 
 import json
@@ -43,6 +43,11 @@ def main(out_path: str) -> None:
     labels[:, -1] = -100
     pos = torch.arange(SEQ)[None]
     n_valid = int((labels != -100).sum())
+    # documents for the masked variant: boundaries mid-block and mid-shard, and a one-token document
+    starts = [0, 37, 38, 200, 301, 480]
+    doc_ids = torch.zeros(1, SEQ, dtype=torch.long)
+    for i, start in enumerate(starts):
+        doc_ids[:, start:] = i
     rows = []
     for model_name, config in configs().items():
         for kind in ("dense", "mtraining", "zigzag-dense", "zigzag-sparse"):
@@ -54,21 +59,23 @@ def main(out_path: str) -> None:
             name = register_attention(recipe)
             torch.manual_seed(1)
             model = ChunkedLossLM(AutoModelForCausalLM.from_config(config, attn_implementation=name), chunk=200)
-            CONTEXT.group, CONTEXT.doc_ids, CONTEXT.densities = None, None, []
-            ref_loss, ref_grads = step(model, ids, pos, labels, n_valid)
-            density = sum(CONTEXT.densities) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
             layout = Layout.create(layout_name(recipe), world_size=world, granularity=32)
-            CONTEXT.group, CONTEXT.layout = dist.group.WORLD, layout
-            loss, grads = step(model, layout.shard(ids, rank), layout.shard(pos, rank), layout.shard(labels, rank), n_valid)
-            dist.all_reduce(loss)
-            worst = 0.0
-            for key, g in grads.items():
-                dist.all_reduce(g)
-                scale = max(1e-6, float(ref_grads[key].abs().max()))
-                worst = max(worst, float((g - ref_grads[key]).abs().max()) / scale)
-            rows.append({"model": model_name, "kind": kind, "world": world,
-                         "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)), "grad_rel": worst,
-                         "density": density})
+            for docs in (None, doc_ids):
+                CONTEXT.group, CONTEXT.doc_ids, CONTEXT.densities = None, docs, []
+                ref_loss, ref_grads = step(model, ids, pos, labels, n_valid)
+                density = sum(CONTEXT.densities) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
+                CONTEXT.group, CONTEXT.layout = dist.group.WORLD, layout
+                loss, grads = step(model, layout.shard(ids, rank), layout.shard(pos, rank), layout.shard(labels, rank),
+                                   n_valid)
+                dist.all_reduce(loss)
+                worst = 0.0
+                for key, g in grads.items():
+                    dist.all_reduce(g)
+                    scale = max(1e-6, float(ref_grads[key].abs().max()))
+                    worst = max(worst, float((g - ref_grads[key]).abs().max()) / scale)
+                rows.append({"model": model_name, "kind": kind, "world": world, "documents": docs is not None,
+                             "loss": float(ref_loss), "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+                             "grad_rel": worst, "density": density})
     if rank == 0:
         with open(out_path, "w") as f:
             for row in rows:
