@@ -168,3 +168,4 @@ def test_dp2_cp2_runs(tmp_path, packed):
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["tokens"] for r in rows] == [2 * SEQ, 4 * SEQ]  # 2 DP groups x 1 sequence per step
     assert all(0 < r["attention_density"] <= 1 for r in rows)
+    assert all(r["imbalance_step"] >= 1.0 and r["imbalance_worker"] >= 1.0 for r in rows)

@@ -38,10 +38,14 @@ class AttentionContext:
     inner_group: object = None
     outer_group: object = None
     """Hierarchical ring groups (inner = one node, outer = across nodes), or None for a flat ring."""
+    local_world_size: object = None
+    """Ranks per node of a hierarchical ring (None: flat)."""
     doc_ids: object = None
     """LongTensor [B, S] of document ids over the WHOLE (global) sequence, or None for one document per row."""
     densities: list = field(default_factory=list)
     """Computed fraction of causal pairs per sparse call (for logging), reset by the trainer each step."""
+    imbalances: list = field(default_factory=list)
+    """(worker, step) imbalance of the first layer's sparse index under the layout, per forward (logging)."""
 
 
 CONTEXT = AttentionContext()
@@ -87,7 +91,7 @@ def _dense_per_document(q, k, v, scaling, doc_ids):
     return torch.cat(rows, dim=0)
 
 
-def _ring(q, k, v, scaling):
+def _ring(q, k, v, scaling, layer_idx=None):
     """This rank's shard of a context-parallel group: dense or sparse ring attention."""
     import torch.distributed as dist
 
@@ -104,6 +108,11 @@ def _ring(q, k, v, scaling):
         index = estimate_index(q.detach(), k.detach(), positions, positions, seq_len, CONTEXT.settings, scale,
                                CONTEXT.group, doc_ids=CONTEXT.doc_ids)
         CONTEXT.densities.append(float(index.density()))
+        if layer_idx == 0:  # one layer per forward is enough to watch the balance
+            from mtrain.parallel import imbalance
+
+            measured = imbalance(index, CONTEXT.layout, local_world_size=CONTEXT.local_world_size)
+            CONTEXT.imbalances.append((float(measured["worker"]), float(measured["step"])))
     return ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, index=index, softmax_scale=scaling,
                           inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group, doc_ids=CONTEXT.doc_ids)
 
@@ -119,7 +128,7 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     if CONTEXT.group is None:
         out = _local_attention(q, k, v, scaling, CONTEXT.doc_ids)
     else:
-        out = _ring(q, k, v, scaling)
+        out = _ring(q, k, v, scaling, getattr(module, "layer_idx", None))
     return out, None
 
 

@@ -242,10 +242,14 @@ class Trainer:
         local = os.environ.get("LOCAL_WORLD_SIZE")
         mesh = build_mesh(accelerator.num_processes, accelerator.process_index, r.parallel.cp_size,
                           int(local) if local else None)
-        layout = Layout.create(layout_name(r), world_size=mesh.cp_size, granularity=r.parallel.granularity)
+        # with a hierarchical ring the layout must know the node size to keep every ring step balanced
+        node = int(local) if local and mesh.inner_group is not None else None
+        layout = Layout.create(layout_name(r), world_size=mesh.cp_size, granularity=r.parallel.granularity,
+                               local_world_size=node)
         layout.check(r.data.seq_len)
         CONTEXT.group, CONTEXT.layout = mesh.cp_group, layout
         CONTEXT.inner_group, CONTEXT.outer_group = mesh.inner_group, mesh.outer_group
+        CONTEXT.local_world_size = node
         return mesh, layout
 
     def _micro_batch(self, samples: list[dict], device) -> dict:
@@ -338,7 +342,7 @@ class Trainer:
                 # every CP rank counted the whole sample's tokens: count each sequence once
                 global_valid, global_tokens = max(1.0, float(counts[0])), int(counts[1]) // self.mesh.cp_size
 
-                CONTEXT.densities = []
+                CONTEXT.densities, CONTEXT.imbalances = [], []
                 loss_sum_local = torch.zeros((), dtype=torch.float64)
                 grad_norm = None
                 for g in groups:
@@ -385,6 +389,9 @@ class Trainer:
                 }
                 if CONTEXT.densities:
                     last["attention_density"] = sum(CONTEXT.densities) / len(CONTEXT.densities)
+                if CONTEXT.imbalances:
+                    last["imbalance_worker"] = max(w for w, _ in CONTEXT.imbalances)
+                    last["imbalance_step"] = max(s for _, s in CONTEXT.imbalances)
                 if torch.cuda.is_available():
                     last["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 if self.state.step % r.logging.log_every == 0 or self.state.step == t.max_steps:
