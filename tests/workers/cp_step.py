@@ -80,6 +80,7 @@ def main(out_path: str) -> None:
         with open(out_path, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+    dist.barrier()
     dist.destroy_process_group()
 
 
