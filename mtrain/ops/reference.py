@@ -66,7 +66,7 @@ def partial_mask(
     """
     Sq, Sk = q_pos.numel(), k_pos.numel()
     dev = q_pos.device
-    nqb, nkb = -(-Sq // block_size), -(-Sk // block_size)
+    nkb = -(-Sk // block_size)
     q_blk = torch.arange(Sq, device=dev) // block_size
     k_blk = torch.arange(Sk, device=dev) // block_size
     if blocks is None:
