@@ -67,9 +67,14 @@ def git_revision() -> str | None:
         return None
 
 
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] document ids of packed rows: a new document where position_ids restart at 0."""
+    return torch.cumsum((position_ids == 0).long(), dim=-1)
+
+
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """[B, 1, S, S] bool: causal and within one document (documents start where position_ids == 0)."""
-    doc = torch.cumsum((position_ids == 0).to(torch.int32), dim=-1)
+    doc = document_ids(position_ids)
     same_doc = doc[:, :, None] == doc[:, None, :]
     s = position_ids.shape[-1]
     causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
@@ -252,25 +257,26 @@ class Trainer:
         CONTEXT.local_world_size = node
         return mesh, layout
 
-    def _micro_batch(self, samples: list[dict], device) -> dict:
-        """Stack samples, keep this CP rank's layout shard, and hand document spans to the attention."""
-        from mtrain.models.attention import CONTEXT, KINDS
+    def _micro_batch(self, samples: list[dict]) -> dict:
+        """Stack samples and keep this CP rank's layout shard (on the CPU; moved to the device per forward).
+
+        For mtrain's attention kinds `doc_ids` holds the whole sample's document ids (every CP rank needs
+        all of them); transformers' own kinds get a 4D document mask instead.
+        """
+        from mtrain.models.attention import KINDS
 
         r = self.recipe
         batch = {k: torch.stack([s[k] for s in samples]) for k in ("input_ids", "labels", "position_ids")}
-        own_kernel = r.attention.kind in KINDS
-        if own_kernel:
-            # document ids of the whole sample (every CP rank holds all of them): a new document where
-            # position_ids restart at 0
-            CONTEXT.doc_ids = (torch.cumsum((batch["position_ids"] == 0).long(), dim=1).to(device)
-                               if r.data.document_masking else None)
-        elif r.data.document_masking:
-            batch["attention_mask"] = document_mask(batch["position_ids"])
+        if r.data.document_masking:
+            if r.attention.kind in KINDS:
+                batch["doc_ids"] = document_ids(batch["position_ids"])
+            else:
+                batch["attention_mask"] = document_mask(batch["position_ids"])
         if self.mesh.cp_size > 1:
             # labels are already shifted globally, so every shard keeps its own targets
             for key in ("input_ids", "labels", "position_ids"):
                 batch[key] = self.layout.shard(batch[key], self.mesh.cp_rank, dim=1)
-        return {k: v.to(device) for k, v in batch.items()}
+        return batch
 
     def run(self) -> dict:
         r, t = self.recipe, self.recipe.train
@@ -329,13 +335,9 @@ class Trainer:
                 for _ in range(t.grad_accum * t.micro_batch_size):
                     sample, it = self._next_batch(it)
                     samples.append(sample)
-                groups = [samples[i : i + t.micro_batch_size] for i in range(0, len(samples), t.micro_batch_size)]
-                local_valid = 0
-                for g in groups:
-                    labels = torch.stack([s["labels"] for s in g])
-                    if self.mesh.cp_size > 1:
-                        labels = self.layout.shard(labels, self.mesh.cp_rank, dim=1)
-                    local_valid += int((labels != -100).sum())
+                micro = [self._micro_batch(samples[i : i + t.micro_batch_size])
+                         for i in range(0, len(samples), t.micro_batch_size)]
+                local_valid = sum(int((b["labels"] != -100).sum()) for b in micro)
                 counts = torch.tensor([local_valid, sum(s["input_ids"].numel() for s in samples)], dtype=torch.float64,
                                       device=device)
                 counts = accelerator.reduce(counts, reduction="sum")
@@ -345,8 +347,9 @@ class Trainer:
                 CONTEXT.densities, CONTEXT.imbalances = [], []
                 loss_sum_local = torch.zeros((), dtype=torch.float64)
                 grad_norm = None
-                for g in groups:
-                    batch = self._micro_batch(g, device)
+                for cpu_batch in micro:
+                    batch = {k: v.to(device) for k, v in cpu_batch.items()}
+                    CONTEXT.doc_ids = batch.pop("doc_ids", None)
                     with accelerator.accumulate(model):
                         loss_sum, _ = model(batch["input_ids"], batch["position_ids"], batch["labels"],
                                             batch.get("attention_mask"))
