@@ -82,3 +82,55 @@ def test_vllm_backend_without_vllm_is_a_clear_error():
         pytest.skip("vLLM is installed here")
     with pytest.raises(MtrainError, match=r"needs vLLM.*--backend hf"):
         make_backend("vllm", tiny_checkpoint())
+
+
+def _full_forward_nll(model, ids) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    return -torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
+
+
+def test_mtrain_attention_through_the_kv_cache_matches_sdpa(backend):
+    # mtrain's dense kind, prefilled in 64-token chunks: later chunks and decoding attend over the cache
+    # (queries at the end of the keys); the SDPA model's single full forward is the reference.
+    ours = HFBackend(tiny_checkpoint(max_positions=512), prefill_chunk=64, attn_implementation="mtrain-dense")
+    assert ours.model.config._attn_implementation == "mtrain-dense"
+    ids = _prompt(200)
+    nll, _ = ours.loglikelihood(ids)
+    assert nll == pytest.approx(_full_forward_nll(backend.model, ids), rel=1e-5)
+    assert ours.generate(_prompt(150), 12, stop=()) == backend.generate(_prompt(150), 12, stop=())
+
+
+def test_sparse_prefill_keeping_every_pair_matches_sdpa(backend):
+    # The sparse kind on a one-chunk prefill with budgets that keep every (query, key) pair is dense
+    # attention; with a tight budget it is not (the sparse path really ran).
+    keep_all = {"recall": 1.0, "max_vertical": 512, "max_slash": 512, "min_vertical": 512, "min_slash": 512,
+                "block_size": 16}
+    ours = HFBackend(tiny_checkpoint(max_positions=512), prefill_chunk=512, attn_implementation="mtrain-mtraining",
+                     sparse=keep_all)
+    ids = _prompt(300)
+    reference = _full_forward_nll(backend.model, ids)
+    assert ours.loglikelihood(ids)[0] == pytest.approx(reference, rel=1e-5)
+    assert ours.describe()["sparse"] == keep_all
+    tight = HFBackend(tiny_checkpoint(max_positions=512), prefill_chunk=512, attn_implementation="mtrain-mtraining",
+                      sparse={"recall": 0.3, "max_vertical": 1, "max_slash": 1, "min_vertical": 0, "min_slash": 0,
+                              "block_size": 16})
+    # well past the tolerance the equal case meets (a random tiny model barely depends on attention)
+    assert abs(tight.loglikelihood(ids)[0] - reference) > 2e-5 * abs(reference)
+    # the dense kind keeps computing dense after a sparse kind was registered
+    dense = HFBackend(tiny_checkpoint(max_positions=512), prefill_chunk=512, attn_implementation="mtrain-dense")
+    tight = HFBackend(tiny_checkpoint(max_positions=512), prefill_chunk=512, attn_implementation="mtrain-mtraining",
+                      sparse={"recall": 0.3, "max_vertical": 1, "max_slash": 1, "min_vertical": 0, "min_slash": 0,
+                              "block_size": 16})
+    assert dense.loglikelihood(ids)[0] == pytest.approx(reference, rel=1e-5)
+
+
+def test_bad_backend_attention_settings_are_clear_errors():
+    from mtrain.errors import MtrainError
+
+    with pytest.raises(MtrainError, match="no mtrain implementation"):
+        HFBackend(tiny_checkpoint(max_positions=512), attn_implementation="mtrain-bogus")
+    with pytest.raises(MtrainError, match="valid settings: recall"):
+        HFBackend(tiny_checkpoint(max_positions=512), attn_implementation="mtrain-mtraining", sparse={"recal": 0.9})
+    with pytest.raises(MtrainError, match="backend.sparse needs"):
+        HFBackend(tiny_checkpoint(max_positions=512), sparse={"recall": 0.9})

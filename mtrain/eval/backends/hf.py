@@ -1,6 +1,9 @@
 """transformers backend: greedy generation and log-likelihood with chunked prefill over a KV cache.
 
-Works on a CPU with tiny models and on GPUs; `attn_implementation` selects dense SDPA or a registered sparse kernel.
+Works on a CPU with tiny models and on GPUs; `attn_implementation` selects a transformers kernel ("sdpa",
+"eager", ...) or one of mtrain's ("mtrain-dense", "mtrain-mtraining", ...: `mtrain.models.attention.KINDS`).
+With a sparse mtrain kind, a prompt prefilled in one chunk runs the online vertical-slash sparse attention
+(settings from `sparse`); later chunks and decoding steps attend densely over the KV cache.
 """
 
 from __future__ import annotations
@@ -27,9 +30,21 @@ class HFBackend(Backend):
         attn_implementation: str = "sdpa",
         prefill_chunk: int = 8192,
         max_length: int | None = None,
+        sparse: dict | None = None,
     ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from mtrain.errors import MtrainError
+
+        if attn_implementation.startswith("mtrain-"):
+            from mtrain.models.attention import register_kind
+
+            attn_implementation = register_kind(attn_implementation[len("mtrain-"):], **(sparse or {}))
+        elif sparse:
+            raise MtrainError(f"backend.sparse needs an mtrain sparse attention (attn_implementation: "
+                              f"mtrain-mtraining), not {attn_implementation!r}")
+        self.sparse = dict(sparse or {})
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":  # bf16 where the hardware has it, fp32 on CPU for exact small-model checks
@@ -58,6 +73,7 @@ class HFBackend(Backend):
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
             "dtype": self.dtype,
             "attn_implementation": self.attn_implementation,
+            "sparse": self.sparse,
             "prefill_chunk": self.prefill_chunk,
             "max_length": self.max_length,
             "rope": rope_config(self.model_path),
