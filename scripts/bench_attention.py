@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mtrain.ops import SparseIndex, estimate_vertical_slash, partial, reference  # noqa: E402
 from mtrain.ops import _triton_attention  # noqa: E402
 from mtrain.ops.index import transpose_blocks_csr  # noqa: E402
-from mtrain.ops.reference import block_mask_from_lists  # noqa: E402
+from mtrain.ops import flex as flex_engine  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -140,66 +140,120 @@ def sdpa_fn(backend, q, k, v, bwd, dout):
     return run, gqa
 
 
-# ----------------------------------------------------------------------------- FlexAttention
-def flex_block_mask(index: SparseIndex):
-    """The index as a Flex BlockMask: listed blocks plus the blocks holding its vertical columns (rounded
-    up to whole blocks); the diagonal block is partial (causal mask_mod), all others full."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    n, bs = index.n_blocks, index.block_size
-    flags = block_mask_from_lists(index.block_ids.long(), index.block_counts, n)
-    cols = index.col_ids.long()
-    ok = (torch.arange(cols.shape[-1], device=cols.device) < index.col_counts[..., None]) & (cols >= 0)
-    cflags = torch.zeros(*flags.shape[:-1], n + 1, dtype=torch.bool, device=cols.device)
-    cflags.scatter_(-1, torch.where(ok, cols // bs, n), True)
-    flags = flags | cflags[..., :n]
-    eye = torch.eye(n, dtype=torch.bool, device=flags.device)
-    full = flags & ~eye & torch.ones(n, n, dtype=torch.bool, device=flags.device).tril()
-    part = flags & eye
-
-    def pack(f):
-        order = torch.argsort((~f).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return f.sum(-1, dtype=torch.int32), order
-
-    kv_num, kv_idx = pack(part)
-    full_num, full_idx = pack(full)
-
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs, mask_mod=causal)
-
-
 # ----------------------------------------------------------------------------- checks
-def correctness(device, bs, log, dtypes):
-    """Ours (bf16 and fp32), Flex, against a float32/float64 reference with the materialized mask."""
-    S, Hq, Hkv, D = 4096 + 40, 16, 2, 128  # ragged on purpose
+def correctness(device, block_sizes, log, dtypes, S=4096 + 40):
+    """Ours (fp32 and bf16, every block size: 128-token blocks run sub-tiled) against a float64 reference
+    with the materialized mask: out, lse, dq/dk/dv of the deterministic and atomic backward."""
+    Hq, Hkv, D = 16, 2, 128  # S ragged on purpose
     res = {}
-    for dtype in (getattr(torch, name) for name in dtypes):
-        q, k, v = make_inputs(S, Hq, Hkv, D, seed=1, device=device, dtype=dtype)
-        dout = torch.randn_like(q)
-        index = estimate_vertical_slash(q, k, recall=0.95, block_size=bs)
-        pos = torch.arange(S, device=device)
-        out, lse = partial.attention_forward(q, k, v, q_pos=pos, k_pos=pos, blocks=index.blocks,
-                                             columns=index.columns, block_size=bs)
-        mask = index.to_mask()
-        qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-        r_out, r_lse = reference.attention(qr, kr, vr, mask)
-        r_out.backward(dout.double())
-        res_d = {"out": rel(out, r_out), "lse": rel(lse, r_lse)}
-        for det in (True, False):
-            dq, dk, dv = partial.attention_backward(dout, q, k, v, out, lse, q_pos=pos, k_pos=pos,
-                                                    blocks=index.blocks, columns=index.columns, block_size=bs,
-                                                    deterministic=det, plans=index._cache)
-            tag = "det" if det else "atomic"
-            res_d.update({f"dq_{tag}": rel(dq, qr.grad), f"dk_{tag}": rel(dk, kr.grad), f"dv_{tag}": rel(dv, vr.grad)})
-        assert torch.isfinite(out).all() and torch.isfinite(dq).all()
-        res[str(dtype).replace("torch.", "")] = res_d
-        log(f"check {dtype} S={S} bs={bs} density={index.density():.3f}: " +
-            " ".join(f"{a}={b:.2e}" for a, b in res_d.items()))
-        del qr, kr, vr, mask
-        torch.cuda.empty_cache()
+    for bs in block_sizes:
+        for dtype in (getattr(torch, name) for name in dtypes):
+            q, k, v = make_inputs(S, Hq, Hkv, D, seed=1, device=device, dtype=dtype)
+            dout = torch.randn_like(q)
+            index = estimate_vertical_slash(q, k, recall=0.95, block_size=bs)
+            pos = torch.arange(S, device=device)
+            out, lse = partial.attention_forward(q, k, v, q_pos=pos, k_pos=pos, blocks=index.blocks,
+                                                 columns=index.columns, block_size=bs)
+            mask = index.to_mask()
+            qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+            r_out, r_lse = reference.attention(qr, kr, vr, mask)
+            r_out.backward(dout.double())
+            res_d = {"out": rel(out, r_out), "lse": rel(lse, r_lse)}
+            for det in (True, False):
+                dq, dk, dv = partial.attention_backward(dout, q, k, v, out, lse, q_pos=pos, k_pos=pos,
+                                                        blocks=index.blocks, columns=index.columns, block_size=bs,
+                                                        deterministic=det, plans=index._cache)
+                tag = "det" if det else "atomic"
+                res_d.update({f"dq_{tag}": rel(dq, qr.grad), f"dk_{tag}": rel(dk, kr.grad),
+                              f"dv_{tag}": rel(dv, vr.grad)})
+            assert torch.isfinite(out).all() and torch.isfinite(dq).all()
+            res[f"{bs}-{str(dtype).replace('torch.', '')}"] = res_d
+            log(f"check {dtype} S={S} bs={bs} density={index.density():.3f}: " +
+                " ".join(f"{a}={b:.2e}" for a, b in res_d.items()))
+            del qr, kr, vr, mask
+            torch.cuda.empty_cache()
     return res
+
+
+def time_ours(q, k, v, dout, pos, recall, bs, it):
+    """Ours: index (estimate + everything the deterministic backward derives), forward, backward (ms)."""
+    Hkv, D = k.shape[2], k.shape[3]
+
+    def est():
+        idx = estimate_vertical_slash(q, k, recall=recall, block_size=bs)
+        _triton_attention.prepare_backward(idx, Hkv, D)
+        return idx
+
+    t_idx = timed(est, it)
+    index = est()
+    kw = dict(q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns, block_size=bs, plans=index._cache)
+    t_fwd = timed(lambda: partial.attention_forward(q, k, v, **kw), it)
+    out, lse = partial.attention_forward(q, k, v, **kw)
+    t_bwd = timed(lambda: partial.attention_backward(dout, q, k, v, out, lse, **kw), it)
+    grads = partial.attention_backward(dout, q, k, v, out, lse, **kw)
+    return index, dict(index=t_idx, fwd=t_fwd, bwd=t_bwd, total=t_idx + t_fwd + t_bwd), (out, lse, *grads)
+
+
+def time_flex(q, k, v, dout, recall, bs, it, kernel_options=None):
+    """The Flex engine driven by our index (exact token mask): index (estimate + BlockMask), forward,
+    backward through Flex's own kernels (ms); the first call compiles."""
+    # Timing the backward alone replays one graph (retain_graph), which donated buffers forbid.
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False
+
+    def est():
+        idx = estimate_vertical_slash(q, k, recall=recall, block_size=bs)
+        idx._cache["flex"] = flex_engine.flex_block_mask(idx)
+        return idx
+
+    index = est()
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    t0 = time.time()
+    out, lse = flex_engine.flex_vertical_slash(qg, kg, vg, index, kernel_options=kernel_options)
+    torch.autograd.grad(out, (qg, kg, vg), dout)
+    torch.cuda.synchronize()
+    t_compile = time.time() - t0
+    t_idx = timed(est, it)
+    t_fwd = timed(lambda: flex_engine.flex_vertical_slash(qg, kg, vg, index, kernel_options=kernel_options), it)
+    out, lse = flex_engine.flex_vertical_slash(qg, kg, vg, index, kernel_options=kernel_options)
+    t_bwd = timed(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True), it)
+    grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+    bm = index._cache["flex"]
+    blocks = float(bm.kv_num_blocks.float().mean() + bm.full_kv_num_blocks.float().mean()) / ((index.n_blocks + 1) / 2)
+    return dict(index=t_idx, fwd=t_fwd, bwd=t_bwd, total=t_idx + t_fwd + t_bwd, compile_s=t_compile,
+                flex_block_density=blocks), (out.detach(), lse, *grads)
+
+
+def tile_sweep(q, k, v, dout, pos, bs, log):
+    """Time our kernels at one block size under a few sub-tile shapes (query rows, keys) per kernel."""
+    index = estimate_vertical_slash(q, k, recall=0.90, block_size=bs)
+    kw = dict(q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns, block_size=bs, plans=index._cache)
+    out, lse = partial.attention_forward(q, k, v, **kw)
+    partial.attention_backward(dout, q, k, v, out, lse, **kw)
+    base = dict(_triton_attention.SUBTILE)
+    # Flex's Hopper defaults for a 128 head dim are forward 128 x 64 or 128 x 128, dQ 128 x 64, dK/dV 64 x 128.
+    choices = {"fwd": [(64, 64), (128, 64), (128, 128)], "dq": [(64, 64), (128, 64)],
+               "dkdv": [(64, 64), (64, 128), (128, 64)]}
+    for kernel, opts in choices.items():
+        best = None
+        for c in opts:
+            if max(c) > bs:
+                continue
+            _triton_attention.SUBTILE[kernel] = c
+            try:
+                if kernel == "fwd":
+                    t = timed(lambda: partial.attention_forward(q, k, v, **kw), 5)
+                else:
+                    t = timed(lambda: partial.attention_backward(dout, q, k, v, out, lse, **kw), 5)
+            except Exception as e:  # a shape that does not fit (shared memory) is skipped
+                log(f"tile sweep bs={bs} {kernel} {c}: failed {type(e).__name__}")
+                continue
+            log(f"tile sweep bs={bs} {kernel} (rows, keys)={c}: {t:.2f} ms")
+            if best is None or t < best[0]:
+                best = (t, c)
+        _triton_attention.SUBTILE[kernel] = best[1] if best else base[kernel]
+        log(f"tile sweep bs={bs} {kernel}: keep {_triton_attention.SUBTILE[kernel]}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -212,7 +266,14 @@ def main() -> int:
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--time-budget", type=float, default=480.0, help="skip the remaining variants after this many s")
     ap.add_argument("--check-dtypes", nargs="*", default=["float32", "bfloat16"])
+    ap.add_argument("--check-seq", type=int, default=4096 + 40, help="sequence length of the correctness check")
     ap.add_argument("--sweep", action="store_true", help="try launch configs of our kernels at the first size")
+    ap.add_argument("--tile-sweep", action="store_true",
+                    help="try sub-tile shapes of our kernels for blocks > 64 at the first size (keeps the fastest)")
+    ap.add_argument("--dense", nargs="*", default=["cudnn", "flash"], help="dense SDPA backends to time")
+    ap.add_argument("--flex-recalls", type=float, nargs="*", help="recalls Flex is timed at (default: the first)")
+    ap.add_argument("--profile-index", action="store_true", help="torch.profiler table of index building")
+    ap.add_argument("--no-flex64", action="store_true", help="skip Flex at blocks < 128 (needs max_autotune)")
     ap.add_argument("--densities-only", action="store_true", help="print index densities (CPU ok) and stop")
     ap.add_argument("--index-build", nargs=2, type=int, metavar=("NV", "NS"),
                     help="time and peak memory of SparseIndex.from_lines + the transposed index for one head with NV "
@@ -256,15 +317,9 @@ def main() -> int:
     results = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__,
                "checks": {}, "runs": []}
     try:
-        results["checks"][args.block_sizes[0]] = correctness(device, args.block_sizes[0], log, args.check_dtypes)
+        results["checks"] = correctness(device, args.block_sizes, log, args.check_dtypes, args.check_seq)
     except Exception as e:  # keep the timings even if a check cannot run; the failure is in the log
         log(f"check failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-
-    flex = None
-    if not args.no_flex:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        flex = torch.compile(flex_attention, dynamic=False)
 
     Hq, Hkv, D = 16, 2, 128
     rows = []
@@ -275,6 +330,8 @@ def main() -> int:
         it = iters_for(S)
         dense = {}
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            if name not in args.dense:
+                continue
             try:
                 f_fwd, gqa = sdpa_fn(backend, q, k, v, False, dout)
                 t_f = timed(f_fwd, it)
@@ -283,7 +340,7 @@ def main() -> int:
                 dense[name] = (t_f, t_a)
                 log(f"S={S} dense {name} (gqa={gqa}): fwd {t_f:.2f} ms fwd+bwd {t_a:.2f} ms "
                     f"({causal_flops(S, Hq, D, True) / t_a / 1e9:.0f} TFLOP/s)")
-                rows.append(dict(S=S, variant=f"sdpa-{name}", fwd=t_f, total=t_a))
+                rows.append(dict(S=S, variant=f"sdpa-{name}", fwd=t_f, bwd=t_a - t_f, total=t_a))
             except RuntimeError as e:
                 log(f"S={S} dense {name}: unavailable ({str(e).splitlines()[0][:120]})")
             torch.cuda.empty_cache()
@@ -292,96 +349,65 @@ def main() -> int:
         for bs in args.block_sizes:
             if args.sweep and si == 0:
                 sweep(q, k, v, dout, pos, bs, log)
+            if args.tile_sweep and si == 0 and bs > 64:
+                tile_sweep(q, k, v, dout, pos, bs, log)
             for recall in args.recalls:
                 if time.time() - t_start > args.time_budget:
                     log(f"S={S} bs={bs} recall={recall}: skipped (time budget)")
                     continue
-
-                def est():
-                    idx = estimate_vertical_slash(q, k, recall=recall, block_size=bs)
-                    _triton_attention.prepare_backward(idx, Hkv, D)
-                    return idx
-
-                t_idx = timed(est, it)
-                index = est()
-                if recall == args.recalls[0]:
+                index, ours, ours_res = time_ours(q, k, v, dout, pos, recall, bs, it)
+                if recall == args.recalls[0] and si == 0:
                     index_breakdown(q, k, recall, bs, Hkv, D, log)
-                t_est_only = timed(lambda: estimate_vertical_slash(q, k, recall=recall, block_size=bs), it)
+                    if args.profile_index:
+                        profile_index(q, k, recall, bs, Hkv, D, log)
                 dens, bdens = index.density(), index.block_density()
                 cols = float(index.col_counts.float().mean())
-                fwd = lambda: partial.attention_forward(q, k, v, q_pos=pos, k_pos=pos, blocks=index.blocks,  # noqa
-                                                        columns=index.columns, block_size=bs, plans=index._cache)
-                t_fwd = timed(fwd, it)
-                out, lse = fwd()
-                t_bwd = timed(lambda: partial.attention_backward(
-                    dout, q, k, v, out, lse, q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns,
-                    block_size=bs, plans=index._cache), it)
-                t_bwd_at = timed(lambda: partial.attention_backward(
-                    dout, q, k, v, out, lse, q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns,
-                    block_size=bs, plans=index._cache, deterministic=False), it)
-                total = t_idx + t_fwd + t_bwd
-                row = dict(S=S, bs=bs, recall=recall, density=dens, block_density=bdens, cols_per_row=cols,
-                           index=t_idx, estimate=t_est_only, fwd=t_fwd, bwd=t_bwd, bwd_atomic=t_bwd_at, total=total,
-                           speedup_vs_dense=best_dense / total)
-                log(f"S={S} bs={bs} recall={recall}: density {dens:.4f} (blocks {bdens:.4f}, {cols:.0f} cols/row) "
-                    f"index {t_idx:.2f} (estimate {t_est_only:.2f}) fwd {t_fwd:.2f} bwd {t_bwd:.2f} "
-                    f"(atomic {t_bwd_at:.2f}) total {total:.2f} ms; x{best_dense / total:.2f} vs best dense")
-                if flex is not None:
-                    try:
-                        t0 = time.time()
-                        bm = flex_block_mask(index)
-                        t_bm = timed(lambda: flex_block_mask(index), 3, warmup=0)
-                        qh, kh, vh = (t.transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v))
-                        doh = dout.transpose(1, 2).contiguous()
-                        # Flex's default tiles are 128; a 64-token mask needs 64-token tiles in every kernel.
-                        ko = {n: bs for n in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")}
-                        ko = ko if bs < 128 else None
-                        f_out, f_lse = flex(qh, kh, vh, block_mask=bm, enable_gqa=True, return_lse=True,
-                                            kernel_options=ko)
-                        row["flex_vs_ours_out"] = rel(out, f_out.transpose(1, 2))
-                        row["flex_vs_ours_lse"] = rel(lse, f_lse)
-                        t_ff = timed(lambda: flex(qh, kh, vh, block_mask=bm, enable_gqa=True, kernel_options=ko), it)
-
-                        def flex_all():
-                            o = flex(qh, kh, vh, block_mask=bm, enable_gqa=True, kernel_options=ko)
-                            torch.autograd.grad(o, (qh, kh, vh), doh)
-
-                        t_fa = timed(flex_all, it)
-                        flex_density = float(bm.kv_num_blocks.float().mean() + bm.full_kv_num_blocks.float().mean())
-                        flex_density /= (index.n_blocks + 1) / 2
-                        row.update(flex_fwd=t_ff, flex_total=t_fa, flex_mask=t_bm, flex_block_density=flex_density,
-                                   ours_vs_flex=(t_fa + t_est_only + t_bm) / total,
-                                   ours_kernels_vs_flex=t_fa / (t_fwd + t_bwd))
-                        log(f"   flex: mask {t_bm:.2f} fwd {t_ff:.2f} fwd+bwd {t_fa:.2f} ms (block density "
-                            f"{flex_density:.4f}, compile+first {time.time() - t0:.0f}s); out rel diff vs ours "
-                            f"{row['flex_vs_ours_out']:.2e}; ours kernels x{row['ours_kernels_vs_flex']:.2f}, "
-                            f"ours total vs flex(+estimate+mask) x{row['ours_vs_flex']:.2f}")
-                        del qh, kh, vh, f_out, f_lse
-                    except Exception as e:  # report and keep benchmarking the other variants
-                        log(f"   flex failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                row["dense_best"] = best_dense
+                row = dict(S=S, bs=bs, recall=recall, engine="ours", density=dens, block_density=bdens,
+                           cols_per_row=cols, **ours, speedup_vs_dense=best_dense / ours["total"])
                 rows.append(row)
-                del index, out, lse
+                log(f"S={S} bs={bs} p={recall} ours: pairs {dens:.4f} (blocks {bdens:.4f}, {cols:.0f} cols/row) "
+                    f"index {ours['index']:.2f} fwd {ours['fwd']:.2f} bwd {ours['bwd']:.2f} total {ours['total']:.2f} "
+                    f"ms; x{best_dense / ours['total']:.2f} vs best dense; kernels per 1% pairs "
+                    f"{(ours['fwd'] + ours['bwd']) / (100 * dens):.2f} ms")
+                flex_recalls = args.flex_recalls or args.recalls[:1]
+                if args.no_flex or (bs < 128 and args.no_flex64) or recall not in flex_recalls:
+                    continue
+                if time.time() - t_start > args.time_budget:
+                    log(f"S={S} bs={bs} recall={recall} flex: skipped (time budget)")
+                    continue
+                try:
+                    fl, fl_res = time_flex(q, k, v, dout, recall, bs, it)
+                    diffs = {n: rel(a, b) for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), fl_res, ours_res)}
+                    frow = dict(S=S, bs=bs, recall=recall, engine="flex", density=dens, **fl,
+                                speedup_vs_dense=best_dense / fl["total"], vs_ours=diffs)
+                    rows.append(frow)
+                    log(f"S={S} bs={bs} p={recall} flex: index {fl['index']:.2f} fwd {fl['fwd']:.2f} bwd "
+                        f"{fl['bwd']:.2f} total {fl['total']:.2f} ms (blocks {fl['flex_block_density']:.4f}, compile "
+                        f"{fl['compile_s']:.0f}s); x{best_dense / fl['total']:.2f} vs best dense; ours x"
+                        f"{fl['total'] / ours['total']:.2f} faster all-in, "
+                        f"x{(fl['fwd'] + fl['bwd']) / (ours['fwd'] + ours['bwd']):.2f} "
+                        f"kernels; rel diff flex vs ours " + " ".join(f"{a}={b:.1e}" for a, b in diffs.items()))
+                    del fl_res
+                except Exception as e:  # report and keep benchmarking the other variants
+                    log(f"S={S} bs={bs} p={recall} flex failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                del index, ours_res
                 torch.cuda.empty_cache()
         del q, k, v, dout
         torch.cuda.empty_cache()
 
     results["runs"] = rows
+    results["subtile"] = dict(_triton_attention.SUBTILE)
     with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
-    log("\n| S | variant | density (pairs / blocks) | index ms | fwd ms | bwd ms | total ms | vs best dense | "
-        "Flex fwd+bwd ms | ours vs Flex |")
-    log("|---|---|---|---|---|---|---|---|---|---|")
+    log("\n| S | variant | pairs / blocks | index ms | fwd ms | bwd ms | total ms | vs best dense |")
+    log("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "variant" in r:
-            log(f"| {r['S']} | {r['variant']} | 1 | - | {r['fwd']:.1f} | {r['total'] - r['fwd']:.1f} | "
-                f"{r['total']:.1f} | - | - | - |")
+            log(f"| {r['S']} | {r['variant']} | 1 | - | {r['fwd']:.1f} | {r['bwd']:.1f} | {r['total']:.1f} | - |")
         else:
-            fl = f"{r['flex_total']:.1f}" if "flex_total" in r else "-"
-            vs = f"x{r['ours_kernels_vs_flex']:.2f} kernels / x{r['ours_vs_flex']:.2f} all" if "flex_total" in r else "-"
-            log(f"| {r['S']} | ours bs={r['bs']} p={r['recall']} | {r['density']:.3f} / {r['block_density']:.3f} | "
-                f"{r['index']:.1f} | {r['fwd']:.1f} | {r['bwd']:.1f} (atomic {r['bwd_atomic']:.1f}) | "
-                f"{r['total']:.1f} | x{r['speedup_vs_dense']:.1f} | {fl} | {vs} |")
+            dens = f"{r['density']:.3f} / {r.get('block_density', r.get('flex_block_density', 0)):.3f}"
+            log(f"| {r['S']} | {r['engine']} bs={r['bs']} p={r['recall']} | {dens} | {r['index']:.1f} | "
+                f"{r['fwd']:.1f} | {r['bwd']:.1f} | {r['total']:.1f} | x{r['speedup_vs_dense']:.1f} |")
     return 0
 
 
@@ -471,6 +497,23 @@ def index_breakdown(q, k, recall, bs, Hkv, D, log):
         SparseIndex(index.block_ids, index.block_counts, index.col_ids, index.col_counts, S, bs), Hkv, D), 3)
     log(f"   index breakdown S={S} bs={bs}: probs {t_probs:.2f} select {t_sel:.2f} from_lines {t_lines:.2f} "
         f"transpose {t_t:.2f} all backward plans {t_prep:.2f} ms (Nv {v_idx.shape[-1]}, Ns {s_idx.shape[-1]})")
+
+
+def profile_index(q, k, recall, bs, Hkv, D, log):
+    """Where index building spends its time: the top GPU kernels and the wall time around them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def est():
+        idx = estimate_vertical_slash(q, k, recall=recall, block_size=bs)
+        _triton_attention.prepare_backward(idx, Hkv, D)
+
+    est()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        est()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    log(f"   index profile S={q.shape[1]} bs={bs}:\n{table}")
 
 
 def sweep(q, k, v, dout, pos, bs, log):

@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
-KERNEL_TEST_FILES = ["test_ops_partial.py", "test_ops_sparse_attention.py", "test_ops_docmask.py"]
+KERNEL_TEST_FILES = [
+    "test_ops_partial.py", "test_ops_sparse_attention.py", "test_ops_docmask.py", "test_ops_subtile.py",
+]
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
     not IN_INTERPRETER, reason="Triton kernel test: run by test_kernel_tests_in_interpreter_process"

@@ -14,6 +14,53 @@ _LOG2E = 1.4426950408889634
 # Positions of padded keys: larger than any real position, so the causal test drops them.
 _FAR = tl.constexpr(1 << 60)
 
+# Kernel tiles are decoupled from index blocks: an index block of BS tokens runs as query sub-tiles of QT
+# rows (separate programs) and key sub-tiles of KT keys (looped). NQS = ceil(BS / QT), NKS = ceil(BS / KT);
+# a sub-tile row/key is real when its offset inside the block is < BS (odd block sizes run padded, NQS = 1).
+
+
+@triton.jit
+def _last_keep(KP, j, qmax, Sk, BS: tl.constexpr, KT: tl.constexpr, NKS: tl.constexpr):
+    """How many leading key sub-tiles of key block j to run for queries whose largest position is qmax:
+    up to the last sub-tile holding a key at or before qmax (the causal upper right of a diagonal block
+    is skipped; exact for positions in any order, since only trailing invisible sub-tiles are cut)."""
+    offs_k = tl.arange(0, KT)
+    keep = 0
+    for t in tl.static_range(NKS):
+        kin = t * KT + offs_k
+        keys = j * BS + kin
+        kp = tl.load(KP + keys, mask=(kin < BS) & (keys < Sk), other=_FAR)
+        keep = tl.where(tl.min(kp, 0) <= qmax, t + 1, keep)
+    return keep
+
+
+@triton.jit
+def _first_keep(QP, i, kmin, Sq, BS: tl.constexpr, QT: tl.constexpr, NQS: tl.constexpr):
+    """The first query sub-tile of query block i holding a query at or after kmin (NQS if none): the
+    leading sub-tiles a key sub-tile cannot reach causally are skipped (any position order)."""
+    offs_q = tl.arange(0, QT)
+    first = NQS
+    for s in tl.static_range(NQS):
+        rin = s * QT + offs_q
+        rows = i * BS + rin
+        qp = tl.load(QP + rows, mask=(rin < BS) & (rows < Sq), other=-1)
+        first = tl.minimum(first, tl.where(tl.max(qp, 0) >= kmin, s, NQS))
+    return first
+
+
+@triton.jit
+def _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC: tl.constexpr):
+    """One online-softmax update of (m_i, l_i, acc) with a key tile; `ok` masks the pairs."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
 
 @triton.jit
 def _fwd_kernel(
@@ -22,74 +69,71 @@ def _fwd_kernel(
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
     sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb,
     Sq, Sk, H, GROUP,
-    BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, HAS_COLS: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
+    BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
+    D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
 ):
-    i = tl.program_id(0)
+    """Out and LSE of one query sub-tile (QT rows of query block i) over its block's key list (each key
+    block as NKS sub-tiles) and columns."""
+    pid = tl.program_id(0)
+    i = pid // NQS
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     h = bh % H
     hk = h // GROUP
-    offs_t = tl.arange(0, TILE)
+    offs_q = tl.arange(0, QT)
+    offs_k = tl.arange(0, KT)
     offs_d = tl.arange(0, D)
-    rows = i * BS + offs_t
-    row_ok = (offs_t < BS) & (rows < Sq)
+    rin = (pid % NQS) * QT + offs_q
+    rows = i * BS + rin
+    row_ok = (rin < BS) & (rows < Sq)
     q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     qp = tl.load(QP + rows, mask=row_ok, other=-1)
     if HAS_DOC:
         qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
-    m_i = tl.full([TILE], float("-inf"), tl.float32)
-    l_i = tl.zeros([TILE], tl.float32)
-    acc = tl.zeros([TILE, D], tl.float32)
+    m_i = tl.full([QT], float("-inf"), tl.float32)
+    l_i = tl.zeros([QT], tl.float32)
+    acc = tl.zeros([QT, D], tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    n_iter = tl.load(BC + b * sbcb + h * sbch + i)
+    list_base = BI + b * sbib + h * sbih + i * sbii
+    n_blk = tl.load(BC + b * sbcb + h * sbch + i)
+    n_iter = n_blk * NKS
+    if CAUSAL:
+        if n_blk > 0:
+            # The list is sorted: only its last block (the diagonal one) can have sub-tiles past the rows.
+            j_last = tl.load(list_base + n_blk - 1)
+            n_iter = (n_blk - 1) * NKS + _last_keep(KP, j_last, tl.max(qp, 0), Sk, BS, KT, NKS)
     for n in range(0, n_iter):
-        j = tl.load(BI + b * sbib + h * sbih + i * sbii + n)
-        keys = j * BS + offs_t
-        key_ok = (offs_t < BS) & (keys < Sk)
-        kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
+        j = tl.load(list_base + n // NKS)
+        kin = (n % NKS) * KT + offs_k
+        keys = j * BS + kin
+        key_ok = (kin < BS) & (keys < Sk)
         k = tl.load(k_base + keys[:, None] * sks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * svs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         ok = key_ok[None, :] & row_ok[:, None]
         if CAUSAL:
+            kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
             ok = ok & (kp[None, :] <= qp[:, None])
         if HAS_DOC:
             kd = tl.load(KD + b * skdb + keys, mask=key_ok, other=-1)
             ok = ok & (kd[None, :] == qd[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC)
     if HAS_COLS:
         n_cols = tl.load(CC + b * sccb + h * scch + i)
-        for c0 in range(0, n_cols, TILE):
-            slot = c0 + offs_t
+        for c0 in range(0, n_cols, KT):
+            slot = c0 + offs_k
             c_ok = slot < n_cols
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
-            kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
             k = tl.load(k_base + cid[:, None] * sks + offs_d[None, :], mask=c_ok[:, None], other=0.0)
             v = tl.load(v_base + cid[:, None] * svs + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
             ok = c_ok[None, :] & row_ok[:, None]
             if CAUSAL:
+                kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
                 ok = ok & (kp[None, :] <= qp[:, None])
             if HAS_DOC:
                 kd = tl.load(KD + b * skdb + cid, mask=c_ok, other=-1)
                 ok = ok & (kd[None, :] == qd[:, None])
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -99,25 +143,40 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC: tl.constexpr):
+    """dQ contribution of one key tile (before the softmax scale); also returns P and dS for atomics."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq, p, ds
+
+
+@triton.jit
 def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, DK, DV, QP, KP, BI, BC, CI, CC, QD, KD,
     scale_log2, scale,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sgb, sgs, sgh, skgb, skgs, skgh,
     sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb,
     Sq, Sk, H, GROUP,
-    BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, HAS_COLS: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr, HAS_DOC: tl.constexpr,
+    BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
+    D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
+    HAS_DOC: tl.constexpr,
 ):
-    """dQ of one query block; with ATOMIC also adds this block's dK/dV shares with fp32 atomics."""
-    i = tl.program_id(0)
+    """dQ of one query sub-tile; with ATOMIC also adds its dK/dV shares with fp32 atomics."""
+    pid = tl.program_id(0)
+    i = pid // NQS
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     h = bh % H
     hk = h // GROUP
-    offs_t = tl.arange(0, TILE)
+    offs_q = tl.arange(0, QT)
+    offs_k = tl.arange(0, KT)
     offs_d = tl.arange(0, D)
-    rows = i * BS + offs_t
-    row_ok = (offs_t < BS) & (rows < Sq)
+    rin = (pid % NQS) * QT + offs_q
+    rows = i * BS + rin
+    row_ok = (rin < BS) & (rows < Sq)
     q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b * sdb + rows[:, None] * sds + h * sdh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("inf"))
@@ -127,28 +186,31 @@ def _dq_kernel(
     qp = tl.load(QP + rows, mask=row_ok, other=-1)
     if HAS_DOC:
         qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
-    dq = tl.zeros([TILE, D], tl.float32)
+    dq = tl.zeros([QT, D], tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    n_iter = tl.load(BC + b * sbcb + h * sbch + i)
+    list_base = BI + b * sbib + h * sbih + i * sbii
+    n_blk = tl.load(BC + b * sbcb + h * sbch + i)
+    n_iter = n_blk * NKS
+    if CAUSAL:
+        if n_blk > 0:
+            j_last = tl.load(list_base + n_blk - 1)
+            n_iter = (n_blk - 1) * NKS + _last_keep(KP, j_last, tl.max(qp, 0), Sk, BS, KT, NKS)
     for n in range(0, n_iter):
-        j = tl.load(BI + b * sbib + h * sbih + i * sbii + n)
-        keys = j * BS + offs_t
-        key_ok = (offs_t < BS) & (keys < Sk)
-        kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
+        j = tl.load(list_base + n // NKS)
+        kin = (n % NKS) * KT + offs_k
+        keys = j * BS + kin
+        key_ok = (kin < BS) & (keys < Sk)
         k = tl.load(k_base + keys[:, None] * sks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * svs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         ok = key_ok[None, :] & row_ok[:, None]
         if CAUSAL:
+            kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
             ok = ok & (kp[None, :] <= qp[:, None])
         if HAS_DOC:
             kd = tl.load(KD + b * skdb + keys, mask=key_ok, other=-1)
             ok = ok & (kd[None, :] == qd[:, None])
-        p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        dq, p, ds = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
         if ATOMIC:
             kv_off = b * skgb + keys[:, None] * skgs + hk * skgh + offs_d[None, :]
             tl.atomic_add(DV + kv_off, tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC),
@@ -157,24 +219,20 @@ def _dq_kernel(
                           mask=key_ok[:, None])
     if HAS_COLS:
         n_cols = tl.load(CC + b * sccb + h * scch + i)
-        for c0 in range(0, n_cols, TILE):
-            slot = c0 + offs_t
+        for c0 in range(0, n_cols, KT):
+            slot = c0 + offs_k
             c_ok = slot < n_cols
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
-            kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
             k = tl.load(k_base + cid[:, None] * sks + offs_d[None, :], mask=c_ok[:, None], other=0.0)
             v = tl.load(v_base + cid[:, None] * svs + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
             ok = c_ok[None, :] & row_ok[:, None]
             if CAUSAL:
+                kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
                 ok = ok & (kp[None, :] <= qp[:, None])
             if HAS_DOC:
                 kd = tl.load(KD + b * skdb + cid, mask=c_ok, other=-1)
                 ok = ok & (kd[None, :] == qd[:, None])
-            p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+            dq, p, ds = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
             if ATOMIC:
                 kv_off = b * skgb + cid[:, None] * skgs + hk * skgh + offs_d[None, :]
                 tl.atomic_add(DV + kv_off, tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC),
@@ -185,20 +243,49 @@ def _dq_kernel(
 
 
 @triton.jit
+def _dkdv_step(Q, DO, LSE, DELTA, QP, QD, k, v, kp, kd, key_ok, dk, dv, b, h, rows, row_ok, scale_log2,
+               sqb, sqs, sqh, sdb, sds, sdh, slb, slh, sqdb,
+               D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr):
+    """dK/dV contribution of one query tile (rows of head h) to a key tile (key_ok masks its keys)."""
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * sdb + rows[:, None] * sds + h * sdh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
+    st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2
+    ok = key_ok[:, None] & row_ok[None, :]
+    if CAUSAL:
+        qp = tl.load(QP + rows, mask=row_ok, other=-1)
+        ok = ok & (kp[:, None] <= qp[None, :])
+    if HAS_DOC:
+        qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
+        ok = ok & (kd[:, None] == qd[None, :])
+    pt = tl.where(ok, tl.exp2(st - lse2[None, :]), 0.0)
+    dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = pt * (dpt - delta[None, :])
+    dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, EXK, EXV, QP, KP, TI, TS, PRE, IT, IS, IE, ISL, QD, KD,
     scale_log2, scale,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sgb, sgs, sgh,
     stsb, stsh, sqdb, skdb,
     Sq, Sk, HKV, GROUP, n_kblocks,
-    BS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
+    BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
+    D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
 ):
-    """dK, dV of one work item: a slice of the (head, query block) pairs that use one key block, summed
-    over the query heads of its GQA group in registers. The first item of a key block writes dK/dV; the
-    rest write to extra slots that `_reduce_kernel` adds in a fixed order (no atomics). The transposed
-    index is ragged: head h's list of key block j is TI[TS[b, h, j] :][: count]."""
+    """dK, dV of one key sub-tile (program axis 1) of one work item: a slice of the (head, query block)
+    pairs that use its key block, each query block as NQS sub-tiles, summed over the query heads of the
+    GQA group in registers. The first item of a key block writes dK/dV; the rest write to extra slots that
+    `_reduce_kernel` adds in a fixed order (no atomics). The transposed index is ragged: head h's list of
+    key block j is TI[TS[b, h, j] :][: count]."""
     item = tl.program_id(0)
+    ks = tl.program_id(1)
     t = tl.load(IT + item)
     start = tl.load(IS + item)
     end = tl.load(IE + item)
@@ -207,53 +294,48 @@ def _dkdv_kernel(
     bh = t // n_kblocks
     b = (bh // HKV).to(tl.int64)  # batch offsets can pass 2**31 elements
     hk = bh % HKV
-    offs_t = tl.arange(0, TILE)
+    offs_q = tl.arange(0, QT)
+    offs_k = tl.arange(0, KT)
     offs_d = tl.arange(0, D)
-    keys = j * BS + offs_t
-    key_ok = (offs_t < BS) & (keys < Sk)
+    kin = ks * KT + offs_k
+    keys = j * BS + kin
+    key_ok = (kin < BS) & (keys < Sk)
     kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
+    kd = kp  # never read without HAS_DOC
     if HAS_DOC:
         kd = tl.load(KD + b * skdb + keys, mask=key_ok, other=-1)
     k = tl.load(K + b * skb + keys[:, None] * sks + hk * skh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     v = tl.load(V + b * svb + keys[:, None] * svs + hk * svh + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    dk = tl.zeros([TILE, D], tl.float32)
-    dv = tl.zeros([TILE, D], tl.float32)
+    kmin = tl.min(kp, 0)
+    dk = tl.zeros([KT, D], tl.float32)
+    dv = tl.zeros([KT, D], tl.float32)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         # PRE holds, per key block, where each head's list starts in the item numbering.
         p0 = tl.load(PRE + t * (GROUP + 1) + g)
         p1 = tl.load(PRE + t * (GROUP + 1) + g + 1)
         t_base = tl.load(TS + b * stsb + h * stsh + j)
-        for n in range(tl.maximum(start, p0) - p0, tl.minimum(end, p1) - p0):
-            i = tl.load(TI + t_base + n)
-            rows = i * BS + offs_t
-            row_ok = (offs_t < BS) & (rows < Sq)
-            qp = tl.load(QP + rows, mask=row_ok, other=-1)
-            q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None],
-                        other=0.0)
-            do = tl.load(DO + b * sdb + rows[:, None] * sds + h * sdh + offs_d[None, :],
-                         mask=row_ok[:, None], other=0.0)
-            lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("inf"))
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
-            st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2
-            ok = key_ok[:, None] & row_ok[None, :]
-            if CAUSAL:
-                ok = ok & (kp[:, None] <= qp[None, :])
-            if HAS_DOC:
-                qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
-                ok = ok & (kd[:, None] == qd[None, :])
-            pt = tl.where(ok, tl.exp2(st - lse2[None, :]), 0.0)
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dst = pt * (dpt - delta[None, :])
-            dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+        lo = tl.maximum(start, p0) - p0
+        hi = tl.minimum(end, p1) - p0
+        m0 = lo * NQS
+        if CAUSAL:
+            if (lo == 0) & (hi > 0):
+                # The list is sorted: only its first query block (the diagonal one) can start with
+                # sub-tiles that lie wholly before this key sub-tile.
+                m0 = _first_keep(QP, tl.load(TI + t_base), kmin, Sq, BS, QT, NQS)
+        for m in range(m0, hi * NQS):
+            i = tl.load(TI + t_base + m // NQS)
+            rin = (m % NQS) * QT + offs_q
+            rows = i * BS + rin
+            row_ok = (rin < BS) & (rows < Sq)
+            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, QP, QD, k, v, kp, kd, key_ok, dk, dv, b, h, rows, row_ok,
+                                scale_log2, sqb, sqs, sqh, sdb, sds, sdh, slb, slh, sqdb, D, CAUSAL, PREC, HAS_DOC)
     if slot < 0:
         out_off = b * sgb + keys[:, None] * sgs + hk * sgh + offs_d[None, :]
         tl.store(DK + out_off, dk * scale, mask=key_ok[:, None])
         tl.store(DV + out_off, dv, mask=key_ok[:, None])
     else:
-        ex_off = slot.to(tl.int64) * (TILE * D) + offs_t[:, None] * D + offs_d[None, :]
+        ex_off = slot.to(tl.int64) * (NKS * KT * D) + kin[:, None] * D + offs_d[None, :]
         tl.store(EXK + ex_off, dk * scale)
         tl.store(EXV + ex_off, dv)
 
@@ -265,11 +347,12 @@ def _col_dkdv_kernel(
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh,
     sub, suh, stqb, stqh, stqc, scb, sch, scu, sqdb, skdb,
     Sq, H, GROUP, u_cap, n_chunks,
-    BS: tl.constexpr, TILE: tl.constexpr, CH: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-    PREC: tl.constexpr, HAS_DOC: tl.constexpr,
+    BS: tl.constexpr, QT: tl.constexpr, NQS: tl.constexpr, CH: tl.constexpr, D: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
 ):
     """dK, dV of one work item: a chunk of a query head's vertical columns against a slice of the query
-    blocks that use them (first item writes, the rest go to extra slots, as in `_dkdv_kernel`)."""
+    blocks that use them, each as NQS query sub-tiles (first item writes, the rest go to extra slots, as
+    in `_dkdv_kernel`)."""
     item = tl.program_id(0)
     t = tl.load(IT + item)
     start = tl.load(IS + item)
@@ -281,44 +364,30 @@ def _col_dkdv_kernel(
     h = bh % H
     hk = h // GROUP
     offs_c = tl.arange(0, CH)
-    offs_t = tl.arange(0, TILE)
+    offs_q = tl.arange(0, QT)
     offs_d = tl.arange(0, D)
     slot = c * CH + offs_c
     cid = tl.load(U + b * sub + h * suh + slot, mask=slot < u_cap, other=-1)
     c_ok = cid >= 0
     cid = tl.where(c_ok, cid, 0)
     kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
+    kd = kp  # never read without HAS_DOC
     if HAS_DOC:
         kd = tl.load(KD + b * skdb + cid, mask=c_ok, other=-1)
     k = tl.load(K + b * skb + cid[:, None] * sks + hk * skh + offs_d[None, :], mask=c_ok[:, None], other=0.0)
     v = tl.load(V + b * svb + cid[:, None] * svs + hk * svh + offs_d[None, :], mask=c_ok[:, None], other=0.0)
     dk = tl.zeros([CH, D], tl.float32)
     dv = tl.zeros([CH, D], tl.float32)
-    for n in range(start, end):
+    for m in range(start * NQS, end * NQS):
+        n = m // NQS
         i = tl.load(TQ + b * stqb + h * stqh + c * stqc + n)
         bits = tl.load(TB + b * stqb + h * stqh + c * stqc + n)
         active = ((bits >> offs_c.to(tl.int64)) & 1) != 0
-        rows = i * BS + offs_t
-        row_ok = (offs_t < BS) & (rows < Sq)
-        qp = tl.load(QP + rows, mask=row_ok, other=-1)
-        q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + b * sdb + rows[:, None] * sds + h * sdh + offs_d[None, :], mask=row_ok[:, None],
-                     other=0.0)
-        lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
-        st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2
-        ok = (active & c_ok)[:, None] & row_ok[None, :]
-        if CAUSAL:
-            ok = ok & (kp[:, None] <= qp[None, :])
-        if HAS_DOC:
-            qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
-            ok = ok & (kd[:, None] == qd[None, :])
-        pt = tl.where(ok, tl.exp2(st - lse2[None, :]), 0.0)
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
-        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+        rin = (m % NQS) * QT + offs_q
+        rows = i * BS + rin
+        row_ok = (rin < BS) & (rows < Sq)
+        dk, dv = _dkdv_step(Q, DO, LSE, DELTA, QP, QD, k, v, kp, kd, active & c_ok, dk, dv, b, h, rows, row_ok,
+                            scale_log2, sqb, sqs, sqh, sdb, sds, sdh, slb, slh, sqdb, D, CAUSAL, PREC, HAS_DOC)
     if item_slot < 0:
         out_off = b * scb + h * sch + slot[:, None] * scu + offs_d[None, :]
         tl.store(DKC + out_off, dk * scale, mask=(slot < u_cap)[:, None])
@@ -330,14 +399,17 @@ def _col_dkdv_kernel(
 
 
 @triton.jit
-def _reduce_kernel(DK, DV, EXK, EXV, OFF, NROWS, ES, EC, rstride, ROWS: tl.constexpr, D: tl.constexpr):
-    """Add the extra slots of one split target to its rows, in slot order (deterministic)."""
+def _reduce_kernel(DK, DV, EXK, EXV, OFF, NROWS, ES, EC, rstride, ROWS: tl.constexpr, SUB: tl.constexpr,
+                   D: tl.constexpr):
+    """Add the extra slots (ROWS rows each) of one split target to its rows, in slot order
+    (deterministic); program axis 1 picks a sub-tile of SUB rows."""
     p = tl.program_id(0)
+    r0 = tl.program_id(1) * SUB
     off = tl.load(OFF + p)
     nrows = tl.load(NROWS + p)
     first = tl.load(ES + p)
     count = tl.load(EC + p)
-    offs_r = tl.arange(0, ROWS)
+    offs_r = r0 + tl.arange(0, SUB)
     offs_d = tl.arange(0, D)
     ptr = off + offs_r[:, None] * rstride + offs_d[None, :]
     m = (offs_r < nrows)[:, None]
@@ -356,11 +428,35 @@ def _tile(block_size: int) -> int:
     return max(16, triton.next_power_of_2(block_size))
 
 
+# Kernel sub-tiles (query rows, keys) per kernel for index blocks larger than them: a 128- or 256-token
+# index block runs as 64-row query tiles against 64-key tiles, except dK/dV, whose programs hold 128 keys
+# and loop over 64-row query tiles (measured on the H200 at 128K with 128-token blocks, head dim 128:
+# forward 64x64 15.6 ms vs 128x64 17.7 and 128x128 18.4; backward with dK/dV 64x128 45.8 ms vs 64x64 55.4
+# and 128x64 65.3; dQ 64x64 beat 128x64). A block that is not a multiple of the sub-tile runs as one
+# padded tile.
+SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (64, 64)}
 # (num_warps, num_stages) per kernel on CUDA; scripts/bench_attention.py measures the choices.
 CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3)}
 # Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);
 # tests set a small number to force splitting.
 ITEM_LIMIT: int | None = None
+
+
+def _subtile(block_size: int, want: int) -> int:
+    """The largest power-of-two tile <= want (and >= 16) that divides a block larger than `want`; one
+    padded tile for blocks up to `want` or without such a divisor."""
+    t = want
+    while block_size > want and t >= 16:
+        if block_size % t == 0:
+            return t
+        t //= 2
+    return _tile(block_size)
+
+
+def _subtiles(block_size: int, kernel: str) -> dict:
+    """QT, KT, NQS, NKS for `kernel` on index blocks of `block_size` tokens (see SUBTILE)."""
+    qt, kt = (_subtile(block_size, want) for want in SUBTILE[kernel])
+    return {"QT": qt, "KT": kt, "NQS": -(-block_size // qt), "NKS": -(-block_size // kt)}
 
 
 def _opts(q: torch.Tensor, kernel: str, tile: int = 64) -> dict:
@@ -529,8 +625,9 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
     nqb = -(-Sq // block_size)
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    sub = _subtiles(block_size, "fwd")
     _launch(
-        _fwd_kernel, (nqb, B * Hq),
+        _fwd_kernel, (nqb * sub["NQS"], B * Hq),
         q, k, v, out, lse, qp, kp, bi, bc, ci, cc, qd, kd,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -539,8 +636,8 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
         bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
         ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
         Sq, Sk, Hq, Hq // Hkv,
-        BS=block_size, TILE=_tile(block_size), D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=_prec(q),
-        HAS_DOC=q_doc is not None, **_opts(q, "fwd", _tile(block_size)),
+        BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=_prec(q),
+        HAS_DOC=q_doc is not None, **_opts(q, "fwd", max(sub["QT"], sub["KT"])),
     )
     return out, lse
 
@@ -556,7 +653,6 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, q_doc, k_doc)
     has_doc = q_doc is not None
     nqb, nkb = -(-Sq // block_size), -(-Sk // block_size)
-    tile = _tile(block_size)
     prec = _prec(q)
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, Sq]
     lse = lse.float().contiguous()
@@ -569,16 +665,17 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1),
     )
+    sub = _subtiles(block_size, "dq")
     _launch(
-        _dq_kernel, (nqb, B * Hq),
+        _dq_kernel, (nqb * sub["NQS"], B * Hq),
         q, k, v, dout, lse, delta, dq, dk, dv, qp, kp, bi, bc, ci, cc, qd, kd,
         scale * _LOG2E, scale, *common, dq.stride(0), dq.stride(1), dq.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
         ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
         Sq, Sk, Hq, group,
-        BS=block_size, TILE=tile, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
-        ATOMIC=not deterministic, HAS_DOC=has_doc, **_opts(q, "dq", tile),
+        BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
+        ATOMIC=not deterministic, HAS_DOC=has_doc, **_opts(q, "dq", max(sub["QT"], sub["KT"])),
     )
     if not deterministic:
         return dq, dk, dv
@@ -588,20 +685,24 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         tr = plans["t"]
     ti, ts, tc = tr
     kv_plan = _kv_work_plan(tc, B, Hkv, group, nkb, dk, block_size, plans)
-    extra_k = torch.empty(max(1, kv_plan["n_extra"]), tile, D, dtype=torch.float32, device=q.device)
+    sub = _subtiles(block_size, "dkdv")
+    ex_rows = sub["NKS"] * sub["KT"]  # rows of one extra slot: a whole (padded) key block
+    extra_k = torch.empty(max(1, kv_plan["n_extra"]), ex_rows, D, dtype=torch.float32, device=q.device)
     extra_v = torch.empty_like(extra_k)
     _launch(
-        _dkdv_kernel, (kv_plan["n_items"],),
+        _dkdv_kernel, (kv_plan["n_items"], sub["NKS"]),
         q, k, v, dout, lse, delta, dk, dv, extra_k, extra_v, qp, kp, ti, ts, kv_plan["pre"],
         kv_plan["target"], kv_plan["start"], kv_plan["end"], kv_plan["slot"], qd, kd,
         scale * _LOG2E, scale, *common, dk.stride(0), dk.stride(1), dk.stride(2),
         ts.stride(0), ts.stride(1), qd.stride(0), kd.stride(0),
         Sq, Sk, Hkv, group, nkb,
-        BS=block_size, TILE=tile, D=D, CAUSAL=causal, PREC=prec, HAS_DOC=has_doc, **_opts(q, "dkdv", tile),
+        BS=block_size, **sub, D=D, CAUSAL=causal, PREC=prec, HAS_DOC=has_doc,
+        **_opts(q, "dkdv", max(sub["QT"], sub["KT"])),
     )
-    _reduce(dk, dv, extra_k, extra_v, kv_plan, dk.stride(1), tile, D)
+    _reduce(dk, dv, extra_k, extra_v, kv_plan, dk.stride(1), ex_rows, sub["KT"], D)
     if has_cols:
-        chunk = min(tile, 64)
+        chunk = min(_tile(block_size), 64)
+        sub = _subtiles(block_size, "col")
         if ("c", chunk) not in plans:
             plans[("c", chunk)] = column_plan(ci, cc, Sk, chunk)
         plan = plans[("c", chunk)]
@@ -621,17 +722,18 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             universe.stride(0), universe.stride(1), plan.q_ids.stride(0), plan.q_ids.stride(1),
             plan.q_ids.stride(2), dkc.stride(0), dkc.stride(1), dkc.stride(2), qd.stride(0), kd.stride(0),
             Sq, Hq, group, u_cap, n_chunks,
-            BS=block_size, TILE=tile, CH=chunk, D=D, CAUSAL=causal, PREC=prec, HAS_DOC=has_doc,
-            **_opts(q, "col", tile),
+            BS=block_size, QT=sub["QT"], NQS=sub["NQS"], CH=chunk, D=D, CAUSAL=causal, PREC=prec,
+            HAS_DOC=has_doc, **_opts(q, "col", max(sub["QT"], chunk)),
         )
-        _reduce(dkc, dvc, extra_k, extra_v, col_plan, dkc.stride(2), chunk, D)
+        _reduce(dkc, dvc, extra_k, extra_v, col_plan, dkc.stride(2), chunk, chunk, D)
         scatter = _column_scatter(universe, B, Sk, Hkv, group, plans)
         flat_k, flat_v = dk.view(-1, D), dv.view(-1, D)
-        for rows, heads, sel in scatter:
-            # A head's columns are distinct, so each step touches every row at most once: exact and
-            # independent of scheduling.
-            flat_k[rows] += dkc[:, heads][sel]
-            flat_v[rows] += dvc[:, heads][sel]
+        src_k, src_v = dkc.view(-1, D), dvc.view(-1, D)
+        for rows, src in scatter:
+            # A head's columns are distinct and the heads of one step belong to different KV heads, so each
+            # step touches every row at most once: exact and independent of scheduling.
+            flat_k[rows] += src_k[src]
+            flat_v[rows] += src_v[src]
     return dq, dk, dv
 
 
@@ -708,25 +810,28 @@ def _col_work_plan(plan: ColumnPlan, dkc, plans) -> dict:
     return plans[key]
 
 
-def _reduce(dst_k, dst_v, extra_k, extra_v, plan, row_stride, rows, D) -> None:
+def _reduce(dst_k, dst_v, extra_k, extra_v, plan, row_stride, rows, sub, D) -> None:
     n = plan["heavy"].numel()
     if n:
-        _reduce_kernel[(n,)](dst_k, dst_v, extra_k, extra_v, plan["off"], plan["nrows"], plan["extra_start"],
-                             plan["extra_count"], row_stride, ROWS=rows, D=D)
+        _reduce_kernel[(n, rows // sub)](dst_k, dst_v, extra_k, extra_v, plan["off"], plan["nrows"],
+                                         plan["extra_start"], plan["extra_count"], row_stride, ROWS=rows, SUB=sub,
+                                         D=D)
 
 
 def _column_scatter(universe, B, Sk, Hkv, group, plans):
-    """Per GQA step g: (flat rows of dk [B*Sk*Hkv], heads, selection) for the columns of heads g, G+g, ..."""
+    """Per GQA step g: (flat rows of dk [B*Sk*Hkv], flat rows of dkc [B*Hq*U]) for the columns of heads
+    g, G+g, ...; built with one nonzero and one sort for all steps (few ops: index building is
+    launch-bound on the GPU)."""
     if "col_scatter" not in plans:
         dev = universe.device
-        b_idx = torch.arange(B, device=dev)[:, None, None]
-        hk_idx = torch.arange(Hkv, device=dev)[None, :, None]
-        steps = []
-        for g in range(group):
-            heads = torch.arange(Hkv, device=dev) * group + g
-            u = universe[:, heads].long()
-            sel = u >= 0
-            rows = ((b_idx * Sk + u.clamp(min=0)) * Hkv + hk_idx)[sel]
-            steps.append((rows, heads, sel))
-        plans["col_scatter"] = steps
+        U = universe.shape[-1]
+        b, h, slot = torch.nonzero(universe >= 0, as_tuple=True)
+        u = universe[b, h, slot].long()
+        rows = (b * Sk + u) * Hkv + h // group
+        src = (b * (Hkv * group) + h) * U + slot
+        g = h % group
+        order = torch.sort(g, stable=True).indices
+        counts = torch.bincount(g, minlength=group).tolist()
+        rows, src = rows[order].split(counts), src[order].split(counts)
+        plans["col_scatter"] = list(zip(rows, src))
     return plans["col_scatter"]

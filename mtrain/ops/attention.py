@@ -11,6 +11,15 @@ from mtrain.ops import partial
 from mtrain.ops.index import SparseIndex
 
 
+# Index block sizes for which impl="auto" on CUDA runs FlexAttention instead of our Triton kernels, i.e.
+# where Flex driven by our index was measured faster (index + forward + backward). None: on the H200 at
+# 128K (Qwen2.5-3B heads, bf16, p = 0.90) our kernels beat Flex on the identical 128-token-block mask
+# 70.1 vs 128.4 ms (kernels 60.1 vs 117.5), and Flex's backward does not lower for 64-token blocks with
+# its default configurations (under max_autotune it had not finished compiling after ~220 s), while ours
+# run them (50.4 ms all in). scripts/bench_attention.py; BENCHMARKS.md "Sparse attention kernel".
+AUTO_FLEX_BLOCK_SIZES: frozenset[int] = frozenset()
+
+
 class _PartialAttention(torch.autograd.Function):
     """out, lse = partial attention; backward through `partial.attention_backward` (lse not differentiable)."""
 
@@ -66,7 +75,12 @@ def vertical_slash_attention(
     Computes softmax(scale * q k^T) v over exactly the pairs of `index.to_mask()` (causal: key
     position <= query position), accumulating in fp32. S need not be a multiple of the block size:
     the last block is partial and masked. softmax_scale defaults to 1/sqrt(D).
-    impl: "auto" (Triton kernels on CUDA and under TRITON_INTERPRET=1, else PyTorch), "triton", "torch".
+    impl: "auto", "triton", "flex" or "torch". "triton": our kernels (GPU, or TRITON_INTERPRET=1 on the
+    CPU). "flex": FlexAttention driven by this index (`mtrain.ops.flex`: an exact BlockMask from
+    `BlockMask.from_kv_blocks`, Flex's own fused forward and backward; CUDA, or forward-only on the CPU;
+    `deterministic` does not apply). "torch": the PyTorch path. "auto": on CUDA the engine measured
+    fastest for the index's block size (`AUTO_FLEX_BLOCK_SIZES` lists the block sizes that use Flex; see
+    there and BENCHMARKS.md), under TRITON_INTERPRET=1 Triton, else PyTorch.
     deterministic: True (default) = backward without atomics (dQ per query block, dK/dV per key block
     through the transposed index, looping over the GQA group's heads, vertical columns per column
     chunk); False = one fused kernel per query block adding dK/dV with fp32 atomics (no transposed
@@ -83,6 +97,13 @@ def vertical_slash_attention(
         )
     if index.block_ids.device != q.device:
         index = index.to(q.device)
+    if impl not in ("auto", "triton", "flex", "torch"):
+        raise ValueError(f'impl must be "auto", "triton", "flex" or "torch"; got {impl!r}')
+    if impl == "flex" or (impl == "auto" and q.device.type == "cuda" and index.block_size in AUTO_FLEX_BLOCK_SIZES):
+        from mtrain.ops.flex import flex_vertical_slash
+
+        out, lse = flex_vertical_slash(q, k, v, index, softmax_scale, doc_ids)
+        return (out, lse) if return_lse else out
     pos = torch.arange(S, device=q.device)
     # With document ids everything the kernels derive comes from the doc-filtered lists: a per-call
     # dict (shared by this call's forward and backward) keeps it out of the index's cache.

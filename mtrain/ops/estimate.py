@@ -31,10 +31,14 @@ def last_query_probs(
     ql = q[:, S - n :].float().reshape(B, n, Hkv, G, D)
     s = torch.einsum("bqhgd,bkhd->bhgqk", ql, k.float()) * scale
     rows = torch.arange(S - n, S, device=q.device)
+    if doc_ids is None:
+        # Only the last n keys can lie after a row: mask that [n, n] corner in place, not all S columns.
+        corner = torch.arange(S - n, S, device=q.device)[None, :] > rows[:, None]
+        s[..., S - n :].masked_fill_(corner, float("-inf"))
+        return torch.softmax(s, dim=-1)
     hidden = torch.arange(S, device=q.device)[None, :] > rows[:, None]  # [n, S]
-    if doc_ids is not None:
-        other_doc = doc_ids[:, S - n :, None] != doc_ids[:, None, :]  # [B, n, S]
-        hidden = (hidden | other_doc)[:, None, None]
+    other_doc = doc_ids[:, S - n :, None] != doc_ids[:, None, :]  # [B, n, S]
+    hidden = (hidden | other_doc)[:, None, None]
     return torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1)
 
 
