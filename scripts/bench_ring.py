@@ -1,5 +1,6 @@
 """Ring attention on one host's GPUs (torchrun --nproc_per_node 2 scripts/bench_ring.py): dense and sparse ring
-against CP=1 at equal tokens per GPU, PyTorch's context_parallel in the same run, step compute vs transfer."""
+against CP=1 at equal tokens per GPU, PyTorch's context_parallel in the same run, and a per-phase breakdown.
+`--cpu` runs the same code on gloo + the Triton interpreter at tiny sizes (a smoke test of the script)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import math
 import os
 import statistics
 import sys
+import time
 import traceback
+import warnings
+
+if "--cpu" in sys.argv:  # the Triton kernels read this when mtrain.ops' Triton module is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 import torch.distributed as dist
@@ -22,9 +28,13 @@ from mtrain.ops.attention import vertical_slash_attention  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
 from mtrain.parallel.comm import RingComm  # noqa: E402
 from mtrain.parallel.estimate import estimate_index  # noqa: E402
-from mtrain.parallel.merge import PartialAccumulator  # noqa: E402
-from mtrain.parallel.plan import dense_plan, sparse_plan  # noqa: E402
-from mtrain.parallel.steps import step_backward, step_forward  # noqa: E402
+from mtrain.parallel.merge import GradSum, PartialAccumulator  # noqa: E402
+from mtrain.parallel.plan import _build_sparse_plan, dense_plan, sparse_plan  # noqa: E402
+from mtrain.parallel.steps import (  # noqa: E402
+    ColumnGather, finish_column_grads, start_column_grad_reduce, step_backward, step_forward,
+)
+
+DTYPE = torch.bfloat16  # fp32 under --cpu: the Triton interpreter's bf16 tl.dot is wrong
 
 
 def _tokens(text: str) -> list[int]:
@@ -35,21 +45,48 @@ def _tokens(text: str) -> list[int]:
     return out
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(fn, iters: int, warmup: int) -> float:
-    """Median milliseconds of fn() over iters runs after warmup runs, all ranks in step."""
+    """Median milliseconds of fn() over iters runs after warmup runs, all ranks in step (CUDA events on the
+    GPU, wall clock on the CPU)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         dist.barrier()
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
+        _sync()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def count_host_syncs(fn) -> int | None:
+    """Host syncs (device-to-host waits) one call of fn makes, from CUDA's sync debug mode; None on the CPU."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    _sync()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync()
+    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def lines(seq_len: int, heads: int, seed: int, window: int, far: int, verticals: int):
@@ -70,14 +107,15 @@ def make_index(seq_len, args, device):
 def inputs(seq_len, hq, hkv, dim, device, seed=1):
     g = torch.Generator(device=device).manual_seed(seed)
     shapes = [(1, seq_len, hq, dim), (1, seq_len, hkv, dim), (1, seq_len, hkv, dim), (1, seq_len, hq, dim)]
-    return [torch.randn(s, generator=g, device=device, dtype=torch.bfloat16) for s in shapes]
+    return [torch.randn(s, generator=g, device=device, dtype=DTYPE) for s in shapes]
 
 
 def sdpa_cudnn(q, k, v):
-    """[B, S, H, D] in and out; SDPA's cuDNN backend, causal."""
+    """[B, S, H, D] in and out; SDPA's cuDNN backend, causal (any backend on the CPU)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+    backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
+    with sdpa_kernel(backends):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               is_causal=True).transpose(1, 2)
 
@@ -98,8 +136,8 @@ def dense_flops(seq_len, heads, dim):
 
 
 def check(rank, world, args, device, report):
-    """Ring vs single-GPU reference at a small length: max abs error of out and dq (bf16)."""
-    seq_len = 16384
+    """Ring vs single-GPU reference at a small length: max abs error of out and dq."""
+    seq_len = args.check_len
     for name, hq, hkv, layout_name, sparse in (("dense", args.heads, args.heads, "zigzag", False),
                                                ("sparse", args.heads, args.kv_heads, "block-stripe", True)):
         try:
@@ -184,7 +222,10 @@ def bench_tokens(tokens, rank, world, args, device, report):
 
     attempt("cp1_dense_ms", cp1_dense)
     attempt("ring_dense_ms", ring_dense)
-    attempt("torch_cp_dense_ms", torch_cp)
+    if device.type == "cuda":
+        attempt("torch_cp_dense_ms", torch_cp)
+    else:
+        row["torch_cp_dense_ms"], row["torch_cp_dense_ms_error"] = None, "CUDA only (skipped under --cpu)"
     for key in ("cp1_dense", "ring_dense", "torch_cp_dense"):
         if row.get(key + "_ms"):
             n = tokens if key == "cp1_dense" else seq
@@ -220,50 +261,116 @@ def bench_tokens(tokens, rank, world, args, device, report):
     attempt("ring_sparse_ms", ring_sparse(False))
     attempt("ring_sparse_estimated_ms", ring_sparse(True))
 
-    # one ring step's compute against one KV transfer, measured apart
-    def step_parts():
-        parts = {}
-        comm = RingComm(None)
-        for label, hk, layout_name in (("dense", h, "zigzag"), ("sparse", hkv, "block-stripe")):
+    def sync_counts():
+        """Host syncs of one fwd+bwd call after warm-up (plan and kernel data cached with the index)."""
+        counts = {}
+        for label, hk, layout_name, sparse in (("dense", h, "zigzag", False), ("sparse", hkv, "block-stripe", True)):
             q, k, v, dout = inputs(tokens, h, hk, d, device)
             layout = Layout.create(layout_name, world_size=world, granularity=args.block_size)
-            plan = (dense_plan(layout, seq, rank, device) if label == "dense"
-                    else sparse_plan(make_index(seq, args, device), layout, rank, device))
-            origin = (rank - 1) % world
-            scale = 1.0 / math.sqrt(d)
+            index = make_index(seq, args, device) if sparse else None
+            run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index),
+                             (q, k, v), dout)
+            run()
+            counts[f"{label}_ring_host_syncs"] = count_host_syncs(run)
+        return counts
 
-            def compute():
-                acc = PartialAccumulator(q)
-                aux = {}
-                if origin not in plan.skip:
-                    step_forward(acc, q, k, v, plan, origin, scale, aux)
-                    out, lse = acc.out.to(q.dtype), acc.lse
-                    dq = torch.zeros(q.shape, dtype=torch.float32, device=device)
-                    dk = torch.zeros(k.shape, dtype=torch.float32, device=device)
-                    dv = torch.zeros_like(dk)
-                    step_backward(dq, dk, dv, dout, q, k, v, out, lse, plan, origin, scale, aux)
-
-            parts[f"{label}_step_compute_ms"] = timed(compute, args.iters, args.warmup)
-            if label == "sparse":  # the per-call costs around the steps: remapping and online estimation
-                index = make_index(seq, args, device)
-                parts["sparse_plan_ms"] = timed(lambda: sparse_plan(index, layout, rank, device), args.iters,
-                                                args.warmup)
-                pos = layout.indices(seq, rank).to(device)
-                settings = SparseSettings(block_size=args.block_size, max_vertical=args.verticals,
-                                          max_slash=args.window + args.far_slashes)
-                parts["estimate_index_ms"] = timed(
-                    lambda: estimate_index(q, k, pos, pos, seq, settings, scale, None), args.iters, args.warmup)
-            parts[f"{label}_kv_transfer_ms"] = timed(lambda: comm.shift([k, v]).wait(), args.iters, args.warmup)
-            parts[f"{label}_dkv_transfer_ms"] = timed(
-                lambda: comm.shift([k.float(), v.float()]).wait(), args.iters, args.warmup)
-        return parts
-
-    attempt("step_parts", step_parts)
+    attempt("host_syncs", sync_counts)
+    attempt("phases", lambda: phases(tokens, rank, world, args, device))
     report.append(row)
 
 
+def phases(tokens, rank, world, args, device):
+    """Each part of one fwd+bwd ring call timed on its own (ms, median): the plan, the column gather, every
+    step's forward and backward kernels, the merges and gradient sums, the transfers; the sum of the
+    compute parts against the whole call shows what overlap (or idle time) there is."""
+    seq = tokens * world
+    h, hkv, d = args.heads, args.kv_heads, args.dim
+    scale = 1.0 / math.sqrt(d)
+    comm = RingComm(None)
+    it, wu = args.iters, args.warmup
+    parts = {}
+    for label, hk, layout_name in (("dense", h, "zigzag"), ("sparse", hkv, "block-stripe")):
+        q, k, v, dout = inputs(tokens, h, hk, d, device)
+        layout = Layout.create(layout_name, world_size=world, granularity=args.block_size)
+        index = make_index(seq, args, device) if label == "sparse" else None
+        plan = sparse_plan(index, layout, rank, device) if index is not None else dense_plan(layout, seq, rank, device)
+        t = {}
+        if index is not None:
+            t["plan_build"] = timed(lambda: _build_sparse_plan(index, layout, rank, device), it, wu)
+            t["plan_cached"] = timed(lambda: sparse_plan(index, layout, rank, device), it, wu)
+            pos = layout.indices(seq, rank).to(device)
+            settings = SparseSettings(block_size=args.block_size, max_vertical=args.verticals,
+                                      max_slash=args.window + args.far_slashes)
+            t["estimate_index"] = timed(lambda: estimate_index(q, k, pos, pos, seq, settings, scale, None), it, wu)
+            t["column_gather"] = timed(lambda: ColumnGather(k, v, plan, None).wait(), it, wu)
+        columns_kv = ColumnGather(k, v, plan, None).wait() if plan.columns is not None else None
+        # a visiting shard's K/V (another rank's data, as the ring would hand it over)
+        remote = comm.shift([k, v]).wait()
+        order = [(rank - s) % world for s in range(world)]
+        outs = {}
+        for s, origin in enumerate(order):
+            if origin in plan.skip:
+                continue
+            kv = (k, v) if s == 0 else remote
+            cols = columns_kv if origin == rank else None
+            aux: dict = {}
+
+            def fwd():
+                acc = PartialAccumulator(q)
+                step_forward(acc, q, kv[0], kv[1], plan, origin, scale, aux, cols)
+                return acc
+
+            t[f"step{s}_fwd"] = timed(fwd, it, wu)
+            outs[s] = fwd()
+        # the merge of the steps' outputs as the ring does it (the first taken over, the last merged final)
+        first, rest = min(outs), sorted(outs)[1:]
+
+        def merge():  # merges into the first step's output in place, as the ring does (values stay finite)
+            acc = PartialAccumulator(q)
+            acc.add(outs[first].out, outs[first].lse)
+            for n, s in enumerate(rest):
+                acc.add(outs[s].out, outs[s].lse, final=n == len(rest) - 1)
+            return acc.result(q.dtype)
+
+        if rest:
+            t["merge"] = timed(merge, it, wu)
+        out, lse = merge() if rest else outs[first].result(q.dtype)
+        for s, origin in enumerate(order):
+            if origin in plan.skip:
+                continue
+            kv = (k, v) if s == 0 else remote
+            cols = columns_kv if origin == rank else None
+            aux: dict = {}
+            acc = PartialAccumulator(q)
+            step_forward(acc, q, kv[0], kv[1], plan, origin, scale, aux, cols)
+
+            def bwd():
+                sums = GradSum(q), GradSum(k), GradSum(k)
+                dcols = step_backward(*sums, dout, q, kv[0], kv[1], out, lse, plan, origin, scale, aux, cols)
+                return sums, dcols
+
+            t[f"step{s}_bwd"] = timed(bwd, it, wu)
+            sums, dcols = bwd()
+            if dcols is not None:
+                t["column_grads"] = timed(
+                    lambda: finish_column_grads(start_column_grad_reduce(dcols, None), plan, sums[1].value(),
+                                                sums[2].value()), it, wu)
+        dq_part = sums[0].value()
+        dq_sum = dq_part.clone()
+        t["dq_add_and_cast"] = timed(lambda: dq_sum.add_(dq_part).to(q.dtype), it, wu)
+        t["kv_transfer"] = timed(lambda: comm.shift([k, v]).wait(), it, wu)
+        dk32 = torch.zeros(k.shape, dtype=torch.float32, device=device)
+        t["dkv_transfer_fp32"] = timed(lambda: comm.shift([dk32, dk32]).wait(), it, wu)
+        compute = sum(val for key, val in t.items() if key.startswith("step") or key in ("merge", "column_grads",
+                                                                                          "dq_add_and_cast"))
+        t["sum_of_compute_parts"] = compute
+        for key, val in t.items():
+            parts[f"{label}_{key}_ms"] = val
+    return parts
+
+
 def print_table(report):
-    print("\n== correctness (bf16 ring vs single-GPU at 16K, max abs error) ==")
+    print("\n== correctness (ring vs single device, max abs error) ==")
     for r in report:
         if "check" in r and "error" in r:
             print(f"{r['check']:<7} {r['layout']:<13} failed: {r['error'][:100]}")
@@ -275,11 +382,12 @@ def print_table(report):
         if "tokens_per_gpu" not in r:
             continue
         t = r["tokens_per_gpu"]
+        t_label = f"{t // 1024}K" if t >= 1024 else str(t)
         for key, base in (("cp1_dense", None), ("ring_dense", "cp1_dense"), ("torch_cp_dense", "cp1_dense"),
                           ("cp1_sparse", None), ("ring_sparse", "cp1_sparse"), ("ring_sparse_estimated", "cp1_sparse")):
             ms = r.get(key + "_ms")
             if ms is None:
-                print(f"{t // 1024:>7}K {key:<28} failed: {r.get(key + '_ms_error', '')[:80]}")
+                print(f"{t_label:>8} {key:<28} failed: {r.get(key + '_ms_error', '')[:80]}")
                 continue
             tf = r.get(key + "_tflops_per_gpu")
             # per-GPU throughput against CP=1 at equal tokens per GPU: dense work per token grows with the
@@ -287,13 +395,20 @@ def print_table(report):
             ratio = None
             if base and r.get(base + "_ms"):
                 ratio = tf / r[base + "_tflops_per_gpu"] if tf else r[base + "_ms"] / ms
-            print(f"{t // 1024:>7}K {key:<28} {ms:>9.2f} {tf if tf else float('nan'):>12.1f} "
+            print(f"{t_label:>8} {key:<28} {ms:>9.2f} {tf if tf else float('nan'):>12.1f} "
                   f"{(f'{ratio:.3f}' if ratio else '-'):>8}")
         if r.get("ring_dense_ms") and r.get("torch_cp_dense_ms"):
             print(f"{'':>9}ring dense / torch context_parallel TFLOP/s: {r['torch_cp_dense_ms'] / r['ring_dense_ms']:.3f}")
-        parts = r.get("step_parts")
-        if parts:
-            print(f"{'':>9}one step: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+        if r.get("phases"):
+            print(f"{'':>9}(phases: ms, each part timed alone; step0 = own shard + gathered columns, stepN = the shard "
+                  "of rank r-N; backward runs them in reverse)")
+        for key in ("host_syncs", "phases"):
+            if r.get(key):
+                items = [f"{k.removesuffix('_ms')} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in r[key].items()]
+                print(f"{'':>9}{key}: " + ", ".join(items))
+            elif key + "_error" in r:
+                print(f"{'':>9}{key} failed: {r[key + '_error'][:100]}")
 
 
 def main() -> int:
@@ -309,17 +424,31 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--check-len", type=_tokens, default=[16384], help="tokens of the correctness check")
+    parser.add_argument("--cpu", action="store_true",
+                        help="gloo + Triton interpreter + fp32 on the CPU: a smoke test of this script at tiny sizes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    args.check_len = args.check_len[0]
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
+    global DTYPE
+    if args.cpu:
+        DTYPE = torch.float32
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        name = "CPU (gloo, Triton interpreter)"
+    else:
+        dist.init_process_group("nccl")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+        name = torch.cuda.get_device_name(device)
     report: list[dict] = []
     if rank == 0:
-        print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)} x {world}, "
-              f"heads {args.heads}/{args.kv_heads} x {args.dim}, bf16", flush=True)
+        print(f"torch {torch.__version__}, {name} x {world}, heads {args.heads}/{args.kv_heads} x {args.dim}, "
+              f"{DTYPE}", flush=True)
     if not args.skip_check:
         try:
             check(rank, world, args, device, report)

@@ -119,9 +119,11 @@ def _fused_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux: di
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             doh, qh, kh, vh, oh, stats, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
     group = hq // hkv
-    dk = dk.float().view(b, hkv, group, sk, d).sum(2).transpose(1, 2)
-    dv = dv.float().view(b, hkv, group, sk, d).sum(2).transpose(1, 2)
-    return dq.float().transpose(1, 2), dk, dv
+    if group > 1:  # the GQA group's query heads summed in fp32, straight from the 16-bit kernel output
+        dk = dk.view(b, hkv, group, sk, d).sum(2, dtype=torch.float32)
+        dv = dv.view(b, hkv, group, sk, d).sum(2, dtype=torch.float32)
+    # 16-bit parts stay 16-bit: the ring adds them into its fp32 sums (no widened copy of each)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _local_positions(n: int, device) -> torch.Tensor:
@@ -143,8 +145,8 @@ def rect_forward(q, k, v, rect: Rect, scale: float):
 
 
 def rect_backward(dout, q, k, v, out, lse, rect: Rect, scale: float, aux: dict | None):
-    """(dq, dk, dv) in fp32 of one rectangle, given the final merged out and lse of its rows and the aux
-    its forward returned."""
+    """(dq, dk, dv) of one rectangle, given the final merged out and lse of its rows and the aux its forward
+    returned: the fused kernel's 16-bit results (GQA sums in fp32), else fp32 (fp64 for fp64 inputs)."""
     rows, keys = slice(rect.q0, rect.q1), slice(rect.k0, rect.k1)
     args = (dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows])
     if aux is not None:

@@ -1,11 +1,9 @@
-"""The running LSE merge of partial attention results over ring steps, shared by every ring schedule:
-fp32 (fp64 for fp64 inputs) through `mtrain.ops.merge_partial`, which is -inf safe."""
+"""Running sums over ring steps, shared by every ring schedule: the LSE merge of partial attention outputs
+(weights in fp32, outputs merged in fp32, fp64 for fp64) and the fp32 sums of gradient parts."""
 
 from __future__ import annotations
 
 import torch
-
-from mtrain.ops import merge_partial
 
 
 def accum_dtype(x: torch.Tensor) -> torch.dtype:
@@ -13,16 +11,86 @@ def accum_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _covers(rows: slice, n: int) -> bool:
+    return (rows.start or 0) == 0 and (rows.stop is None or rows.stop >= n) and rows.step in (None, 1)
+
+
+def lse_weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
+    """(weight_a, weight_b [B, S, H, 1], lse [B, H, S]) of merging two partial results over disjoint key sets:
+    lse = log(exp(a) + exp(b)); -inf safe (rows that saw no key on one or both sides)."""
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    wa, wb = torch.exp(lse_a - m_safe), torch.exp(lse_b - m_safe)
+    total = wa + wb
+    lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(m, float("-inf")))
+    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    return (wa * inv).transpose(1, 2)[..., None], (wb * inv).transpose(1, 2)[..., None], lse
+
+
 class PartialAccumulator:
-    """Running (out, lse) over ring steps; starts with every row empty (out = 0, lse = -inf)."""
+    """Running (out, lse) of the local queries over ring steps.
+
+    The first part that covers every row is taken as it came (no zero start, no copy); later parts merge in
+    the accumulation dtype, in place. A part passed with `final=True` (no later part touches its rows) is
+    merged straight into the output dtype while the running result is still in it: the same single
+    rounding as merging in fp32 and casting at the end, without the fp32 round trip.
+    """
 
     def __init__(self, like_q: torch.Tensor):
-        b, s, h, d = like_q.shape
-        self.out = torch.zeros(b, s, h, d, dtype=accum_dtype(like_q), device=like_q.device)
-        self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=like_q.device)
+        self.shape, self.device, self.dtype = like_q.shape, like_q.device, accum_dtype(like_q)
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
 
-    def add(self, part_out: torch.Tensor, part_lse: torch.Tensor, rows: slice = slice(None)) -> None:
-        """Merge a partial result for the query rows `rows` (all by default)."""
-        out, lse = merge_partial(self.out[:, rows], self.lse[:, :, rows], part_out, part_lse)
-        self.out[:, rows] = out
+    def _start_empty(self) -> None:
+        b, s, h, _ = self.shape
+        self.out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=self.device)
+
+    def add(self, part_out: torch.Tensor, part_lse: torch.Tensor, rows: slice = slice(None),
+            final: bool = False) -> None:
+        """Merge a partial result (out [B, r, H, D], lse [B, H, r] fp32) for the query rows `rows` (all by default)."""
+        if self.out is None:
+            if _covers(rows, self.shape[1]):
+                self.out, self.lse = part_out, part_lse.float()
+                return
+            self._start_empty()
+        wa, wb, lse = lse_weights(self.lse[:, :, rows], part_lse.float())
+        if self.out.dtype != self.dtype and not final:
+            self.out = self.out.to(self.dtype)  # more merges follow: keep the running result in fp32
+        dst = self.out[:, rows]
+        if dst.dtype == self.dtype:
+            dst.mul_(wa).addcmul_(part_out, wb)
+        else:  # computed in fp32 (the weights' dtype), rounded once on the store
+            torch.addcmul(dst * wa, part_out, wb, out=dst)
         self.lse[:, :, rows] = lse
+
+    def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out in `dtype`, lse fp32 [B, H, S]); rows no part reached have out 0 and lse -inf."""
+        if self.out is None:
+            self._start_empty()
+        return self.out.to(dtype, memory_format=torch.contiguous_format), self.lse
+
+
+class GradSum:
+    """Sum of gradient parts of a [B, S, H, D] tensor in the accumulation dtype (fp32; fp64 for fp64).
+
+    The first part that covers every row is taken over (a contiguous fp32 kernel output as it is, a 16-bit one
+    cast once) instead of adding it to zeros; later parts are added in place. Exact: every part is added in
+    fp32 (16-bit parts are widened on the fly)."""
+
+    def __init__(self, like: torch.Tensor):
+        self.shape, self.device, self.dtype = like.shape, like.device, accum_dtype(like)
+        self.total: torch.Tensor | None = None
+
+    def add(self, part: torch.Tensor, rows: slice = slice(None)) -> None:
+        if self.total is None:
+            if _covers(rows, self.shape[1]):
+                self.total = part.to(self.dtype, memory_format=torch.contiguous_format)
+                return
+            self.total = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.total[:, rows].add_(part)
+
+    def value(self) -> torch.Tensor:
+        if self.total is None:
+            self.total = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.total

@@ -1,5 +1,6 @@
 """What each ring step of one rank computes: a global SparseIndex remapped to local block lists, with the
-sink block and vertical columns taken off the ring into one local pass; built once, used by fwd and bwd."""
+sink block and vertical columns taken off the ring (gathered once, attended in the local step); built once
+per index (cached with it), used by forward and backward together with the kernels' derived data."""
 
 from __future__ import annotations
 
@@ -10,16 +11,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtrain.ops.index import compact
 from mtrain.parallel.dense_rects import Rect, dense_rects
 from mtrain.parallel.layout import Layout
 
 @dataclass
 class StepBlocks:
-    """Local key-block lists of one ring step: ids [B, Hq, nQB_local, M] int32 sorted, -1 padded; counts."""
+    """Local key-block lists of one ring step: ids [B, Hq, nQB_local, M] int32 sorted, -1 padded; counts.
+
+    columns: for the local step, the off-ring columns as key tokens appended after the shard's own
+    (ids = S_local + slot into `OffRingColumns.positions`, -1 padded; counts), else None; k_pos: the global
+    positions of the step's keys (the shard's, then the columns')."""
 
     ids: torch.Tensor
     counts: torch.Tensor
+    k_pos: torch.Tensor
+    columns: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def as_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ids, self.counts
@@ -31,6 +37,8 @@ class OffRingColumns:
 
     positions [U] global positions (padding = seq_len, causally invisible), owner/local [U] where each
     lives (-1 for padding), ids [B, Hq, nQB_local, C] int32 indices into positions, sorted, -1 padded.
+    mine_slots / mine_local: the slots this rank owns and its local rows of them (index tensors, so the
+    gather and the gradient scatter need no host sync).
     """
 
     positions: torch.Tensor
@@ -38,6 +46,8 @@ class OffRingColumns:
     local: torch.Tensor
     ids: torch.Tensor
     counts: torch.Tensor
+    mine_slots: torch.Tensor
+    mine_local: torch.Tensor
 
 
 @dataclass
@@ -56,6 +66,7 @@ class RingPlan:
     rects: dict[int, list[Rect] | None] = field(default_factory=dict)
     doc_ids: torch.Tensor | None = None
     """Global document ids [B, seq_len] (packed samples) or None; see `with_documents`."""
+    kernel_caches: dict[tuple, dict] = field(default_factory=dict, repr=False)
 
     @property
     def q_pos(self) -> torch.Tensor:
@@ -71,8 +82,16 @@ class RingPlan:
     def with_documents(self, doc_ids: torch.Tensor) -> "RingPlan":
         """A copy (cached plans stay untouched) whose steps keep only same-document pairs. The dense
         rectangles are dropped: a fused SDPA rectangle cannot mask documents, so those steps run the
-        partial kernels, which take the ids (and on the GPU skip the blocks of other documents)."""
-        return dataclasses.replace(self, rects={}, doc_ids=doc_ids)
+        partial kernels, which take the ids (and on the GPU skip the blocks of other documents). Each step
+        gets an empty kernel cache: what the kernels derive then depends on these ids."""
+        return dataclasses.replace(self, rects={}, doc_ids=doc_ids, kernel_caches={})
+
+    def kernel_cache(self, origin: int, q: torch.Tensor, k: torch.Tensor) -> dict:
+        """The `plans` dict of `mtrain.ops.partial` for the step of `origin` (the transposed lists, work items
+        and column plan the kernels derive from its lists), filled on first use and shared by forward,
+        backward and every later call with this plan and these shapes (B, Hq, Hkv, D: a cached dense plan
+        serves any batch)."""
+        return self.kernel_caches.setdefault((origin, q.shape[0], q.shape[2], k.shape[2], q.shape[3]), {})
 
 
 @functools.lru_cache(maxsize=16)
@@ -113,8 +132,11 @@ def _dense_plan_cached(spec: tuple, seq_len: int, rank: int, device: str) -> Rin
 def _pack(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Move the valid (>= 0) ids of each list to the front, keeping their order; (ids int32, counts).
     The lists built here are already ascending (layouts keep a rank's positions ascending within each
-    of its runs, and the global lists are sorted), so no sort is needed."""
-    return compact(ids >= 0, ids)
+    of its runs, and the global lists are sorted), so a stable sort on validity packs them; the width is
+    kept (no host sync to learn the longest list: the kernels read `counts` entries)."""
+    valid = ids >= 0
+    order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
+    return torch.gather(ids, -1, order).to(torch.int32), valid.sum(-1, dtype=torch.int32)
 
 
 def _key_block_table(positions: torch.Tensor, local_block: int, block_size: int, n_global: int) -> torch.Tensor:
@@ -133,36 +155,62 @@ def _key_block_table(positions: torch.Tensor, local_block: int, block_size: int,
 def sparse_plan(index, layout: Layout, rank: int, device: torch.device) -> RingPlan:
     """Remap a global SparseIndex (block lists + vertical columns) onto rank `rank`'s ring steps.
 
-    Slash/diagonal blocks travel the ring; global block 0 (the sinks) and vertical columns go to the
-    off-ring pass so no single worker carries them at one ring step.
+    Slash/diagonal blocks travel the ring; global block 0 (the sinks) and vertical columns go off the ring:
+    gathered once and appended to the local step's keys, so no single worker carries them at one ring
+    step and they cost no kernel launch of their own. Cached with the index (which is frozen), so repeated
+    calls with one index, and the kernels' derived data in the plan, are built once.
     """
+    key = ("ring_plan", layout.spec, rank, str(device))
+    cache = index._cache
+    if key not in cache:
+        cache[key] = _build_sparse_plan(index, layout, rank, device)
+    return cache[key]
+
+
+def _build_sparse_plan(index, layout: Layout, rank: int, device: torch.device) -> RingPlan:
     seq_len, block_size = int(index.seq_len), int(index.block_size)
     layout.check(seq_len)
     local_block = layout.local_block_size(seq_len, block_size)
     positions = _all_positions(layout, seq_len, device)
-    n_global = -(-seq_len // block_size)
 
     my_global_blocks = positions[rank].view(-1, local_block)[:, 0] // block_size
     rows = index.block_ids.to(device).long()[:, :, my_global_blocks, :]  # [B, H, nLQB, MAXB] global ids
     had_sink = (rows == 0).any(dim=-1)
     rows = torch.where(rows == 0, -1, rows)
 
+    columns = _off_ring_columns(index, layout, rank, had_sink, my_global_blocks, local_block, seq_len, device)
     steps: dict[int, StepBlocks | None] = {}
-    skip: set[int] = set()
     valid = (rows >= 0).unsqueeze(-1)
+    tables = _key_block_tables(layout.spec, seq_len, local_block, block_size, str(device))
+    counts_max = []
     for origin in range(layout.world_size):
-        table = _key_block_table(positions[origin], local_block, block_size, n_global)
-        mapped = torch.where(valid, table[rows.clamp(min=0)], -1).flatten(-2)
+        mapped = torch.where(valid, tables[origin][rows.clamp(min=0)], -1).flatten(-2)
         ids, counts = _pack(mapped)
-        if int(counts.max()) == 0:
-            skip.add(origin)
-        steps[origin] = StepBlocks(ids, counts)
-
-    columns = _off_ring_columns(index, layout, had_sink, my_global_blocks, local_block, seq_len, device)
+        counts_max.append(counts.max())
+        k_pos = positions[origin]
+        step_columns = None
+        if origin == rank and columns is not None:
+            # the gathered columns follow the shard's own keys: slot u is key S_local + u of this step
+            n_local = k_pos.numel()
+            step_columns = (torch.where(columns.ids >= 0, columns.ids + n_local, -1).to(torch.int32), columns.counts)
+            k_pos = torch.cat([k_pos, columns.positions])
+        steps[origin] = StepBlocks(ids, counts, k_pos, step_columns)
+    # one host sync for all origins; the local step always runs when it carries the columns
+    empty = (torch.stack(counts_max) == 0).tolist()
+    skip = {o for o, e in enumerate(empty) if e and steps[o].columns is None}
     return RingPlan(seq_len, rank, local_block, positions, steps, skip, columns)
 
 
-def _off_ring_columns(index, layout, had_sink, my_global_blocks, local_block, seq_len, device) -> OffRingColumns | None:
+@functools.lru_cache(maxsize=16)
+def _key_block_tables(spec: tuple, seq_len: int, local_block: int, block_size: int, device: str) -> tuple:
+    """Per origin rank, `_key_block_table` of its shard (cached: it depends only on the layout and length)."""
+    positions = _all_positions(Layout.create(*spec), seq_len, torch.device(device))
+    n_global = -(-seq_len // block_size)
+    return tuple(_key_block_table(p, local_block, block_size, n_global) for p in positions)
+
+
+def _off_ring_columns(index, layout, rank, had_sink, my_global_blocks, local_block, seq_len,
+                      device) -> OffRingColumns | None:
     block_size = int(index.block_size)
     col_ids = index.col_ids.to(device).long()
     any_sink = bool((index.block_ids == 0).any())
@@ -182,6 +230,7 @@ def _off_ring_columns(index, layout, had_sink, my_global_blocks, local_block, se
     local = torch.full_like(positions, -1)
     owner[: union.numel()] = owner_all[union]
     local[: union.numel()] = local_all[union]
+    mine_slots = torch.nonzero(owner == rank).flatten()
 
     my_cols = col_ids[:, :, my_global_blocks, :]
     col_slots = torch.where(my_cols >= 0, torch.searchsorted(union, my_cols.clamp(min=0)), -1)
@@ -190,4 +239,4 @@ def _off_ring_columns(index, layout, had_sink, my_global_blocks, local_block, se
     sink_slots = torch.arange(n_sink, device=device).expand(b, h, n, n_sink)
     sink_slots = torch.where(had_sink.unsqueeze(-1), sink_slots, -1)
     ids, counts = _pack(torch.cat([sink_slots, col_slots], dim=-1))
-    return OffRingColumns(positions, owner, local, ids, counts)
+    return OffRingColumns(positions, owner, local, ids, counts, mine_slots, local[mine_slots])

@@ -1,70 +1,77 @@
-"""Flat ring schedule: step s on rank r attends the KV shard of rank r - s while the next shard is in flight;
-backward sends dK/dV home on a second ring in fp32. Sink and verticals run once, off the ring."""
+"""Flat ring schedule: step s on rank r attends the KV shard of rank r - s while the next shard is in flight.
+Backward runs the steps in reverse, starting on the shard the forward ended with, so dK/dV partial sums
+travel W - 1 hops in fp32 and reach their owner while it computes its own (last) step."""
 
 from __future__ import annotations
 
 import torch
 
 from mtrain.parallel.comm import TAG_GRAD, RingComm
-from mtrain.parallel.merge import PartialAccumulator, accum_dtype
+from mtrain.parallel.merge import GradSum, PartialAccumulator
 from mtrain.parallel.plan import RingPlan
 from mtrain.parallel.steps import (
-    columns_backward, columns_forward, start_column_gather, step_backward, step_forward,
+    ColumnGather, finish_column_grads, start_column_grad_reduce, step_backward, step_forward,
 )
 
 
 def _forward(q, k, v, plan: RingPlan, group, scale: float):
     comm = RingComm(group)
-    gather = start_column_gather(k, v, plan, group) if plan.columns is not None else None
+    gather = ColumnGather(k, v, plan, group) if plan.columns is not None else None
     acc = PartialAccumulator(q)
     aux: dict = {}  # per-call state fused dense kernels hand from forward to backward
+    origins = [(comm.rank - step) % comm.size for step in range(comm.size)]
+    last = max((s for s, o in enumerate(origins) if o not in plan.skip), default=-1)
     held = [k, v]
-    for step in range(comm.size):
+    for step, origin in enumerate(origins):
         incoming = comm.shift(held) if step < comm.size - 1 else None
-        origin = (comm.rank - step) % comm.size
         if origin not in plan.skip:
-            step_forward(acc, q, held[0], held[1], plan, origin, scale, aux)
+            columns_kv = gather.wait() if gather is not None and origin == comm.rank else None
+            step_forward(acc, q, held[0], held[1], plan, origin, scale, aux, columns_kv, final=step == last)
         if incoming is not None:
             held = incoming.wait()
-    columns_kv = None
-    if gather is not None:
-        buf, work = gather
-        work.wait()
-        columns_kv = (buf[0], buf[1])
-        columns_forward(acc, q, buf[0], buf[1], plan, scale)
-    return acc.out.to(q.dtype), acc.lse, columns_kv, aux
+    out, lse = acc.result(q.dtype)
+    # `held` is now the shard of step W - 1, where backward starts; the columns are needed there again
+    return out, lse, held, gather.wait() if gather is not None else None, aux
 
 
-def _backward(dout, q, k, v, out, lse, columns_kv, aux, plan: RingPlan, group, scale: float):
+def _backward(dout, q, k, v, out, lse, last_kv, columns_kv, aux, plan: RingPlan, group, scale: float):
     comm = RingComm(group)
-    dq = torch.zeros(q.shape, dtype=accum_dtype(q), device=q.device)
-    held = [k, v]
+    prev, nxt = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
+    dq = GradSum(q)
+    held = last_kv
     grads_in_flight = None
-    for step in range(comm.size):
-        incoming = comm.shift(held) if step < comm.size - 1 else None
-        origin = (comm.rank - step) % comm.size
-        # the dK/dV accumulator of shard `origin` arrives from the previous rank, gains this step's part,
-        # and moves on; after W sends it is back at its owner
-        if step == 0:
-            acc = [torch.zeros(k.shape, dtype=accum_dtype(k), device=k.device) for _ in range(2)]
-        else:
-            acc = grads_in_flight.wait()
+    column_reduce = None
+    # step s attends the shard of rank r - s; its dK/dV partial sum arrives from rank r + 1 (which attended
+    # that shard at step s + 1) and moves on to rank r - 1, reaching the owner at its step 0
+    for s in range(comm.size - 1, -1, -1):
+        origin = (comm.rank - s) % comm.size
+        incoming = comm.shift(held, send_to=prev, recv_from=nxt) if s > 1 else None
+        kv = held if s > 0 else [k, v]
+        dk, dv = GradSum(k), GradSum(k)
         if origin not in plan.skip:
-            step_backward(dq, acc[0], acc[1], dout, q, held[0], held[1], out, lse, plan, origin, scale, aux)
-        grads_in_flight = comm.shift(acc, tag=TAG_GRAD)
+            dcols = step_backward(dq, dk, dv, dout, q, kv[0], kv[1], out, lse, plan, origin, scale, aux,
+                                  columns_kv if origin == comm.rank else None)
+            if dcols is not None:
+                column_reduce = start_column_grad_reduce(dcols, group)
+        if grads_in_flight is not None:  # waited for only after this step's kernels are queued
+            earlier = grads_in_flight.wait()
+            dk.add(earlier[0])
+            dv.add(earlier[1])
+        if s > 0:
+            grads_in_flight = comm.shift([dk.value(), dv.value()], tag=TAG_GRAD, send_to=prev, recv_from=nxt)
         if incoming is not None:
             held = incoming.wait()
-    dk, dv = grads_in_flight.wait()
-    if columns_kv is not None:
-        dq += columns_backward(dout, q, columns_kv[0], columns_kv[1], out, lse, plan, scale, group, dk, dv)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dk, dv = dk.value(), dv.value()
+    if column_reduce is not None:
+        finish_column_grads(column_reduce, plan, dk, dv)
+    return dq.value().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class RingFlatAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan, group, scale: float):
-        out, lse, columns_kv, aux = _forward(q, k, v, plan, group, scale)
-        saved = [q, k, v, out, lse] + (list(columns_kv) if columns_kv is not None else [])
+        out, lse, last_kv, columns_kv, aux = _forward(q, k, v, plan, group, scale)
+        saved = [q, k, v, out, lse, *last_kv] + (list(columns_kv) if columns_kv is not None else [])
         ctx.save_for_backward(*saved)
         ctx.plan, ctx.group, ctx.scale, ctx.aux = plan, group, scale, aux
         ctx.mark_non_differentiable(lse)
@@ -72,10 +79,9 @@ class RingFlatAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *columns_kv = ctx.saved_tensors
-        grads = _backward(
-            dout.contiguous(), q, k, v, out, lse, tuple(columns_kv) or None, ctx.aux, ctx.plan, ctx.group, ctx.scale
-        )
+        q, k, v, out, lse, last_k, last_v, *columns_kv = ctx.saved_tensors
+        grads = _backward(dout.contiguous(), q, k, v, out, lse, [last_k, last_v], tuple(columns_kv) or None,
+                          ctx.aux, ctx.plan, ctx.group, ctx.scale)
         return (*grads, None, None, None)
 
 

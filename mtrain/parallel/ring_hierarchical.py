@@ -9,10 +9,10 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV, RingComm
-from mtrain.parallel.merge import PartialAccumulator, accum_dtype
+from mtrain.parallel.merge import GradSum, PartialAccumulator
 from mtrain.parallel.plan import RingPlan
 from mtrain.parallel.steps import (
-    columns_backward, columns_forward, start_column_gather, step_backward, step_forward,
+    ColumnGather, finish_column_grads, start_column_grad_reduce, step_backward, step_forward,
 )
 
 
@@ -77,9 +77,11 @@ def origin_rank(grid: NodeGrid, outer_step: int, inner_step: int) -> int:
 
 def _forward(q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float):
     inner, outer, grid = _comms(group, inner_group, outer_group)
-    gather = start_column_gather(k, v, plan, group) if plan.columns is not None else None
+    gather = ColumnGather(k, v, plan, group) if plan.columns is not None else None
     acc = PartialAccumulator(q)
     aux: dict = {}  # per-call state fused dense kernels hand from forward to backward
+    order = [(o, i) for o in range(grid.nodes) for i in range(grid.local_size)]
+    last = max((n for n, (o, i) in enumerate(order) if origin_rank(grid, o, i) not in plan.skip), default=-1)
     base = [k, v]
     for o in range(grid.nodes):
         next_base = _outer_shift(outer, grid, base) if o < grid.nodes - 1 else None  # overlaps the inner ring
@@ -88,51 +90,57 @@ def _forward(q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: fl
             incoming = inner.shift(held) if i < grid.local_size - 1 else None
             origin = origin_rank(grid, o, i)
             if origin not in plan.skip:
-                step_forward(acc, q, held[0], held[1], plan, origin, scale, aux)
+                columns_kv = gather.wait() if gather is not None and origin == plan.rank else None
+                step_forward(acc, q, held[0], held[1], plan, origin, scale, aux, columns_kv,
+                             final=o * grid.local_size + i == last)
             if incoming is not None:
                 held = incoming.wait()
         if next_base is not None:
             base = next_base.wait()
-    columns_kv = None
-    if gather is not None:
-        buf, work = gather
-        work.wait()
-        columns_kv = (buf[0], buf[1])
-        columns_forward(acc, q, buf[0], buf[1], plan, scale)
-    return acc.out.to(q.dtype), acc.lse, columns_kv, aux
+    out, lse = acc.result(q.dtype)
+    return out, lse, gather.wait() if gather is not None else None, aux
 
 
-def _inner_ring_backward(dout, q, base, out, lse, plan, inner, grid, o, scale, dq, aux):
-    """One inner ring of backward: returns this node's fp32 (dK, dV) for the base shard, back at its holder."""
+def _inner_ring_backward(dout, q, base, out, lse, plan, inner, grid, o, scale, dq, aux, columns_kv, group):
+    """One inner ring of backward: returns this node's fp32 (dK, dV) for the base shard, back at its holder,
+    and the started reduction of the column gradients when the local step ran in this inner ring."""
     held = base
     in_flight = None
+    column_reduce = None
     for i in range(grid.local_size):
         incoming = inner.shift(held) if i < grid.local_size - 1 else None
         origin = origin_rank(grid, o, i)
-        if i == 0:
-            acc = [torch.zeros(base[0].shape, dtype=accum_dtype(base[0]), device=base[0].device) for _ in range(2)]
-        else:
-            acc = in_flight.wait()
+        dk, dv = GradSum(base[0]), GradSum(base[0])
         if origin not in plan.skip:
-            step_backward(dq, acc[0], acc[1], dout, q, held[0], held[1], out, lse, plan, origin, scale, aux)
-        in_flight = inner.shift(acc, tag=TAG_GRAD)  # the last shift returns it to the base's holder
+            dcols = step_backward(dq, dk, dv, dout, q, held[0], held[1], out, lse, plan, origin, scale, aux,
+                                  columns_kv if origin == plan.rank else None)
+            if dcols is not None:
+                column_reduce = start_column_grad_reduce(dcols, group)
+        if in_flight is not None:  # waited for only after this step's kernels are queued
+            earlier = in_flight.wait()
+            dk.add(earlier[0])
+            dv.add(earlier[1])
+        in_flight = inner.shift([dk.value(), dv.value()], tag=TAG_GRAD)  # the last one returns it to the base's holder
         if incoming is not None:
             held = incoming.wait()
-    return in_flight.wait()
+    return in_flight.wait(), column_reduce
 
 
 def _backward(dout, q, k, v, out, lse, columns_kv, aux, plan: RingPlan, group, inner_group, outer_group, scale):
     inner, outer, grid = _comms(group, inner_group, outer_group)
-    dq = torch.zeros(q.shape, dtype=accum_dtype(q), device=q.device)
+    dq = GradSum(q)
     base = [k, v]
     node_grads_in_flight = None
+    column_reduce = None
     for o in range(grid.nodes):
         next_base = _outer_shift(outer, grid, base) if o < grid.nodes - 1 else None
-        node_acc = _inner_ring_backward(dout, q, base, out, lse, plan, inner, grid, o, scale, dq, aux)
+        node_acc, reduce = _inner_ring_backward(dout, q, base, out, lse, plan, inner, grid, o, scale, dq, aux,
+                                                columns_kv, group)
+        column_reduce = reduce or column_reduce
         # the earlier nodes' sum for this base shard left the previous node one inner ring ago
         if node_grads_in_flight is not None:
             earlier = node_grads_in_flight.wait()
-            node_acc = [node_acc[0] + earlier[0], node_acc[1] + earlier[1]]
+            node_acc = [node_acc[0].add_(earlier[0]), node_acc[1].add_(earlier[1])]
         # forward to the holder of this base at the next outer step; after the last, straight home
         # (the base of outer step N-1 came from slot s - (N-1))
         by = 1 if o < grid.nodes - 1 else -(grid.nodes - 1)
@@ -140,9 +148,9 @@ def _backward(dout, q, k, v, out, lse, columns_kv, aux, plan: RingPlan, group, i
         if next_base is not None:
             base = next_base.wait()
     dk, dv = node_grads_in_flight.wait()
-    if columns_kv is not None:
-        dq += columns_backward(dout, q, columns_kv[0], columns_kv[1], out, lse, plan, scale, group, dk, dv)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if column_reduce is not None:
+        finish_column_grads(column_reduce, plan, dk, dv)
+    return dq.value().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class RingHierarchicalAttention(torch.autograd.Function):
