@@ -7,12 +7,20 @@ ratio to dense. Before timing it checks on a short sequence that both kinds give
 index that keeps every block (recall 1).
 
     python scripts/bench_train.py --shape qwen2.5-0.5b --seq-lens 65536 131072 --steps 3
+
+With --find-max it instead finds the longest context one device trains with DeepSpeed (ZeRO-2 with CPU
+optimizer offload), running the trainer's own Accelerator + DeepSpeedPlugin path:
+
+    python scripts/bench_train.py --shape qwen2.5-3b --deepspeed configs/deepspeed/zero2-offload.json \
+        --find-max 131072,262144,393216,524288 --steps 2 --max-lines 32
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import resource
 import time
 
 import torch
@@ -30,22 +38,27 @@ SHAPES = {
 }
 
 
-def build(shape: str, kind: str, seq_len: int, recall: float, max_lines: int):
+def bench_recipe(kind: str, recall: float, max_lines: int, extra: list[str] = ()):
+    """A recipe carrying the benchmark's attention settings (model and data fields are placeholders)."""
+    from mtrain.config import load_recipe
+
+    return load_recipe(None, [f"attention.kind={kind}", f"attention.recall={recall}",
+                              f"attention.max_vertical={max_lines}", f"attention.max_slash={max_lines}",
+                              "model.config=mtrain/assets/tiny-qwen2/config.json",
+                              "model.tokenizer=mtrain/assets/tiny-tokenizer", "data.path=.", *extra])
+
+
+def build(shape: str, kind: str, seq_len: int, recall: float, max_lines: int, device: str = DEVICE):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from mtrain.config import load_recipe
     from mtrain.models.attention import CONTEXT, register_attention
     from mtrain.train.loss import ChunkedLossLM
 
-    recipe = load_recipe(None, [f"attention.kind={kind}", f"attention.recall={recall}",
-                                f"attention.max_vertical={max_lines}", f"attention.max_slash={max_lines}",
-                                "model.config=mtrain/assets/tiny-qwen2/config.json",
-                                "model.tokenizer=mtrain/assets/tiny-tokenizer", "data.path=."])
-    name = register_attention(recipe)
+    name = register_attention(bench_recipe(kind, recall, max_lines))
     CONTEXT.group, CONTEXT.doc_ids = None, None
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=max(seq_len, 32768), rope_theta=1e6)
     torch.manual_seed(0)
-    with torch.device(DEVICE):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name, dtype=torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -111,6 +124,153 @@ def check(shape: str) -> float:
     return abs(out[0] - out[1]) / abs(out[0])
 
 
+def _one_process_env() -> None:
+    """accelerate starts DeepSpeed only in a launched process (LOCAL_RANK set): give a plain `python` run
+    the environment of a one-process launch, so the same Accelerator + DeepSpeedPlugin path as the trainer runs."""
+    if "LOCAL_RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def _host_gb() -> tuple[float, float]:
+    """(current, peak) resident memory of this process in GiB; the offloaded optimizer lives here."""
+    import psutil
+
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return psutil.Process().memory_info().rss / 2**30, peak_kb / 2**20
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    # DeepSpeed's and cuBLAS' allocation failures surface as plain RuntimeErrors
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
+def predicted_fit(points: list[tuple[int, float]], candidates: list[int], limit_gb: float) -> int | None:
+    """The longest of `candidates` whose peak memory, extrapolated linearly from the last two measured
+    (length, peak GB) `points`, stays under `limit_gb`; None with fewer than two points or none fitting."""
+    if len(points) < 2:
+        return None
+    (s1, p1), (s2, p2) = points[-2:]
+    slope = (p2 - p1) / (s2 - s1)
+    fitting = [c for c in candidates if p2 + slope * (c - s2) <= limit_gb]
+    return max(fitting) if fitting else None
+
+
+def find_max(args) -> None:
+    """Train `args.steps` DeepSpeed steps at each length of `args.find_max` (ascending) until one runs out of
+    GPU memory or the time budget would be overrun; print one line per length and the longest that trained.
+    Once two lengths have trained, lengths shorter than the longest one predicted to fit (peak memory is
+    linear in the length) are skipped, so the run spends its time near the limit. It stops at the first OOM:
+    DeepSpeed's ZeRO-2 gradient bookkeeping is not reset by an exception in the middle of backward.
+
+    The model, DeepSpeed engine and offloaded optimizer are built once and reused for every length (the
+    weights do not depend on the sequence length), through the trainer's own Accelerator + DeepSpeedPlugin.
+    """
+    from mtrain.models.attention import CONTEXT
+    from mtrain.train.trainer import Trainer
+
+    t_start = time.perf_counter()
+    _one_process_env()
+    lengths = sorted(set(args.find_max))
+    recipe = bench_recipe(args.kind, args.recall, args.max_lines,
+                          [f"train.deepspeed={args.deepspeed}", "model.dtype=bfloat16", "optim.grad_clip=1.0",
+                           "train.micro_batch_size=1", "train.grad_accum=1", "optim.lr=1e-5"])
+    trainer = Trainer(recipe)
+    accelerator = trainer._accelerator()
+    device = accelerator.device
+    model, cfg = build(args.shape, args.kind, lengths[-1], args.recall, args.max_lines, device=str(device))
+    n_params = sum(p.numel() for p in model.parameters())
+    model, optimizer = accelerator.prepare(model, trainer._optimizer(model))
+    on_gpu = device.type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    zero = accelerator.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    offload = zero.get("offload_optimizer", {}).get("device", "none")
+    where = torch.cuda.get_device_name() if on_gpu else "CPU"
+    inner = getattr(model, "basic_optimizer", None)  # the client optimizer inside DeepSpeed's ZeRO wrapper
+    print(f"{args.shape}: {n_params / 1e6:.0f}M parameters, bf16, activation checkpointing, {args.kind} "
+          f"(recall {args.recall}, max lines {args.max_lines}); DeepSpeed ZeRO-{zero['stage']}, optimizer offload "
+          f"{offload}, {type(inner).__name__}; {where}, torch {torch.__version__}; "
+          f"set-up {time.perf_counter() - t_start:.0f} s", flush=True)
+    print(f"{'seq':>8} {'status':<22} {'step s':>8} {'tokens/s':>10} {'TFLOP/s*':>9} {'peak GB':>8} "
+          f"{'host GB':>8} {'host pk':>8} {'density':>8} {'loss':>7}", flush=True)
+    longest, last, fitted = None, None, []
+    total_gb = torch.cuda.get_device_properties(device).total_memory / 2**30 if on_gpu else float("inf")
+    for i, seq in enumerate(lengths):
+        elapsed = time.perf_counter() - t_start
+        jump = predicted_fit(fitted, lengths[i:], args.fill * total_gb)
+        if jump is not None and jump > seq:
+            # peak memory grows linearly with the length: skip lengths that a longer one predicted to fit covers
+            print(f"{seq:>8} {'skipped':<22} {jump} is predicted to fit", flush=True)
+            continue
+        if last is not None:
+            # cost grows a little faster than linearly (attention, index); 1.15 keeps a margin
+            predicted = args.steps * last[1] * (seq / last[0]) ** 1.15
+            if elapsed + predicted > args.time_budget:
+                print(f"{seq:>8} {'skipped (time budget)':<22} predicted {predicted:.0f} s, "
+                      f"{args.time_budget - elapsed:.0f} s left", flush=True)
+                break
+        if on_gpu:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        gen = torch.Generator().manual_seed(seq)
+        ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=gen).to(device)
+        labels = torch.roll(ids, -1, 1)
+        labels[:, -1] = -100
+        pos = torch.arange(seq, device=device)[None]
+        times, loss, status = [], float("nan"), "ok"
+        CONTEXT.densities = []
+        try:
+            for _ in range(args.steps):
+                sync()
+                t0 = time.perf_counter()
+                loss_sum, n = model(ids, pos, labels)
+                accelerator.backward(loss_sum / n)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                sync()
+                times.append(time.perf_counter() - t0)
+                loss = float(loss_sum.detach() / n)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not _is_oom(exc):
+                raise
+            status = f"OOM after {len(times)} steps"
+        peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
+        host, host_peak = _host_gb()
+        density = sum(CONTEXT.densities) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
+        if status != "ok":
+            del ids, labels, pos
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
+            print(f"{seq:>8} {status:<22} {'':>8} {'':>10} {'':>9} {peak:>8.1f} {host:>8.1f} {host_peak:>8.1f}",
+                  flush=True)
+            break  # lengths ascend: a longer one needs more memory still
+        step_s = times[-1]  # the first step at a length also autotunes kernels
+        tflops = flops_per_token(cfg, n_params, seq) * seq / step_s / 1e12
+        print(f"{seq:>8} {status:<22} {step_s:>8.2f} {seq / step_s:>10.0f} {tflops:>9.1f} {peak:>8.1f} {host:>8.1f} "
+              f"{host_peak:>8.1f} {density:>8.3f} {loss:>7.3f}", flush=True)
+        longest, last = seq, (seq, step_s)
+        if on_gpu:
+            fitted.append((seq, peak))
+    print("* dense-equivalent model FLOPs (6N + causal attention) per second, recomputation not counted")
+    total = time.perf_counter() - t_start
+    if longest is None:
+        print(f"longest context that trained: none of {lengths} ({total:.0f} s)")
+    else:
+        print(f"longest context that trained: {longest} tokens ({args.shape}, {args.steps} DeepSpeed steps each; "
+              f"{total:.0f} s in all)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
@@ -119,7 +279,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--recall", type=float, default=0.95)
     p.add_argument("--max-lines", type=int, default=1024, help="max_vertical = max_slash budget")
+    p.add_argument("--deepspeed", metavar="JSON", help="with --find-max: DeepSpeed config, run through the "
+                   "trainer's accelerate path, e.g. configs/deepspeed/zero2-offload.json")
+    p.add_argument("--find-max", type=lambda v: [int(x) for x in v.split(",")], metavar="L1,L2,...",
+                   help="longest context that trains: DeepSpeed steps at these lengths (ascending) until OOM")
+    p.add_argument("--kind", default="mtraining", help="attention kind of --find-max")
+    p.add_argument("--fill", type=float, default=0.92,
+                   help="--find-max: skip lengths below the longest predicted to peak under this share of GPU memory")
+    p.add_argument("--time-budget", type=float, default=330.0,
+                   help="--find-max: seconds; a length predicted to end later is not started")
     args = p.parse_args()
+    if args.find_max:
+        if not args.deepspeed:
+            p.error("--find-max needs --deepspeed CONFIG (the ZeRO-2 offload path is what it measures)")
+        find_max(args)
+        return
     rel = check(args.shape)
     print(f"check: |loss(dense) - loss(mtraining, recall 1)| / loss = {rel:.2e}")
     assert rel < 2e-2, "sparse path with a full index disagrees with dense"
