@@ -169,3 +169,29 @@ def test_dp2_cp2_runs(tmp_path, packed):
     assert [r["tokens"] for r in rows] == [2 * SEQ, 4 * SEQ]  # 2 DP groups x 1 sequence per step
     assert all(0 < r["attention_density"] <= 1 for r in rows)
     assert all(r["imbalance_step"] >= 1.0 and r["imbalance_worker"] >= 1.0 for r in rows)
+
+
+def test_deepspeed_zero2_cp2_gives_the_ddp_loss_curve(tmp_path, packed):
+    """The same CP=2 run under DeepSpeed ZeRO-2 (CPU accelerator, gloo) follows the committed DDP curve.
+
+    The first DeepSpeed run on a machine JIT-compiles its CPU communication op (about 100 s, cached after).
+    """
+    recipe = _recipe(tmp_path, packed, "ds", save_every=0, export=False)
+    env_before = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"  # inherited by the torchrun children
+    try:
+        proc = _torchrun(2, "train", str(recipe), "--set", "parallel.cp_size=2",
+                         "--set", f"train.deepspeed={REPO / 'configs' / 'deepspeed' / 'zero2.json'}")
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if env_before is None:
+            os.environ.pop("DS_ACCELERATOR")
+        else:
+            os.environ["DS_ACCELERATOR"] = env_before
+    assert proc.returncode == 0, out
+    assert "DP 1 x CP 2, DeepSpeed ZeRO-2, attention dense" in out, out[-2000:]
+    losses = _losses(tmp_path / "ds")
+    golden = {int(k): v for k, v in json.loads(GOLDEN.read_text()).items()}
+    assert sorted(losses) == sorted(golden)
+    for step, loss in losses.items():  # ZeRO-2 shards the same fp32 AdamW update: equal up to rounding
+        assert abs(loss - golden[step]) <= 1e-4 * abs(golden[step]), (step, loss, golden[step])

@@ -309,6 +309,8 @@ class Trainer:
         if accelerator.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             r.save(self.out / "config.yaml")
+            log.info("training on %d process(es): DP %d x CP %d, %s, attention %s", world, self.mesh.dp_size,
+                     self.mesh.cp_size, _engine_name(accelerator), r.attention.kind)
 
         ckpt = self._latest_checkpoint()
         if ckpt is not None:
@@ -425,3 +427,14 @@ class Trainer:
 def ckpt_needed(step: int, t) -> bool:
     """Save a final checkpoint unless the last periodic one already covers this step."""
     return step > 0 and not (t.save_every and step % t.save_every == 0)
+
+
+def _engine_name(accelerator) -> str:
+    """How gradients and optimizer state are held, for the start-up line: DeepSpeed ZeRO stage (+ offload) or DDP."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        zero = plugin.deepspeed_config.get("zero_optimization", {})
+        device = zero.get("offload_optimizer", {}).get("device", "none")
+        offload = f" + optimizer offload ({device})" if device not in (None, "none") else ""
+        return f"DeepSpeed ZeRO-{zero.get('stage', 0)}{offload}"
+    return "DDP" if accelerator.num_processes > 1 else "one process"
