@@ -63,6 +63,24 @@ def _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(k_base, v_base, KP, KD, ids, valid, row_ok, qp, qd, sks, svs, kd_base,
+             D: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr):
+    """K and V rows `ids` (key positions in this shard; `valid` masks padding) and the [rows, keys] mask
+    of the pairs a query tile may score: real rows and keys, causal by global position, same document."""
+    offs_d = tl.arange(0, D)
+    k = tl.load(k_base + ids[:, None] * sks + offs_d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_base + ids[:, None] * svs + offs_d[None, :], mask=valid[:, None], other=0.0)
+    ok = valid[None, :] & row_ok[:, None]
+    if CAUSAL:
+        kp = tl.load(KP + ids, mask=valid, other=_FAR)
+        ok = ok & (kp[None, :] <= qp[:, None])
+    if HAS_DOC:
+        kd = tl.load(kd_base + ids, mask=valid, other=-1)
+        ok = ok & (kd[None, :] == qd[:, None])
+    return k, v, ok
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, QP, KP, BI, BC, CI, CC, QD, KD,
     scale_log2,
@@ -88,6 +106,7 @@ def _fwd_kernel(
     row_ok = (rin < BS) & (rows < Sq)
     q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     qp = tl.load(QP + rows, mask=row_ok, other=-1)
+    qd = qp  # read only with HAS_DOC
     if HAS_DOC:
         qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
     m_i = tl.full([QT], float("-inf"), tl.float32)
@@ -108,15 +127,8 @@ def _fwd_kernel(
         kin = (n % NKS) * KT + offs_k
         keys = j * BS + kin
         key_ok = (kin < BS) & (keys < Sk)
-        k = tl.load(k_base + keys[:, None] * sks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_base + keys[:, None] * svs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        ok = key_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
-            ok = ok & (kp[None, :] <= qp[:, None])
-        if HAS_DOC:
-            kd = tl.load(KD + b * skdb + keys, mask=key_ok, other=-1)
-            ok = ok & (kd[None, :] == qd[:, None])
+        k, v, ok = _kv_tile(k_base, v_base, KP, KD, keys, key_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
+                            D, CAUSAL, HAS_DOC)
         m_i, l_i, acc = _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC)
     if HAS_COLS:
         n_cols = tl.load(CC + b * sccb + h * scch + i)
@@ -124,15 +136,8 @@ def _fwd_kernel(
             slot = c0 + offs_k
             c_ok = slot < n_cols
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
-            k = tl.load(k_base + cid[:, None] * sks + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-            v = tl.load(v_base + cid[:, None] * svs + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-            ok = c_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
-                ok = ok & (kp[None, :] <= qp[:, None])
-            if HAS_DOC:
-                kd = tl.load(KD + b * skdb + cid, mask=c_ok, other=-1)
-                ok = ok & (kd[None, :] == qd[:, None])
+            k, v, ok = _kv_tile(k_base, v_base, KP, KD, cid, c_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
+                                D, CAUSAL, HAS_DOC)
             m_i, l_i, acc = _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -184,6 +189,7 @@ def _dq_kernel(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
     qp = tl.load(QP + rows, mask=row_ok, other=-1)
+    qd = qp  # read only with HAS_DOC
     if HAS_DOC:
         qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
     dq = tl.zeros([QT, D], tl.float32)
@@ -201,15 +207,8 @@ def _dq_kernel(
         kin = (n % NKS) * KT + offs_k
         keys = j * BS + kin
         key_ok = (kin < BS) & (keys < Sk)
-        k = tl.load(k_base + keys[:, None] * sks + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_base + keys[:, None] * svs + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        ok = key_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            kp = tl.load(KP + keys, mask=key_ok, other=_FAR)
-            ok = ok & (kp[None, :] <= qp[:, None])
-        if HAS_DOC:
-            kd = tl.load(KD + b * skdb + keys, mask=key_ok, other=-1)
-            ok = ok & (kd[None, :] == qd[:, None])
+        k, v, ok = _kv_tile(k_base, v_base, KP, KD, keys, key_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
+                            D, CAUSAL, HAS_DOC)
         dq, p, ds = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
         if ATOMIC:
             kv_off = b * skgb + keys[:, None] * skgs + hk * skgh + offs_d[None, :]
@@ -223,15 +222,8 @@ def _dq_kernel(
             slot = c0 + offs_k
             c_ok = slot < n_cols
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
-            k = tl.load(k_base + cid[:, None] * sks + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-            v = tl.load(v_base + cid[:, None] * svs + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-            ok = c_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                kp = tl.load(KP + cid, mask=c_ok, other=_FAR)
-                ok = ok & (kp[None, :] <= qp[:, None])
-            if HAS_DOC:
-                kd = tl.load(KD + b * skdb + cid, mask=c_ok, other=-1)
-                ok = ok & (kd[None, :] == qd[:, None])
+            k, v, ok = _kv_tile(k_base, v_base, KP, KD, cid, c_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
+                                D, CAUSAL, HAS_DOC)
             dq, p, ds = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
             if ATOMIC:
                 kv_off = b * skgb + cid[:, None] * skgs + hk * skgh + offs_d[None, :]
