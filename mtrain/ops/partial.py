@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 
@@ -12,6 +13,9 @@ from mtrain.ops.reference import _check_qkv, partial_mask
 
 # Rows of the torch path's score matrix processed at once, so CPU memory stays bounded.
 _TORCH_CHUNK_ELEMS = 1 << 24
+# Score (and mask) elements per chunk of query blocks on the block-list path: 16 MB tiles stay in the
+# allocator's heap instead of fresh mmaps, which measured ~10-20% faster per step than 64 MB ones.
+_SPARSE_CHUNK_ELEMS = 1 << 22
 
 
 def _use_triton(impl: str, device: torch.device) -> bool:
@@ -72,7 +76,7 @@ def _doc_rows(q_doc, start: int, stop: int):
     return None if q_doc is None else q_doc[:, start:stop]
 
 
-def _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc=None, k_doc=None):
+def _torch_forward_all(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc=None, k_doc=None):
     B, Sq, Sk, Hq, Hkv = _check_qkv(q, k, v)
     q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -96,7 +100,7 @@ def _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, ca
     return out, lse
 
 
-def _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc=None,
+def _torch_backward_all(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc=None,
                     k_doc=None):
     B, Sq, Sk, Hq, Hkv = _check_qkv(q, k, v)
     q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
@@ -130,6 +134,249 @@ def _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, bloc
     dk = dk.view(B, Hkv, group, Sk, D).sum(2).transpose(1, 2)
     dv = dv.view(B, Hkv, group, Sk, D).sum(2).transpose(1, 2)
     return dq, dk.contiguous(), dv.contiguous()
+
+
+def _flash_cpu(backward: bool = False):
+    """PyTorch's fused CPU attention (the kernel behind F.scaled_dot_product_attention on the CPU), called
+    directly because the merge needs its log-sum-exp and the ring backward must pass the rows' final out and
+    lse. Looked up at call time: GPU runs never touch it."""
+    ops = torch.ops.aten
+    if backward:
+        return ops._scaled_dot_product_flash_attention_for_cpu_backward
+    return ops._scaled_dot_product_flash_attention_for_cpu
+
+
+def _padded_blocks(t: torch.Tensor, dim: int, n: int, block_size: int, fill=0):
+    """Pad `t` along `dim` to n * block_size with `fill` and split that dim into [n, block_size]."""
+    short = n * block_size - t.shape[dim]
+    if short:
+        pad_shape = list(t.shape)
+        pad_shape[dim] = short
+        t = torch.cat([t, torch.full(pad_shape, fill, dtype=t.dtype, device=t.device)], dim)
+    return t.unflatten(dim, (n, block_size))
+
+
+class _Codes:
+    """The causal and document tests of a pair as one range test: key token j is kept by query row i iff
+    lo[i] <= code[j] <= hi[i] (code = document * span + position). Padding keys get code -1 and padding
+    query rows an empty range. Block-level bounds of the codes let whole listed blocks be dropped."""
+
+    def __init__(self, q_pos, k_pos, q_doc, k_doc, causal: bool, B: int, nqb: int, nkb: int, bs: int):
+        low = torch.minimum(q_pos.min(), k_pos.min())
+        qp, kp = q_pos - low, k_pos - low
+        span = int(torch.maximum(qp.max(), kp.max())) + 1
+        if q_doc is None:
+            kbase = torch.zeros(1, kp.numel(), dtype=torch.long, device=kp.device)
+            qbase = torch.zeros(1, qp.numel(), dtype=torch.long, device=qp.device)
+        else:
+            first = torch.minimum(q_doc.min(), k_doc.min())
+            kbase, qbase = (k_doc.long() - first) * span, (q_doc.long() - first) * span
+        code = _padded_blocks((kbase + kp).expand(B, -1), 1, nkb, bs, fill=-1)  # [B, nkb, bs]
+        self.key = code.flatten(1)  # [B, nkb * bs]
+        self.lo = _padded_blocks(qbase.expand(B, -1), 1, nqb, bs, fill=1)  # [B, nqb, bs]
+        self.hi = _padded_blocks((qbase + (qp if causal else span - 1)).expand(B, -1), 1, nqb, bs, fill=0)
+        # per key block: smallest and largest code of its real tokens; per query block: the union of ranges
+        self.block_min = torch.where(code >= 0, code, torch.iinfo(torch.long).max).amin(-1)  # [B, nkb]
+        self.block_max = code.amax(-1)
+        self.block_whole = (code >= 0).all(-1)  # no padding token (only the shard's last block can have some)
+        self.q_lo, self.q_hi = self.lo.amin(-1), self.hi.amax(-1)  # [B, nqb]
+
+
+def _pruned(arg, codes: _Codes, block: bool):
+    """The lists without entries that no query of their block can keep (other documents, the future),
+    kept ones moved to the front in order: (ids [B, Hq, nqb, MAX] long, counts [B, Hq, nqb])."""
+    ids, counts = arg[0].long(), arg[1].long()
+    B = ids.shape[0]
+    slot = torch.arange(ids.shape[-1], device=ids.device)
+    ok = (slot < counts[..., None]) & (ids >= 0)
+    ids = ids.clamp_min(0)
+    b = torch.arange(B, device=ids.device)[:, None, None, None]
+    kmin, kmax = (codes.block_min, codes.block_max) if block else (codes.key, codes.key)
+    ok &= (kmax[b, ids] >= codes.q_lo[:, None, :, None]) & (kmin[b, ids] <= codes.q_hi[:, None, :, None])
+    order = torch.sort((~ok).to(torch.uint8), dim=-1, stable=True).indices
+    return ids.gather(-1, order), ok.sum(-1)
+
+
+def _chunk_lists(lists, qb0: int, qb1: int):
+    """Query blocks [qb0, qb1) of each pruned list, cut to the longest count in the range."""
+    out = []
+    for ids, counts in lists:
+        counts = counts[:, :, qb0:qb1]
+        used = int(counts.max()) if counts.numel() else 0
+        ids = ids[:, :, qb0:qb1, :used]
+        out.append((ids, torch.arange(used, device=ids.device) < counts[..., None]))
+    return out
+
+
+# A dropped pair's additive mask: finite, so that a row which keeps no pair shows itself by its lse (about
+# _DROP) instead of the NaN or 0 the fused kernel gives an all -inf row; exp(_DROP - anything real) is 0.
+_DROP = -1e30
+
+
+def _gather(k_blocks, k_t, chunk, group: int, cdt):
+    """Keys (or values) of the chunk's listed blocks and columns: [B, Hq, n, L, D], blocks first.
+
+    k_blocks: [B, Hkv, nkb, bs, D], a view of k_t [B, Hkv, nkb * bs, D]; whole blocks are copied at once.
+    """
+    (bid, _), (cid, _) = chunk
+    B, Hq = bid.shape[:2]
+    b_idx = torch.arange(B, device=bid.device)[:, None, None, None]
+    h_idx = (torch.arange(Hq, device=bid.device) // group)[None, :, None, None]
+    parts = []
+    if bid.shape[-1]:
+        parts.append(k_blocks[b_idx, h_idx, bid].flatten(3, 4))
+    if cid.shape[-1]:
+        parts.append(k_t[b_idx, h_idx, cid])
+    return (torch.cat(parts, 3) if len(parts) > 1 else parts[0]).to(cdt)
+
+
+def _mask(codes: _Codes, chunk, qb0: int, qb1: int, bs: int, cdt) -> torch.Tensor:
+    """Additive mask [B, Hq, n, bs, L] of the gathered pairs: 0 kept, _DROP dropped.
+
+    A listed block that every row of its query block keeps whole (below the diagonal, one document) is
+    written as a block of zeros; only the others (diagonal, document edges, padding) are tested pair by pair.
+    """
+    (bid, bok), (cid, cok) = chunk
+    B, Hq, n, nb = bid.shape
+    nc = cid.shape[-1]
+    lo, hi = codes.lo[:, qb0:qb1], codes.hi[:, qb0:qb1]  # [B, n, bs]
+    bias = torch.empty(B, Hq, n, bs, nb * bs + nc, dtype=cdt, device=bid.device)
+    b_idx = torch.arange(B, device=bid.device)[:, None, None, None]
+    if nb:
+        full = (bok & codes.block_whole[b_idx, bid] & (codes.block_min[b_idx, bid] >= lo.amax(-1)[:, None, :, None])
+                & (codes.block_max[b_idx, bid] <= hi.amin(-1)[:, None, :, None]))
+        blocks = bias[..., : nb * bs].unflatten(-1, (nb, bs))  # [B, Hq, n, bs, nb, bs]
+        blocks.copy_(torch.where(full, 0.0, _DROP).to(cdt)[:, :, :, None, :, None].expand_as(blocks))
+        b, h, i, j = (bok & ~full).nonzero(as_tuple=True)
+        if b.numel():
+            key = codes.key.view(B, -1, bs)[b, bid[b, h, i, j]]  # [K, bs] key codes of each such block
+            keep = (key[:, None, :] >= lo[b, i][:, :, None]) & (key[:, None, :] <= hi[b, i][:, :, None])
+            blocks[b, h, i, :, j, :] = torch.where(keep, 0.0, _DROP).to(cdt)
+    if nc:
+        key = torch.where(cok, codes.key[b_idx, cid], -1)[:, :, :, None, :]  # [B, Hq, n, 1, nc]
+        keep = (key >= lo[:, None, :, :, None]) & (key <= hi[:, None, :, :, None])
+        bias[..., nb * bs :] = torch.where(keep, 0.0, _DROP).to(cdt)
+    return bias
+
+
+def _add_rows(acc: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """acc[rows[i]] += src[i] for 2-D acc / src, deterministically: a 0/1 CSR matrix (entries sorted by
+    destination, stably) times src, so each destination sums its sources in a fixed order. On the CPU this
+    is ~6x faster than sorting + segment_reduce and ~15x faster than index_add_, which expands the index to
+    every element (and index_put_ with accumulate uses atomics unless determinism is switched on)."""
+    order = torch.argsort(rows, stable=True)
+    crow = torch.zeros(acc.shape[0] + 1, dtype=torch.long, device=rows.device)
+    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=acc.shape[0]), 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR tensor support is in beta": construction only
+        pick = torch.sparse_csr_tensor(crow, order, torch.ones(rows.numel(), dtype=src.dtype, device=src.device),
+                                       (acc.shape[0], rows.numel()))
+    acc += pick @ src
+
+
+def _sparse_setup(q, k, q_pos, k_pos, blocks, columns, block_size, causal, q_doc, k_doc):
+    """What forward and backward share: shapes, the pair codes, the pruned lists, query blocks per chunk."""
+    B, Sq, Sk, Hq, Hkv = _check_qkv(q, k, k)
+    nqb, nkb = -(-Sq // block_size), -(-Sk // block_size)
+    codes = _Codes(q_pos.to(q.device), k_pos.to(q.device), None if q_doc is None else q_doc.to(q.device),
+                   None if k_doc is None else k_doc.to(q.device), causal, B, nqb, nkb, block_size)
+    empty = torch.zeros(B, Hq, nqb, 0, dtype=torch.long, device=q.device)
+    lists = [_pruned(blocks, codes, True) if blocks is not None else (empty, empty.sum(-1)),
+             _pruned(columns, codes, False) if columns is not None else (empty, empty.sum(-1))]
+    width = max(1, int(lists[0][1].max()) * block_size + int(lists[1][1].max()))
+    # query blocks per chunk: the score tiles of a chunk stay within _SPARSE_CHUNK_ELEMS
+    step = max(1, _SPARSE_CHUNK_ELEMS // (B * Hq * block_size * width))
+    return B, Sq, Sk, Hq, Hkv, nqb, nkb, codes, lists, step
+
+
+def _heads(t):
+    """[B, Hq, n, rows, X] -> [B * Hq, n, rows, X]: query blocks become the fused kernel's heads."""
+    return t.flatten(0, 1)
+
+
+def _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc=None, k_doc=None):
+    """Torch path. With block lists each query block gathers only its listed key blocks and columns (minus
+    those that no query of the block can keep) and runs PyTorch's fused CPU attention on them, so the cost
+    follows the kept pairs; without lists (dense) the whole key shard is scored in row chunks."""
+    if blocks is None:
+        return _torch_forward_all(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc, k_doc)
+    bs = block_size
+    B, Sq, Sk, Hq, Hkv, nqb, nkb, codes, lists, step = _sparse_setup(q, k, q_pos, k_pos, blocks, columns, bs, causal,
+                                                                     q_doc, k_doc)
+    D = q.shape[-1]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qb = _padded_blocks(q.transpose(1, 2), 2, nqb, bs)  # [B, Hq, nqb, bs, D]
+    k_t, v_t = (_padded_blocks(t.transpose(1, 2), 2, nkb, bs).flatten(2, 3) for t in (k, v))  # [B, Hkv, nkb*bs, D]
+    k_blocks, v_blocks = k_t.unflatten(2, (nkb, bs)), v_t.unflatten(2, (nkb, bs))
+    out = torch.zeros(B, Hq, nqb, bs, D, dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hq, nqb, bs), float("-inf"), dtype=torch.float32, device=q.device)
+    for qb0 in range(0, nqb, step):
+        qb1 = min(nqb, qb0 + step)
+        chunk = _chunk_lists(lists, qb0, qb1)
+        if not (chunk[0][0].shape[-1] or chunk[1][0].shape[-1]):
+            continue
+        kg = _gather(k_blocks, k_t, chunk, Hq // Hkv, cdt)
+        vg = _gather(v_blocks, v_t, chunk, Hq // Hkv, cdt)
+        o, m = _flash_cpu()(_heads(qb[:, :, qb0:qb1].to(cdt)), _heads(kg), _heads(vg), 0.0, False,
+                          attn_mask=_heads(_mask(codes, chunk, qb0, qb1, bs, cdt)), scale=scale)
+        m = m.view(lse[:, :, qb0:qb1].shape)
+        seen = m > _DROP / 2  # a row that keeps no pair: out 0 and lse -inf, as the contract says
+        out[:, :, qb0:qb1] = o.view(out[:, :, qb0:qb1].shape).masked_fill(~seen[..., None], 0).to(q.dtype)
+        lse[:, :, qb0:qb1] = torch.where(seen, m.float(), float("-inf"))
+    return out.flatten(2, 3)[:, :, :Sq].transpose(1, 2).contiguous(), lse.flatten(2, 3)[:, :, :Sq].contiguous()
+
+
+def _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc=None,
+                    k_doc=None):
+    """Torch path of the backward, over the same gathered pairs as `_torch_forward`, by PyTorch's fused CPU
+    attention backward fed the rows' final out and lse; key gradients are added back block by block
+    (deterministically, see `_add_rows`) into their kv head's rows."""
+    if blocks is None:
+        return _torch_backward_all(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
+                                   q_doc, k_doc)
+    bs = block_size
+    B, Sq, Sk, Hq, Hkv, nqb, nkb, codes, lists, step = _sparse_setup(q, k, q_pos, k_pos, blocks, columns, bs, causal,
+                                                                     q_doc, k_doc)
+    D, group = q.shape[-1], Hq // Hkv
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qb = _padded_blocks(q.transpose(1, 2), 2, nqb, bs)
+    dob = _padded_blocks(dout.transpose(1, 2), 2, nqb, bs)
+    ob = _padded_blocks(out.transpose(1, 2), 2, nqb, bs)
+    # rows that saw no key anywhere (lse = -inf) get no gradient: exp(s - inf) = 0
+    lb = _padded_blocks(lse.to(cdt), 2, nqb, bs, fill=float("inf"))
+    lb = torch.where(torch.isinf(lb), float("inf"), lb)
+    k_t, v_t = (_padded_blocks(t.transpose(1, 2), 2, nkb, bs).flatten(2, 3) for t in (k, v))
+    k_blocks, v_blocks = k_t.unflatten(2, (nkb, bs)), v_t.unflatten(2, (nkb, bs))
+    dq = torch.zeros(B, Hq, nqb, bs, D, dtype=cdt, device=q.device)
+    dk = torch.zeros(B, Hkv, nkb * bs, D, dtype=cdt, device=q.device)
+    dv = torch.zeros_like(dk)
+    head_row = (torch.arange(B, device=q.device)[:, None] * Hkv
+                + torch.arange(Hq, device=q.device)[None, :] // group)[:, :, None, None]  # [B, Hq, 1, 1]
+    for qb0 in range(0, nqb, step):
+        qb1 = min(nqb, qb0 + step)
+        chunk = _chunk_lists(lists, qb0, qb1)
+        nb, nc = chunk[0][0].shape[-1], chunk[1][0].shape[-1]
+        if not (nb or nc):
+            continue
+        kg = _gather(k_blocks, k_t, chunk, group, cdt)
+        vg = _gather(v_blocks, v_t, chunk, group, cdt)
+        g_q, g_k, g_v = _flash_cpu(backward=True)(
+            _heads(dob[:, :, qb0:qb1].to(cdt)), _heads(qb[:, :, qb0:qb1].to(cdt)), _heads(kg), _heads(vg),
+            _heads(ob[:, :, qb0:qb1].to(cdt)), _heads(lb[:, :, qb0:qb1]), 0.0, False,
+            attn_mask=_heads(_mask(codes, chunk, qb0, qb1, bs, cdt)), scale=scale)
+        dq[:, :, qb0:qb1] = g_q.view(dq[:, :, qb0:qb1].shape)
+        g_k, g_v = g_k.view(kg.shape), g_v.view(kg.shape)
+        # dropped and padding entries point at real rows but carry exactly zero gradient
+        if nb:
+            rows = (head_row * nkb + chunk[0][0]).reshape(-1)
+            for grad, acc in ((g_k, dk), (g_v, dv)):
+                _add_rows(acc.view(-1, bs * D), rows, grad[:, :, :, : nb * bs].reshape(-1, bs * D))
+        if nc:
+            rows = (head_row * (nkb * bs) + chunk[1][0]).reshape(-1)
+            for grad, acc in ((g_k, dk), (g_v, dv)):
+                _add_rows(acc.view(-1, D), rows, grad[:, :, :, nb * bs :].reshape(-1, D))
+    dq = dq.flatten(2, 3)[:, :, :Sq].transpose(1, 2).contiguous()
+    return dq, dk[:, :, :Sk].transpose(1, 2).contiguous(), dv[:, :, :Sk].transpose(1, 2).contiguous()
 
 
 def attention_forward(
