@@ -483,22 +483,26 @@ def attention_backward(
                            q_doc, k_doc)
 
 
+def lse_weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
+    """(weight_a, weight_b [B, S, H, 1], lse [B, H, S]) of merging two partial results over disjoint key sets:
+    lse = log(exp(a) + exp(b)). Safe when either or both sides are -inf (a row that saw no key): the
+    weights come from the larger lse, so nothing overflows."""
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    wa, wb = torch.exp(lse_a - m_safe), torch.exp(lse_b - m_safe)
+    total = wa + wb
+    lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(m, float("-inf")))
+    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    return (wa * inv).transpose(1, 2)[..., None], (wb * inv).transpose(1, 2)[..., None], lse
+
+
 def merge_partial(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attention results over disjoint key sets, in float32.
 
     out_*: [B, S, H, D], lse_*: [B, H, S]. Returns (out fp32 [B, S, H, D], lse fp32 [B, H, S]) with
-    lse = log(exp(lse_a) + exp(lse_b)) and out the matching weighted sum. Safe when either or both
-    sides are -inf (a row that saw no key): the weights come from the larger lse, so nothing overflows.
+    lse = log(exp(lse_a) + exp(lse_b)) and out the matching weighted sum (see `lse_weights`).
     """
-    la, lb = lse_a.float(), lse_b.float()
-    m = torch.maximum(la, lb)
-    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
-    wa, wb = torch.exp(la - m_safe), torch.exp(lb - m_safe)
-    total = wa + wb
-    lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(m, float("-inf")))
-    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-    wa = (wa * inv).transpose(1, 2)[..., None]
-    wb = (wb * inv).transpose(1, 2)[..., None]
+    wa, wb, lse = lse_weights(lse_a.float(), lse_b.float())
     return out_a.float() * wa + out_b.float() * wb, lse

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from mtrain.ops.partial import lse_weights
+
 
 def accum_dtype(x: torch.Tensor) -> torch.dtype:
     """Accumulator dtype for outputs and gradients: fp64 stays fp64, everything else accumulates in fp32."""
@@ -13,18 +15,6 @@ def accum_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _covers(rows: slice, n: int) -> bool:
     return (rows.start or 0) == 0 and (rows.stop is None or rows.stop >= n) and rows.step in (None, 1)
-
-
-def lse_weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
-    """(weight_a, weight_b [B, S, H, 1], lse [B, H, S]) of merging two partial results over disjoint key sets:
-    lse = log(exp(a) + exp(b)); -inf safe (rows that saw no key on one or both sides)."""
-    m = torch.maximum(lse_a, lse_b)
-    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
-    wa, wb = torch.exp(lse_a - m_safe), torch.exp(lse_b - m_safe)
-    total = wa + wb
-    lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(m, float("-inf")))
-    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-    return (wa * inv).transpose(1, 2)[..., None], (wb * inv).transpose(1, 2)[..., None], lse
 
 
 class PartialAccumulator:
