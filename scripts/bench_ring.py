@@ -138,8 +138,10 @@ def dense_flops(seq_len, heads, dim):
 def check(rank, world, args, device, report):
     """Ring vs single-GPU reference at a small length: max abs error of out and dq."""
     seq_len = args.check_len
-    for name, hq, hkv, layout_name, sparse in (("dense", args.heads, args.heads, "zigzag", False),
-                                               ("sparse", args.heads, args.kv_heads, "block-stripe", True)):
+    cases = [("dense", args.heads, args.heads, "zigzag", False), ("sparse", args.heads, args.kv_heads, "block-stripe", True)]
+    if _hierarchical(args, world):
+        cases.append(("sparse-h", args.heads, args.kv_heads, "block-stripe", True))
+    for name, hq, hkv, layout_name, sparse in cases:
         try:
             report.append(_check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse))
         except Exception as exc:  # the other check and the timings still run
@@ -155,15 +157,37 @@ def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, s
         (lambda a, b, c: vertical_slash_attention(a, b, c, index)) if sparse else sdpa_cudnn, (q, k, v), dout)
     ref_out = (vertical_slash_attention(q, k, v, index) if sparse else sdpa_cudnn(q, k, v)).float()
     run_ref()
-    layout = Layout.create(layout_name, world_size=world, granularity=args.block_size)
+    hier = name.endswith("-h")
+    layout = _layout(layout_name, world, args, hier)
     shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
     leaves = [t.detach().requires_grad_(True) for t in shard[:3]]
-    out = ring_attention(*leaves, group=None, layout=layout, index=index)
+    out = ring_attention(*leaves, group=None, layout=layout, index=index, **_groups(args, hier))
     out.backward(shard[3])
     err_out = float((out.detach().float() - layout.shard(ref_out.detach(), rank)).abs().max())
     err_dq = float((leaves[0].grad.float() - layout.shard(ref_leaves[0].grad.float(), rank)).abs().max())
     return {"check": name, "layout": layout_name, "seq_len": seq_len, "max_err_out": err_out,
             "max_err_dq": err_dq}
+
+
+def _hierarchical(args, world: int) -> bool:
+    return bool(args.node_size) and 1 < args.node_size < world
+
+
+def _layout(name: str, world: int, args, hierarchical: bool) -> Layout:
+    """The ring's layout; for the hierarchical ring the node-aware block-stripe (balanced steps)."""
+    if hierarchical:
+        return Layout.create(name, world_size=world, granularity=args.block_size, local_world_size=args.node_size)
+    return Layout.create(name, world_size=world, granularity=args.block_size)
+
+
+def _groups(args, hierarchical: bool) -> dict:
+    """inner/outer groups of a hierarchical ring over nodes of --node-size ranks (collective, cached)."""
+    if not hierarchical:
+        return {}
+    from mtrain.parallel.comm import hierarchical_groups
+
+    inner, outer = hierarchical_groups(None, args.node_size)
+    return {"inner_group": inner, "outer_group": outer}
 
 
 def bench_tokens(tokens, rank, world, args, device, report):
@@ -260,6 +284,20 @@ def bench_tokens(tokens, rank, world, args, device, report):
     attempt("cp1_sparse_ms", cp1_sparse)
     attempt("ring_sparse_ms", ring_sparse(False))
     attempt("ring_sparse_estimated_ms", ring_sparse(True))
+
+    def ring_sparse_hierarchical():
+        q, k, v, dout = inputs(seq, h, hkv, d, device)
+        layout = _layout("block-stripe", world, args, True)
+        index = make_index(seq, args, device)
+        shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
+        del q, k, v, dout
+        groups = _groups(args, True)
+        run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index, **groups),
+                         shard[:3], shard[3])
+        return timed(run, args.iters, args.warmup)
+
+    if _hierarchical(args, world):
+        attempt("ring_sparse_hierarchical_ms", ring_sparse_hierarchical)
 
     def sync_counts():
         """Host syncs of one fwd+bwd call after warm-up (plan and kernel data cached with the index)."""
@@ -373,9 +411,9 @@ def print_table(report):
     print("\n== correctness (ring vs single device, max abs error) ==")
     for r in report:
         if "check" in r and "error" in r:
-            print(f"{r['check']:<7} {r['layout']:<13} failed: {r['error'][:100]}")
+            print(f"{r['check']:<8} {r['layout']:<13} failed: {r['error'][:100]}")
         elif "check" in r:
-            print(f"{r['check']:<7} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}")
+            print(f"{r['check']:<8} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}")
     print("\n== fwd+bwd per GPU ==")
     print(f"{'tok/GPU':>8} {'variant':<28} {'ms':>9} {'TFLOP/s/GPU':>12} {'vs CP=1':>8}")
     for r in report:
@@ -384,8 +422,11 @@ def print_table(report):
         t = r["tokens_per_gpu"]
         t_label = f"{t // 1024}K" if t >= 1024 else str(t)
         for key, base in (("cp1_dense", None), ("ring_dense", "cp1_dense"), ("torch_cp_dense", "cp1_dense"),
-                          ("cp1_sparse", None), ("ring_sparse", "cp1_sparse"), ("ring_sparse_estimated", "cp1_sparse")):
+                          ("cp1_sparse", None), ("ring_sparse", "cp1_sparse"), ("ring_sparse_estimated", "cp1_sparse"),
+                          ("ring_sparse_hierarchical", "cp1_sparse")):
             ms = r.get(key + "_ms")
+            if ms is None and key + "_ms_error" not in r and key == "ring_sparse_hierarchical":
+                continue  # not asked for (--node-size)
             if ms is None:
                 print(f"{t_label:>8} {key:<28} failed: {r.get(key + '_ms_error', '')[:80]}")
                 continue
@@ -427,6 +468,9 @@ def main() -> int:
     parser.add_argument("--check-len", type=_tokens, default=[16384], help="tokens of the correctness check")
     parser.add_argument("--cpu", action="store_true",
                         help="gloo + Triton interpreter + fp32 on the CPU: a smoke test of this script at tiny sizes")
+    parser.add_argument("--node-size", type=int, default=0,
+                        help="also check and time the hierarchical ring over emulated nodes of this many ranks "
+                             "(node-aware block-stripe layout), e.g. 2 on 4 GPUs for 2 x 2")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.check_len = args.check_len[0]
