@@ -365,11 +365,19 @@ class Trainer:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.optim.grad_clip or float("inf"))
                 loss_total = accelerator.reduce(loss_sum_local.to(device), reduction="sum")
                 loss = float(loss_total) / global_valid
-                grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-                if not (math.isfinite(loss) and (math.isfinite(grad_norm) or accelerator.distributed_type == "DEEPSPEED")):
+                if accelerator.distributed_type == "DEEPSPEED":
+                    # DeepSpeed clips and steps inside backward and skips an update whose gradients are not
+                    # finite itself (its overflow check): read back what it did.
+                    norm = model.get_global_grad_norm()
+                    grad_norm = float(norm) if norm is not None else float("nan")
+                    step_ok = model.was_step_applied() and math.isfinite(loss)
+                else:
+                    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+                    step_ok = math.isfinite(loss) and math.isfinite(grad_norm)
+                if not step_ok:
                     optimizer.zero_grad(set_to_none=True)
                     self.state.bad_steps += 1
-                    log.warning("step %d: non-finite loss/grad (%s, %s), skipped (%d so far)",
+                    log.warning("step %d: non-finite loss/grad (%s, %s), update skipped (%d so far)",
                                 self.state.step + 1, loss, grad_norm, self.state.bad_steps)
                     if self.state.bad_steps > t.max_bad_steps:
                         raise MtrainError(f"{self.state.bad_steps} non-finite steps (train.max_bad_steps="
