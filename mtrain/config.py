@@ -130,7 +130,7 @@ class TrainConfig:
     export: bool = True
     """Write a plain HF checkpoint (safetensors + config + tokenizer) to OUTPUT_DIR/final at the end."""
     max_bad_steps: int = 10
-    """Stop after this many skipped non-finite losses."""
+    """Stop after this many skipped updates (non-finite loss or gradients; under DeepSpeed, updates its overflow check skipped)."""
     loss_chunk: int = 4096
     """Tokens per chunk of the LM head + cross-entropy (no [S, vocab] logits are ever materialised)."""
 
