@@ -171,24 +171,30 @@ def test_dp2_cp2_runs(tmp_path, packed):
     assert all(r["imbalance_step"] >= 1.0 and r["imbalance_worker"] >= 1.0 for r in rows)
 
 
-def test_deepspeed_zero2_cp2_gives_the_ddp_loss_curve(tmp_path, packed):
-    """The same CP=2 run under DeepSpeed ZeRO-2 (CPU accelerator, gloo) follows the committed DDP curve.
-
-    The first DeepSpeed run on a machine JIT-compiles its CPU communication op (about 100 s, cached after).
-    """
-    recipe = _recipe(tmp_path, packed, "ds", save_every=0, export=False)
+def _run_deepspeed(tmp_path, recipe, *overrides):
+    """torchrun CP=2 under DeepSpeed ZeRO-2 on the CPU (DS_ACCELERATOR=cpu for the children only)."""
     env_before = os.environ.get("DS_ACCELERATOR")
     os.environ["DS_ACCELERATOR"] = "cpu"  # inherited by the torchrun children
     try:
         proc = _torchrun(2, "train", str(recipe), "--set", "parallel.cp_size=2",
-                         "--set", f"train.deepspeed={REPO / 'configs' / 'deepspeed' / 'zero2.json'}")
+                         "--set", f"train.deepspeed={REPO / 'configs' / 'deepspeed' / 'zero2.json'}", *overrides)
         out, _ = proc.communicate(timeout=900)
     finally:
         if env_before is None:
             os.environ.pop("DS_ACCELERATOR")
         else:
             os.environ["DS_ACCELERATOR"] = env_before
-    assert proc.returncode == 0, out
+    return proc.returncode, out
+
+
+def test_deepspeed_zero2_cp2_gives_the_ddp_loss_curve(tmp_path, packed):
+    """The same CP=2 run under DeepSpeed ZeRO-2 (CPU accelerator, gloo) follows the committed DDP curve.
+
+    The first DeepSpeed run on a machine JIT-compiles its CPU communication op (about 100 s, cached after).
+    """
+    recipe = _recipe(tmp_path, packed, "ds", save_every=0, export=False)
+    returncode, out = _run_deepspeed(tmp_path, recipe)
+    assert returncode == 0, out
     assert "DP 1 x CP 2, DeepSpeed ZeRO-2, attention dense" in out, out[-2000:]
     losses = _losses(tmp_path / "ds")
     rows = [json.loads(line) for line in (tmp_path / "ds" / "metrics.jsonl").read_text().splitlines()]
@@ -198,3 +204,15 @@ def test_deepspeed_zero2_cp2_gives_the_ddp_loss_curve(tmp_path, packed):
     assert sorted(losses) == sorted(golden)
     for step, loss in losses.items():  # ZeRO-2 shards the same fp32 AdamW update: equal up to rounding
         assert abs(loss - golden[step]) <= 1e-4 * abs(golden[step]), (step, loss, golden[step])
+
+
+def test_deepspeed_skips_and_counts_non_finite_updates(tmp_path, packed):
+    """An absurd learning rate blows the weights up after the first update: every later step's loss and
+    gradients are non-finite, DeepSpeed skips those updates and the trainer counts them."""
+    recipe = _recipe(tmp_path, packed, "ds-bad", max_steps=3, save_every=0, export=False, grad_accum=1)
+    returncode, out = _run_deepspeed(tmp_path, recipe, "--set", "optim.lr=1e30", "--set", "optim.warmup_steps=0",
+                                     "--set", "optim.grad_clip=0")
+    assert returncode == 0, out
+    rows = [json.loads(line) for line in (tmp_path / "ds-bad" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows] == [0, 1, 2], rows
+    assert "update skipped (2 so far)" in out
