@@ -63,6 +63,31 @@ def _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(pid, bh, H, GROUP, Sq, BS: tl.constexpr, QT: tl.constexpr, NQS: tl.constexpr):
+    """Where program (pid, bh) works: query block i, batch b (int64: offsets can pass 2**31 elements),
+    head h and its KV head, the QT rows of its sub-tile and which of them are real."""
+    i = pid // NQS
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    rin = (pid % NQS) * QT + tl.arange(0, QT)
+    rows = i * BS + rin
+    return i, b, h, h // GROUP, rows, (rin < BS) & (rows < Sq)
+
+
+@triton.jit
+def _list_iters(list_base, n_blk, KP, qp, Sk, BS: tl.constexpr, KT: tl.constexpr, NKS: tl.constexpr,
+                CAUSAL: tl.constexpr):
+    """Key sub-tile iterations over a query block's sorted list of n_blk key blocks: NKS per block, and
+    causally only the leading sub-tiles of its last (diagonal) block that the rows can see."""
+    n_iter = n_blk * NKS
+    if CAUSAL:
+        if n_blk > 0:
+            j_last = tl.load(list_base + n_blk - 1)
+            n_iter = (n_blk - 1) * NKS + _last_keep(KP, j_last, tl.max(qp, 0), Sk, BS, KT, NKS)
+    return n_iter
+
+
+@triton.jit
 def _kv_tile(k_base, v_base, KP, KD, ids, valid, row_ok, qp, qd, sks, svs, kd_base,
              D: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr):
     """K and V rows `ids` (key positions in this shard; `valid` masks padding) and the [rows, keys] mask
@@ -92,18 +117,9 @@ def _fwd_kernel(
 ):
     """Out and LSE of one query sub-tile (QT rows of query block i) over its block's key list (each key
     block as NKS sub-tiles) and columns."""
-    pid = tl.program_id(0)
-    i = pid // NQS
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
-    h = bh % H
-    hk = h // GROUP
-    offs_q = tl.arange(0, QT)
+    i, b, h, hk, rows, row_ok = _query_tile(tl.program_id(0), tl.program_id(1), H, GROUP, Sq, BS, QT, NQS)
     offs_k = tl.arange(0, KT)
     offs_d = tl.arange(0, D)
-    rin = (pid % NQS) * QT + offs_q
-    rows = i * BS + rin
-    row_ok = (rin < BS) & (rows < Sq)
     q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     qp = tl.load(QP + rows, mask=row_ok, other=-1)
     qd = qp  # read only with HAS_DOC
@@ -115,13 +131,7 @@ def _fwd_kernel(
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     list_base = BI + b * sbib + h * sbih + i * sbii
-    n_blk = tl.load(BC + b * sbcb + h * sbch + i)
-    n_iter = n_blk * NKS
-    if CAUSAL:
-        if n_blk > 0:
-            # The list is sorted: only its last block (the diagonal one) can have sub-tiles past the rows.
-            j_last = tl.load(list_base + n_blk - 1)
-            n_iter = (n_blk - 1) * NKS + _last_keep(KP, j_last, tl.max(qp, 0), Sk, BS, KT, NKS)
+    n_iter = _list_iters(list_base, tl.load(BC + b * sbcb + h * sbch + i), KP, qp, Sk, BS, KT, NKS, CAUSAL)
     for n in range(0, n_iter):
         j = tl.load(list_base + n // NKS)
         kin = (n % NKS) * KT + offs_k
@@ -170,18 +180,9 @@ def _dq_kernel(
     HAS_DOC: tl.constexpr,
 ):
     """dQ of one query sub-tile; with ATOMIC also adds its dK/dV shares with fp32 atomics."""
-    pid = tl.program_id(0)
-    i = pid // NQS
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
-    h = bh % H
-    hk = h // GROUP
-    offs_q = tl.arange(0, QT)
+    i, b, h, hk, rows, row_ok = _query_tile(tl.program_id(0), tl.program_id(1), H, GROUP, Sq, BS, QT, NQS)
     offs_k = tl.arange(0, KT)
     offs_d = tl.arange(0, D)
-    rin = (pid % NQS) * QT + offs_q
-    rows = i * BS + rin
-    row_ok = (rin < BS) & (rows < Sq)
     q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b * sdb + rows[:, None] * sds + h * sdh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("inf"))
@@ -196,12 +197,7 @@ def _dq_kernel(
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     list_base = BI + b * sbib + h * sbih + i * sbii
-    n_blk = tl.load(BC + b * sbcb + h * sbch + i)
-    n_iter = n_blk * NKS
-    if CAUSAL:
-        if n_blk > 0:
-            j_last = tl.load(list_base + n_blk - 1)
-            n_iter = (n_blk - 1) * NKS + _last_keep(KP, j_last, tl.max(qp, 0), Sk, BS, KT, NKS)
+    n_iter = _list_iters(list_base, tl.load(BC + b * sbcb + h * sbch + i), KP, qp, Sk, BS, KT, NKS, CAUSAL)
     for n in range(0, n_iter):
         j = tl.load(list_base + n // NKS)
         kin = (n % NKS) * KT + offs_k
@@ -815,7 +811,6 @@ def _column_scatter(universe, B, Sk, Hkv, group, plans):
     g, G+g, ...; built with one nonzero and one sort for all steps (few ops: index building is
     launch-bound on the GPU)."""
     if "col_scatter" not in plans:
-        dev = universe.device
         U = universe.shape[-1]
         b, h, slot = torch.nonzero(universe >= 0, as_tuple=True)
         u = universe[b, h, slot].long()
