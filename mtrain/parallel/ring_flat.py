@@ -10,7 +10,7 @@ from mtrain.parallel.comm import TAG_GRAD, RingComm
 from mtrain.parallel.merge import GradSum, PartialAccumulator
 from mtrain.parallel.plan import RingPlan
 from mtrain.parallel.steps import (
-    ColumnGather, finish_column_grads, start_column_grad_reduce, step_backward, step_forward,
+    ColumnGather, finish_column_grads, ring_step_backward, step_forward,
 )
 
 
@@ -47,16 +47,10 @@ def _backward(dout, q, k, v, out, lse, last_kv, columns_kv, aux, plan: RingPlan,
         origin = (comm.rank - s) % comm.size
         incoming = comm.shift(held, send_to=prev, recv_from=nxt) if s > 1 else None
         kv = held if s > 0 else [k, v]
-        dk, dv = GradSum(k), GradSum(k)
-        if origin not in plan.skip:
-            dcols = step_backward(dq, dk, dv, dout, q, kv[0], kv[1], out, lse, plan, origin, scale, aux,
-                                  columns_kv if origin == comm.rank else None)
-            if dcols is not None:
-                column_reduce = start_column_grad_reduce(dcols, group)
-        if grads_in_flight is not None:  # waited for only after this step's kernels are queued
-            earlier = grads_in_flight.wait()
-            dk.add(earlier[0])
-            dv.add(earlier[1])
+        dk, dv, started = ring_step_backward(dq, dout, q, kv[0], kv[1], out, lse, plan, origin, scale, aux,
+                                             columns_kv, grads_in_flight, group)
+        if started is not None:
+            column_reduce = started
         if s > 0:
             grads_in_flight = comm.shift([dk.value(), dv.value()], tag=TAG_GRAD, send_to=prev, recv_from=nxt)
         if incoming is not None:

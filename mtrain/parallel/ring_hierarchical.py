@@ -12,7 +12,7 @@ from mtrain.parallel.comm import TAG_GRAD, TAG_KV, RingComm
 from mtrain.parallel.merge import GradSum, PartialAccumulator
 from mtrain.parallel.plan import RingPlan
 from mtrain.parallel.steps import (
-    ColumnGather, finish_column_grads, start_column_grad_reduce, step_backward, step_forward,
+    ColumnGather, finish_column_grads, ring_step_backward, step_forward,
 )
 
 
@@ -110,16 +110,10 @@ def _inner_ring_backward(dout, q, base, out, lse, plan, inner, grid, o, scale, d
     for i in range(grid.local_size):
         incoming = inner.shift(held) if i < grid.local_size - 1 else None
         origin = origin_rank(grid, o, i)
-        dk, dv = GradSum(base[0]), GradSum(base[0])
-        if origin not in plan.skip:
-            dcols = step_backward(dq, dk, dv, dout, q, held[0], held[1], out, lse, plan, origin, scale, aux,
-                                  columns_kv if origin == plan.rank else None)
-            if dcols is not None:
-                column_reduce = start_column_grad_reduce(dcols, group)
-        if in_flight is not None:  # waited for only after this step's kernels are queued
-            earlier = in_flight.wait()
-            dk.add(earlier[0])
-            dv.add(earlier[1])
+        dk, dv, started = ring_step_backward(dq, dout, q, held[0], held[1], out, lse, plan, origin, scale, aux,
+                                             columns_kv, in_flight, group)
+        if started is not None:
+            column_reduce = started
         in_flight = inner.shift([dk.value(), dv.value()], tag=TAG_GRAD)  # the last one returns it to the base's holder
         if incoming is not None:
             held = incoming.wait()

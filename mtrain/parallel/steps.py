@@ -87,6 +87,25 @@ class ColumnGather:
         return self.buf[0], self.buf[1]
 
 
+def ring_step_backward(dq: GradSum, dout, q, k, v, out, lse, plan: RingPlan, origin: int, scale: float, aux: dict,
+                       columns_kv, grads_in_flight, group):
+    """One backward ring step on the held shard of rank `origin`: its dK/dV share is queued first, then the
+    partial sum for that shard that arrives from the neighbour (`grads_in_flight`, or None) is added.
+    Returns (dk, dv GradSums to send on, the started column-gradient reduction of the local step or None)."""
+    dk, dv = GradSum(k), GradSum(k)
+    column_reduce = None
+    if origin not in plan.skip:
+        dcols = step_backward(dq, dk, dv, dout, q, k, v, out, lse, plan, origin, scale, aux,
+                              columns_kv if origin == plan.rank else None)
+        if dcols is not None:
+            column_reduce = start_column_grad_reduce(dcols, group)
+    if grads_in_flight is not None:  # waited for only after this step's kernels are queued
+        earlier = grads_in_flight.wait()
+        dk.add(earlier[0])
+        dv.add(earlier[1])
+    return dk, dv, column_reduce
+
+
 def start_column_grad_reduce(dcols, group):
     """Start summing the local steps' column gradients over the group: (buffer [2, B, U, Hkv, D], work)."""
     buf = torch.stack(dcols)
