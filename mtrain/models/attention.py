@@ -160,9 +160,15 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 def register_attention(recipe) -> str:
     """Register the recipe's attention kind with transformers; return the `attn_implementation` name."""
+    import dataclasses
+
+    from mtrain.parallel import SparseSettings
+
+    # Every recipe key under `attention:` that is also a SparseSettings field reaches the estimator.
+    shared = {f.name for f in dataclasses.fields(SparseSettings)}
     a = recipe.attention
-    return register_kind(a.kind, recall=a.recall, last_q=a.last_q, max_vertical=a.max_vertical,
-                         max_slash=a.max_slash, block_size=a.block_size)
+    settings = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name in shared}
+    return register_kind(a.kind, **settings)
 
 
 def register_kind(kind: str, **sparse_settings) -> str:
