@@ -256,6 +256,35 @@ def tile_sweep(q, k, v, dout, pos, bs, log):
         log(f"tile sweep bs={bs} {kernel}: keep {_triton_attention.SUBTILE[kernel]}")
 
 
+# ----------------------------------------------------------------------------- real attention
+def real_main(args) -> int:
+    import yaml
+
+    from mtrain import bench_real
+    from mtrain.parallel import SparseSettings
+
+    if not args.seq_len:
+        raise SystemExit("--model needs --seq-len N [N ...]")
+    overrides = {}
+    for item in args.sparse:
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
+    settings = SparseSettings(**overrides)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_real.log"), "a") as logf:
+        def log(msg):
+            print(msg, flush=True)
+            logf.write(msg + "\n")
+            logf.flush()
+
+        for seq_len in args.seq_len:
+            bench_real.run(args.model, seq_len, settings=settings, yarn=args.yarn, iters=args.iters,
+                           layers=args.layers, recall_rows=args.recall_rows, out_dir=args.out, log=log)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -280,7 +309,21 @@ def main() -> int:
                          "verticals and NS slashes: offset builder (ragged transpose) vs the previous flag-matrix "
                          "builder (padded transpose); CPU ok; then stop")
     ap.add_argument("--index-build-one", nargs=5, metavar=("BUILDER", "S", "NV", "NS", "BS"), help=argparse.SUPPRESS)
+    real = ap.add_argument_group("real attention (mtrain.bench_real): a pretrained model's captured q/k/v")
+    real.add_argument("--model", help="HF checkpoint folder or .gguf file: benchmark on this model's attention "
+                                      "over real prose instead of synthetic inputs")
+    real.add_argument("--seq-len", type=int, nargs="+", help="sequence lengths for --model (one run each)")
+    real.add_argument("--yarn", default="auto", help="YaRN factor for --model: auto (seq_len / trained length), "
+                                                     "none, or a number")
+    real.add_argument("--layers", type=int, nargs="*", help="layers to measure (default: all)")
+    real.add_argument("--iters", type=int, default=5, help="timed iterations per variant")
+    real.add_argument("--recall-rows", type=int, help="true recall from this many rows spread over the sequence "
+                                                      "(default: every row)")
+    real.add_argument("--sparse", action="append", default=[], metavar="KEY=VALUE",
+                      help="sparse attention setting (SparseSettings field), e.g. --sparse recall=0.95 (repeatable)")
     args = ap.parse_args()
+    if args.model:
+        return real_main(args)
     if args.index_build_one:
         return index_build_one(*args.index_build_one)
     if args.index_build:

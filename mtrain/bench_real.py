@@ -1,0 +1,337 @@
+"""Sparse attention on a REAL model's attention: `scripts/bench_attention.py --model DIR --seq-len N`.
+
+One run: load a pretrained HF Llama/Qwen2 checkpoint (or a .gguf file, converted on the fly) with YaRN set
+for the sequence length, run real prose through it once and capture the post-RoPE q/k/v of every layer;
+then per layer and for the whole model: the estimated pattern's density, estimated and TRUE recall (the
+exact attention mass of the rows that the index keeps), forward+backward time of dense attention (cuDNN
+on the GPU) and of mtrain's attention as training calls it (estimate, per-layer sparse/dense choice,
+kernels), with the forced-sparse breakdown (index, forward, backward); and the whole-model perplexity of
+the same tokens dense vs mtrain. Works on the CPU at small lengths (slow; for smoke tests).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from mtrain.errors import MtrainError
+
+BENCH_NAME = "mtrain-bench"
+
+
+# ----------------------------------------------------------------------------- model and text
+def resolve_model(model: str, cache_dir: str | None = None) -> Path:
+    """An HF checkpoint folder for `model`: the folder itself, or a .gguf file converted once into
+    `cache_dir` (default: beside the file, `<name>.hf/`)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MtrainError(f"--model '{model}' has no config.json: not an HF checkpoint folder")
+        return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from mtrain.models.convert import convert_gguf
+
+        out = Path(cache_dir) if cache_dir else path.with_name(path.stem + ".hf")
+        if not (out / "config.json").is_file():
+            convert_gguf(path, out)
+        return out
+    raise MtrainError(f"--model '{model}' is neither an HF checkpoint folder nor a .gguf file")
+
+
+def yarn_factor(seq_len: int, original: int, requested: str | float = "auto") -> float:
+    """YaRN factor for `seq_len` tokens on a model trained to `original`: 'auto' = seq_len / original when
+    that exceeds 1 (no scaling otherwise), 'none' = 1, or the given number."""
+    if requested == "none":
+        return 1.0
+    if requested == "auto":
+        return max(1.0, seq_len / original)
+    factor = float(requested)
+    if not factor >= 1.0:
+        raise MtrainError(f"--yarn must be 'auto', 'none' or a factor >= 1; got {requested}")
+    return factor
+
+
+def load_model(path: Path, seq_len: int, yarn: str | float, device, dtype):
+    """The checkpoint under the bench's attention name, with YaRN written into its config as training would."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    original = int(params.get("original_max_position_embeddings") or config.max_position_embeddings)
+    factor = yarn_factor(seq_len, original, yarn)
+    if factor > 1.0:
+        config.rope_parameters = {"rope_type": "yarn", "factor": factor, "rope_theta": theta,
+                                  "original_max_position_embeddings": original}
+        config.max_position_embeddings = int(original * factor)
+    register_bench_attention(None)
+    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
+                                                 attn_implementation=BENCH_NAME)
+    model.config.use_cache = False
+    return model.to(device).eval(), factor
+
+
+def register_bench_attention(fn) -> None:
+    """Point the bench's attention name at `fn(module, q, k, v, mask, scaling=..., **kw)` (None: dense).
+    transformers looks the function up by name at every call, so one loaded model serves every phase."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from mtrain.models.attention import _no_mask, mtrain_attention
+
+    if fn is None:
+        import functools
+
+        fn = functools.partial(mtrain_attention, settings=None)
+    AttentionInterface.register(BENCH_NAME, fn)
+    AttentionMaskInterface.register(BENCH_NAME, _no_mask)
+
+
+def capture_qkv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Post-RoPE (q, k, v) of every layer, [1, S, H, D] each, from one dense forward over `ids` [1, S]."""
+    from mtrain.ops import dense_attention
+
+    captured = {}
+
+    def grab(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+        captured[module.layer_idx] = (q, k, v)
+        return dense_attention(q, k, v, causal=True, softmax_scale=scaling), None
+
+    register_bench_attention(grab)
+    try:
+        with torch.no_grad():
+            model.model(input_ids=ids, use_cache=False)
+    finally:
+        register_bench_attention(None)
+    return [captured[i] for i in sorted(captured)]
+
+
+def perplexity(model, ids: torch.Tensor, chunk: int = 4096) -> float:
+    """exp(mean next-token NLL) over `ids` [1, S], the vocabulary projection taken in chunks of rows."""
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+        head = model.get_output_embeddings()
+        nll, count = 0.0, 0
+        for start in range(0, ids.shape[1] - 1, chunk):
+            stop = min(start + chunk, ids.shape[1] - 1)
+            logits = head(hidden[start:stop]).float()
+            nll += float(torch.nn.functional.cross_entropy(logits, ids[0, start + 1 : stop + 1], reduction="sum"))
+            count += stop - start
+    return math.exp(nll / count)
+
+
+# ----------------------------------------------------------------------------- timing
+def timed(fn, iters: int, warmup: int = 1) -> float:
+    """Median milliseconds of fn() (CUDA events on the GPU, wall clock on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    cuda = torch.cuda.is_available()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _fwd_bwd(fn, q, k, v, dout):
+    def run():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = fn(qq, kk, vv)
+        torch.autograd.backward(out, dout)
+    return run
+
+
+# ----------------------------------------------------------------------------- per layer
+@dataclass
+class LayerResult:
+    layer: int
+    density: float
+    est_recall: float | None
+    true_recall: float
+    min_head_recall: float
+    path: str
+    """what mtrain's attention chose for this layer (sparse / dense)"""
+    dense_ms: float
+    mtrain_ms: float
+    """fwd+bwd of mtrain's attention as training calls it (estimate + choice + kernels)"""
+    index_ms: float
+    fwd_ms: float
+    bwd_ms: float
+    """forced-sparse breakdown"""
+    extra: dict = field(default_factory=dict)
+
+
+def _settings_kwargs(settings) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+
+
+def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recall_rows: int | None) -> LayerResult:
+    """All measures of one layer's captured q/k/v (see the module docstring)."""
+    import functools
+
+    from mtrain.models.attention import mtrain_attention
+    from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
+
+    sparse_kw = dict(recall=settings.recall, last_q=min(settings.last_q, q.shape[1]),
+                     max_vertical=settings.max_vertical, max_slash=settings.max_slash,
+                     block_size=settings.block_size, min_vertical=settings.min_vertical,
+                     min_slash=settings.min_slash, share_kv_group=settings.share_kv_group,
+                     slash_recall=settings.slash_recall, softmax_scale=scale)
+    for name in getattr(settings, "extra_estimator_fields", ()):
+        sparse_kw[name] = getattr(settings, name)
+
+    def estimate():
+        with torch.no_grad():
+            return estimate_vertical_slash(q, k, **sparse_kw)
+
+    index = estimate()
+    dout = torch.randn_like(q)
+    dense = functools.partial(dense_attention, causal=True, softmax_scale=scale)
+    dense_ms = timed(_fwd_bwd(dense, q, k, v, dout), iters)
+
+    # mtrain's attention function exactly as a model layer calls it (HF layout in, [B, S, H, D] out)
+    class _Layer:
+        layer_idx = layer
+        training = True
+
+    def as_trained(qq, kk, vv):
+        out, _ = mtrain_attention(_Layer, qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), None,
+                                  scaling=scale, settings=settings)
+        return out
+
+    from mtrain.models.attention import CONTEXT
+
+    mark = len(CONTEXT.densities)
+    mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters)
+    chosen = getattr(CONTEXT, "paths", None)
+    path = chosen[-1] if chosen else "sparse"
+    del CONTEXT.densities[mark:]
+
+    # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index
+    def all_in(qq, kk, vv):
+        return vertical_slash_attention(qq, kk, vv, estimate(), softmax_scale=scale)
+
+    total_ms = timed(_fwd_bwd(all_in, q, k, v, dout), iters)
+    fwd_ms = timed(lambda: vertical_slash_attention(q, k, v, index, softmax_scale=scale), iters)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    out = vertical_slash_attention(qq, kk, vv, index, softmax_scale=scale)
+    bwd_ms = timed(lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True), iters)
+
+    est = index._cache.get("est_recall")
+    per_head = _true_recall(q, k, index, scale, recall_rows)
+    return LayerResult(
+        layer=layer, density=index.density(), est_recall=None if est is None else float(est.float().mean()),
+        true_recall=float(per_head.mean()), min_head_recall=float(per_head.min()), path=path,
+        dense_ms=dense_ms, mtrain_ms=mtrain_ms, index_ms=max(0.0, total_ms - fwd_ms - bwd_ms), fwd_ms=fwd_ms,
+        bwd_ms=bwd_ms,
+    )
+
+
+def _true_recall(q, k, index, scale, rows: int | None) -> torch.Tensor:
+    """Per-head true recall [Hq] over all rows (or `rows` rows spread evenly over the sequence)."""
+    from mtrain.ops.recall import true_recall
+
+    S = q.shape[1]
+    sel = None
+    if rows is not None and rows < S:
+        sel = torch.linspace(0, S - 1, rows, device=q.device).round().long().unique()
+    return true_recall(q, k, index, softmax_scale=scale, rows=sel)[0]
+
+
+# ----------------------------------------------------------------------------- the whole run
+def run(model: str, seq_len: int, *, settings=None, yarn="auto", device=None, dtype=None, iters: int = 5,
+        layers: list[int] | None = None, recall_rows: int | None = None, out_dir: str | None = None,
+        log=print) -> dict:
+    """Benchmark one model at one length; returns (and writes to out_dir/real_<S>.json) the results."""
+    from mtrain.parallel import SparseSettings
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    settings = settings or SparseSettings()
+    path = resolve_model(model)
+    from transformers import AutoTokenizer
+
+    from mtrain.data.prose import prose_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    ids = torch.tensor([prose_tokens(tokenizer, seq_len)], device=device)
+    net, factor = load_model(path, seq_len, yarn, device, dtype)
+    cfg = net.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    scale = head_dim ** -0.5
+    log(f"model {path.name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
+        f"{cfg.num_key_value_heads} kv heads x {head_dim}; S={seq_len}, YaRN factor {factor:g}, {dtype}, "
+        f"{device.type}; settings {settings}")
+
+    t0 = time.perf_counter()
+    qkv = capture_qkv(net, ids)
+    log(f"captured q/k/v of {len(qkv)} layers in {time.perf_counter() - t0:.1f} s")
+    picked = layers if layers is not None else list(range(len(qkv)))
+    results = []
+    for i in picked:
+        q, k, v = qkv[i]
+        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows)
+        results.append(r)
+        log(f"layer {i:3d}: density {r.density:.3f} est {r.est_recall if r.est_recall is None else round(r.est_recall, 3)} "
+            f"true {r.true_recall:.3f} (min head {r.min_head_recall:.3f}) {r.path:6s} | dense {r.dense_ms:7.2f} ms "
+            f"mtrain {r.mtrain_ms:7.2f} ms ({r.dense_ms / r.mtrain_ms:4.2f}x) | sparse index {r.index_ms:6.2f} "
+            f"fwd {r.fwd_ms:6.2f} bwd {r.bwd_ms:6.2f}")
+    del qkv
+
+    import functools
+
+    from mtrain.models.attention import mtrain_attention
+
+    ppl_dense = perplexity(net, ids)
+    register_bench_attention(functools.partial(mtrain_attention, settings=settings))
+    try:
+        ppl_sparse = perplexity(net, ids)
+    finally:
+        register_bench_attention(None)
+    dense_total = sum(r.dense_ms for r in results)
+    mtrain_total = sum(r.mtrain_ms for r in results)
+    summary = {
+        "model": str(path), "seq_len": seq_len, "yarn_factor": factor, "dtype": str(dtype), "device": device.type,
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        "torch": torch.__version__, "settings": _settings_kwargs(settings),
+        "layers": [asdict(r) for r in results],
+        "mean_density": statistics.mean(r.density for r in results),
+        "mean_true_recall": statistics.mean(r.true_recall for r in results),
+        "min_layer_true_recall": min(r.true_recall for r in results),
+        "dense_ms": dense_total, "mtrain_ms": mtrain_total, "speedup": dense_total / mtrain_total,
+        "layers_slower_than_dense": [r.layer for r in results if r.mtrain_ms > r.dense_ms],
+        "sparse_layers": sum(r.path == "sparse" for r in results),
+        "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
+        "recall_rows": recall_rows,
+    }
+    log(f"whole model ({len(results)} layers): dense {dense_total:.1f} ms, mtrain {mtrain_total:.1f} ms "
+        f"({summary['speedup']:.2f}x); {summary['sparse_layers']} layers sparse; mean density "
+        f"{summary['mean_density']:.3f}; true recall mean {summary['mean_true_recall']:.3f}, worst layer "
+        f"{summary['min_layer_true_recall']:.3f}; perplexity dense {ppl_dense:.3f} mtrain {ppl_sparse:.3f} "
+        f"({100 * summary['ppl_rise']:+.2f}%); layers slower than dense: {summary['layers_slower_than_dense']}")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        target = Path(out_dir) / f"real_{seq_len}.json"
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, target)
+    return summary
