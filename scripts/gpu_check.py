@@ -1,0 +1,162 @@
+"""GPU correctness gate: every attention engine x dtype x block size x GQA x document masking against a float64
+reference, on short ragged sequences. Exits non-zero on any failure. Run it in every GPU session before timing:
+
+    python scripts/gpu_check.py            # on the GPU machine (about a minute)
+    TRITON_INTERPRET=1 python scripts/gpu_check.py --device cpu --quick   # smoke on a CPU (fp32/fp16 only)
+
+Engines: mtrain's Triton kernels with the deterministic and the atomic backward, FlexAttention driven by the same
+index (CUDA only), the ring's partial entry point on a shard with global positions (block-stripe: the query shard
+of rank 1 of 2 against rank 0's keys), and dense attention (the fastest backend; with documents, our kernels).
+Tolerances are relative Frobenius errors against float64, per dtype (TOL below), on out and dq/dk/dv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mtrain.ops import SparseIndex, dense_attention, partial, reference, vertical_slash_attention  # noqa: E402
+from mtrain.ops.attention import partial_attention  # noqa: E402
+
+# dtype -> largest relative error allowed (out, grads): accumulation is fp32, so the input rounding dominates.
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 5e-3), torch.bfloat16: (1.5e-2, 3e-2)}
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def make_case(S, Hq, Hkv, D, bs, dtype, docs: bool, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(1, S, h, D, generator=g) for h in (Hq, Hkv, Hkv))
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    vertical = torch.randint(0, S, (1, Hq, 6), generator=g).to(device)
+    slash = torch.cat([torch.zeros(1, Hq, 1, dtype=torch.long), torch.randint(1, S, (1, Hq, 3), generator=g)], -1)
+    index = SparseIndex.from_lines(vertical, slash.to(device), S, bs)
+    doc_ids = None
+    if docs:  # three documents of uneven length
+        cuts = torch.tensor([0, S // 3 + 7, (2 * S) // 3 - 5, S])
+        doc_ids = torch.repeat_interleave(torch.arange(3), cuts.diff()).to(device)[None]
+    return q, k, v, index, doc_ids
+
+
+def reference_grads(q, k, v, mask, dout):
+    qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out, _ = reference.attention(qr, kr, vr, mask)
+    out.backward(dout.double())
+    return out.detach(), qr.grad, kr.grad, vr.grad
+
+
+def engine_grads(fn, q, k, v, dout):
+    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(qq, kk, vv)
+    out.backward(dout)
+    return out.detach(), qq.grad, kk.grad, vv.grad
+
+
+def engines(device, index, doc_ids, S):
+    out = {
+        "triton-det": lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="triton", doc_ids=doc_ids),
+        "triton-atomic": lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="triton", deterministic=False,
+                                                                   doc_ids=doc_ids),
+        "dense": lambda q, k, v: dense_attention(q, k, v, causal=True, doc_ids=doc_ids),
+    }
+    if device.type == "cuda":
+        out["flex"] = lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="flex", doc_ids=doc_ids)
+    return out
+
+
+def ring_step_case(q, k, v, index, doc_ids, bs, dout):
+    """Rank 1 of a 2-rank block-stripe ring: its query stripes against rank 0's key stripes (global positions)."""
+    S = q.shape[1]
+    stripes = torch.arange(S, device=q.device) // bs
+    mine, theirs = (stripes % 2 == 1).nonzero().flatten(), (stripes % 2 == 0).nonzero().flatten()
+    qs, ks, vs = q[:, mine], k[:, theirs], v[:, theirs]
+    # a sparse step: query block i lists the key blocks j of the other shard with (i + j) % 3 != 1
+    nqb, nkb, H = -(-mine.numel() // bs), -(-theirs.numel() // bs), q.shape[2]
+    i, j = torch.arange(nqb, device=q.device)[:, None], torch.arange(nkb, device=q.device)[None, :]
+    keep = ((i + j) % 3 != 1).expand(1, H, nqb, nkb)
+    ids = torch.where(keep, j.expand_as(keep), nkb).sort(-1).values
+    blocks = (torch.where(ids < nkb, ids, -1).to(torch.int32).contiguous(), keep.sum(-1).to(torch.int32))
+    q_doc = None if doc_ids is None else doc_ids[:, mine]
+    k_doc = None if doc_ids is None else doc_ids[:, theirs]
+    full = reference.partial_mask(mine, theirs, batch=1, heads=H, blocks=blocks, columns=None, block_size=bs,
+                                  causal=True, q_doc=q_doc, k_doc=k_doc)
+    want = reference_grads(qs, ks, vs, full, dout[:, mine])
+
+    def fn(a, b, c):
+        return partial_attention(a, b, c, q_pos=mine, k_pos=theirs, blocks=blocks, block_size=bs, causal=True,
+                                 impl="triton", q_doc=q_doc, k_doc=k_doc)[0]
+
+    return want, engine_grads(fn, qs, ks, vs, dout[:, mine])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seq", type=int, default=2100, help="sequence length (ragged on purpose)")
+    ap.add_argument("--quick", action="store_true", help="one GQA shape, no documents x dtype product (CPU smoke)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("on the CPU the Triton kernels need TRITON_INTERPRET=1")
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device.type == "cuda" else [])
+    heads = [(4, 4, 64), (8, 2, 128)] if not args.quick else [(4, 2, 64)]
+    docs = [False, True]
+    block_sizes = [64, 128]
+    failures, rows = [], 0
+    t0 = time.time()
+    for bs, dtype, (Hq, Hkv, D), doc in itertools.product(block_sizes, dtypes, heads, docs):
+        S = args.seq if not args.quick else 200
+        q, k, v, index, doc_ids = make_case(S, Hq, Hkv, D, bs, dtype, doc, device, seed=rows)
+        dout = torch.randn_like(q)
+        mask = index.to_mask()
+        if doc_ids is not None:
+            mask = mask & (doc_ids[0][:, None] == doc_ids[0][None, :])
+        want = reference_grads(q, k, v, mask, dout)
+        dense_mask = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+        if doc_ids is not None:
+            dense_mask = dense_mask & (doc_ids[0][:, None] == doc_ids[0][None, :])
+        want_dense = reference_grads(q, k, v, dense_mask, dout)
+        tol_out, tol_grad = TOL[dtype]
+        results = {}
+        for name, fn in engines(device, index, doc_ids, S).items():
+            try:
+                got = engine_grads(fn, q, k, v, dout)
+            except Exception as exc:  # noqa: BLE001 - a gate reports every engine's failure and goes on
+                failures.append(f"{name} bs={bs} {dtype} H={Hq}/{Hkv}x{D} docs={doc}: raised {exc!r:.200}")
+                continue
+            ref = want_dense if name == "dense" else want
+            results[name] = [rel(a, b) for a, b in zip(got, ref)]
+        try:
+            results["ring-step"] = [rel(a, b) for a, b in zip(*reversed(ring_step_case(q, k, v, index, doc_ids,
+                                                                                        bs, dout)))]
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"ring-step bs={bs} {dtype} H={Hq}/{Hkv}x{D} docs={doc}: raised {exc!r:.200}")
+        for name, errs in results.items():
+            bad = errs[0] > tol_out or max(errs[1:]) > tol_grad or not all(math.isfinite(e) for e in errs)
+            line = (f"{'FAIL' if bad else 'ok  '} {name:13s} bs={bs:3d} {str(dtype)[6:]:8s} H={Hq}/{Hkv}x{D:<3d} "
+                    f"docs={int(doc)} density={index.density():.2f}: out {errs[0]:.1e} dq {errs[1]:.1e} "
+                    f"dk {errs[2]:.1e} dv {errs[3]:.1e}")
+            print(line, flush=True)
+            if bad:
+                failures.append(line)
+        rows += 1
+    print(f"{rows} cases, {sum(1 for _ in failures)} failures, {time.time() - t0:.0f} s "
+          f"(tolerances out/grads: " + ", ".join(f"{str(d)[6:]} {a:g}/{b:g}" for d, (a, b) in TOL.items()) + ")")
+    for f in failures:
+        print("FAILED:", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
