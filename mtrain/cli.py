@@ -12,7 +12,11 @@ import logging
 import os
 import sys
 
-from mtrain.errors import MtrainError
+from mtrain.errors import MtrainError, os_error_line
+
+# The hub libraries read these at import: set before any stage imports them. `--online` (or MTRAIN_ONLINE=1)
+# lets transformers / datasets reach the model hub; without it a path that is not on disk fails at once.
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 # subcommand module -> registered in this order in `mtrain --help`
 STAGE_MODULES = (
@@ -32,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ring attention: pack data, train, evaluate, compare runs.",
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--online", action="store_true",
+                        help="allow downloads from the HF hub (default: offline, local files and the hub cache only)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in STAGE_MODULES:
@@ -45,8 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def set_offline(argv: list[str]) -> bool:
+    """Offline unless `--online` comes before the subcommand or MTRAIN_ONLINE=1; returns whether online.
+
+    Variables the user set explicitly are kept (HF_HUB_OFFLINE=0 stays online).
+    """
+    head = argv[: next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))]
+    online = "--online" in head or os.environ.get("MTRAIN_ONLINE") == "1"
+    if not online:
+        for name in OFFLINE_VARS:
+            os.environ.setdefault(name, "1")
+    return online
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    set_offline(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("MTRAIN_DEBUG") == "1"
@@ -60,9 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     except MtrainError as exc:
         if debug:
             raise
-        print(f"mtrain {args.command}: error: {exc}", file=sys.stderr)
+        print(f"mtrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the system refused (no space, read-only, permission, a file where a folder goes)
+        if debug:
+            raise
+        print(f"mtrain {args.command}: error: {_one_line(os_error_line(exc))}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"mtrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug: one line here, the traceback with --debug
+        if debug:
+            raise
+        print(f"mtrain {args.command}: internal error: {type(exc).__name__}: {_one_line(exc)[:500]}; "
+              "rerun with --debug for the traceback and report it", file=sys.stderr)
+        return 1
     return int(result or 0)

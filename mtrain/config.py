@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import math
 import os
 import re
 import types
@@ -279,14 +281,23 @@ def _check(recipe: RecipeConfig) -> None:
         if value is None or Path(value).exists():
             continue
         if key in ("model.path", "model.tokenizer") and _HUB_ID.fullmatch(value):
-            continue  # a hub id such as Qwen/Qwen2.5-3B: resolved by transformers (from its cache when offline)
+            _check_hub_id(key, value)
+            continue
         raise ConfigError(f"{key}: path '{value}' does not exist (relative paths are taken from the current directory)")
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: required when the model starts from 'model.config'")
+    _check_model_files(m)
+    if t.deepspeed is not None and not Path(t.deepspeed).is_file():
+        raise ConfigError(f"train.deepspeed: '{t.deepspeed}' is not a file; name a DeepSpeed JSON config")
     if not d.path:
         raise ConfigError("data.path: required (a folder written by `mtrain pack`)")
     if not Path(d.path).exists():
         raise ConfigError(f"data.path: '{d.path}' does not exist; write it with `mtrain pack ... --out {d.path}`")
+    if not (Path(d.path) / "index.json").is_file():
+        raise ConfigError(f"data.path: '{d.path}' holds no index.json, so it is not a finished `mtrain pack` output; "
+                          "point it at a packed folder (or rerun the pack that writes it to finish it)")
+    _check_output_dir(t.output_dir)
+    _check_ranges(recipe)
     if a.kind not in ATTENTION_KINDS:
         raise ConfigError(f"attention.kind: '{a.kind}' is not one of {', '.join(ATTENTION_KINDS)}{_suggest(a.kind, ATTENTION_KINDS)}")
     positive = {
@@ -304,8 +315,6 @@ def _check(recipe: RecipeConfig) -> None:
         raise ConfigError(f"attention.recall: must be in (0, 1], got {a.recall}")
     if not 0.0 <= o.min_lr_ratio <= 1.0 or not 0.0 <= o.warmup_ratio < 1.0:
         raise ConfigError("optim: need 0 <= min_lr_ratio <= 1 and 0 <= warmup_ratio < 1")
-    if o.lr <= 0:
-        raise ConfigError(f"optim.lr: must be positive, got {o.lr}")
     if m.rope_scaling is not None:
         rs = m.rope_scaling
         kind = rs.get("rope_type", rs.get("type"))
@@ -317,6 +326,100 @@ def _check(recipe: RecipeConfig) -> None:
             raise ConfigError("model.rope_scaling.original_max_position_embeddings: required for yarn (the pre-extension context length)")
     if p.layout not in ("contiguous", "zigzag", "stripe", "block-stripe"):
         raise ConfigError(f"parallel.layout: '{p.layout}' is not one of contiguous, zigzag, stripe, block-stripe{_suggest(p.layout, ('contiguous', 'zigzag', 'stripe', 'block-stripe'))}")
+
+
+# files any HF tokenizer folder holds one of (tokenizer_config.json alone is not a tokenizer)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def _check_hub_id(key: str, value: str) -> None:
+    """A missing local path shaped like a hub id: fine online; offline only when the hub cache holds it."""
+    from mtrain.cli import OFFLINE_VARS
+
+    if not any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARS):
+        return  # online: transformers resolves it from the hub
+    from huggingface_hub import try_to_load_from_cache
+
+    wanted = "config.json" if key == "model.path" else "tokenizer_config.json"
+    if isinstance(try_to_load_from_cache(value, wanted), str):
+        return
+    raise ConfigError(
+        f"{key}: '{value}' is not a local path and not a hub model in the local cache; fix the path (relative "
+        f"paths are taken from the current directory), or run `mtrain --online ...` to download hub model '{value}'"
+    )
+
+
+def _check_model_files(m: ModelConfig) -> None:
+    """The local model and tokenizer files the recipe names hold what loading them needs."""
+    if m.config is not None:
+        if not Path(m.config).is_file():
+            raise ConfigError(f"model.config: '{m.config}' is not a file; name a config.json (model.path takes a folder)")
+        try:
+            parsed = json.loads(Path(m.config).read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ConfigError(f"model.config: '{m.config}' is not readable JSON ({exc}); restore the file") from None
+        if not isinstance(parsed, dict) or "model_type" not in parsed:
+            raise ConfigError(f"model.config: '{m.config}' has no 'model_type'; name a HF config.json")
+    if m.path is not None and Path(m.path).exists():
+        if not (Path(m.path) / "config.json").is_file():
+            raise ConfigError(f"model.path: '{m.path}' holds no config.json; name a HF checkpoint folder "
+                              "(or use model.config for a config.json file)")
+    tokenizer = m.tokenizer or m.path
+    if tokenizer is not None and Path(tokenizer).exists():
+        if not Path(tokenizer).is_dir() or not any((Path(tokenizer) / f).is_file() for f in TOKENIZER_FILES):
+            source = "model.tokenizer" if m.tokenizer else "model.path (the tokenizer defaults to it)"
+            raise ConfigError(
+                f"{source}: '{tokenizer}' holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                "set model.tokenizer to the folder of the model's tokenizer"
+            )
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """train.output_dir must be a folder (or creatable as one): no file in its place or above it."""
+    if not output_dir:
+        raise ConfigError("train.output_dir: required (the run folder)")
+    path = Path(output_dir)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise ConfigError(f"train.output_dir: '{part}' is a file, not a folder; move it away or choose "
+                                  "another train.output_dir")
+            break
+
+
+def _check_ranges(recipe: RecipeConfig) -> None:
+    """Every number finite and inside the range its meaning allows (a negative clip would negate gradients)."""
+    for section in dataclasses.fields(recipe):
+        for f in dataclasses.fields(getattr(recipe, section.name)):
+            value = getattr(getattr(recipe, section.name), f.name)
+            values = value if isinstance(value, tuple) else (value,)
+            for v in values:
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ConfigError(f"{section.name}.{f.name}: must be a finite number, got {value!r}")
+    m, o, t = recipe.model, recipe.optim, recipe.train
+    rules = (
+        ("optim.lr", o.lr, o.lr > 0, "must be positive"),
+        ("optim.grad_clip", o.grad_clip, o.grad_clip >= 0, "must be >= 0 (0 disables clipping)"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be >= 0"),
+        ("optim.eps", o.eps, o.eps > 0, "must be positive (e.g. 1e-8)"),
+        ("optim.betas", list(o.betas), all(0 <= b < 1 for b in o.betas), "must both be in [0, 1), e.g. [0.9, 0.95]"),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, "must be >= 0"),
+        ("train.seed", t.seed, t.seed >= 0, "must be >= 0"),
+        ("train.max_bad_steps", t.max_bad_steps, t.max_bad_steps >= 0, "must be >= 0"),
+        ("model.rope_theta", m.rope_theta, m.rope_theta is None or m.rope_theta > 0, "must be positive"),
+        ("model.max_position_embeddings", m.max_position_embeddings,
+         m.max_position_embeddings is None or m.max_position_embeddings > 0, "must be positive"),
+    )
+    for key, value, ok, rule in rules:
+        if not ok:
+            raise ConfigError(f"{key}: {rule}, got {value}")
+    if m.rope_scaling is not None:
+        for name in ("factor", "original_max_position_embeddings"):
+            value = m.rope_scaling.get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"model.rope_scaling.{name}: must be a positive finite number, got {value}")
 
 
 def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RecipeConfig:

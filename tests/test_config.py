@@ -14,8 +14,10 @@ from mtrain.errors import ConfigError
 def recipe_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "packed").mkdir()
-    (tmp_path / "cfg.json").write_text("{}")
+    (tmp_path / "packed" / "index.json").write_text('{"shards": []}')
+    (tmp_path / "cfg.json").write_text('{"model_type": "qwen2"}')
     (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
     recipe = {
         "model": {"config": "cfg.json", "tokenizer": "tok"},
         "data": {"path": "packed", "seq_len": 256},
@@ -57,6 +59,13 @@ def test_unknown_key_named_with_suggestion(recipe_file):
         ("model.tokenizer=missing-tok", r"model\.tokenizer: path 'missing-tok' does not exist"),
         ("parallel.cp_size=0", r"parallel\.cp_size: must be positive"),
         ("model.rope_scaling.rope_type=yarn", r"model\.rope_scaling\.factor: required"),
+        ("optim.grad_clip=-1", r"optim\.grad_clip: must be >= 0"),
+        ("optim.lr=.nan", r"optim\.lr: must be a finite number"),
+        ("optim.betas=[0.9, 1.5]", r"optim\.betas: must both be in \[0, 1\)"),
+        ("optim.eps=0", r"optim\.eps: must be positive"),
+        ("model.rope_theta=-5", r"model\.rope_theta: must be positive"),
+        ("train.output_dir=cfg.json", r"train\.output_dir: 'cfg.json' is a file"),
+        ("model.config=tok", r"model\.config: 'tok' is not a file"),
     ],
 )
 def test_bad_values_name_the_key(recipe_file, override, message):
@@ -86,6 +95,11 @@ def test_shipped_recipes_validate(tmp_path, monkeypatch):
 
     repo = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(repo)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)  # as under `mtrain --online`: hub ids pass to transformers
+    (tmp_path / "index.json").write_text('{"shards": []}')
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    (tmp_path / "tokenizer.json").write_text("{}")
     recipes = sorted((repo / "recipes").glob("*.yaml"))
     assert len(recipes) >= 5
     for recipe in recipes:
