@@ -1,12 +1,22 @@
 """SparseIndex.from_lines against a loop-based statement of the vertical-slash rule, plus density, the
-transposed index and the column plan that the deterministic backward reads."""
+transposed index and the column plan that the deterministic backward reads; the GPU builder (Triton, run in
+the CPU interpreter here) against the reference builder."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from mtrain.ops import SparseIndex
 from mtrain.ops import index as index_module
-from mtrain.ops.index import compact
+from mtrain.ops.index import column_plan, compact, kernel_column_chunk, pad_groups, transpose_blocks_csr
+
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not IN_INTERPRETER, reason="Triton builder test: run by test_triton_builder_tests_in_interpreter_process"
+)
 
 
 def loop_mask(vertical, slash, S, bs):
@@ -146,3 +156,146 @@ def test_offset_builder_equals_flag_matrix_builder(S, bs, nv, ns, monkeypatch):
         t_ids, t_counts = index.transposed()
         r_ids, r_counts = flag_matrix_transpose(index.block_ids, index.block_counts, index.n_blocks)
         assert torch.equal(t_ids, r_ids) and torch.equal(t_counts, r_counts)
+
+
+def random_lines(S, bs, nv, ns, gen, batch=2, heads=3):
+    """Verticals and slashes with padding (-2, -1, >= S), duplicates, and half the slashes near the diagonal
+    (many share blocks)."""
+    vertical = torch.randint(-2, S + 3, (batch, heads, nv), generator=gen)
+    near = torch.randint(0, 3 * bs, (batch, heads, ns // 2), generator=gen)
+    slash = torch.cat([near, torch.randint(-2, S + 3, (batch, heads, ns - ns // 2), generator=gen)], -1)
+    return vertical, slash
+
+
+def assert_same_lists(ref: SparseIndex, new: SparseIndex):
+    """`new` (GPU builder, bound-width padding) holds exactly the reference's lists, transposed lists and
+    column plan: equal up to the reference's width, only padding (-1, or 0 bits) beyond it."""
+
+    def same_padded(a, b, pad):
+        assert a.dtype == b.dtype and b.shape[:-1] == a.shape[:-1] and b.shape[-1] >= a.shape[-1]
+        assert torch.equal(a, b[..., : a.shape[-1]]) and bool((b[..., a.shape[-1]:] == pad).all())
+
+    assert torch.equal(ref.block_counts, new.block_counts) and torch.equal(ref.col_counts, new.col_counts)
+    same_padded(ref.block_ids, new.block_ids, -1)
+    same_padded(ref.col_ids, new.col_ids, -1)
+    r_ids, r_starts, r_counts = transpose_blocks_csr(ref.block_ids, ref.block_counts, ref.n_blocks)
+    n_ids, n_starts, n_counts = new.transposed_csr()
+    assert n_ids.dtype == r_ids.dtype and n_starts.dtype == r_starts.dtype
+    assert torch.equal(r_counts, n_counts)
+    assert torch.equal(pad_groups(r_ids, r_starts, r_counts), pad_groups(n_ids, n_starts, n_counts))
+    # Each (b, h, key block) list lies inside the flat array, the lists do not overlap.
+    ends = n_starts + n_counts
+    assert int(ends.max()) <= n_ids.numel()
+    order = torch.argsort(n_starts.flatten())
+    assert bool((n_starts.flatten()[order][1:] >= ends.flatten()[order][:-1]).all())
+    chunk = kernel_column_chunk(ref.block_size)
+    assert ("c", chunk) in new._cache  # built in the same pass
+    r_plan, n_plan = column_plan(ref.col_ids, ref.col_counts, ref.seq_len, chunk), new.column_plan(chunk)
+    same_padded(r_plan.universe, n_plan.universe, -1)
+    k = r_plan.q_ids.shape[2]  # the GPU plan may have more (empty) chunks: its universe is wider
+    assert torch.equal(r_plan.counts, n_plan.counts[:, :, :k]) and bool((n_plan.counts[:, :, k:] == 0).all())
+    same_padded(r_plan.q_ids, n_plan.q_ids[:, :, :k], -1)
+    same_padded(r_plan.bits, n_plan.bits[:, :, :k], 0)
+    assert bool((n_plan.q_ids[:, :, k:] == -1).all())
+
+
+BUILDER_CASES = [(64, 16, 6, 4), (70, 16, 6, 4), (45, 8, 9, 5), (1000, 16, 12, 9), (1024, 64, 40, 30),
+                 (130, 64, 3, 2), (64, 64, 2, 2), (30, 64, 3, 3), (777, 32, 0, 5), (300, 7, 9, 0), (200, 16, 0, 0)]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("S,bs,nv,ns", BUILDER_CASES)
+def test_triton_builder_equals_reference(S, bs, nv, ns):
+    gen = torch.Generator().manual_seed(S * 7 + bs)
+    # The interpreter runs one program at a time: fewer heads for the longer sequences.
+    vertical, slash = random_lines(S, bs, nv, ns, gen, batch=2 if S < 300 else 1, heads=3 if S < 300 else 2)
+    ref = SparseIndex.from_lines(vertical, slash, S, bs, impl="torch")
+    assert_same_lists(ref, SparseIndex.from_lines(vertical, slash, S, bs, impl="triton"))
+    # int32 lines, and the transposed view through the padded form.
+    new = SparseIndex.from_lines(vertical.int(), slash.int(), S, bs, impl="triton")
+    assert_same_lists(ref, new)
+    for got, want in zip(new.transposed(), ref.transposed()):
+        assert torch.equal(got, want)
+
+
+@needs_interpreter
+def test_triton_builder_covers_full_and_empty_patterns():
+    """Every offset listed (dense causal lists, no columns) and all lines padding (diagonal + sink only)."""
+    S, bs = 96, 16
+    n = S // bs
+    dense = SparseIndex.from_lines(torch.arange(S).expand(1, 2, S), torch.arange(S).expand(1, 2, S), S, bs,
+                                   impl="triton")
+    assert dense.block_counts.tolist() == [[list(range(1, n + 1))] * 2]
+    assert int(dense.col_counts.sum()) == 0 and int(dense.column_plan(16).counts.sum()) == 0
+    assert_same_lists(SparseIndex.from_lines(torch.arange(S).expand(1, 2, S), torch.arange(S).expand(1, 2, S), S, bs,
+                                             impl="torch"), dense)
+    pad = torch.full((1, 2, 5), -1)
+    empty = SparseIndex.from_lines(pad, pad, S, bs, impl="triton")
+    assert_same_lists(SparseIndex.from_lines(pad, pad, S, bs, impl="torch"), empty)
+    assert empty.block_counts[0, 0].tolist() == [1] + [2] * (n - 1)
+
+
+@needs_interpreter
+def test_triton_built_index_drives_the_kernels_like_the_reference():
+    """The wider padding is tolerated by the attention kernels: fp32 forward and deterministic backward
+    through the Triton kernels give bit-identical results with either index."""
+    from mtrain.ops import vertical_slash_attention
+
+    gen = torch.Generator().manual_seed(3)
+    B, S, Hq, Hkv, D, bs = 1, 150, 4, 2, 16, 16
+    vertical = torch.randint(-1, S, (B, Hq, 7), generator=gen)
+    slash = torch.randint(0, 2 * bs, (B, Hq, 3), generator=gen)  # local: later blocks keep columns
+    q, k, v = (torch.randn(B, S, h, D, generator=gen) for h in (Hq, Hkv, Hkv))
+    results = []
+    for impl in ("torch", "triton"):
+        index = SparseIndex.from_lines(vertical, slash, S, bs, impl=impl)
+        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+        out = vertical_slash_attention(qi, ki, vi, index, impl="triton", deterministic=True)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), qi.grad, ki.grad, vi.grad))
+    assert int(SparseIndex.from_lines(vertical, slash, S, bs).col_counts.sum()) > 0  # columns are exercised
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the Triton builder tests")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is for CPU machines")
+def test_triton_builder_tests_in_interpreter_process():
+    """triton.jit reads TRITON_INTERPRET at import: the Triton builder tests run in a fresh process."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
+         "-k", "triton and not interpreter_process and not on_gpu"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    last = run.stdout.strip().splitlines()[-1]
+    assert " passed" in last and "skipped" not in last, run.stdout[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_triton_builder_on_gpu_matches_reference_without_host_sync():
+    gen = torch.Generator().manual_seed(1)
+    for S, bs, nv, ns in [(32768, 64, 500, 200), (20000, 128, 300, 120)]:
+        vertical, slash = random_lines(S, bs, nv, ns, gen, batch=1, heads=9)
+        vertical, slash = vertical.cuda(), slash.cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            new = SparseIndex.from_lines(vertical, slash, S, bs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_same_lists(SparseIndex.from_lines(vertical, slash, S, bs, impl="torch"), new)
+
+
+def test_column_chunk_is_the_kernels_chunk():
+    from mtrain.ops._triton_attention import _tile
+
+    for bs in (1, 7, 8, 16, 17, 32, 64, 100, 128, 256):
+        assert kernel_column_chunk(bs) == min(_tile(bs), 64)
+
+
+def test_bad_builder_is_refused():
+    with pytest.raises(ValueError, match="impl must be"):
+        SparseIndex.from_lines(torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(1, 2, 3, dtype=torch.long), 16, 4,
+                               impl="cuda")

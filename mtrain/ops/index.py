@@ -51,13 +51,14 @@ def group_entries(group: torch.Tensor, values: torch.Tensor, n_groups: int):
 
 
 def pad_groups(flat: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """CSR lists (as from `group_entries`, any leading shape of starts/counts) -> padded [..., M] int32,
-    -1 padded, M = the longest list (at least 1), as `compact` returns them."""
+    """Ragged lists (list g is flat[starts[g] : starts[g] + counts[g]], any leading shape of starts/counts;
+    lists may have gaps between them) -> padded [..., M] int32, -1 padded, M = the longest list (at
+    least 1), as `compact` returns them."""
     lead = counts.shape
     counts, starts = counts.reshape(-1).long(), starts.reshape(-1)
     width = max(int(counts.max()) if counts.numel() else 0, 1)
     group = torch.repeat_interleave(torch.arange(counts.numel(), device=flat.device), counts)
-    pos = torch.arange(group.numel(), device=flat.device) - starts[group]
+    pos = torch.arange(group.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[group]
     out = torch.full((counts.numel(), width), -1, dtype=torch.int32, device=flat.device)
     out[group, pos] = flat[starts[group] + pos]
     return out.view(*lead, width)
@@ -138,6 +139,12 @@ def column_plan(col_ids: torch.Tensor, col_counts: torch.Tensor, seq_k: int, chu
     packed_bits = torch.gather(bits, -1, q_ids.long().clamp(min=0))
     packed_bits = torch.where(q_ids >= 0, packed_bits, 0)
     return ColumnPlan(universe, q_ids, packed_bits.contiguous(), counts, chunk)
+
+
+def kernel_column_chunk(block_size: int) -> int:
+    """The column chunk the deterministic column backward reads (`min(_tile(block_size), 64)` in
+    `mtrain.ops._triton_attention`): the GPU builder makes that plan in its pass."""
+    return min(max(16, 1 << (block_size - 1).bit_length()), 64)
 
 
 # Padding of the block-offset sets: larger than any real offset.
@@ -222,7 +229,8 @@ class SparseIndex:
 
     @classmethod
     def from_lines(
-        cls, vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int = 64
+        cls, vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int = 64, *,
+        impl: str = "auto",
     ) -> "SparseIndex":
         """Build the index from vertical key positions and slash offsets.
 
@@ -233,6 +241,12 @@ class SparseIndex:
         dropped from the column lists, the rest become extra columns for every later query block.
         Time and memory follow the size of the lists: the slashes are reduced to a per-head set of
         block offsets i - j, which gives every row's list arithmetically (no nQB x nQB flags).
+
+        impl: "torch" (the reference: vectorized tensor ops; list widths trimmed to the longest list,
+        which reads counts back to the host), "triton" (`mtrain.ops._triton_index`: three kernels, no host
+        synchronisation; the transposed lists and the kernels' column plan are built in the same pass and
+        cached; list widths are bounds from Nv, Ns and seq_len, so more -1 padding, same lists), or "auto"
+        (triton for CUDA tensors, torch otherwise). On CPU tensors "triton" needs TRITON_INTERPRET=1.
         """
         if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
             raise ValueError(
@@ -240,6 +254,12 @@ class SparseIndex:
             )
         if block_size < 1 or seq_len < 1:
             raise ValueError(f"block_size and seq_len must be positive; got {block_size}, {seq_len}")
+        if vertical.device != slash.device:
+            raise ValueError(f"vertical and slash must be on one device; got {vertical.device} and {slash.device}")
+        if impl not in ("auto", "torch", "triton"):
+            raise ValueError(f"impl must be 'auto', 'torch' or 'triton'; got {impl!r}")
+        if impl == "triton" or (impl == "auto" and vertical.is_cuda):
+            return cls._from_lines_triton(vertical, slash, seq_len, block_size)
         B, H, _ = vertical.shape
         dev = vertical.device
         n = -(-seq_len // block_size)
@@ -295,6 +315,17 @@ class SparseIndex:
             col_ids = torch.full((B, H, n, 1), -1, dtype=torch.int32, device=dev)
             col_counts = torch.zeros(B, H, n, dtype=torch.int32, device=dev)
         return cls(block_ids, block_counts, col_ids, col_counts, seq_len, block_size)
+
+    @classmethod
+    def _from_lines_triton(cls, vertical, slash, seq_len: int, block_size: int) -> "SparseIndex":
+        from mtrain.ops._triton_index import build_from_lines
+
+        chunk = kernel_column_chunk(block_size)
+        bi, bc, ci, cc, transposed, plan = build_from_lines(vertical, slash, seq_len, block_size, chunk)
+        index = cls(bi, bc, ci, cc, seq_len, block_size)
+        index._cache["t"] = transposed
+        index._cache[("c", chunk)] = ColumnPlan(*plan, chunk)
+        return index
 
     def to_mask(self) -> torch.Tensor:
         """Bool [B, Hq, S, S]: exactly the causal (query, key) pairs the kernels compute (tiny S only)."""
