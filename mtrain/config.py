@@ -72,6 +72,9 @@ class AttentionConfig:
     """Budget cap on vertical (key column) lines per head."""
     max_slash: int = 4096
     """Budget cap on slash (diagonal offset) lines per head."""
+    sparse_policy: Literal["auto", "always", "never"] = "auto"
+    """Sparse kinds, per layer: auto = run dense where the cost model (mtrain.ops.cost) predicts sparse would
+    not pay; always = sparse on every layer; never = dense on every layer (the pattern is not estimated)."""
 
 
 @dataclass
@@ -110,6 +113,9 @@ class LoggingConfig:
     run_name: Optional[str] = None
     """Defaults to the output folder's name."""
     log_every: int = 1
+    recall_every: int = 0
+    """Every N optimizer steps, sparse layers measure their true recall on sampled query rows (logged per
+    layer as attn_true_recall/LNN); 0 = never. Single device only (under CP no rank holds all the keys)."""
 
 
 @dataclass
@@ -311,6 +317,8 @@ def _check(recipe: RecipeConfig) -> None:
             raise ConfigError(f"{key}: must be positive, got {value}")
     if t.save_every < 0:
         raise ConfigError(f"train.save_every: must be >= 0 (0 = only at the end), got {t.save_every}")
+    if recipe.logging.recall_every < 0:
+        raise ConfigError(f"logging.recall_every: must be >= 0 (0 = never), got {recipe.logging.recall_every}")
     if not 0.0 < a.recall <= 1.0:
         raise ConfigError(f"attention.recall: must be in (0, 1], got {a.recall}")
     if not 0.0 <= o.min_lr_ratio <= 1.0 or not 0.0 <= o.warmup_ratio < 1.0:

@@ -8,12 +8,16 @@ document spans of the packed sample) live in one `AttentionContext` that the tra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from mtrain.errors import MtrainError
+
+SPARSE_POLICIES = ("auto", "always", "never")
+"""How a sparse kind picks its path per layer: the cost model (`mtrain.ops.cost`), sparse everywhere, or dense."""
 
 # attention.kind -> (sparse?, layout name, or None for the recipe's parallel.layout)
 KINDS = {
@@ -32,6 +36,8 @@ class AttentionContext:
     sparse: bool = False
     settings: object = None
     """mtrain.parallel.SparseSettings for sparse kinds."""
+    sparse_policy: str = "always"
+    """One of SPARSE_POLICIES: per layer, "auto" runs dense where the cost model predicts sparse would not pay."""
     group: object = None
     """The CP process group (None when cp_size == 1)."""
     layout: object = None
@@ -44,7 +50,14 @@ class AttentionContext:
     doc_ids: object = None
     """LongTensor [B, S] of document ids over the WHOLE (global) sequence, or None for one document per row."""
     densities: list = field(default_factory=list)
-    """Computed fraction of causal pairs per sparse call (for logging), reset by the trainer each step."""
+    """Fraction of causal pairs in the estimated pattern, per sparse-kind call (whichever path ran), for
+    logging; reset by the trainer each step. `layers` says which path each call took."""
+    layers: list = field(default_factory=list)
+    """One `LayerRecord` per sparse-kind call (reset by the trainer each step)."""
+    sample_recall: bool = False
+    """Set by the trainer on the steps that log a sampled true recall: sparse layers then measure it."""
+    recall_rows: int = 64
+    """Query rows (spread over the sequence) the sampled true recall averages over."""
     imbalances: list = field(default_factory=list)
     """(worker, step) imbalance of the first layer's sparse index under the layout, per forward (logging)."""
 
@@ -52,27 +65,107 @@ class AttentionContext:
 CONTEXT = AttentionContext()
 
 
+@dataclass
+class LayerRecord:
+    """What one sparse-kind attention call decided and measured. Tensors stay on the device (no host sync in
+    the forward); `as_floats` reads them when the step is logged."""
+
+    layer: object
+    """module.layer_idx, or None when the module has none."""
+    path: str
+    """"sparse" or "dense": what ran."""
+    density: float
+    """Fraction of causal pairs in the estimated pattern."""
+    dense_ms: float = float("nan")
+    sparse_ms: float = float("nan")
+    """The cost model's predictions (NaN when the policy is not "auto")."""
+    est_recall: object = None
+    """Tensor [B, Hq]: the estimator's own recall figure (index._cache["est_recall"]), when it provides one."""
+    true_recall: object = None
+    """Tensor [B, Hq]: exact attention mass kept, averaged over sampled rows (sample_recall steps, sparse only)."""
+
+    def as_floats(self) -> dict:
+        out = {"layer": self.layer, "path": self.path, "density": self.density, "dense_ms": self.dense_ms,
+               "sparse_ms": self.sparse_ms}
+        for name in ("est_recall", "true_recall"):
+            value = getattr(self, name)
+            out[name] = None if value is None else float(value.float().mean())
+        return out
+
+
+def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None):
+    """("sparse" | "dense", Prediction or None) for one call with the estimated `index` under `policy`.
+
+    Decided from the index's integer work counts (identical on every rank of a CP group, whose index is the
+    same global one), so every rank takes the same path. The index build is already paid; what the dense path
+    saves is everything the kernels derive from it (built lazily on the first kernel call) and the kernels.
+    """
+    if policy == "always":
+        return "sparse", None
+    if policy == "never":
+        return "dense", None
+    from mtrain.ops import cost
+
+    blocks, columns = cost.index_work(index)
+    B, _, Hq, D = q.shape
+    # one device with packed documents: the dense path runs one call per document
+    doc_lengths = None if doc_ids is None else _document_lengths(doc_ids)
+    prediction = cost.predict(blocks, columns, seq_len=index.seq_len, heads=Hq, head_dim=D,
+                              block_size=index.block_size, batch=B, backward=training, device=q.device,
+                              world=world, doc_lengths=doc_lengths)
+    return prediction.path, prediction
+
+
+def _record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None) -> None:
+    """Append this call's LayerRecord; on sample_recall steps measure the true recall of a sparse call on
+    CONTEXT.recall_rows rows spread evenly over the sequence (ending at the last row). q/k: the whole
+    sequence (None under CP, where no rank holds it: no true recall there)."""
+    record = LayerRecord(layer_idx, path, index.density(), est_recall=index._cache.get("est_recall"))
+    if prediction is not None:
+        record.dense_ms, record.sparse_ms = prediction.dense_ms, prediction.sparse_ms
+    if CONTEXT.sample_recall and path == "sparse" and q is not None:
+        from mtrain.ops.recall import true_recall
+
+        S = q.shape[1]
+        n = max(1, min(CONTEXT.recall_rows, S))
+        stride = S // n
+        rows = torch.arange(n, device=q.device) * stride + (S - 1 - (n - 1) * stride)
+        with torch.no_grad():
+            record.true_recall = true_recall(q.detach(), k.detach(), index, softmax_scale=scaling, doc_ids=doc_ids,
+                                             rows=rows)
+    CONTEXT.densities.append(record.density)
+    CONTEXT.layers.append(record)
+
+
 def _no_mask(*args, **kwargs):
     """Mask function for mtrain kinds: attention masking is done inside the kernels."""
     return None
 
 
-def _local_attention(q, k, v, scaling, s=None, doc_ids=None):
+def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None):
     """One rank holds the whole sequence: dense causal, or online vertical-slash sparse attention with
-    SparseSettings `s`."""
+    SparseSettings `s`, run sparse or dense per `policy` (see `_choose_path`)."""
     from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
 
-    if s is None:
-        if doc_ids is None:
-            return dense_attention(q, k, v, causal=True, softmax_scale=scaling)
-        return _dense_per_document(q, k, v, scaling, doc_ids)
-    index = estimate_vertical_slash(q.detach(), k.detach(), recall=s.recall, last_q=min(s.last_q, q.shape[1]),
-                                    max_vertical=s.max_vertical, max_slash=s.max_slash, block_size=s.block_size,
-                                    min_vertical=s.min_vertical, min_slash=s.min_slash,
-                                    share_kv_group=s.share_kv_group, slash_recall=s.slash_recall,
-                                    softmax_scale=scaling, doc_ids=doc_ids)
-    CONTEXT.densities.append(float(index.density()))
-    return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
+    if s is not None and policy != "never":
+        # every SparseSettings field is an estimate_vertical_slash keyword of the same name
+        fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
+        index = estimate_vertical_slash(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids)
+        path, prediction = _choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids)
+        _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
+        if path == "sparse":
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
+    if doc_ids is None:
+        return dense_attention(q, k, v, causal=True, softmax_scale=scaling)
+    return _dense_per_document(q, k, v, scaling, doc_ids)
+
+
+def _document_lengths(doc_ids) -> list[int]:
+    """Lengths of the runs of equal document ids of every row of doc_ids [B, S] (one host read)."""
+    change = torch.ones_like(doc_ids, dtype=torch.bool)
+    change[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    starts = torch.nonzero(change.flatten()).flatten().tolist()
+    return [b - a for a, b in zip(starts, starts[1:] + [doc_ids.numel()])]
 
 
 def _dense_per_document(q, k, v, scaling, doc_ids):
@@ -92,15 +185,16 @@ def _dense_per_document(q, k, v, scaling, doc_ids):
     return torch.cat(rows, dim=0)
 
 
-def _ring(q, k, v, scaling, settings=None, layer_idx=None):
-    """This rank's shard of a context-parallel group: dense ring, or sparse with SparseSettings `settings`."""
+def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True):
+    """This rank's shard of a context-parallel group: dense ring, or sparse with SparseSettings `settings`, run
+    sparse or dense per `policy` (the same path on every rank: see `_choose_path`)."""
     import torch.distributed as dist
 
     from mtrain.parallel import ring_attention
     from mtrain.parallel.estimate import estimate_index
 
     index = None
-    if settings is not None:
+    if settings is not None and policy != "never":
         # Estimated across the group (no rank does it for the others); identical on every rank.
         world, rank = dist.get_world_size(CONTEXT.group), dist.get_rank(CONTEXT.group)
         seq_len = q.shape[1] * world
@@ -108,12 +202,15 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None):
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         index = estimate_index(q.detach(), k.detach(), positions, positions, seq_len, settings, scale,
                                CONTEXT.group, doc_ids=CONTEXT.doc_ids)
-        CONTEXT.densities.append(float(index.density()))
+        path, prediction = _choose_path(index, q, policy=policy, training=training, world=world)
+        _record(layer_idx, path, index, prediction)
         if layer_idx == 0:  # one layer per forward is enough to watch the balance
             from mtrain.parallel import imbalance
 
             measured = imbalance(index, CONTEXT.layout, local_world_size=CONTEXT.local_world_size)
             CONTEXT.imbalances.append((float(measured["worker"]), float(measured["step"])))
+        if path == "dense":
+            index = None
     return ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, index=index, softmax_scale=scaling,
                           inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group, doc_ids=CONTEXT.doc_ids)
 
@@ -134,15 +231,20 @@ def _cached_attention(q, k, v, scaling):
 
 
 def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, settings=False,
-                     **kwargs):
+                     policy=None, **kwargs):
     """HF attention function: query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE
     (with a KV cache, key/value hold the cached positions too: then see `_cached_attention`).
     settings: SparseSettings (sparse), None (dense); left out = the last registered kind's (CONTEXT).
+    policy: one of SPARSE_POLICIES for sparse settings; None = CONTEXT.sparse_policy. Under "auto" the cost
+    model is that of a training call (forward + backward) when the module is in training mode, else forward only.
 
     Returns (out [B, S_local, Hq, D], None).
     """
     if settings is False:
         settings = CONTEXT.settings if CONTEXT.sparse else None
+    policy = policy or CONTEXT.sparse_policy
+    training = bool(getattr(module, "training", True))
+    layer_idx = getattr(module, "layer_idx", None)
     if dropout and module.training:
         raise MtrainError("mtrain attention kinds do not implement attention dropout; set attention_dropout=0")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -152,29 +254,30 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
                               "group and doc_ids (mtrain.models.attention.CONTEXT) before generating")
         return _cached_attention(q, k, v, scaling), None
     if CONTEXT.group is None:
-        out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids)
+        out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids, policy=policy, training=training,
+                               layer_idx=layer_idx)
     else:
-        out = _ring(q, k, v, scaling, settings, getattr(module, "layer_idx", None))
+        out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training)
     return out, None
 
 
 def register_attention(recipe) -> str:
     """Register the recipe's attention kind with transformers; return the `attn_implementation` name."""
-    import dataclasses
-
     from mtrain.parallel import SparseSettings
 
     # Every recipe key under `attention:` that is also a SparseSettings field reaches the estimator.
     shared = {f.name for f in dataclasses.fields(SparseSettings)}
     a = recipe.attention
     settings = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name in shared}
-    return register_kind(a.kind, **settings)
+    return register_kind(a.kind, sparse_policy=a.sparse_policy, **settings)
 
 
-def register_kind(kind: str, **sparse_settings) -> str:
+def register_kind(kind: str, *, sparse_policy: str = "always", **sparse_settings) -> str:
     """Register attention kind `kind` (see KINDS) as `mtrain-<kind>`; sparse kinds take
-    `mtrain.parallel.SparseSettings` fields as keywords. Returns the `attn_implementation` name. Each
-    name carries its own settings; registering a name again replaces them for every model using it."""
+    `mtrain.parallel.SparseSettings` fields as keywords, and `sparse_policy` (SPARSE_POLICIES; the recipe's
+    attention.sparse_policy, default "auto", reaches it through `register_attention`; called directly a
+    sparse kind runs sparse on every layer unless told otherwise). Returns the `attn_implementation` name.
+    Each name carries its own settings; registering a name again replaces them for every model using it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -182,8 +285,10 @@ def register_kind(kind: str, **sparse_settings) -> str:
 
     if kind not in KINDS:
         raise MtrainError(f"attention kind '{kind}' has no mtrain implementation; use one of {', '.join(KINDS)}")
+    if sparse_policy not in SPARSE_POLICIES:
+        raise MtrainError(f"sparse_policy '{sparse_policy}' is not one of {', '.join(SPARSE_POLICIES)}")
     sparse, _ = KINDS[kind]
-    CONTEXT.kind, CONTEXT.sparse = kind, sparse
+    CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy = kind, sparse, sparse_policy
     if sparse:
         try:
             CONTEXT.settings = SparseSettings(**sparse_settings)
@@ -194,7 +299,8 @@ def register_kind(kind: str, **sparse_settings) -> str:
         CONTEXT.settings = None
     name = f"mtrain-{kind}"
     # The function carries its own settings: models loaded under other mtrain names keep theirs.
-    AttentionInterface.register(name, functools.partial(mtrain_attention, settings=CONTEXT.settings))
+    AttentionInterface.register(name, functools.partial(mtrain_attention, settings=CONTEXT.settings,
+                                                        policy=sparse_policy))
     AttentionMaskInterface.register(name, _no_mask)
     return name
 

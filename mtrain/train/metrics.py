@@ -1,4 +1,5 @@
-"""Run logging: `metrics.jsonl` (always, one JSON line per optimizer step) and wandb (online/offline/off)."""
+"""Run logging: `metrics.jsonl` (always, one JSON line per optimizer step) and wandb (online/offline/off), and
+the per-step summary of sparse attention (`attention_stats`)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,55 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         except ValueError:
             continue
     return rows
+
+
+def attention_stats(records: list) -> dict:
+    """Metrics of one step's sparse-kind attention calls (`mtrain.models.attention.LayerRecord`s).
+
+    Per layer (NN = layer index; calls of a layer in one step are averaged: micro-batches, recomputation):
+    attn_sparse/LNN (share of its calls that ran sparse), attn_density/LNN (estimated pattern's fraction of
+    causal pairs), attn_est_recall/LNN (the estimator's own figure, when it gives one), attn_true_recall/LNN
+    (sampled exact recall, on logging.recall_every steps). Over all layers: attention_paths (one letter per
+    layer: s = sparse, d = dense, m = mixed), attention_sparse_layers (share of sparse calls), attention_work
+    (fraction of causal pairs computed: the density on sparse calls, 1 on dense ones), the means of the recalls
+    (true recall also its minimum) and, under the cost model, the predicted ms of the chosen paths and of
+    dense everywhere (attention_pred_ms, attention_pred_dense_ms).
+    """
+    if not records:
+        return {}
+    rows = [r.as_floats() for r in records]
+    by_layer: dict = {}
+    for i, row in enumerate(rows):
+        by_layer.setdefault(row["layer"] if row["layer"] is not None else i, []).append(row)
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    out, paths = {}, []
+    for layer in sorted(by_layer, key=lambda x: (not isinstance(x, int), x)):
+        calls = by_layer[layer]
+        name = f"L{layer:02d}" if isinstance(layer, int) else f"L{layer}"
+        sparse_share = mean([1.0 if c["path"] == "sparse" else 0.0 for c in calls])
+        paths.append("s" if sparse_share == 1.0 else "d" if sparse_share == 0.0 else "m")
+        out[f"attn_sparse/{name}"] = sparse_share
+        out[f"attn_density/{name}"] = mean([c["density"] for c in calls])
+        for key in ("est_recall", "true_recall"):
+            value = mean([c[key] for c in calls])
+            if value is not None:
+                out[f"attn_{key}/{name}"] = value
+    out["attention_paths"] = "".join(paths)
+    out["attention_sparse_layers"] = mean([1.0 if r["path"] == "sparse" else 0.0 for r in rows])
+    out["attention_work"] = mean([r["density"] if r["path"] == "sparse" else 1.0 for r in rows])
+    for key in ("est_recall", "true_recall"):
+        values = [r[key] for r in rows if r[key] is not None]
+        if values:
+            out[f"attention_{key}"] = sum(values) / len(values)
+    true = [r["true_recall"] for r in rows if r["true_recall"] is not None]
+    if true:
+        out["attention_true_recall_min"] = min(true)
+    predicted = [r for r in rows if r["dense_ms"] == r["dense_ms"]]  # NaN when no prediction was made
+    if predicted:
+        out["attention_pred_ms"] = sum(r["sparse_ms"] if r["path"] == "sparse" else r["dense_ms"] for r in predicted)
+        out["attention_pred_dense_ms"] = sum(r["dense_ms"] for r in predicted)
+    return out

@@ -293,6 +293,7 @@ class Trainer:
         from mtrain.data import TrainingReader
         from mtrain.models import export_hf, load_model, load_tokenizer
         from mtrain.models.attention import CONTEXT
+        from mtrain.train.metrics import attention_stats
 
         self.reader = TrainingReader(r.data.path, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, seed=t.seed,
                                      shuffle=r.data.shuffle, document_masking=r.data.document_masking)
@@ -346,7 +347,9 @@ class Trainer:
                 # every CP rank counted the whole sample's tokens: count each sequence once
                 global_valid, global_tokens = max(1.0, float(counts[0])), int(counts[1]) // self.mesh.cp_size
 
-                CONTEXT.densities, CONTEXT.imbalances = [], []
+                CONTEXT.densities, CONTEXT.imbalances, CONTEXT.layers = [], [], []
+                every = r.logging.recall_every
+                CONTEXT.sample_recall = bool(every) and (self.state.step + 1) % every == 0
                 loss_sum_local = torch.zeros((), dtype=torch.float64)
                 grad_norm = None
                 for cpu_batch in micro:
@@ -408,6 +411,7 @@ class Trainer:
                 if torch.cuda.is_available():
                     last["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 if self.state.step % r.logging.log_every == 0 or self.state.step == t.max_steps:
+                    last.update(attention_stats(CONTEXT.layers))  # per layer: path, density, recalls
                     metrics.log(last)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")

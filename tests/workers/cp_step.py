@@ -53,6 +53,7 @@ def main(out_path: str) -> None:
         for kind in ("dense", "mtraining", "zigzag-dense", "zigzag-sparse"):
             recipe = load_recipe(None, [f"attention.kind={kind}", "attention.block_size=32", "attention.last_q=32",
                                         "attention.recall=0.6", "attention.max_vertical=16", "attention.max_slash=16",
+                                        "attention.sparse_policy=always",
                                         f"parallel.cp_size={world}", "parallel.granularity=32",
                                         "model.config=mtrain/assets/tiny-qwen2/config.json",
                                         "model.tokenizer=mtrain/assets/tiny-tokenizer", "data.path=."])

@@ -1,0 +1,235 @@
+"""Measurements behind the attention cost model (`mtrain.ops.cost`): dense attention (the `dense_attention`
+path: SDPA cuDNN on the GPU) and our sparse kernels at controlled block/column counts, plus index building.
+
+Prints one JSON line per measurement (and writes them to --out): shape, work counts, milliseconds. The
+coefficients in `mtrain/ops/cost.py` are least-squares fits of these rows. GPU: bf16; `--cpu`: the CPU
+path (fp32, small shapes, PyTorch partial path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mtrain.ops import SparseIndex, dense_attention, estimate_vertical_slash, vertical_slash_attention  # noqa: E402
+
+
+def timed(fn, iters: int, warmup: int = 1) -> float:
+    """Median ms of fn() (CUDA events on the GPU, wall clock on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def qkv(S, Hq, Hkv, D, device, dtype, grad):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, S, Hq, D, device=device, dtype=dtype, generator=g)
+    k = torch.randn(1, S, Hkv, D, device=device, dtype=dtype, generator=g)
+    v = torch.randn(1, S, Hkv, D, device=device, dtype=dtype, generator=g)
+    for t in (q, k, v):
+        t.requires_grad_(grad)
+    return q, k, v
+
+
+def lines(S, Hq, bs, frac, n_vert, device):
+    """Vertical and slash lines giving about `frac` of the causal key blocks: a local band of slashes
+    (block aligned) plus `n_vert` spread vertical columns per head."""
+    n = -(-S // bs)
+    width = max(1, int(frac * (n + 1) / 2))
+    slash = (torch.arange(width, device=device) * bs).expand(1, Hq, -1).contiguous()
+    vert = torch.linspace(bs, S - 1, max(n_vert, 1), device=device).long()[:n_vert]
+    vert = vert.expand(1, Hq, -1).contiguous() if n_vert else torch.empty(1, Hq, 0, dtype=torch.long, device=device)
+    return vert, slash
+
+
+def build_index(vert, slash, S, bs, Hkv, D, device):
+    index = SparseIndex.from_lines(vert, slash, S, bs)
+    if device == "cuda":
+        from mtrain.ops import _triton_attention
+
+        _triton_attention.prepare_backward(index, Hkv, D)
+    return index
+
+
+def work(index):
+    return int(index.block_counts.long().sum()), int(index.col_counts.long().sum())
+
+
+def bench_dense(S, Hq, Hkv, D, device, dtype, it):
+    q, k, v = qkv(S, Hq, Hkv, D, device, dtype, True)
+    dout = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            dense_attention(q, k, v, causal=True)
+
+    def fwd_bwd():
+        out = dense_attention(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    return dict(kind="dense", S=S, Hq=Hq, Hkv=Hkv, D=D, ms_fwd=timed(fwd, it), ms_fwd_bwd=timed(fwd_bwd, it))
+
+
+def bench_sparse(S, Hq, Hkv, D, bs, frac, n_vert, device, dtype, it):
+    q, k, v = qkv(S, Hq, Hkv, D, device, dtype, True)
+    dout = torch.randn_like(q)
+    vert, slash = lines(S, Hq, bs, frac, n_vert, device)
+    index = build_index(vert, slash, S, bs, Hkv, D, device)
+    blocks, cols = work(index)
+
+    def fwd():
+        with torch.no_grad():
+            vertical_slash_attention(q, k, v, index)
+
+    def fwd_bwd():
+        out = vertical_slash_attention(q, k, v, index)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    row = dict(kind="sparse", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, n_vert=n_vert, blocks=blocks, cols=cols,
+               block_frac=blocks / (Hq * (S // bs) * (S // bs + 1) / 2), density=index.density(),
+               ms_fwd=timed(fwd, it), ms_fwd_bwd=timed(fwd_bwd, it),
+               ms_index=timed(lambda: build_index(vert, slash, S, bs, Hkv, D, device), it))
+    return row
+
+
+def bench_estimate(S, Hq, Hkv, D, bs, device, dtype, it):
+    q, k, _ = qkv(S, Hq, Hkv, D, device, dtype, False)
+    index = estimate_vertical_slash(q, k, block_size=bs)
+    return dict(kind="estimate", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, density=index.density(),
+                ms_estimate=timed(lambda: estimate_vertical_slash(q, k, block_size=bs), it))
+
+
+def gpu_plan():
+    heads = {64: (9, 3), 128: (16, 2)}
+    for D, (Hq, Hkv) in heads.items():
+        for S in (4096, 16384, 32768, 65536, 131072):
+            yield ("dense", S, Hq, Hkv, D)
+    for D, (Hq, Hkv) in heads.items():
+        for S in (32768, 131072):
+            for bs in (64, 128):
+                for frac in (0.01, 0.05, 0.15, 0.3):
+                    yield ("sparse", S, Hq, Hkv, D, bs, frac, 0)
+                yield ("sparse", S, Hq, Hkv, D, bs, 0.05, 2048)
+            yield ("estimate", S, Hq, Hkv, D, 64)
+    for S in (8192, 65536):  # the length term of the sparse fixed cost
+        yield ("sparse", S, 9, 3, 64, 64, 0.05, 0)
+        yield ("sparse", S, 9, 3, 64, 64, 0.3, 0)
+
+
+def cpu_plan():
+    # the tiny default's heads (4/2 x 32) and SmolLM2-135M's (9/3 x 64), as the CPU runs them
+    for (Hq, Hkv, D), lengths in {(4, 2, 32): (2048, 4096, 8192), (9, 3, 64): (2048, 4096)}.items():
+        for S in lengths:
+            yield ("dense", S, Hq, Hkv, D)
+            for frac in (0.1, 0.3, 0.6):
+                yield ("sparse", S, Hq, Hkv, D, 64, frac, 0)
+            yield ("sparse", S, Hq, Hkv, D, 64, 0.1, 256)
+
+
+def _fit(X, y):
+    """Least squares on relative error with non-negative coefficients (a negative term is dropped and the
+    rest refitted): returns (coefficients, worst relative error)."""
+    import numpy as np
+
+    X, y = np.asarray(X, float), np.asarray(y, float)
+    keep = np.ones(X.shape[1], bool)
+    while True:
+        c = np.zeros(X.shape[1])
+        c[keep], *_ = np.linalg.lstsq(X[:, keep] / y[:, None], np.ones_like(y), rcond=None)
+        if (c >= 0).all():
+            return c, float(np.abs(X @ c / y - 1).max())
+        keep &= c > 0
+
+
+def fit(path: str) -> None:
+    """Print the cost-table coefficients (`mtrain.ops.cost.CostTable` fields) fitted to the rows of `path`."""
+    rows = [json.loads(line) for line in open(path)]
+    modes = {"train": "ms_fwd_bwd", "eval": "ms_fwd"}
+    dense, sparse = {}, {}
+    for D in sorted({r["D"] for r in rows}):
+        d = [r for r in rows if r["kind"] == "dense" and r["D"] == D]
+        for mode, key in modes.items():
+            c, err = _fit([[1, r["Hq"] * r["S"] ** 2 / 2 * D / 1e12] for r in d], [r[key] for r in d])
+            dense.setdefault(D, {})[mode] = tuple(round(float(x), 4) for x in c)
+            print(f"# dense D={D} {mode}: worst relative error {err:.2f}")
+        for bs in sorted({r["bs"] for r in rows if r["kind"] == "sparse" and r["D"] == D}):
+            s = [r for r in rows if r["kind"] == "sparse" and r["D"] == D and r["bs"] == bs]
+            X = [[1, r["Hq"] * r["S"] / 1e6, r["blocks"] * bs * bs * D / 1e12, r["cols"] * bs * D / 1e12] for r in s]
+            for mode, key in modes.items():
+                c, err = _fit(X, [r[key] for r in s])
+                sparse.setdefault((D, bs), {})[mode] = tuple(round(float(x), 4) for x in c)
+                print(f"# sparse D={D} bs={bs} {mode}: worst relative error {err:.2f}")
+    s = [r for r in rows if r["kind"] == "sparse"]
+    c, err = _fit([[1, r["Hq"] * r["S"] / 1e6, r["blocks"] / 1e6, r["cols"] / 1e6] for r in s], [r["ms_index"] for r in s])
+    print(f"# index: worst relative error {err:.2f}")
+    print(f"dense={dense}")
+    print(f"sparse={sparse}")
+    print(f"index={tuple(round(float(x), 4) for x in c)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--cpu", action="store_true", help="measure the CPU path (fp32) instead of the GPU")
+    ap.add_argument("--out", default=None, help="also write the JSON lines here")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--fit", metavar="JSONL", help="fit the cost-table coefficients to measured rows and stop")
+    args = ap.parse_args()
+    if args.fit:
+        fit(args.fit)
+        return 0
+    device = "cpu" if args.cpu else "cuda"
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    if device == "cuda":
+        print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    rows = []
+    out = open(args.out, "w") if args.out else None
+    for spec in cpu_plan() if args.cpu else gpu_plan():
+        t0 = time.perf_counter()
+        if spec[0] == "dense":
+            row = bench_dense(*spec[1:], device, dtype, args.iters)
+        elif spec[0] == "sparse":
+            row = bench_sparse(*spec[1:], device, dtype, args.iters)
+        else:
+            row = bench_estimate(*spec[1:], device, dtype, args.iters)
+        row["wall_s"] = round(time.perf_counter() - t0, 2)
+        rows.append(row)
+        line = json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    print("\n| kind | S | heads | D | bs | block frac | fwd ms | fwd+bwd ms | index ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kind']} | {r['S']} | {r['Hq']}/{r['Hkv']} | {r['D']} | {r.get('bs', '')} | "
+              f"{r.get('block_frac', 1.0):.3f} | {r.get('ms_fwd', float('nan')):.2f} | "
+              f"{r.get('ms_fwd_bwd', float('nan')):.2f} | {r.get('ms_index', r.get('ms_estimate', float('nan'))):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

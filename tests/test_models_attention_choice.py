@@ -1,0 +1,183 @@
+"""The per-layer sparse/dense choice of the sparse attention kinds (attention.sparse_policy) and its logging."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mtrain.errors import MtrainError
+from mtrain.models.attention import CONTEXT, mtrain_attention, register_kind
+from mtrain.ops import estimate_vertical_slash, vertical_slash_attention
+from mtrain.parallel import SparseSettings
+from mtrain.train.metrics import attention_stats
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "workers"))
+from attention_choice import BS, inputs  # noqa: E402  (the worker's two patterns: local and flat)
+
+LOCAL = SparseSettings(recall=0.5, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)
+FLAT = SparseSettings(recall=1.0, block_size=BS)
+
+
+@pytest.fixture(autouse=True)
+def single_device():
+    saved = (CONTEXT.group, CONTEXT.doc_ids, CONTEXT.sample_recall)
+    CONTEXT.group, CONTEXT.doc_ids, CONTEXT.layers, CONTEXT.densities, CONTEXT.sample_recall = None, None, [], [], False
+    yield
+    CONTEXT.group, CONTEXT.doc_ids, CONTEXT.sample_recall = saved
+
+
+def call(q, k, v, settings, policy, training=True, layer=0):
+    module = SimpleNamespace(training=training, layer_idx=layer)
+    out, _ = mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                              settings=settings, policy=policy)
+    return out
+
+
+def dense_kind(q, k, v):
+    return call(q, k, v, None, None)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_auto_runs_dense_where_sparse_would_not_pay_and_equals_the_dense_kind(documents):
+    q, k, v = inputs("flat")
+    if documents:
+        CONTEXT.doc_ids = (torch.arange(q.shape[1]) >= 700).long()[None]
+    out = call(q, k, v, FLAT, "auto")
+    (record,) = CONTEXT.layers
+    assert record.path == "dense" and record.density > 0.8
+    assert record.sparse_ms > record.dense_ms
+    assert torch.equal(out, dense_kind(q, k, v))
+    assert CONTEXT.densities == [record.density]
+
+
+def test_auto_runs_sparse_where_it_pays():
+    q, k, v = inputs("local")
+    out = call(q, k, v, LOCAL, "auto")
+    (record,) = CONTEXT.layers
+    assert record.path == "sparse" and record.density < 0.3 and record.sparse_ms < record.dense_ms
+    index = estimate_vertical_slash(q, k, recall=LOCAL.recall, block_size=BS, max_vertical=4, max_slash=4,
+                                    min_vertical=0, min_slash=0)
+    assert torch.equal(out, vertical_slash_attention(q, k, v, index))
+    assert (out - dense_kind(q, k, v)).abs().max() > 1e-2  # really sparse: it drops attention mass
+
+
+def test_always_runs_sparse_even_where_dense_is_cheaper():
+    q, k, v = (t[:, :512] for t in inputs("local"))
+    call(q, k, v, LOCAL, "auto")
+    assert CONTEXT.layers[-1].path == "dense"  # 512 tokens: the sparse fixed costs do not pay
+    out = call(q, k, v, LOCAL, "always")
+    assert CONTEXT.layers[-1].path == "sparse"
+    index = estimate_vertical_slash(q, k, recall=LOCAL.recall, block_size=BS, max_vertical=4, max_slash=4,
+                                    min_vertical=0, min_slash=0)
+    assert torch.equal(out, vertical_slash_attention(q, k, v, index))
+    assert not torch.allclose(out, dense_kind(q, k, v), atol=1e-3)
+
+
+def test_never_runs_dense_without_estimating():
+    q, k, v = inputs("local")
+    out = call(q, k, v, LOCAL, "never")
+    assert CONTEXT.layers == [] and CONTEXT.densities == []
+    assert torch.equal(out, dense_kind(q, k, v))
+
+
+def test_eval_uses_the_forward_only_costs():
+    q, k, v = inputs("local")
+    call(q, k, v, LOCAL, "auto", training=True)
+    call(q, k, v, LOCAL, "auto", training=False)
+    train, infer = CONTEXT.layers
+    assert infer.dense_ms < train.dense_ms and infer.sparse_ms < train.sparse_ms
+
+
+def test_sampled_true_recall_matches_a_float64_reference():
+    q, k, v = inputs("local")
+    CONTEXT.sample_recall, CONTEXT.recall_rows = True, 16
+    call(q, k, v, LOCAL, "always", layer=7)
+    (record,) = CONTEXT.layers
+    S = q.shape[1]
+    rows = torch.arange(16) * (S // 16) + (S // 16 - 1)
+    assert rows[-1] == S - 1
+    # independent reference: the index's exact pair mask, float64 softmax of every sampled row over its causal keys
+    index = estimate_vertical_slash(q, k, recall=LOCAL.recall, block_size=BS, max_vertical=4, max_slash=4,
+                                    min_vertical=0, min_slash=0)
+    mask = index.to_mask()[:, :, rows]  # [B, Hq, R, S]
+    G = q.shape[2] // k.shape[2]
+    kk = k.double().repeat_interleave(G, dim=2)
+    logits = torch.einsum("brhd,bshd->bhrs", q[:, rows].double(), kk) / q.shape[-1] ** 0.5
+    logits = logits.masked_fill(torch.arange(S)[None, :] > rows[:, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    expected = (probs * mask).sum(-1).mean(-1)  # [B, Hq]
+    assert record.true_recall.shape == expected.shape
+    torch.testing.assert_close(record.true_recall.double(), expected, atol=1e-5, rtol=0)
+    assert float(expected.min()) < 0.999  # the sparse pattern really drops mass here
+    stats = attention_stats(CONTEXT.layers)
+    assert stats["attn_true_recall/L07"] == pytest.approx(float(expected.mean()), abs=1e-5)
+    assert stats["attention_true_recall_min"] == stats["attention_true_recall"]
+
+
+def test_dense_layers_measure_no_true_recall():
+    q, k, v = inputs("flat")
+    CONTEXT.sample_recall = True
+    call(q, k, v, FLAT, "auto")
+    assert CONTEXT.layers[0].path == "dense" and CONTEXT.layers[0].true_recall is None
+
+
+def test_attention_stats_per_layer():
+    from mtrain.models.attention import LayerRecord
+
+    records = [LayerRecord(0, "sparse", 0.2, 10.0, 5.0, est_recall=torch.tensor([[0.9, 0.8]])),
+               LayerRecord(1, "dense", 0.7, 10.0, 12.0),
+               LayerRecord(0, "sparse", 0.4, 10.0, 6.0, est_recall=torch.tensor([[0.7, 0.6]])),  # 2nd micro-batch
+               LayerRecord(1, "dense", 0.9, 10.0, 14.0)]
+    stats = attention_stats(records)
+    assert stats["attention_paths"] == "sd"
+    assert stats["attn_sparse/L00"] == 1.0 and stats["attn_sparse/L01"] == 0.0
+    assert stats["attn_density/L00"] == pytest.approx(0.3) and stats["attn_density/L01"] == pytest.approx(0.8)
+    assert stats["attn_est_recall/L00"] == pytest.approx(0.75) and "attn_est_recall/L01" not in stats
+    assert stats["attention_sparse_layers"] == 0.5
+    assert stats["attention_work"] == pytest.approx((0.2 + 1 + 0.4 + 1) / 4)
+    assert stats["attention_pred_ms"] == pytest.approx(5 + 10 + 6 + 10)
+    assert stats["attention_pred_dense_ms"] == pytest.approx(40)
+    assert "attention_true_recall" not in stats
+    json.dumps(stats)  # metrics.jsonl takes it as is
+    assert attention_stats([]) == {}
+
+
+def test_model_forward_records_every_layer():
+    from transformers import AutoModelForCausalLM
+
+    from mtrain.tiny import tiny_config
+
+    name = register_kind("mtraining", sparse_policy="auto", block_size=32, recall=0.9)
+    model = AutoModelForCausalLM.from_config(tiny_config(), attn_implementation=name).eval()
+    ids = torch.randint(0, 500, (1, 256), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)
+    stats = attention_stats(CONTEXT.layers)
+    layers = model.config.num_hidden_layers
+    assert len(stats["attention_paths"]) == layers and set(stats["attention_paths"]) <= {"s", "d"}
+    assert all(0 < stats[f"attn_density/L{i:02d}"] <= 1 for i in range(layers))
+    assert "attention_pred_ms" in stats
+
+
+def test_register_rejects_an_unknown_policy():
+    with pytest.raises(MtrainError, match="sparse_policy 'sometimes'.*auto, always, never"):
+        register_kind("mtraining", sparse_policy="sometimes")
+
+
+def test_cp2_ranks_agree_on_the_choice(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/workers/attention_choice.py", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {r["pattern"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["local"]["paths"] == ["sparse", "sparse"]
+    assert rows["flat"]["paths"] == ["dense", "dense"]
+    assert all(r["same_as_forced"] for r in rows.values())
+    assert rows["flat"]["err_vs_single_dense"] < 1e-5  # the dense ring equals one-device dense (fp32)
+    assert rows["local"]["err_vs_single_dense"] > 1e-2  # and the sparse ring really is sparse
