@@ -1,5 +1,6 @@
-"""Online vertical-slash pattern estimation (DESIGN §3.1): score the last queries against all keys, keep
-the fewest verticals and slashes reaching a target attention recall, and build the SparseIndex."""
+"""Online vertical-slash pattern estimation (DESIGN §3.1): score sampled query rows (the last queries plus
+query blocks spread over the sequence) against all keys, count what the always-kept blocks cover, pick
+verticals, then block-level slashes on the mass still uncovered, and build the SparseIndex."""
 
 from __future__ import annotations
 
@@ -8,6 +9,44 @@ import math
 import torch
 
 from mtrain.ops.index import SparseIndex
+from mtrain.ops.recall import index_row_mask
+
+
+def scored_rows(seq_len: int, last_q: int, sample_blocks: int, block_size: int, device=None) -> torch.Tensor:
+    """Sorted query positions the estimator scores: the last `last_q` rows, plus `sample_blocks` query blocks
+    of `block_size` rows spread evenly over the full blocks before them (LongTensor [n])."""
+    n_last = min(last_q, seq_len)
+    first = seq_len - n_last
+    avail = first // block_size  # full query blocks entirely before the last rows
+    m = min(sample_blocks, avail)
+    parts = []
+    if m > 0:
+        blocks = ((torch.arange(m, device=device) * 2 + 1) * avail) // (2 * m)  # centres of m equal strata
+        parts.append((blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten())
+    parts.append(torch.arange(first, seq_len, device=device))
+    return torch.cat(parts)
+
+
+def row_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    softmax_scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
+    k_pos: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scaled q.k logits of the query rows at positions `rows` (q is [B, n, Hq, D], those rows only) against
+    the keys k [B, Sk, Hkv, D] at positions k_pos (default 0..Sk-1), causal (and same-document when doc_ids
+    [B, S] of the whole sequence is given), hidden pairs -inf: fp32 [B, Hkv, G, n, Sk]."""
+    B, n, Hq, D = q.shape
+    Hkv = k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    k_pos = torch.arange(k.shape[1], device=q.device) if k_pos is None else k_pos
+    s = torch.einsum("bqhgd,bkhd->bhgqk", q.float().reshape(B, n, Hkv, Hq // Hkv, D), k.float()) * scale
+    hidden = k_pos[None, :] > rows[:, None]  # [n, Sk]
+    if doc_ids is not None:
+        hidden = (hidden | (doc_ids[:, rows, None] != doc_ids[:, None, k_pos]))[:, None, None]
+    return s.masked_fill_(hidden, float("-inf"))
 
 
 def last_query_probs(
@@ -17,29 +56,11 @@ def last_query_probs(
     softmax_scale: float | None = None,
     doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal softmax of the last `last_q` queries over all keys: fp32 [B, Hkv, G, last_q, S].
-
-    Query head h = hkv * G + g reads kv head hkv (K is never repeated). Row r sits at position
-    S - last_q + r and sees keys 0..S - last_q + r (only those of its own document when doc_ids
-    [B, S] is given).
-    """
-    B, S, Hq, D = q.shape
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    n = min(last_q, S)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    ql = q[:, S - n :].float().reshape(B, n, Hkv, G, D)
-    s = torch.einsum("bqhgd,bkhd->bhgqk", ql, k.float()) * scale
-    rows = torch.arange(S - n, S, device=q.device)
-    if doc_ids is None:
-        # Only the last n keys can lie after a row: mask that [n, n] corner in place, not all S columns.
-        corner = torch.arange(S - n, S, device=q.device)[None, :] > rows[:, None]
-        s[..., S - n :].masked_fill_(corner, float("-inf"))
-        return torch.softmax(s, dim=-1)
-    hidden = torch.arange(S, device=q.device)[None, :] > rows[:, None]  # [n, S]
-    other_doc = doc_ids[:, S - n :, None] != doc_ids[:, None, :]  # [B, n, S]
-    hidden = (hidden | other_doc)[:, None, None]
-    return torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1)
+    """Causal softmax of the last `last_q` queries over all keys: fp32 [B, Hkv, G, last_q, S] (query head
+    h = hkv * G + g reads kv head hkv; only keys of the row's own document when doc_ids [B, S] is given)."""
+    S = q.shape[1]
+    rows = torch.arange(S - min(last_q, S), S, device=q.device)
+    return torch.softmax(row_probs(q[:, rows], k, rows, softmax_scale, doc_ids), dim=-1)
 
 
 def slash_scores(probs: torch.Tensor) -> torch.Tensor:
@@ -63,17 +84,88 @@ def _select(scores: torch.Tensor, recall: float, cap: int, minimum: int) -> torc
     scores [..., S] (non-negative) -> LongTensor [..., min(cap, S)] of indices, -1 padded.
     """
     S = scores.shape[-1]
-    cap = max(1, min(cap, S))
-    top, idx = torch.topk(scores, cap, dim=-1)
-    need = recall * scores.sum(-1, keepdim=True)
-    reached = top.cumsum(-1) >= need * (1 - 1e-6)
-    # Count of entries needed = index of the first entry where the cumulative mass reaches the target.
+    ids = torch.arange(S, device=scores.device).expand(scores.shape)
+    return fewest(scores, ids, recall * scores.sum(-1), cap, minimum)
+
+
+def fewest(scores: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, cap: int, minimum: int) -> torch.Tensor:
+    """The fewest highest-scoring `ids` whose scores sum to `need` [...], kept within [minimum, cap] and only
+    with positive scores: [..., width] -1 padded (padding trimmed). `scores` need only hold the candidates."""
+    width = max(1, min(cap, scores.shape[-1]))
+    top, where = torch.topk(scores, width, dim=-1)
+    chosen = torch.gather(ids, -1, where)
+    count = _count_to_reach(top, need, width)
+    count = count.clamp(min=min(minimum, width), max=width)
+    keep = (torch.arange(width, device=scores.device) < count) & (top > 0)
+    width = max(1, int(keep.sum(-1).max()))
+    return torch.where(keep, chosen, -1)[..., :width]
+
+
+def _count_to_reach(values: torch.Tensor, need: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., 1]: entries of `values` (in order) needed for their running sum to reach `need` [...] (with a
+    float slack of 1e-6, so one GPU and a CP group agree); 0 when need <= 0; all when never reached."""
+    need = need[..., None]
+    reached = values.cumsum(-1) >= need * (1 - 1e-6)
     count = torch.where(reached.any(-1, keepdim=True), reached.float().argmax(-1, keepdim=True) + 1,
-                        torch.full_like(need, cap, dtype=torch.long))
-    count = count.clamp(min=min(minimum, cap), max=cap)
-    keep = (torch.arange(cap, device=scores.device) < count) & (top > 0)
-    width = max(1, int(keep.sum(-1).max()))  # trim the padding so index building stays proportional
-    return torch.where(keep, idx, -1)[..., :width]
+                        torch.full_like(need, width, dtype=torch.long))
+    return torch.where(need <= 0, 0, count)
+
+
+def line_caps(seq_len: int, block_size: int, max_vertical: int, max_slash: int,
+              cap_fraction: float | None) -> tuple[int, int]:
+    """(vertical cap in columns, slash cap in block offsets). max_slash counts token diagonals: a block
+    offset counts as block_size of them. cap_fraction (of the sequence, or None) lowers both caps."""
+    n_blocks = -(-seq_len // block_size)
+    cap_v = min(max_vertical, seq_len)
+    cap_s = min(max(1, max_slash // block_size), n_blocks)
+    if cap_fraction is not None:
+        cap_v = min(cap_v, max(1, math.ceil(cap_fraction * seq_len)))
+        cap_s = min(cap_s, max(1, math.ceil(cap_fraction * n_blocks)))
+    return cap_v, cap_s
+
+
+def residual_parts(logits, rows, k_pos, row_max, row_sum, block_size: int, n_blocks: int):
+    """From the masked logits [B, Hkv, G, n, Sk] of the scored rows (keys at k_pos) and each row's global
+    softmax max and sum: (probs, the row mass on the always-kept blocks (sink block 0 and the row's own
+    block) [B, Hkv, G], the rest per column [B, Hkv, G, Sk] and per (row, key block) [B, Hkv, G, n, nKB])."""
+    probs = torch.exp(logits - row_max[..., None]) / row_sum[..., None]
+    k_blk = k_pos // block_size
+    kept = (k_blk[None, :] == 0) | (k_blk[None, :] == (rows // block_size)[:, None])  # [n, Sk]
+    mandatory = torch.where(kept, probs, 0.0).sum(-1).sum(-1)
+    rest = torch.where(kept, 0.0, probs)
+    pooled = rest.new_zeros(*rest.shape[:-1], n_blocks)
+    pooled.index_add_(-1, k_blk, rest)
+    return probs, mandatory, rest.sum(-2), rest, pooled
+
+
+def block_slash_mass(pooled: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Mass per block offset a (key block = row block - a) summed over rows: [..., n, nKB] -> [..., nKB]."""
+    nkb = pooled.shape[-1]
+    a = torch.arange(nkb, device=pooled.device)
+    key_blk = (rows // block_size)[:, None] - a[None, :]  # [n, nKB]
+    got = torch.gather(pooled, -1, key_blk.clamp(min=0).expand(*pooled.shape[:-2], -1, -1))
+    return torch.where(key_blk >= 0, got, 0.0).sum(-2)
+
+
+def choose_verticals(cand_mass, cand_ids, slash_mass, need, cap_v: int, min_v: int, block_size: int):
+    """Cost-aware split of the budget: candidate columns (mass per column, [..., C]) and block offsets
+    (slash_mass [..., nKB], offset 0 = the kept diagonal) are ranked together by mass per key a query block
+    pays (a column costs 1 key, a block offset block_size), and the verticals are the columns inside the
+    shortest prefix reaching `need`, within [min_v, cap_v]. Returns (vertical ids [..., <=C] -1 padded,
+    their mass [...])."""
+    width = max(1, min(cap_v, cand_mass.shape[-1]))
+    top, where = torch.topk(cand_mass, width, dim=-1)
+    ids = torch.gather(cand_ids, -1, where)
+    slashes = slash_mass[..., 1:]
+    value = torch.cat([top, slashes], -1)
+    priority = torch.cat([top, slashes / block_size], -1)
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    count = _count_to_reach(torch.gather(value, -1, order), need, value.shape[-1])
+    in_prefix = torch.arange(value.shape[-1], device=value.device) < count
+    is_column = order < width
+    n_v = (in_prefix & is_column).sum(-1, keepdim=True).clamp(min=min(min_v, width), max=width)
+    keep = (torch.arange(width, device=top.device) < n_v) & (top > 0)
+    return torch.where(keep, ids, -1), torch.where(keep, top, 0.0).sum(-1)
 
 
 def estimate_vertical_slash(
@@ -90,27 +182,28 @@ def estimate_vertical_slash(
     share_kv_group: bool = False,
     softmax_scale: float | None = None,
     slash_recall: float | None = None,
+    sample_blocks: int = 16,
+    cap_fraction: float | None = None,
     doc_ids: torch.Tensor | None = None,
 ) -> SparseIndex:
     """Estimate the vertical-slash pattern of causal attention and return its `SparseIndex`.
 
-    q: [B, S, Hq, D]; k: [B, S, Hkv, D] (after RoPE). The last `last_q` queries are scored against
-    all keys (scaled, causal, softmax over the full key range), then per query head:
-    - vertical score of key j = sum of the rows' probabilities at column j;
-    - slash score of offset d = sum of the probabilities on diagonal q - k = d, at TOKEN level (as
-      the reference code does, not pooled per block): each kept offset later expands into the at most
-      two key blocks its diagonal crosses in every query block, so neighbouring offsets share blocks
-      and the block density is what the kernels pay;
-    - keep the fewest top verticals whose mass reaches `recall` of the rows' total mass (likewise the
-      slashes, with `slash_recall`, default `recall`), at least `min_vertical` / `min_slash` of them
-      (a floor that keeps a short list when one entry dominates), at most `max_vertical` / `max_slash`.
-    The index always holds the diagonal block and the first key block (sinks), whatever the scores.
-    share_kv_group: sum the scores over the query heads of each KV group and select once per group
-    (one budget per group: cheaper index, identical lists for the group's heads).
-    doc_ids: optional integer tensor [B, S] of document ids (packed samples): the last queries then
-    score only keys of their own document, so keys the attention will mask never win a vertical or
-    slash slot. Verticals and slashes still apply to every query block (the kernels mask them per
-    document); the pattern is therefore that of the last document(s).
+    q: [B, S, Hq, D]; k: [B, S, Hkv, D] (after RoPE). Scored rows (`scored_rows`): the last `last_q` queries
+    and `sample_blocks` query blocks spread over the sequence, each a causal softmax over all its keys (so
+    every row weighs 1 and the target means "mean per-row mass"). Per query head (per KV group with
+    share_kv_group, on the scores summed over its heads):
+    1. the sink block 0 and each row's own (diagonal) block are always kept: their mass counts first;
+    2. columns and block-level slash offsets (a = q_block - k_block, what the kernels pay for) are ranked
+       together by mass per key computed (`choose_verticals`) to pick the verticals reaching `recall`;
+    3. slash offsets are then chosen on the mass the kept blocks and verticals leave uncovered, the fewest
+       reaching `slash_recall` (default `recall`) of all scored mass: a purely vertical pattern buys none.
+    Floors and caps: at least min_vertical columns and ceil(min_slash / block_size) offsets; at most
+    max_vertical columns and max_slash // block_size offsets (max_slash counts token diagonals), both also
+    at most cap_fraction of the sequence's columns / blocks when cap_fraction is set.
+    doc_ids: optional integer tensor [B, S] of document ids (packed samples): scored rows then see only keys
+    of their own document.
+    The returned index carries `index._cache["est_recall"]` (fp32 [B, Hq]): the exact mean mass of the scored
+    rows inside the final index (blocks after expansion, sink and diagonal included, and columns).
     """
     if not 0.0 < recall <= 1.0:
         raise ValueError(f"recall must be in (0, 1]; got {recall}")
@@ -125,14 +218,44 @@ def estimate_vertical_slash(
         )
     with torch.no_grad():
         docs = None if doc_ids is None else doc_ids.to(q.device)
-        probs = last_query_probs(q, k, last_q, softmax_scale, docs)  # [B, Hkv, G, n, S]
-        vert = probs.sum(-2)
-        slash = slash_scores(probs)
+        rows = scored_rows(S, last_q, sample_blocks, block_size, q.device)
+        n_blocks = -(-S // block_size)
+        logits = row_probs(q[:, rows], k, rows, softmax_scale, docs)  # [B, Hkv, G, n, S]
+        row_max = logits.amax(-1)
+        row_sum = torch.exp(logits - row_max[..., None]).sum(-1)
+        k_pos = torch.arange(S, device=q.device)
+        probs, mandatory, vert, rest, pooled = residual_parts(logits, rows, k_pos, row_max, row_sum, block_size,
+                                                              n_blocks)
+        del logits
+        slash0 = block_slash_mass(pooled, rows, block_size)
+        total = float(rows.numel())
         if share_kv_group:
-            vert = vert.sum(2, keepdim=True)
-            slash = slash.sum(2, keepdim=True)
-        v_idx = _select(vert, recall, max_vertical, min_vertical)
-        s_idx = _select(slash, recall if slash_recall is None else slash_recall, max_slash, min_slash)
+            mandatory, vert, slash0 = (t.sum(2, keepdim=True) for t in (mandatory, vert, slash0))
+            total *= G
+        cap_v, cap_s = line_caps(S, block_size, max_vertical, max_slash, cap_fraction)
+        v_need = recall * total - mandatory
+        v_idx, v_mass = choose_verticals(vert, k_pos.expand(vert.shape), slash0, v_need, cap_v, min_vertical,
+                                         block_size)
+        # the slash stage sees only what the kept blocks and the chosen verticals leave uncovered
+        taken = torch.zeros(*v_idx.shape[:-1], S + 1, dtype=torch.bool, device=q.device)
+        taken.scatter_(-1, torch.where(v_idx >= 0, v_idx, S), True)
+        taken = taken[..., :S]
+        if share_kv_group:
+            taken = taken.expand(B, Hkv, G, S)
+        uncovered = pooled.clone()
+        uncovered.index_add_(-1, k_pos // block_size, -torch.where(taken[..., None, :], rest, 0.0))
+        slash1 = block_slash_mass(uncovered, rows, block_size)
+        if share_kv_group:
+            slash1 = slash1.sum(2, keepdim=True)
+        s_target = recall if slash_recall is None else slash_recall
+        s_need = s_target * total - mandatory - v_mass
+        offsets = torch.arange(n_blocks, device=q.device)
+        s_idx = fewest(slash1[..., 1:], offsets[1:].expand(*slash1.shape[:-1], -1), s_need, cap_s,
+                       -(-min_slash // block_size))
+        s_tok = torch.where(s_idx >= 0, s_idx * block_size, -1)
         v_idx = v_idx.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
-        s_idx = s_idx.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
-        return SparseIndex.from_lines(v_idx, s_idx, S, block_size)
+        s_tok = s_tok.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
+        index = SparseIndex.from_lines(v_idx, s_tok, S, block_size)
+        inside = index_row_mask(index, rows)
+        index._cache["est_recall"] = torch.where(inside, probs.reshape(B, Hq, -1, S), 0.0).sum(-1).mean(-1)
+        return index

@@ -1,0 +1,89 @@
+"""True recall of a sparse index: the exact softmax mass of causal attention that the index keeps, per head,
+averaged over query rows (all of them, or a sample), computed in row chunks so memory stays bounded."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mtrain.ops.index import SparseIndex
+
+# Elements of one chunk's [B, Hq, rows, keys] score tensor (fp32: 128 MiB).
+_CHUNK_ELEMS = 1 << 25
+
+
+def index_row_mask(index: SparseIndex, rows: torch.Tensor, k_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool [B, Hq, R, Sk]: which keys at positions k_pos (default all, 0..S-1) the index computes for the
+    query rows at global positions rows [R]: the key's block is listed for the row's query block, or the key is
+    one of that block's extra columns; and key <= row (causal). Document masking is not applied here."""
+    dev = index.block_ids.device
+    rows = rows.to(dev).long()
+    k_pos = torch.arange(index.seq_len, device=dev) if k_pos is None else k_pos.to(dev).long()
+    bs, nkb = index.block_size, index.n_blocks
+    qb = rows // bs
+    ids = index.block_ids[:, :, qb].long()  # [B, H, R, MAXB]
+    ok = (torch.arange(ids.shape[-1], device=dev) < index.block_counts[:, :, qb, None].long()) & (ids >= 0)
+    bflags = torch.zeros(*ids.shape[:3], nkb + 1, dtype=torch.bool, device=dev)
+    bflags.scatter_(-1, torch.where(ok, ids, nkb), True)
+    mask = bflags[..., k_pos // bs]
+    cols = index.col_ids[:, :, qb].long()
+    cok = (torch.arange(cols.shape[-1], device=dev) < index.col_counts[:, :, qb, None].long()) & (cols >= 0)
+    cflags = torch.zeros(*cols.shape[:3], index.seq_len + 1, dtype=torch.bool, device=dev)
+    cflags.scatter_(-1, torch.where(cok, cols, index.seq_len), True)
+    mask |= cflags[..., k_pos]
+    return mask & (k_pos[None, :] <= rows[:, None])
+
+
+def true_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    index: SparseIndex,
+    softmax_scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean per-row share of the exact causal attention mass that falls inside `index`: fp32 [B, Hq].
+
+    q: [B, S, Hq, D], k: [B, S, Hkv, D] (after RoPE; K is never repeated for GQA). Each query row's softmax
+    runs over all its causal keys (same-document keys only when doc_ids [B, S] is given); its recall is the
+    part of that mass on the (query, key) pairs the index computes (listed blocks + columns). rows: LongTensor
+    of query positions to average over (a cheap sampled estimate); None = every row. Work runs in chunks of
+    rows against the keys up to the chunk's last row, in fp32 (fp64 for fp64 inputs), so memory is bounded by
+    one [B, Hq, rows, keys] chunk of about 2^25 elements.
+    """
+    B, S, Hq, D = q.shape
+    if k.dim() != 4 or k.shape[0] != B or k.shape[1] != S or Hq % k.shape[2] != 0:
+        raise ValueError(f"k must be [B={B}, S={S}, Hkv, D] with Hq % Hkv == 0; got {tuple(k.shape)}")
+    if index.seq_len != S or index.block_ids.shape[:2] != (B, Hq):
+        raise ValueError(f"index is for [B, Hq] = {tuple(index.block_ids.shape[:2])} and {index.seq_len} tokens; "
+                         f"q is [B={B}, S={S}, Hq={Hq}]: estimate the index from these q/k")
+    if doc_ids is not None and (doc_ids.shape != (B, S) or doc_ids.is_floating_point()):
+        raise ValueError(f"doc_ids must be an integer tensor [B={B}, S={S}]; got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    dev = q.device
+    rows = torch.arange(S, device=dev) if rows is None else torch.as_tensor(rows, device=dev).long().flatten()
+    if rows.numel() == 0 or rows.min() < 0 or rows.max() >= S:
+        raise ValueError(f"rows must be a non-empty set of query positions in [0, {S}); got {rows.numel()} rows")
+    rows, _ = torch.sort(rows)
+    kf = k.to(dt)
+    total = torch.zeros(B, Hq, dtype=dt, device=dev)
+    step = max(1, _CHUNK_ELEMS // max(1, B * Hq * S))
+    for r0 in range(0, rows.numel(), step):
+        r = rows[r0 : r0 + step]
+        n_keys = int(r[-1]) + 1  # keys after the chunk's last row are never visible
+        kp = torch.arange(n_keys, device=dev)
+        qr = q[:, r].to(dt).reshape(B, r.numel(), Hkv, G, D)
+        s = torch.einsum("bqhgd,bkhd->bhgqk", qr, kf[:, :n_keys]).reshape(B, Hq, r.numel(), n_keys) * scale
+        visible = (kp[None, :] <= r[:, None])[None, None]
+        if doc_ids is not None:
+            docs = doc_ids.to(dev)
+            visible = visible & (docs[:, r, None] == docs[:, None, :n_keys])[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        inside = index_row_mask(index, r, kp)
+        total += torch.where(inside, p, 0.0).sum(-1).sum(-1)
+    return (total / rows.numel()).float()
