@@ -30,14 +30,27 @@ def summarize(run_dir: str | Path) -> dict:
     from mtrain.train.metrics import read_metrics
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise MtrainError(f"{run_dir}: no such run folder; give train.output_dir folders")
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    if not path.is_file():
         raise MtrainError(f"{run_dir} has no metrics.jsonl; is it a train.output_dir?")
     rows = read_metrics(path)
     if not rows:
         raise MtrainError(f"{path} holds no complete steps yet")
+    for number, row in enumerate(rows, 1):
+        bad = [k for k in ("step", "tokens", "loss", "tokens_per_s")
+               if not isinstance(row, dict) or isinstance(row.get(k), bool) or not isinstance(row.get(k), (int, float))]
+        if bad:
+            raise MtrainError(f"{path}: record {number} lacks numeric {bad}; it was not written by `mtrain train`: "
+                              "delete that line")
     config_file = run_dir / "config.yaml"
-    config = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
+    try:
+        config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
+    except yaml.YAMLError as exc:
+        raise MtrainError(f"{config_file}: not valid YAML ({' '.join(str(exc).split())}); restore it") from None
+    if not isinstance(config, dict):
+        raise MtrainError(f"{config_file}: not a recipe (a mapping of sections); restore it")
     speeds = [r["tokens_per_s"] for r in rows[1:]] or [rows[0]["tokens_per_s"]]  # step 1 includes warm-up
     return {
         "run": run_dir.name,
@@ -103,6 +116,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    if not args.plot.lower().endswith(".png") or Path(args.plot).is_dir():
+        raise MtrainError(f"--plot {args.plot}: name a .png file to write")
     summaries = [summarize(r) for r in args.runs]
     print(format_table(summaries))
     print(f"\nwrote {plot(summaries, args.plot)}")

@@ -65,6 +65,45 @@ def _load_manifest(path: str) -> dict:
     return obj
 
 
+def _check_request(config: dict, options: dict, sources: list) -> None:
+    """Numbers in range and paths usable, before any tokenizer loads or worker starts."""
+    import math
+
+    from mtrain.config import _HUB_ID, _check_hub_id
+
+    if not isinstance(config["seq_len"], int) or isinstance(config["seq_len"], bool):
+        raise MtrainError(f"pack: seq_len must be an integer, got {config['seq_len']!r}")
+    for key, least in (("seed", 0), ("workers", 1), ("total_tokens", 1), ("samples_per_shard", 1)):
+        value = options.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise MtrainError(f"pack: --{key.replace('_', '-')} must be an integer >= {least}, got {value!r}")
+    for spec in sources:
+        if spec.proportion is not None and not (isinstance(spec.proportion, (int, float))
+                                                and math.isfinite(spec.proportion) and spec.proportion > 0):
+            raise MtrainError(f"source {spec.path}: proportion must be a positive finite number, got {spec.proportion!r}")
+    for key in ("tokenizer", "source_tokenizer"):
+        value = config.get(key)
+        if value is None or os.path.isdir(value):
+            continue
+        if os.path.exists(value):
+            raise MtrainError(f"pack: --{key.replace('_', '-')} {value} is a file; give the tokenizer's folder")
+        if not _HUB_ID.fullmatch(value):
+            raise MtrainError(f"pack: --{key.replace('_', '-')} {value}: no such folder; fix the path")
+        try:
+            _check_hub_id(key, value)
+        except MtrainError:
+            raise MtrainError(f"pack: --{key.replace('_', '-')} {value}: no such folder and no hub tokenizer in the "
+                              "local cache; fix the path, or run `mtrain --online pack ...` for a hub id") from None
+    out = config["out"]
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise MtrainError(f"pack: --out {out} is a file; choose a new or empty folder")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise MtrainError(f"pack: --out {out}: {parent} is a file, not a folder; choose another --out")
+
+
 def run(args: argparse.Namespace) -> int:
     from mtrain.data.packer import PackOptions, pack
     from mtrain.data.sources import parse_source_spec, source_from_dict
@@ -103,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, key, None)
         if value is not None:
             options[key] = value
+    _check_request(config, options, sources)
     manifest = pack(sources, config["tokenizer"], int(config["seq_len"]), config["out"],
                     source_tokenizer=config.get("source_tokenizer"), **options)
     summary = {k: manifest[k] for k in ("num_samples", "seq_len", "num_tokens", "num_documents")}

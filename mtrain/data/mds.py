@@ -76,10 +76,24 @@ def _hash(algo: str, data: bytes) -> str:
     return get_hash(algo, data)
 
 
+# MDS encodings that run code when decoded (`pkl` is pickle.loads): a dataset is data, never code
+UNSAFE_ENCODINGS = ("pkl",)
+
+
+def refuse_unsafe_columns(columns: dict[str, str], where: str) -> None:
+    """Refuse an MDS dataset whose columns would be unpickled on read."""
+    unsafe = sorted(name for name, enc in columns.items() if str(enc).split(":")[0] in UNSAFE_ENCODINGS)
+    if unsafe:
+        raise MtrainError(
+            f"{where}: column(s) {unsafe} are encoded as pickle (`pkl`), which runs code when read; mtrain does "
+            "not read them: re-encode the dataset with ndarray/str/int/json columns"
+        )
+
+
 class MDSShard:
     """One MDS shard held in memory (or memory-mapped when stored raw): `len()` samples, `[i]` a dict."""
 
-    def __init__(self, dirname: str, info: dict[str, Any]):
+    def __init__(self, dirname: str, info: dict[str, Any], checksums: dict[str, str] | None = None):
         if info.get("format") != "mds":
             raise MtrainError(
                 f"{os.path.join(dirname, 'index.json')}: shard format {info.get('format')!r} is not "
@@ -87,6 +101,7 @@ class MDSShard:
             )
         self.info = info
         self.columns = dict(zip(info["column_names"], info["column_encodings"]))
+        refuse_unsafe_columns(self.columns, os.path.join(dirname, "index.json"))
         raw = info["raw_data"]
         zipped = info.get("zip_data")
         raw_path = os.path.join(dirname, raw["basename"])
@@ -107,6 +122,13 @@ class MDSShard:
             self._data = np.frombuffer(data, np.uint8)
         else:
             raise MtrainError(f"{raw_path}: shard listed in index.json is missing")
+        expected = (checksums or {}).get(os.path.basename(self.path))
+        if expected is not None:
+            with open(self.path, "rb") as fh:
+                digest = hashlib.file_digest(fh, "sha256").hexdigest()
+            if digest != expected:
+                raise MtrainError(f"{self.path}: corrupt shard (sha256 does not match manifest.json); "
+                                  "re-create the dataset with `mtrain pack`")
         self.num_samples = int(info["samples"])
         header = self._data[: 4 * (self.num_samples + 2)].view(np.uint32)
         if len(header) < self.num_samples + 2 or header[0] != self.num_samples:
@@ -154,8 +176,10 @@ class MDSShard:
 class MDSFolder:
     """An MDS dataset folder (`index.json` + shards): shard list, total samples, per-sample access."""
 
-    def __init__(self, dirname: str):
+    def __init__(self, dirname: str, checksums: dict[str, str] | None = None):
         self.dirname = dirname
+        self.checksums = checksums
+        """Shard file name -> sha256 promised by a manifest; each shard is checked when first opened."""
         index_path = os.path.join(dirname, "index.json")
         try:
             with open(index_path) as fh:
@@ -167,7 +191,12 @@ class MDSFolder:
             raise MtrainError(f"{index_path}: corrupt MDS index ({exc})") from exc
         if not self.shards_info:
             raise MtrainError(f"{index_path}: the MDS index lists no shards")
-        self.columns = dict(zip(self.shards_info[0]["column_names"], self.shards_info[0]["column_encodings"]))
+        try:
+            self.columns = dict(zip(self.shards_info[0]["column_names"], self.shards_info[0]["column_encodings"]))
+        except (KeyError, TypeError, IndexError) as exc:
+            raise MtrainError(f"{index_path}: corrupt MDS index ({exc})") from None
+        for info in self.shards_info:
+            refuse_unsafe_columns(dict(zip(info.get("column_names", []), info.get("column_encodings", []))), index_path)
         counts = np.array([int(s["samples"]) for s in self.shards_info], dtype=np.int64)
         self.shard_starts = np.concatenate([[0], np.cumsum(counts)])
         self._open: OrderedDict[int, MDSShard] = OrderedDict()
@@ -181,7 +210,7 @@ class MDSFolder:
         if k in self._open:
             self._open.move_to_end(k)
         else:
-            self._open[k] = MDSShard(self.dirname, self.shards_info[k])
+            self._open[k] = MDSShard(self.dirname, self.shards_info[k], self.checksums)
             if len(self._open) > OPEN_SHARDS:
                 self._open.popitem(last=False)
         return self._open[k]

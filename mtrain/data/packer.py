@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -258,7 +259,7 @@ class _Packer:
         # fork: workers inherit the loaded modules and start in milliseconds. A process pool executor
         # (unlike multiprocessing.Pool) reports a worker killed by the OS instead of waiting forever.
         executor = ProcessPoolExecutor(min(self.workers, len(items)), mp_context=multiprocessing.get_context("fork"),
-                                       initializer=initializer, initargs=initargs)
+                                       initializer=_die_with_parent, initargs=(os.getpid(), initializer, *initargs))
         try:
             for future in as_completed([executor.submit(fn, item) for item in items]):
                 yield future.result()
@@ -446,6 +447,20 @@ class _Packer:
         log.info("packed %d samples x %d tokens into %s in %.1f s", num_samples, self.seq_len, self.out_dir,
                  time.time() - started)
         return manifest
+
+
+def _die_with_parent(parent: int, initializer, *initargs) -> None:
+    """Worker start-up: ask the kernel to kill this worker when the packing process dies (kill -9 and
+    SIGTERM included, which skip every clean-up), so no orphan keeps running; then the stage's initializer."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):  # not Linux: orphans end when their queue closes
+        pass
+    if os.getppid() != parent:  # the parent died before the request above took effect
+        os._exit(1)
+    initializer(*initargs)
 
 
 # -------------------------------------------------------------------- shard writer (runs in workers)

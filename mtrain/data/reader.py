@@ -63,7 +63,9 @@ class TrainingReader:
         self.path = str(path)
         if not 0 <= dp_rank < dp_size:
             raise MtrainError(f"TrainingReader: dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
-        self.folder = MDSFolder(self.path)
+        self.manifest = self._manifest()
+        checksums = {e["file"]: e["sha256"] for e in (self.manifest or {}).get("shards", []) if "sha256" in e}
+        self.folder = MDSFolder(self.path, checksums)
         if "input_ids" not in self.folder.columns:
             raise MtrainError(f"{self.path}: missing field `input_ids` (columns {sorted(self.folder.columns)}); "
                               "pack the data with `mtrain pack` first")
@@ -75,13 +77,24 @@ class TrainingReader:
         self.dataset_id, self.seq_len = self._identify()
         self.epoch, self.position = 0, 0
 
+    def _manifest(self) -> dict | None:
+        """mtrain's manifest.json (None for MDS folders written by other tools)."""
+        path = os.path.join(self.path, "manifest.json")
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path) as fh:
+                obj = json.load(fh)
+            obj["config_hash"], int(obj["seq_len"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MtrainError(f"{path}: corrupt manifest ({type(exc).__name__}: {exc}); re-create the dataset "
+                              "with `mtrain pack`") from None
+        return obj
+
     def _identify(self) -> tuple[str, int]:
         """(dataset id, tokens per sample): from mtrain's manifest, else from index.json and sample 0."""
-        manifest = os.path.join(self.path, "manifest.json")
-        if os.path.exists(manifest):
-            with open(manifest) as fh:
-                obj = json.load(fh)
-            return obj["config_hash"], int(obj["seq_len"])
+        if self.manifest is not None:
+            return self.manifest["config_hash"], int(self.manifest["seq_len"])
         with open(os.path.join(self.path, "index.json"), "rb") as fh:
             return hashlib.sha256(fh.read()).hexdigest(), len(self.folder[0]["input_ids"])
 

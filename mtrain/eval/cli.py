@@ -53,7 +53,16 @@ def run(args: argparse.Namespace) -> int:
     from mtrain.eval.scoring import score_run
     from mtrain.eval.suite import load_suite
 
+    for flag, value in (("--samples", args.samples), ("--max-length", args.max_length)):
+        if value is not None and value <= 0:
+            raise MtrainError(f"{flag} must be positive, got {value}")
+    if args.lengths is not None and (not args.lengths or min(args.lengths) <= 0):
+        raise MtrainError(f"--lengths must list positive token counts, got {args.lengths}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise MtrainError(f"--out {args.out}: is a file, not a folder; choose another --out")
     if args.score_only:
+        if not os.path.isdir(os.path.join(args.out, "predictions")):
+            raise MtrainError(f"--out {args.out}: holds no predictions/ to score; run the eval first")
         results = score_run(args.out)
     else:
         if not args.model:

@@ -50,10 +50,19 @@ def read_records(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.endswith("\n"):
-                records.append(json.loads(line))
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                continue
+            try:
+                record = json.loads(line)
+                record["task"], record["length"], record["index"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise MtrainError(
+                    f"{path}:{number}: damaged prediction record ({type(exc).__name__}: {exc}); delete that line "
+                    "(its sample is rerun on resume) or the file"
+                ) from None
+            records.append(record)
     return records
 
 
@@ -92,8 +101,12 @@ class Manifest:
         self.path = os.path.join(out_dir, MANIFEST)
         self.data: dict[str, Any] = {}
         if os.path.exists(self.path):
-            with open(self.path) as f:
-                self.data = json.load(f)
+            try:
+                with open(self.path) as f:
+                    self.data = json.load(f)
+            except ValueError as exc:
+                raise MtrainError(f"{self.path}: damaged run manifest ({exc}); delete the --out folder's "
+                                  "manifest.json only if its predictions belong to this checkpoint, else use a new --out") from None
 
     def check_and_set(self, keys: dict[str, Any]) -> None:
         _compare(self.data, keys, list(keys), self.path)
@@ -110,6 +123,24 @@ class Manifest:
         with open(tmp, "w") as f:
             json.dump(self.data, f, indent=2, sort_keys=True)
         os.replace(tmp, self.path)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def check_checkpoint_folder(model_path: str) -> None:
+    """A HF checkpoint folder with a readable config.json, weights and tokenizer files, before anything loads."""
+    if not os.path.isdir(model_path):
+        raise MtrainError(f"--model {model_path!r}: no such folder; give a HF checkpoint folder (e.g. RUN/final)")
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise MtrainError(f"--model {model_path!r} is not a HF checkpoint folder (no config.json)")
+    rope_config(model_path)  # a torn config.json fails here, in one line
+    names = os.listdir(model_path)
+    if not any(n.endswith(".safetensors") or n.endswith(".bin") for n in names):
+        raise MtrainError(f"--model {model_path!r} holds no weights (*.safetensors); export the run again")
+    if not any(n in TOKENIZER_FILES for n in names):
+        raise MtrainError(f"--model {model_path!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy "
+                          "the model's tokenizer into it (tokenizer.save_pretrained)")
 
 
 def make_backend(name: str, model_path: str, **options) -> Backend:
@@ -134,8 +165,7 @@ def run_suite(suite: Suite, model_path: str, out_dir: str, *, backend: str = "hf
     """
     from mtrain.eval.scoring import score_run
 
-    if not os.path.isfile(os.path.join(model_path, "config.json")):
-        raise MtrainError(f"--model {model_path!r} is not a HF checkpoint folder (no config.json)")
+    check_checkpoint_folder(model_path)
     for run in suite.tasks:  # missing data files fail here, before anything is hashed or loaded
         check = get_task(run.name).check_data
         if check:

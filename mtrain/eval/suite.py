@@ -110,6 +110,8 @@ def load_suite(path: str, **overrides) -> Suite:
     except FileNotFoundError:
         raise ConfigError(f"suite file {path!r} not found; the suites shipped are in eval/ (tiny.yaml, paper.yaml)") \
             from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"suite file {path!r} is not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"suite file {path!r} must be a mapping of {sorted(SUITE_KEYS)}")
     return parse_suite(raw, **overrides)

@@ -70,11 +70,16 @@ def load_model(model_cfg, attn_implementation: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source = model_cfg.path or model_cfg.config
-    config_path = Path(source)
     try:
-        config = AutoConfig.from_pretrained(str(config_path.parent if config_path.is_file() else config_path))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model: cannot read a HF config from '{source}': {exc}") from None
+        if model_cfg.config is not None:
+            # exactly the file named, not a config.json that may sit beside it
+            fields = json.loads(Path(model_cfg.config).read_text())
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        else:
+            config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        key = "model.config" if model_cfg.config is not None else "model.path"
+        raise ConfigError(f"{key}: cannot read a HF config from '{source}' ({exc}); restore or replace it") from None
     if config.model_type not in MODEL_FAMILIES:
         raise ConfigError(
             f"model: model_type '{config.model_type}' is not supported; supported: {', '.join(MODEL_FAMILIES)}"
@@ -82,9 +87,13 @@ def load_model(model_cfg, attn_implementation: str):
     _apply_rope(config, model_cfg)
     dtype = getattr(torch, _DTYPES[model_cfg.dtype])
     if model_cfg.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_cfg.path, config=config, dtype=dtype, attn_implementation=attn_implementation
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_cfg.path, config=config, dtype=dtype, attn_implementation=attn_implementation
+            )
+        except (OSError, ValueError, RuntimeError) as exc:  # missing, truncated or mismatched weights
+            raise MtrainError(f"model.path: cannot load the weights in '{model_cfg.path}' "
+                              f"({' '.join(str(exc).split())[:300]}); restore the checkpoint") from None
     else:
         config._attn_implementation = attn_implementation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)

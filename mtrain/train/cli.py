@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
@@ -36,9 +37,17 @@ def run_train(args) -> int:
     from mtrain.train.trainer import Trainer
 
     recipe = load_recipe(args.recipe, args.overrides)
-    result = Trainer(recipe).run()
+    trainer = Trainer(recipe)
+    try:
+        result = trainer.run()
+    finally:
+        trainer.close()
     if result:
         print(f"step {result['step']}: loss {result['loss']:.4f}, {result['tokens']} tokens")
+    if trainer.stop_signal is not None:  # checkpointed, not finished: say so in the exit status
+        print(f"mtrain train: stopped by signal {trainer.stop_signal} at step {trainer.state.step} after a "
+              "checkpoint; rerun the same command to resume", file=sys.stderr)
+        return 128 + trainer.stop_signal
     return 0
 
 

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtrain.errors import MtrainError
+from mtrain.errors import DamagedCheckpointError, MtrainError
+from mtrain.train.run_folder import checkpoint_candidates, verify_file_list
+
+
+def _intact(ckpt: Path) -> bool:
+    try:
+        verify_file_list(ckpt)
+        _checkpoint_state_dict(ckpt)
+    except MtrainError:
+        return False
+    return True
 
 
 def _checkpoint_state_dict(ckpt: Path) -> dict:
@@ -13,7 +23,10 @@ def _checkpoint_state_dict(ckpt: Path) -> dict:
 
     plain = ckpt / "model.safetensors"
     if plain.exists():
-        return load_file(str(plain))
+        try:
+            return load_file(str(plain))
+        except Exception as exc:  # safetensors raises its own error type on a torn file
+            raise DamagedCheckpointError(f"{plain}: unreadable ({' '.join(str(exc).split())[:200]})") from None
     ds_dirs = [p for p in ckpt.iterdir() if p.is_dir() and any(p.glob("*optim_states.pt"))]
     if ds_dirs:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -26,15 +39,28 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
     from mtrain.config import load_recipe
     from mtrain.models import export_hf, load_model, load_tokenizer
 
-    run_dir = Path(run_dir)
-    marker = run_dir / "checkpoints" / "latest"
-    if not marker.exists():
+    run_dir, out = Path(run_dir), Path(out)
+    if not run_dir.is_dir():
+        raise MtrainError(f"{run_dir}: no such run folder; give a train.output_dir")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
+        raise MtrainError(f"--out {out}: exists and is not a HF checkpoint folder, so exporting would replace it; "
+                          "choose a new or empty folder")
+    candidates = checkpoint_candidates(run_dir / "checkpoints")
+    if not candidates:
         raise MtrainError(f"{run_dir} has no checkpoints/latest; train it first (mtrain train RECIPE)")
-    ckpt = run_dir / "checkpoints" / marker.read_text().strip()
+    ckpt = candidates[0]
+    try:
+        verify_file_list(ckpt)
+        raw_state = _checkpoint_state_dict(ckpt)
+    except DamagedCheckpointError as exc:
+        intact = next((c for c in candidates[1:] if _intact(c)), None)
+        offer = f"; the previous intact checkpoint is {intact}" if intact else ""
+        raise MtrainError(f"checkpoint {ckpt} is damaged ({exc}){offer}: restore it, or point checkpoints/latest "
+                          "at an intact one") from None
     recipe = load_recipe(ckpt / "config.yaml")
     model = load_model(recipe.model, "sdpa")
     # the trainer checkpoints the model inside its ChunkedLossLM wrapper: drop the wrapper's prefix
-    state = {k.removeprefix("model."): v for k, v in _checkpoint_state_dict(ckpt).items()}
+    state = {k.removeprefix("model."): v for k, v in raw_state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight") or not model.config.tie_word_embeddings]
     if missing or unexpected:

@@ -69,6 +69,24 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def usable_wandb_mode(mode: str) -> str:
+    """`online` needs a wandb API key (WANDB_API_KEY or `wandb login`); without one, log offline and say so.
+
+    Offline runs can be uploaded later with `wandb sync OUTPUT_DIR/wandb/offline-run-*`.
+    """
+    if mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return mode
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        if "api.wandb.ai" in netrc.read_text():
+            return mode
+    except OSError:
+        pass
+    log.warning("logging.wandb=online but no wandb API key (WANDB_API_KEY or `wandb login`): logging offline "
+                "instead; upload later with `wandb sync OUTPUT_DIR/wandb/offline-run-*`")
+    return "offline"
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """All complete JSON lines of a metrics.jsonl (a torn final line is ignored)."""
     rows = []

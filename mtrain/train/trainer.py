@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from mtrain.config import RecipeConfig
-from mtrain.errors import MtrainError
+from mtrain.errors import DamagedCheckpointError, MtrainError, os_error_line
 from mtrain.train.loss import ChunkedLossLM
-from mtrain.train.metrics import MetricsLogger
+from mtrain.train.metrics import MetricsLogger, usable_wandb_mode
+from mtrain.train.run_folder import RunLock, checkpoint_candidates, verify_file_list, write_file_list
 from mtrain.train.schedule import lr_factor, warmup_steps
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,14 @@ class Trainer:
         self.recipe = recipe
         self.out = Path(recipe.train.output_dir)
         self._stop_requested = False
+        self.stop_signal: int | None = None
+        """The signal that stopped the run early (after a checkpoint), for the exit code; None otherwise."""
+
+    def close(self) -> None:
+        """Release the run folder's lock (process exit does this too)."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
 
     # ---- set-up -------------------------------------------------------------------------------
     def _accelerator(self):
@@ -151,7 +160,12 @@ class Trainer:
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
 
-    def _scheduler(self, optimizer):
+    def _scheduler(self, optimizer, step: int = 0):
+        """The LR schedule at `step`, from this recipe's optim settings, which are (re)applied to the optimizer.
+
+        The schedule is a function of the step, so nothing of it is saved: a resume with changed optim
+        settings applies them from the resumed step on (and config.yaml records them).
+        """
         o, t = self.recipe.optim, self.recipe.train
         warm = warmup_steps(t.max_steps, o.warmup_steps, o.warmup_ratio)
 
@@ -159,38 +173,70 @@ class Trainer:
             return lr_factor(step, t.max_steps, schedule=o.schedule, warmup=warm,
                              min_ratio=o.min_lr_ratio, start_ratio=o.min_lr_ratio)
 
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        for i, group in enumerate(optimizer.param_groups):
+            group.update(lr=o.lr, initial_lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay if i == 0 else 0.0)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=step - 1)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _checkpoint_root(self) -> Path:
         return self.out / "checkpoints"
 
-    def _latest_checkpoint(self) -> Path | None:
-        marker = self._checkpoint_root() / LATEST
-        if not marker.exists():
-            return None
-        path = self._checkpoint_root() / marker.read_text().strip()
-        if not path.is_dir():
-            raise MtrainError(f"checkpoint marker {marker} points at missing folder {path}; delete the marker to start over")
-        return path
+    def _resume(self, accelerator) -> Path | None:
+        """Load the newest intact checkpoint: the one `latest` names, else (reported) the previous intact one."""
+        candidates = checkpoint_candidates(self._checkpoint_root())
+        damaged = []
+        for path in candidates:
+            try:
+                verify_file_list(path)
+                self._load_checkpoint(accelerator, path)
+            except DamagedCheckpointError as exc:
+                log.warning("checkpoint %s is damaged: %s", path, exc)
+                damaged.append(f"{path.name} ({exc})")
+                continue
+            if damaged:
+                log.warning("resumed from the previous intact checkpoint %s instead of damaged %s", path, damaged[0])
+            return path
+        if damaged:
+            raise DamagedCheckpointError(
+                f"no intact checkpoint in {self._checkpoint_root()}: {damaged[0]}; restore it, or move "
+                f"{self._checkpoint_root()} away to start over"
+            )
+        return None
+
+    def _saved_optim(self, path: Path) -> dict:
+        import yaml
+
+        try:
+            return (yaml.safe_load((path / "config.yaml").read_text()) or {}).get("optim") or {}
+        except (OSError, yaml.YAMLError, AttributeError):
+            return {}
 
     def _save_checkpoint(self, accelerator) -> None:
         name = f"step-{self.state.step:07d}"
         root = self._checkpoint_root()
         final, tmp = root / name, root / (name + ".tmp")
+        try:
+            if accelerator.is_main_process:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            accelerator.wait_for_everyone()
+            accelerator.save_state(str(tmp))
+            (tmp / f"trainer_state_rank{accelerator.process_index}.json").write_text(
+                json.dumps({"state": self.state.state_dict(), "data": self.reader.state_dict()})
+            )
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                self.recipe.save(tmp / "config.yaml")
+                (tmp / "meta.json").write_text(json.dumps({"git_revision": git_revision(), "step": self.state.step}))
+                write_file_list(tmp)
+        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(root).free if root.exists() else -1
+            reason = os_error_line(exc) if isinstance(exc, OSError) else f"{tmp}: {' '.join(str(exc).split())[:200]}"
+            raise MtrainError(f"writing checkpoint {tmp} failed ({reason}); {free / 2**30:.2f} GiB free there; "
+                              f"the previous checkpoint is untouched: free space and rerun to resume") from None
         if accelerator.is_main_process:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        (tmp / f"trainer_state_rank{accelerator.process_index}.json").write_text(
-            json.dumps({"state": self.state.state_dict(), "data": self.reader.state_dict()})
-        )
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            self.recipe.save(tmp / "config.yaml")
-            (tmp / "meta.json").write_text(json.dumps({"git_revision": git_revision(), "step": self.state.step}))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -201,9 +247,14 @@ class Trainer:
         accelerator.wait_for_everyone()
 
     def _load_checkpoint(self, accelerator, path: Path) -> None:
-        accelerator.load_state(str(path))
-        saved = json.loads((path / f"trainer_state_rank{accelerator.process_index}.json").read_text())
-        state = saved["state"]
+        try:
+            # nothing executable is read: weights are safetensors, optimizer and RNG states load with
+            # torch.load(weights_only=True), the LR schedule is rebuilt from the step, counters are JSON
+            accelerator.load_state(str(path))
+            saved = json.loads((path / f"trainer_state_rank{accelerator.process_index}.json").read_text())
+            state = saved["state"]
+        except Exception as exc:  # safetensors, the unpickler and json each fail their own way on a bad file
+            raise DamagedCheckpointError(f"cannot load it ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
         if (state["dp_size"], state["cp_size"]) != (self.state.dp_size, self.state.cp_size):
             raise MtrainError(
                 f"checkpoint {path} was written with dp_size={state['dp_size']} cp_size={state['cp_size']}, "
@@ -218,6 +269,7 @@ class Trainer:
     def _on_sigterm(self, signum, frame) -> None:
         log.warning("SIGTERM: checkpointing after this step, then stopping")
         self._stop_requested = True
+        self.stop_signal = signum
 
     def _next_batch(self, it):
         try:
@@ -280,6 +332,8 @@ class Trainer:
 
     def run(self) -> dict:
         r, t = self.recipe, self.recipe.train
+        if int(os.environ.get("RANK", "0")) == 0:  # one lock per launch: a second run on this folder refuses
+            self._lock = RunLock(self.out).acquire()
         seed_everything(t.seed, t.deterministic)
         accelerator = self._accelerator()
         world = accelerator.num_processes
@@ -302,22 +356,25 @@ class Trainer:
         tokenizer = load_tokenizer(r.model)
         hf_model = load_model(r.model, self._attn_implementation())
         model = ChunkedLossLM(hf_model, chunk=t.loss_chunk)
-        optimizer = self._optimizer(model)
-        scheduler = self._scheduler(optimizer)
-        model, optimizer = accelerator.prepare(model, optimizer)
-        # The scheduler stays unwrapped (accelerate would step it once per process) but is checkpointed.
-        accelerator.register_for_checkpointing(scheduler)
+        base_optimizer = self._optimizer(model)
+        model, optimizer = accelerator.prepare(model, base_optimizer)
         if accelerator.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             r.save(self.out / "config.yaml")
             log.info("training on %d process(es): DP %d x CP %d, %s, attention %s", world, self.mesh.dp_size,
                      self.mesh.cp_size, _engine_name(accelerator), r.attention.kind)
 
-        ckpt = self._latest_checkpoint()
+        ckpt = self._resume(accelerator)
         if ckpt is not None:
-            self._load_checkpoint(accelerator, ckpt)
+            old = self._saved_optim(ckpt)
+            changed = {k: (old[k], v) for k, v in r.to_dict()["optim"].items() if k in old and old[k] != v}
+            if changed:
+                log.warning("optim settings differ from checkpoint %s and apply from step %d: %s", ckpt.name,
+                            self.state.step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        # The scheduler stays unwrapped (accelerate would step it once per process); it is rebuilt from the step.
+        scheduler = self._scheduler(base_optimizer, self.state.step)
         metrics = MetricsLogger(
-            self.out, wandb_mode=r.logging.wandb, project=r.logging.project,
+            self.out, wandb_mode=usable_wandb_mode(r.logging.wandb), project=r.logging.project,
             run_name=r.logging.run_name or self.out.name, config=r.to_dict(), resume_step=self.state.step,
             enabled=accelerator.is_main_process,
         )

@@ -52,8 +52,14 @@ class Backend(abc.ABC):
 
 def rope_config(model_path: str) -> dict:
     """The checkpoint's position-encoding settings from config.json (theta, scaling, max positions)."""
-    with open(os.path.join(model_path, "config.json")) as f:
-        config = json.load(f)
+    path = os.path.join(model_path, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except ValueError as exc:
+        raise MtrainError(f"{path}: not valid JSON ({exc}); restore the checkpoint's config.json") from None
+    if not isinstance(config, dict):
+        raise MtrainError(f"{path}: not a HF config (a JSON object); restore the checkpoint's config.json")
     keys = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
     return {k: config[k] for k in keys if k in config}
 

@@ -1,0 +1,766 @@
+"""A catalogue of bad inputs and faults, one per line, grouped by stage (config, pack, train, export, eval,
+compare): each exits non-zero (2 for a user error) with one line naming the file or key and a fix, no
+traceback, and leaves nothing that looks complete. Then planted payloads (pickle in a checkpoint, a `pkl`
+MDS column) that must never run, checkpoint fall-back, a run-folder lock, resume with changed optim
+settings, SIGTERM's exit status, pack workers dying with their parent, and no network for a mistyped path.
+
+Most cases call `mtrain.cli.main` in-process; a subprocess is used only where the process itself is the
+subject (signals, orphans, the offline default of a bare `mtrain`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mtrain.cli import main
+from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
+from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 128
+# files whose presence says "this output is finished": none may appear after a failed command
+COMPLETE = ("index.json", "manifest.json", "latest", "results.json", "config.json", "compare.png")
+
+
+class Payload:
+    """Unpickling this creates its marker file: proof that a file's code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Packed synthetic data, a recipe, a 2-step run with checkpoints at steps 1 and 2, and its export."""
+    from mtrain.data import pack
+
+    root = tmp_path_factory.mktemp("world")
+    write_jsonl(root / "docs.jsonl", generate(CorpusSpec(num_docs=40, max_sentences=20, seed=5)))
+    pack([f"{root / 'docs.jsonl'}:jsonl"], str(TOKENIZER_DIR), SEQ, root / "packed", progress=False, workers=1)
+    recipe = {
+        "model": {"config": str(MODEL_CONFIG), "tokenizer": str(TOKENIZER_DIR)},
+        "data": {"path": str(root / "packed"), "seq_len": SEQ},
+        "optim": {"lr": 3e-3, "warmup_steps": 0, "schedule": "constant"},
+        "logging": {"wandb": "disabled"},
+        "train": {"output_dir": str(root / "run"), "max_steps": 2, "save_every": 1},
+    }
+    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["train", str(root / "recipe.yaml")]) == 0
+    assert (root / "run" / "final" / "config.json").is_file()
+    return root
+
+
+@pytest.fixture(autouse=True)
+def fresh_logging(monkeypatch):
+    """Each `main()` call logs to the stderr of the test that runs it; the offline variables `main()` sets
+    do not outlive the test."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers.clear()
+    yield
+    root.handlers[:] = saved
+
+
+def copy_run(world: Path, dest: Path) -> Path:
+    shutil.copytree(world / "run", dest, ignore=shutil.ignore_patterns(".mtrain.lock"))
+    return dest
+
+
+def completion_markers(root: Path) -> set[str]:
+    return {str(p) for p in root.rglob("*") if p.name in COMPLETE}
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(argv)
+    return rc, capsys.readouterr().err
+
+
+def assert_one_line(err: str, *needles: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("mtrain ")]
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------- the catalogue
+# Each case: (id, setup) where setup(ctx) returns (argv, [substrings of the error line], exit code).
+
+
+class Ctx:
+    def __init__(self, world: Path, tmp: Path):
+        self.world, self.tmp = world, tmp
+        self.recipe = str(world / "recipe.yaml")
+
+    def train(self, *overrides: str) -> list[str]:
+        args = ["train", self.recipe, "--set", f"train.output_dir={self.tmp / 'out'}"]
+        for o in overrides:
+            args += ["--set", o]
+        return args
+
+    def file(self, name: str, text: str | bytes) -> Path:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return path
+
+    def folder(self, name: str, files: dict | None = None) -> Path:
+        path = self.tmp / name
+        path.mkdir(parents=True, exist_ok=True)
+        for k, v in (files or {}).items():
+            (path / k).write_text(v)
+        return path
+
+    def run_copy(self) -> Path:
+        return copy_run(self.world, self.tmp / "run")
+
+    def model_copy(self) -> Path:
+        return Path(shutil.copytree(self.world / "run" / "final", self.tmp / "model"))
+
+    def pack(self, *extra: str, tokenizer: str | None = None, out: str | None = None) -> list[str]:
+        return ["pack", "--source", f"{self.world / 'docs.jsonl'}:jsonl", "--tokenizer", tokenizer or str(TOKENIZER_DIR),
+                "--seq-len", str(SEQ), "--out", out or str(self.tmp / "packed"), "--workers", "1", "--no-progress",
+                *extra]
+
+
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _latest(run: Path) -> Path:
+    return run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+
+
+def _pkl_mds(folder: Path, columns: dict, sample: dict) -> Path:
+    from mtrain.data.mds import mds_writer
+
+    writer = mds_writer(str(folder), columns, compression=None, size_limit=None)
+    writer.write(sample)
+    writer.finish()
+    return folder
+
+
+def _damage_every_checkpoint(c: Ctx) -> Path:
+    run = c.run_copy()
+    for ckpt in (run / "checkpoints").glob("step-*"):
+        _truncate(ckpt / "model.safetensors")
+    return run
+
+
+CONFIG = [
+    ("grad_clip-negative", lambda c: (c.train("optim.grad_clip=-1"), ["optim.grad_clip", ">= 0"], 2)),
+    ("lr-nan", lambda c: (c.train("optim.lr=.nan"), ["optim.lr", "finite"], 2)),
+    ("lr-inf", lambda c: (c.train("optim.lr=.inf"), ["optim.lr", "finite"], 2)),
+    ("lr-zero", lambda c: (c.train("optim.lr=0"), ["optim.lr", "positive"], 2)),
+    ("lr-text", lambda c: (c.train("optim.lr=fast"), ["optim.lr", "expected a number"], 2)),
+    ("eps-zero", lambda c: (c.train("optim.eps=0"), ["optim.eps", "positive"], 2)),
+    ("betas-one", lambda c: (c.train("optim.betas=[0.9, 1.0]"), ["optim.betas", "[0, 1)"], 2)),
+    ("betas-short", lambda c: (c.train("optim.betas=[0.9]"), ["optim.betas", "2 values"], 2)),
+    ("weight_decay-negative", lambda c: (c.train("optim.weight_decay=-0.1"), ["optim.weight_decay", ">= 0"], 2)),
+    ("warmup_steps-negative", lambda c: (c.train("optim.warmup_steps=-1"), ["optim.warmup_steps", ">= 0"], 2)),
+    ("warmup_ratio-over-1", lambda c: (c.train("optim.warmup_ratio=1.5"), ["warmup_ratio"], 2)),
+    ("min_lr_ratio-over-1", lambda c: (c.train("optim.min_lr_ratio=2"), ["min_lr_ratio"], 2)),
+    ("schedule-typo", lambda c: (c.train("optim.schedule=cosin"), ["optim.schedule", "did you mean 'cosine'"], 2)),
+    ("max_steps-zero", lambda c: (c.train("train.max_steps=0"), ["train.max_steps", "positive"], 2)),
+    ("max_steps-text", lambda c: (c.train("train.max_steps=ten"), ["train.max_steps", "integer"], 2)),
+    ("save_every-negative", lambda c: (c.train("train.save_every=-1"), ["train.save_every", ">= 0"], 2)),
+    ("seed-negative", lambda c: (c.train("train.seed=-3"), ["train.seed", ">= 0"], 2)),
+    ("max_bad_steps-negative", lambda c: (c.train("train.max_bad_steps=-1"), ["train.max_bad_steps", ">= 0"], 2)),
+    ("micro_batch-zero", lambda c: (c.train("train.micro_batch_size=0"), ["train.micro_batch_size", "positive"], 2)),
+    ("grad_accum-negative", lambda c: (c.train("train.grad_accum=-2"), ["train.grad_accum", "positive"], 2)),
+    ("loss_chunk-zero", lambda c: (c.train("train.loss_chunk=0"), ["train.loss_chunk", "positive"], 2)),
+    ("seq_len-zero", lambda c: (c.train("data.seq_len=0"), ["data.seq_len", "positive"], 2)),
+    ("rope_theta-zero", lambda c: (c.train("model.rope_theta=0"), ["model.rope_theta", "positive"], 2)),
+    ("rope_factor-negative", lambda c: (c.train("model.rope_scaling={rope_type: yarn, factor: -4, "
+                                                "original_max_position_embeddings: 64}"),
+                                        ["model.rope_scaling.factor", "positive"], 2)),
+    ("yarn-no-original", lambda c: (c.train("model.rope_scaling={rope_type: yarn, factor: 4}"),
+                                    ["original_max_position_embeddings"], 2)),
+    ("max_position-negative", lambda c: (c.train("model.max_position_embeddings=-1"),
+                                         ["model.max_position_embeddings", "positive"], 2)),
+    ("recall-over-1", lambda c: (c.train("attention.recall=1.5"), ["attention.recall"], 2)),
+    ("attention-kind-typo", lambda c: (c.train("attention.kind=mtrainig"), ["attention.kind", "mtraining"], 2)),
+    ("cp_size-zero", lambda c: (c.train("parallel.cp_size=0"), ["parallel.cp_size", "positive"], 2)),
+    ("layout-unknown", lambda c: (c.train("parallel.layout=diagonal"), ["parallel.layout"], 2)),
+    ("wandb-mode-unknown", lambda c: (c.train("logging.wandb=sometimes"), ["logging.wandb"], 2)),
+    ("log_every-zero", lambda c: (c.train("logging.log_every=0"), ["logging.log_every", "positive"], 2)),
+    ("unknown-key", lambda c: (c.train("train.max_step=3"), ["train.max_step'", "did you mean 'max_steps'"], 2)),
+    ("unknown-section", lambda c: (c.train("trian.max_steps=3"), ["unknown section 'trian'"], 2)),
+    ("override-no-equals", lambda c: (c.train("train.max_steps"), ["section.key=value"], 2)),
+    ("recipe-missing", lambda c: (["train", str(c.tmp / "nope.yaml")], ["nope.yaml", "does not exist"], 2)),
+    ("recipe-torn-yaml", lambda c: (["train", str(c.file("torn.yaml", "model: {config: [unclosed\n"))],
+                                    ["torn.yaml", "not valid YAML"], 2)),
+    ("recipe-a-list", lambda c: (["train", str(c.file("list.yaml", "- a\n- b\n"))], ["list.yaml", "mapping"], 2)),
+    ("model-path-and-config", lambda c: (c.train(f"model.path={c.world / 'run' / 'final'}"),
+                                         ["exactly one of 'model.path'"], 2)),
+    ("model-config-missing", lambda c: (c.train(f"model.config={c.tmp / 'small.json'}"),
+                                        ["model.config", "small.json", "does not exist"], 2)),
+    ("model-config-a-folder", lambda c: (c.train(f"model.config={c.folder('cfgdir')}"),
+                                         ["model.config", "cfgdir", "not a file"], 2)),
+    ("model-config-torn", lambda c: (c.train("model.config=" + str(c.file("torn.json", '{"model_type": "qw'))),
+                                     ["model.config", "torn.json", "not readable JSON"], 2)),
+    ("model-config-no-type", lambda c: (c.train(f"model.config={c.file('notype.json', '{}')}"),
+                                        ["model.config", "notype.json", "model_type"], 2)),
+    ("tokenizer-folder-empty", lambda c: (c.train(f"model.tokenizer={c.folder('tok', {'tokenizer_config.json': '{}'})}"),
+                                          ["model.tokenizer", "tok", "no tokenizer files"], 2)),
+    ("model-path-no-config", lambda c: (c.train("model.config=null", f"model.path={c.folder('ckpt')}"),
+                                        ["model.path", "ckpt", "no config.json"], 2)),
+    ("model-path-without-tokenizer", lambda c: (
+        c.train("model.config=null", "model.tokenizer=null",
+                f"model.path={c.folder('bare', {'config.json': json.dumps({'model_type': 'qwen2'})})}"),
+        ["model.path", "bare", "no tokenizer files"], 2)),
+    ("model-path-hub-shaped-typo", lambda c: (c.train("model.config=null", "model.path=modles/smollm2-135m"),
+                                              ["model.path", "modles/smollm2-135m", "not a local path"], 2)),
+    ("data-path-missing", lambda c: (c.train(f"data.path={c.tmp / 'nodata'}"), ["data.path", "nodata", "mtrain pack"], 2)),
+    ("data-path-unfinished-pack", lambda c: (c.train(f"data.path={c.folder('half', {'manifest.json': '{}'})}"),
+                                             ["data.path", "half", "index.json"], 2)),
+    ("output_dir-is-a-file", lambda c: (c.train(f"train.output_dir={c.file('outfile', 'x')}"),
+                                        ["train.output_dir", "outfile", "is a file"], 2)),
+    ("output_dir-under-a-file", lambda c: (c.train(f"train.output_dir={c.file('blocker', 'x') / 'run'}"),
+                                           ["train.output_dir", "blocker", "is a file"], 2)),
+    ("deepspeed-missing", lambda c: (c.train(f"train.deepspeed={c.tmp / 'z2.json'}"), ["train.deepspeed", "z2.json"], 2)),
+    ("deepspeed-a-folder", lambda c: (c.train(f"train.deepspeed={c.folder('dsdir')}"), ["train.deepspeed", "dsdir"], 2)),
+]
+
+
+def _pack_manifest(c: Ctx, text: str) -> list[str]:
+    return ["pack", str(c.file("mix.yaml", text)), "--no-progress"]
+
+
+PACK = [
+    ("no-sources", lambda c: (["pack", "--tokenizer", str(TOKENIZER_DIR), "--seq-len", "128", "--out",
+                               str(c.tmp / "p")], ["give sources"], 2)),
+    ("no-seq-len", lambda c: (["pack", "--source", "x.jsonl", "--tokenizer", str(TOKENIZER_DIR), "--out",
+                               str(c.tmp / "p")], ["--seq-len is required"], 2)),
+    ("source-missing", lambda c: (c.pack() [:1] + ["--source", str(c.tmp / "gone.jsonl")] + c.pack()[3:],
+                                  ["gone.jsonl", "no such file"], 2)),
+    ("seq_len-one", lambda c: (c.pack()[:6] + ["1"] + c.pack()[7:], ["seq_len 1 is too small"], 2)),
+    ("seq_len-negative", lambda c: (c.pack()[:6] + ["-5"] + c.pack()[7:], ["too small"], 2)),
+    ("workers-zero", lambda c: (c.pack()[:10] + ["0"] + c.pack()[11:], ["--workers", ">= 1"], 2)),
+    ("total_tokens-zero", lambda c: (c.pack("--total-tokens", "0"), ["--total-tokens", ">= 1"], 2)),
+    ("samples_per_shard-zero", lambda c: (c.pack("--samples-per-shard", "0"), ["--samples-per-shard", ">= 1"], 2)),
+    ("proportion-nan", lambda c: (["pack", "--source", f"{c.world / 'docs.jsonl'}:jsonl@nan", "--tokenizer",
+                                   str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(c.tmp / "p")],
+                                  ["proportion", "finite"], 2)),
+    ("proportion-text", lambda c: (["pack", "--source", f"{c.world / 'docs.jsonl'}@lots", "--tokenizer",
+                                    str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(c.tmp / "p")],
+                                   ["proportion 'lots'"], 2)),
+    ("tokenizer-missing-folder", lambda c: (c.pack(tokenizer=str(c.tmp / "toks")), ["--tokenizer", "toks",
+                                                                                     "no such folder"], 2)),
+    ("tokenizer-hub-shaped-typo", lambda c: (c.pack(tokenizer="assets/tiny-tokenzier"),
+                                             ["assets/tiny-tokenzier", "no hub tokenizer in the local cache"], 2)),
+    ("tokenizer-is-a-file", lambda c: (c.pack(tokenizer=str(TOKENIZER_DIR / "tokenizer.json")),
+                                       ["tokenizer.json", "is a file"], 2)),
+    ("out-is-a-file", lambda c: (c.pack(out=str(c.file("pfile", "x"))), ["--out", "pfile", "is a file"], 2)),
+    ("out-not-empty", lambda c: (c.pack(out=str(c.folder("busy", {"notes.txt": "mine"}))),
+                                 ["busy", "not empty"], 2)),
+    ("manifest-missing", lambda c: (["pack", str(c.tmp / "mix.yaml")], ["mix.yaml", "no such manifest"], 2)),
+    ("manifest-torn-yaml", lambda c: (_pack_manifest(c, "sources: [unclosed\n"), ["mix.yaml", "not valid YAML"], 2)),
+    ("manifest-unknown-key", lambda c: (_pack_manifest(c, "sources: []\nseq_lenn: 4\n"), ["mix.yaml", "seq_lenn"], 2)),
+    ("manifest-source-no-path", lambda c: (_pack_manifest(c, "sources: [{name: web}]\n"), ["needs a `path`"], 2)),
+    ("mds-source-pkl-column", lambda c: (
+        ["pack", "--source", f"{_pkl_mds(c.tmp / 'pklsrc', {'text': 'pkl'}, {'text': Payload(c.tmp / 'PWNED')})}:mds",
+         "--tokenizer", str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(c.tmp / "p"), "--workers", "1"],
+        ["pklsrc", "pickle", "re-encode"], 2)),
+]
+
+
+def _with_broken_data(c: Ctx, damage) -> list[str]:
+    data = Path(shutil.copytree(c.world / "packed", c.tmp / "data"))
+    damage(data)
+    return c.train(f"data.path={data}")
+
+
+def _flip_shard(data: Path) -> None:
+    shard = next(data.glob("shard.*.mds"))
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+
+
+def _marked_run(c: Ctx, text: str) -> Path:
+    run = c.run_copy()
+    (run / "checkpoints" / "latest").write_text(text)
+    return run
+
+
+def _marker(c: Ctx, text: str) -> list[str]:
+    return c.train(f"train.output_dir={_marked_run(c, text)}", "train.max_steps=3")
+
+
+def _escape_link(c: Ctx) -> list[str]:
+    run = c.run_copy()
+    outside = Path(shutil.copytree(_latest(run), c.tmp / "elsewhere"))
+    shutil.rmtree(run / "checkpoints" / "step-0000002")
+    (run / "checkpoints" / "step-0000002").symlink_to(outside)
+    return c.train(f"train.output_dir={run}", "train.max_steps=3")
+
+
+TRAIN = [
+    ("data-seq_len-mismatch", lambda c: (c.train("data.seq_len=64"), ["data.seq_len=64", "seq_len=128"], 2)),
+    ("data-shard-truncated", lambda c: (_with_broken_data(c, lambda d: _truncate(next(d.glob("shard.*.mds")))),
+                                        ["shard.00000.mds", "truncated"], 2)),
+    ("data-shard-bitflip", lambda c: (_with_broken_data(c, _flip_shard), ["shard.00000.mds", "sha256", "manifest.json"], 2)),
+    ("data-manifest-torn", lambda c: (_with_broken_data(c, lambda d: _truncate(d / "manifest.json")),
+                                      ["manifest.json", "corrupt manifest"], 2)),
+    ("data-index-torn", lambda c: (_with_broken_data(c, lambda d: _truncate(d / "index.json")),
+                                   ["index.json", "corrupt MDS index"], 2)),
+    ("marker-escapes-run", lambda c: (_marker(c, "../../elsewhere"), ["latest", "not a checkpoint folder"], 2)),
+    ("marker-names-missing", lambda c: (_marker(c, "step-0000009"), ["latest", "missing folder"], 2)),
+    ("checkpoint-link-outside", lambda c: (_escape_link(c), ["outside"], 2)),
+    ("every-checkpoint-damaged", lambda c: (c.train(f"train.output_dir={_damage_every_checkpoint(c)}",
+                                                    "train.max_steps=3"),
+                                            ["no intact checkpoint", "model.safetensors", "move"], 2)),
+]
+
+
+def _export_damaged(c: Ctx) -> list[str]:
+    run = c.run_copy()
+    _truncate(_latest(run) / "model.safetensors")
+    return ["export", str(run), "--out", str(c.tmp / "hf")]
+
+
+EXPORT = [
+    ("run-missing", lambda c: (["export", str(c.tmp / "norun"), "--out", str(c.tmp / "hf")], ["norun", "no such run"], 2)),
+    ("run-without-checkpoints", lambda c: (["export", str(c.folder("empty")), "--out", str(c.tmp / "hf")],
+                                           ["empty", "no checkpoints/latest"], 2)),
+    ("out-is-a-file", lambda c: (["export", str(c.world / "run"), "--out", str(c.file("hffile", "x"))],
+                                 ["hffile", "not a HF checkpoint folder"], 2)),
+    ("out-holds-other-files", lambda c: (["export", str(c.world / "run"), "--out", str(c.folder("mine", {"a.txt": "x"}))],
+                                         ["mine", "would replace"], 2)),
+    ("latest-damaged", lambda c: (_export_damaged(c), ["step-0000002", "model.safetensors", "previous intact",
+                                                       "step-0000001"], 2)),
+    ("marker-escapes", lambda c: (["export", str(_marked_run(c, "/etc")), "--out", str(c.tmp / "hf")],
+                                  ["latest", "not a checkpoint folder"], 2)),
+]
+
+
+def _eval(c: Ctx, model: Path, *extra: str) -> list[str]:
+    return ["eval", "--model", str(model), "--out", str(c.tmp / "ev"), "--tasks", "niah", "--lengths", "256",
+            "--samples", "1", "--no-progress", *extra]
+
+
+def _eval_model(c: Ctx, damage) -> Path:
+    model = c.model_copy()
+    damage(model)
+    return model
+
+
+def _torn_predictions(c: Ctx) -> list[str]:
+    pred = c.folder("ev/predictions")
+    (pred / "niah.jsonl").write_text('{"task": "niah", "length": 256, "index": 0}\n{"task": "ni\n')
+    return ["eval", "--score-only", "--out", str(c.tmp / "ev")]
+
+
+EVAL = [
+    ("model-missing", lambda c: (_eval(c, c.tmp / "nomodel"), ["nomodel", "no such folder"], 2)),
+    ("model-hub-shaped-typo", lambda c: (_eval(c, Path("runs/tiny/fnial")), ["runs/tiny/fnial", "no such folder"], 2)),
+    ("model-no-config", lambda c: (_eval(c, _eval_model(c, lambda m: (m / "config.json").unlink())),
+                                   ["model", "no config.json"], 2)),
+    ("model-config-torn", lambda c: (_eval(c, _eval_model(c, lambda m: _truncate(m / "config.json"))),
+                                     ["config.json", "not valid JSON"], 2)),
+    ("model-no-tokenizer", lambda c: (_eval(c, _eval_model(c, lambda m: (m / "tokenizer.json").unlink())),
+                                      ["model", "no tokenizer files"], 2)),
+    ("model-no-weights", lambda c: (_eval(c, _eval_model(c, lambda m: (m / "model.safetensors").unlink())),
+                                    ["model", "no weights"], 2)),
+    ("predictions-torn-line", lambda c: (_torn_predictions(c), ["niah.jsonl:2", "damaged prediction record"], 2)),
+    ("run-manifest-torn", lambda c: (_eval(c, c.world / "run" / "final", "--out", str(c.file("ev2/manifest.json",
+                                                                                          '{"check').parent)),
+                                     ["manifest.json", "damaged run manifest"], 2)),
+    ("samples-zero", lambda c: (_eval(c, c.world / "run" / "final", "--samples", "0"), ["--samples", "positive"], 2)),
+    ("lengths-zero", lambda c: (_eval(c, c.world / "run" / "final", "--lengths", "0"), ["--lengths", "positive"], 2)),
+    ("suite-missing", lambda c: (_eval(c, c.world / "run" / "final") + [str(c.tmp / "suite.yaml")],
+                                 ["suite.yaml", "not found"], 2)),
+    ("suite-torn-yaml", lambda c: (_eval(c, c.world / "run" / "final") + [str(c.file("suite.yaml", "tasks: [x\n"))],
+                                   ["suite.yaml", "not valid YAML"], 2)),
+    ("out-is-a-file", lambda c: (["eval", "--model", str(c.world / "run" / "final"), "--out", str(c.file("evf", "x"))],
+                                 ["evf", "is a file"], 2)),
+    ("score-only-empty", lambda c: (["eval", "--score-only", "--out", str(c.folder("ev"))], ["no predictions"], 2)),
+]
+
+
+def _compare_run(c: Ctx, metrics: str | None = None, config: str | None = None) -> str:
+    run = c.folder("cr")
+    if metrics is not None:
+        (run / "metrics.jsonl").write_text(metrics)
+    if config is not None:
+        (run / "config.yaml").write_text(config)
+    return str(run)
+
+
+ROW = json.dumps({"step": 1, "loss": 5.0, "tokens": 128, "tokens_per_s": 10.0}) + "\n"
+COMPARE = [
+    ("run-missing", lambda c: (["compare", str(c.tmp / "gone")], ["gone", "no such run folder"], 2)),
+    ("no-metrics", lambda c: (["compare", _compare_run(c)], ["cr", "no metrics.jsonl"], 2)),
+    ("metrics-empty", lambda c: (["compare", _compare_run(c, metrics="")], ["metrics.jsonl", "no complete steps"], 2)),
+    ("metrics-foreign-rows", lambda c: (["compare", _compare_run(c, metrics='{"step": 1}\n')],
+                                        ["metrics.jsonl", "record 1", "loss"], 2)),
+    ("metrics-text-loss", lambda c: (["compare", _compare_run(c, metrics=ROW.replace("5.0", '"low"'))],
+                                     ["metrics.jsonl", "loss"], 2)),
+    ("config-torn", lambda c: (["compare", _compare_run(c, metrics=ROW, config="optim: {lr: [\n")],
+                               ["config.yaml", "not valid YAML"], 2)),
+    ("plot-is-a-folder", lambda c: (["compare", str(c.world / "run"), "--plot", str(c.folder("plotdir"))],
+                                    ["--plot", "plotdir"], 2)),
+]
+
+CATALOGUE = [pytest.param(stage, setup, id=f"{stage}:{name}") for stage, cases in
+             (("config", CONFIG), ("pack", PACK), ("train", TRAIN), ("export", EXPORT), ("eval", EVAL),
+              ("compare", COMPARE))
+             for name, setup in cases]
+
+
+def test_catalogue_is_large_enough():
+    assert len(CATALOGUE) >= 60
+    assert {p.values[0] for p in CATALOGUE} == {"config", "pack", "train", "export", "eval", "compare"}
+
+
+@pytest.mark.parametrize("stage, setup", CATALOGUE)
+def test_bad_input(stage, setup, world, tmp_path, capsys):
+    ctx = Ctx(world, tmp_path)
+    argv, needles, code = setup(ctx)
+    before = completion_markers(tmp_path)
+    world_before = completion_markers(world)
+    rc, err = run_cli(argv, capsys)
+    assert rc == code, err
+    assert_one_line(err, *needles)
+    assert completion_markers(tmp_path) <= before, "a failed command left an output that looks complete"
+    assert completion_markers(world) == world_before
+    assert not (tmp_path / "PWNED").exists()
+
+
+# ---------------------------------------------------------------------------------------------- OS faults
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS, errno.EACCES], ids=["no-space", "read-only", "permission"])
+def test_checkpoint_write_fault_is_one_line(world, tmp_path, capsys, monkeypatch, err):
+    """A save that the disk refuses: one line naming the folder and the cause; the old checkpoint is kept."""
+    from accelerate import Accelerator
+
+    run = copy_run(world, tmp_path / "run")
+
+    def refuse(self, output_dir=None, **kw):
+        raise OSError(err, os.strerror(err), str(Path(output_dir) / "model.safetensors"))
+
+    monkeypatch.setattr(Accelerator, "save_state", refuse)
+    rc, out = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}",
+                       "--set", "train.max_steps=3"], capsys)
+    assert rc == 2
+    assert_one_line(out, "step-0000003.tmp", os.strerror(err), "previous checkpoint is untouched")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-0000001", "step-0000002"]
+
+
+def test_full_disk_inside_torch_save_is_named(world, tmp_path, capsys, monkeypatch):
+    """torch.save reports a full disk as RuntimeError('... unexpected pos ...'): still one line, GiB free shown."""
+    from accelerate import Accelerator
+
+    run = copy_run(world, tmp_path / "run")
+    monkeypatch.setattr(Accelerator, "save_state", lambda self, output_dir=None, **kw: (_ for _ in ()).throw(
+        RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 4480 vs 4368")))
+    rc, out = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}",
+                       "--set", "train.max_steps=3"], capsys)
+    assert rc == 2
+    assert_one_line(out, "unexpected pos", "GiB free")
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000002"
+
+
+def test_os_error_outside_checks_is_one_line(tmp_path, capsys, monkeypatch):
+    """An OS error no check foresaw still ends as one line naming the path (exit 1, not a traceback)."""
+    import mtrain.compare as compare
+
+    def fail(args):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), "/ro/metrics.jsonl")
+
+    monkeypatch.setattr(compare, "run", fail)
+    rc, err = run_cli(["compare", str(tmp_path)], capsys)
+    assert rc == 1
+    assert_one_line(err, "/ro/metrics.jsonl", "read-only", "writable")
+
+
+def test_debug_shows_the_traceback(world, tmp_path):
+    from mtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="optim.grad_clip"):
+        main(["--debug", "train", str(world / "recipe.yaml"), "--set", "optim.grad_clip=-1"])
+
+
+# ---------------------------------------------------------------------------------------------- payloads
+
+
+def _plant(path: Path, marker: Path) -> None:
+    path.write_bytes(pickle.dumps(Payload(marker)))
+
+
+@pytest.mark.parametrize("name", ["custom_checkpoint_0.pkl", "scheduler.bin", "optimizer.bin", "random_states_0.pkl"])
+def test_pickle_in_checkpoint_never_runs(world, tmp_path, capsys, caplog, name):
+    """A pickle payload planted in the latest checkpoint does not run. Files resume never reads are ignored;
+    files it reads fail the weights-only unpickler, so that checkpoint counts as damaged (the previous one
+    is used, with a warning naming the file)."""
+    run = copy_run(world, tmp_path / "run")
+    latest = _latest(run)
+    marker = tmp_path / "PWNED"
+    _plant(latest / name, marker)
+    # the planted file is listed as intact, so only loading can catch it
+    listing = json.loads((latest / "files.json").read_text())
+    listing.pop(name, None)
+    (latest / "files.json").write_text(json.dumps(listing))
+    caplog.set_level(logging.WARNING)
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}",
+                       "--set", "train.max_steps=3", "--set", "train.export=false"], capsys)
+    assert not marker.exists(), f"code planted in {name} ran"
+    assert rc == 0, err
+    if name == "optimizer.bin":
+        assert "step-0000002 is damaged" in caplog.text and "UnpicklingError" in caplog.text
+        assert "resumed from the previous intact checkpoint" in caplog.text
+
+
+def test_pkl_column_in_training_data_never_runs(world, tmp_path, capsys):
+    import numpy as np
+
+    marker = tmp_path / "PWNED"
+    data = _pkl_mds(tmp_path / "data", {"input_ids": "pkl", "indices": "ndarray:uint32"},
+                    {"input_ids": Payload(marker), "indices": np.zeros((1, 2), np.uint32)})
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"data.path={data}",
+                       "--set", f"train.output_dir={tmp_path / 'out'}"], capsys)
+    assert rc == 2
+    assert_one_line(err, "input_ids", "pickle")
+    assert not marker.exists()
+
+
+def test_yaml_recipe_cannot_build_objects(world, tmp_path, capsys):
+    """A recipe is read with yaml.safe_load: python tags are refused, not executed."""
+    marker = tmp_path / "PWNED"
+    recipe = tmp_path / "evil.yaml"
+    recipe.write_text(f"model: !!python/object/apply:pathlib.Path.touch [!!python/object/apply:pathlib.Path "
+                      f"['{marker}']]\n")
+    rc, err = run_cli(["train", str(recipe)], capsys)
+    assert rc == 2 and not marker.exists()
+    assert_one_line(err, "evil.yaml", "not valid YAML")
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def test_damaged_latest_falls_back_to_previous(world, tmp_path, capsys, caplog):
+    """Truncated model.safetensors in the latest checkpoint: named in a warning, step 1 is used instead."""
+    run = copy_run(world, tmp_path / "run")
+    _truncate(run / "checkpoints" / "step-0000002" / "model.safetensors")
+    caplog.set_level(logging.WARNING)
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}",
+                       "--set", "train.export=false"], capsys)
+    assert rc == 0, err
+    assert "step-0000002/model.safetensors: truncated" in caplog.text
+    assert "resumed from the previous intact checkpoint" in caplog.text and "step-0000001" in caplog.text
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # step 2 retrained, its old metrics line replaced, not duplicated
+    # the retrained step 2 replaced the damaged folder and is intact again
+    from mtrain.train.run_folder import verify_file_list
+
+    verify_file_list(run / "checkpoints" / "step-0000002")
+
+
+def test_truncated_state_without_file_list_is_caught_on_load(world, tmp_path, capsys, caplog):
+    """A checkpoint from before files.json: the damaged optimizer.bin is caught by loading it, and named."""
+    run = copy_run(world, tmp_path / "run")
+    latest = _latest(run)
+    (latest / "files.json").unlink()
+    _truncate(latest / "optimizer.bin")
+    caplog.set_level(logging.WARNING)
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}",
+                       "--set", "train.export=false"], capsys)
+    assert rc == 0, err
+    assert "step-0000002 is damaged" in caplog.text and "resumed from the previous intact checkpoint" in caplog.text
+
+
+def test_second_trainer_on_one_folder_refuses(world, tmp_path, capsys):
+    from mtrain.train.run_folder import RunLock
+
+    run = copy_run(world, tmp_path / "run")
+    held = RunLock(run).acquire()  # stands for a first `mtrain train` still running
+    try:
+        rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}",
+                           "--set", "train.max_steps=3"], capsys)
+    finally:
+        held.release()
+    assert rc == 2
+    assert_one_line(err, str(run), "in use by another `mtrain train`", "another train.output_dir")
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000002"
+
+
+def test_changed_lr_on_resume_is_applied_and_logged(world, tmp_path, capsys, caplog):
+    """optim.lr changed between runs: the resumed step uses the new LR (constant schedule) and says so."""
+    run = copy_run(world, tmp_path / "run")
+    caplog.set_level(logging.WARNING)
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}",
+                       "--set", "train.max_steps=3", "--set", "optim.lr=1e-4", "--set", "optim.betas=[0.8, 0.9]",
+                       "--set", "train.export=false"], capsys)
+    assert rc == 0, err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows] == pytest.approx([3e-3, 3e-3, 1e-4])
+    assert "lr 0.003 -> 0.0001" in caplog.text and "betas [0.9, 0.95] -> [0.8, 0.9]" in caplog.text
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["optim"]["lr"] == pytest.approx(1e-4)
+    import torch
+
+    state = torch.load(run / "checkpoints" / "step-0000003" / "optimizer.bin", weights_only=True)
+    assert state["param_groups"][0]["betas"] == (0.8, 0.9)
+
+
+def test_wandb_online_without_key_falls_back_offline(world, tmp_path, capsys, caplog, monkeypatch):
+    """wandb online without an API key: the run logs offline with one warning saying how to upload later."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from mtrain.train.metrics import usable_wandb_mode
+
+    caplog.set_level(logging.WARNING)
+    assert usable_wandb_mode("online") == "offline"
+    assert "no wandb API key" in caplog.text and "wandb sync" in caplog.text
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert usable_wandb_mode("online") == "online"
+    assert usable_wandb_mode("disabled") == "disabled"
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
+                                                               "TRANSFORMERS_OFFLINE", "MTRAIN_ONLINE")}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def test_sigterm_checkpoints_then_exits_143(world, tmp_path):
+    run = copy_run(world, tmp_path / "run")
+    shutil.rmtree(run / "final")
+    proc = subprocess.Popen([sys.executable, "-m", "mtrain", "train", str(world / "recipe.yaml"), "--set",
+                             f"train.output_dir={run}", "--set", "train.max_steps=1000"],
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by signal 15" in err and "Traceback" not in err
+    latest = (run / "checkpoints" / "latest").read_text()
+    assert int(latest.split("-")[1]) >= 3 and not (run / "final").exists()
+
+
+def test_pack_workers_die_with_their_parent(world, tmp_path):
+    """kill -9 of `mtrain pack` mid-tokenization: its worker processes end too (no orphans)."""
+    for i in range(3):
+        shutil.copy(world / "docs.jsonl", tmp_path / f"part{i}.jsonl")
+    script = (
+        "import sys, time\n"
+        "import mtrain.data.tokenize as tk\n"
+        "real = tk.tokenize_chunk\n"
+        "def slow(chunk):\n    time.sleep(600)\n    return real(chunk)\n"
+        "tk.tokenize_chunk = slow\n"
+        "from mtrain.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, "pack", "--source", f"{tmp_path}:jsonl", "--tokenizer",
+                             str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(tmp_path / "packed"),
+                             "--workers", "3", "--no-progress"], cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def children() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == proc.pid:
+                    found.append(int(entry.name))
+        return found
+
+    deadline = time.time() + 60
+    workers: list[int] = []
+    while time.time() < deadline and len(workers) < 3:
+        workers = children()
+        time.sleep(0.2)
+    assert len(workers) >= 3, "the pack never started its workers"
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    alive = workers
+    while time.time() < deadline and alive:
+        alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()
+                 and "Z" not in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0:1] or ["Z"])]
+        time.sleep(0.2)
+    assert not alive, f"orphaned pack workers {alive}"
+    assert not (tmp_path / "packed" / "index.json").exists()
+
+
+def test_bare_mtrain_with_mistyped_path_never_touches_the_network(world, tmp_path):
+    """No offline variables set, as a user's shell: a hub-shaped typo fails at once, naming the path, and
+    nothing connects to the (local, recording) hub endpoint."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    hits: list = []
+    stop = threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+                hits.append(conn)
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    env = _env(HF_ENDPOINT=f"http://127.0.0.1:{port}", HTTPS_PROXY=f"http://127.0.0.1:{port}",
+               HTTP_PROXY=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf-home"))
+    commands = [
+        ["train", str(world / "recipe.yaml"), "--set", "model.config=null", "--set", "model.path=modles/smollm2-135m"],
+        ["pack", "--source", f"{world / 'docs.jsonl'}:jsonl", "--tokenizer", "HuggingFaceTB/SmolLM2-135M",
+         "--seq-len", "128", "--out", str(tmp_path / "p")],
+    ]
+    try:
+        for args in commands:
+            started = time.time()
+            proc = subprocess.run([sys.executable, "-m", "mtrain", *args], cwd=REPO, env=env, capture_output=True,
+                                  text=True, timeout=120)
+            took = time.time() - started
+            assert proc.returncode == 2, proc.stderr
+            assert_one_line(proc.stderr, args[-1].split("=")[-1] if args[0] == "train" else "HuggingFaceTB/SmolLM2-135M",
+                            "--online")
+            assert took < 30, f"{args[0]} took {took:.0f}s"
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    assert not hits, "mtrain connected to the hub endpoint"
