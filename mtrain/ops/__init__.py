@@ -7,15 +7,18 @@ from mtrain.ops.dense import dense_attention, dense_backend
 from mtrain.ops.estimate import estimate_vertical_slash
 from mtrain.ops.index import SparseIndex
 from mtrain.ops.partial import merge_partial
+from mtrain.ops.recall import index_row_mask, true_recall
 
 __all__ = [
     "SparseIndex",
     "dense_attention",
     "dense_backend",
     "estimate_vertical_slash",
+    "index_row_mask",
     "merge_partial",
     "partial",
     "partial_attention",
     "reference",
+    "true_recall",
     "vertical_slash_attention",
 ]

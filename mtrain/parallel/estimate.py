@@ -34,6 +34,10 @@ class SparseSettings:
     """Select once per KV group on the scores summed over its query heads (one budget per group)."""
     slash_recall: float | None = None
     """Recall target of the slash set; None = `recall`."""
+    sample_blocks: int = 16
+    """Query blocks (of block_size rows) spread evenly over the sequence that are scored besides the last_q rows."""
+    cap_fraction: float | None = None
+    """Also cap verticals at this fraction of the sequence's tokens and slashes at this fraction of its blocks."""
 
     def __post_init__(self) -> None:
         for name in ("recall", "slash_recall"):
@@ -43,7 +47,9 @@ class SparseSettings:
         for name in ("last_q", "max_vertical", "max_slash", "block_size"):
             if getattr(self, name) < 1:
                 raise MtrainError(f"sparse.{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("min_vertical", "min_slash"):
+        if self.cap_fraction is not None and not 0.0 < self.cap_fraction <= 1.0:
+            raise MtrainError(f"sparse.cap_fraction must be in (0, 1] or None; got {self.cap_fraction}")
+        for name in ("min_vertical", "min_slash", "sample_blocks"):
             if getattr(self, name) < 0:
                 raise MtrainError(f"sparse.{name} must be >= 0; got {getattr(self, name)}")
 
