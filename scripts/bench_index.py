@@ -1,0 +1,233 @@
+"""Index building on the GPU: SparseIndex.from_lines + transposed lists + column plan (everything the sparse
+kernels read from an index), reference builder vs the Triton builder, checked equal, plus the estimator's
+own cost. One table per run.
+
+    python scripts/bench_index.py                       # 32K/64K/128K, SmolLM2 and Qwen2.5-3B heads
+    python scripts/bench_index.py --seqs 4096 --reps 2  # quick (CPU: add TRITON_INTERPRET=1, tiny sizes)
+
+Columns: "wall" = call to finished GPU work, from an idle GPU (host launch time included); "host" = time
+until the call returns (the new builder does not wait for the GPU); "stream" = GPU stream time of the
+call queued behind other GPU work (what a training step pays when the host runs ahead: host-side gaps
+and synchronisations show up here, launch overhead does not). Medians of --reps runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mtrain.ops import SparseIndex, estimate_vertical_slash  # noqa: E402
+from mtrain.ops.index import column_plan, kernel_column_chunk, pad_groups, transpose_blocks_csr  # noqa: E402
+
+# name: (query heads, kv heads, head dim, block size)
+MODELS = {"smollm2-135m": (9, 3, 64, 64), "qwen2.5-3b": (16, 2, 128, 128)}
+# (verticals, slashes) per head: the ends of the ranges the estimator selects on real attention.
+LINES = [(100, 50), (2000, 500)]
+
+
+def make_lines(S: int, heads: int, nv: int, ns: int, device, seed: int = 0):
+    """Verticals: 4 sinks + uniform key positions; slashes: half within 2048 tokens of the diagonal (they
+    share blocks, like a local window), half anywhere. Distinct per head, -1 padded to equal width."""
+    g = torch.Generator().manual_seed(seed)
+    vertical = torch.cat([torch.arange(4).expand(1, heads, 4), torch.randint(4, S, (1, heads, nv - 4), generator=g)], -1)
+    slash = torch.cat([torch.randint(0, 2048, (1, heads, ns // 2), generator=g),
+                       torch.randint(0, S, (1, heads, ns - ns // 2), generator=g)], -1)
+    slash[..., -1] = -1  # padding, as the estimator leaves it
+    return vertical.to(device), slash.to(device)
+
+
+def make_qk(S: int, hq: int, hkv: int, d: int, device, seed: int = 0):
+    """bf16 q [1, S, Hq, D], k [1, S, Hkv, D]: RoPE-style rotations give logits that depend on q - k alone (a
+    local window and ripples: slashes), plus a shared direction that makes 4 sinks and 32 outlier keys per
+    KV head (verticals), over weak random attention."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    pos = torch.arange(S, device=device, dtype=torch.float32)
+    theta = 1e4 ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    ang = pos[:, None] * theta[None, :]  # [S, D/2]
+    w = math.sqrt(8.0 * math.sqrt(d) / (d // 2))  # logit 8 at q - k = 0
+    rot = w * torch.stack([ang.cos(), ang.sin()], -1).flatten(-2)  # [S, D]
+    q = rot[None, :, None, :] + 0.3 * torch.randn(1, S, hq, d, device=device, generator=g)
+    k = rot[None, :, None, :] + 0.3 * torch.randn(1, S, hkv, d, device=device, generator=g)
+    u = torch.nn.functional.normalize(torch.randn(hkv, d, device=device, generator=g), dim=-1)
+    q += 1.5 * u.repeat_interleave(hq // hkv, 0)
+    outliers = torch.cat([torch.arange(4, device=device), torch.randint(4, S, (32,), device=device, generator=g)])
+    k[0, outliers] += (10.0 * math.sqrt(d) / 1.5) * u  # logit ~10 against every query
+    return q.bfloat16(), k.bfloat16()
+
+
+def build_old(vertical, slash, S, bs):
+    index = SparseIndex.from_lines(vertical, slash, S, bs, impl="torch")
+    transposed = transpose_blocks_csr(index.block_ids, index.block_counts, index.n_blocks)
+    plan = column_plan(index.col_ids, index.col_counts, S, kernel_column_chunk(bs))
+    return index, transposed, plan
+
+
+def build_new(vertical, slash, S, bs):
+    index = SparseIndex.from_lines(vertical, slash, S, bs, impl="triton")
+    return index, index.transposed_csr(), index.column_plan(kernel_column_chunk(bs))
+
+
+def same(old, new) -> str:
+    """'ok' when the new builder's lists equal the reference's (up to the reference's widths, padding beyond),
+    else what differs."""
+    (o, o_t, o_p), (n, n_t, n_p) = old, new
+
+    def padded(a, b, pad):
+        w = a.shape[-1]
+        return b.shape[:-1] == a.shape[:-1] and torch.equal(a, b[..., :w]) and bool((b[..., w:] == pad).all())
+
+    k = o_p.q_ids.shape[2]
+    checks = {
+        "block lists": torch.equal(o.block_counts, n.block_counts) and padded(o.block_ids, n.block_ids, -1),
+        "columns": torch.equal(o.col_counts, n.col_counts) and padded(o.col_ids, n.col_ids, -1),
+        "transposed": torch.equal(o_t[2], n_t[2]) and torch.equal(pad_groups(*o_t), pad_groups(*n_t)),
+        "column plan": padded(o_p.universe, n_p.universe, -1) and torch.equal(o_p.counts, n_p.counts[:, :, :k])
+        and padded(o_p.q_ids, n_p.q_ids[:, :, :k], -1) and padded(o_p.bits, n_p.bits[:, :, :k], 0)
+        and bool((n_p.counts[:, :, k:] == 0).all()),
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    return "ok" if not bad else "DIFFERS: " + ", ".join(bad)
+
+
+def nbytes(built) -> float:
+    index, transposed, plan = built
+    ts = [index.block_ids, index.block_counts, index.col_ids, index.col_counts, *transposed,
+          plan.universe, plan.q_ids, plan.bits, plan.counts]
+    return sum(t.numel() * t.element_size() for t in ts) / 2**20
+
+
+def timed(fn, reps: int) -> dict:
+    """Medians (ms) of wall, host and stream time of fn() on CUDA (see the module docstring)."""
+    fn()
+    torch.cuda.synchronize()
+    wall, host, stream = [], [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - t0)
+        host.append(t1 - t0)
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU work ahead of the call: the host runs ahead
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        stream.append(start.elapsed_time(end) / 1e3)
+    return {k: 1e3 * statistics.median(v) for k, v in (("wall", wall), ("host", host), ("stream", stream))}
+
+
+def syncs_of(fn) -> str:
+    """'none' when fn() runs under torch.cuda.set_sync_debug_mode('error'), else the first sync's message."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return "none"
+    except RuntimeError as err:
+        return str(err).splitlines()[0][:60]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536, 131072])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--cap-bound", action="store_true", default=True,
+                    help="also a row at the estimator's caps (4096 verticals, 4096 slashes) at the longest length")
+    ap.add_argument("--no-cap-bound", dest="cap_bound", action="store_false")
+    ap.add_argument("--skip-estimate", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_index.py times GPU index building: no CUDA device here", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    from mtrain.ops import _triton_attention
+
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+          f"{__import__('triton').__version__}; batch 1; medians of {args.reps}")
+    rows, failures = [], 0
+    for model in args.models:
+        hq, hkv, d, bs = MODELS[model]
+        for S in args.seqs:
+            cases = list(LINES) + ([(4096, 4096)] if args.cap_bound and S == max(args.seqs) else [])
+            for nv, ns in cases:
+                vertical, slash = make_lines(S, hq, nv, ns, dev, seed=S + nv)
+                old, new = build_old(vertical, slash, S, bs), build_new(vertical, slash, S, bs)
+                check = same(old, new)
+                failures += check != "ok"
+                t_old = timed(lambda: build_old(vertical, slash, S, bs), args.reps)
+                t_new = timed(lambda: build_new(vertical, slash, S, bs), args.reps)
+
+                def with_plans():
+                    index = build_new(vertical, slash, S, bs)[0]
+                    _triton_attention.prepare_backward(index, hkv, d)
+
+                t_plans = timed(with_plans, args.reps)
+                rows.append((model, S, bs, hq, nv, ns, t_old, t_new, t_plans, syncs_of(lambda: build_new(
+                    vertical, slash, S, bs)), nbytes(old), nbytes(new), check))
+                r = rows[-1]
+                print(f"  {model} S={S} Nv={nv} Ns={ns}: old {t_old['wall']:.2f} new {t_new['wall']:.2f} ms "
+                      f"(stream {t_new['stream']:.2f}) {check}", flush=True)
+    print()
+    print("| model | S | block | Hq | Nv / Ns | old wall ms | old stream ms | new wall ms | new host ms | "
+          "new stream ms | speedup (stream) | new + work plans, stream ms | host syncs (new) | MB old / new | "
+          "lists equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, S, bs, hq, nv, ns, t_old, t_new, t_plans, syncs, mb_old, mb_new, check in rows:
+        print(f"| {model} | {S // 1024}K | {bs} | {hq} | {nv} / {ns} | {t_old['wall']:.2f} | {t_old['stream']:.2f} | "
+              f"{t_new['wall']:.2f} | {t_new['host']:.2f} | {t_new['stream']:.2f} | "
+              f"{t_old['stream'] / t_new['stream']:.1f}x | {t_plans['stream']:.2f} | {syncs} | "
+              f"{mb_old:.0f} / {mb_new:.0f} | {check} |")
+
+    if not args.skip_estimate:
+        print()
+        print("Estimation: estimate_vertical_slash in all (scores, selection, SparseIndex.from_lines and whatever the "
+              "estimator adds), and lines -> index alone on the lines it chose:")
+        print("| model | S | estimate in all, wall / stream ms | lines -> index (new), wall / stream ms | "
+              "rest of the estimate, stream ms | Nv / Ns chosen (max per head) |")
+        print("|---|---|---|---|---|---|")
+        real_from_lines = SparseIndex.from_lines.__func__
+        for model in args.models:
+            hq, hkv, d, bs = MODELS[model]
+            for S in args.seqs:
+                q, k = make_qk(S, hq, hkv, d, dev)
+                seen = {}
+
+                def capture(cls, vertical, slash, *a, **kw):
+                    seen["lines"] = (vertical, slash)
+                    return real_from_lines(cls, vertical, slash, *a, **kw)
+
+                SparseIndex.from_lines = classmethod(capture)
+                try:
+                    t_est = timed(lambda: estimate_vertical_slash(q, k, recall=0.95, block_size=bs), args.reps)
+                finally:
+                    SparseIndex.from_lines = classmethod(real_from_lines)
+                vertical, slash = seen["lines"]
+                t_lines = timed(lambda: build_new(vertical, slash, S, bs), args.reps)
+                nv, ns = int((vertical >= 0).sum(-1).max()), int((slash >= 0).sum(-1).max())
+                print(f"| {model} | {S // 1024}K | {t_est['wall']:.2f} / {t_est['stream']:.2f} | "
+                      f"{t_lines['wall']:.2f} / {t_lines['stream']:.2f} | {t_est['stream'] - t_lines['stream']:.2f} | "
+                      f"{nv} / {ns} |", flush=True)
+                del q, k
+    if failures:
+        print(f"{failures} configuration(s) where the new lists differ from the reference", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
