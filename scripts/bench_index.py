@@ -97,6 +97,26 @@ def same(old, new) -> str:
     return "ok" if not bad else "DIFFERS: " + ", ".join(bad)
 
 
+def kernels_agree(vertical, slash, S: int, hq: int, hkv: int, d: int, bs: int, device) -> str:
+    """Forward + deterministic backward through the Triton kernels (bf16) with the reference index and with the
+    new one (wider padding, its own transposed lists and column plan): 'identical' when out and all grads
+    are bitwise equal."""
+    from mtrain.ops import vertical_slash_attention
+
+    g = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(1, S, h, d, device=device, generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    results = []
+    for impl in ("torch", "triton"):
+        index = SparseIndex.from_lines(vertical, slash, S, bs, impl=impl)
+        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+        out = vertical_slash_attention(qi, ki, vi, index, impl="triton", deterministic=True)
+        out.backward(torch.ones_like(out))
+        results.append((out, qi.grad, ki.grad, vi.grad))
+    names = ("out", "dq", "dk", "dv")
+    bad = [n for n, a, b in zip(names, *results) if not torch.equal(a, b)]
+    return "identical" if not bad else "DIFFER: " + ", ".join(bad)
+
+
 def nbytes(built) -> float:
     index, transposed, plan = built
     ts = [index.block_ids, index.block_counts, index.col_ids, index.col_counts, *transposed,
@@ -150,6 +170,8 @@ def main() -> int:
                     help="also a row at the estimator's caps (4096 verticals, 4096 slashes) at the longest length")
     ap.add_argument("--no-cap-bound", dest="cap_bound", action="store_false")
     ap.add_argument("--skip-estimate", action="store_true")
+    ap.add_argument("--kernel-check-seq", type=int, default=32768,
+                    help="length of the bf16 forward+backward run with both indices (0: skip)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_index.py times GPU index building: no CUDA device here", file=sys.stderr)
@@ -182,6 +204,16 @@ def main() -> int:
                 r = rows[-1]
                 print(f"  {model} S={S} Nv={nv} Ns={ns}: old {t_old['wall']:.2f} new {t_new['wall']:.2f} ms "
                       f"(stream {t_new['stream']:.2f}) {check}", flush=True)
+    if args.kernel_check_seq:
+        print()
+        for model in args.models:
+            hq, hkv, d, bs = MODELS[model]
+            S = args.kernel_check_seq
+            vertical, slash = make_lines(S, hq, 2000, 500, dev, seed=7)
+            check = kernels_agree(vertical, slash, S, hq, hkv, d, bs, dev)
+            failures += check != "identical"
+            print(f"kernels (bf16 fwd + deterministic bwd), {model} S={S} Nv=2000 Ns=500, reference index vs new: "
+                  f"{check}", flush=True)
     print()
     print("| model | S | block | Hq | Nv / Ns | old wall ms | old stream ms | new wall ms | new host ms | "
           "new stream ms | speedup (stream) | new + work plans, stream ms | host syncs (new) | MB old / new | "

@@ -224,7 +224,7 @@ def build_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, 
     Returns (block_ids, block_counts, col_ids, col_counts, transposed, plan_fields): the lists as
     `SparseIndex.from_lines` gives them but padded to `list_widths`; transposed = (q_ids int32 [E'],
     starts int64 [B, H, nKB], counts int32 [B, H, nKB]) with each head's lists in its own segment of E'
-    (n * MAXB entries: its lists are at most that long); plan_fields = (universe [B, H, max(Nv, 1)],
+    (as many entries as its block lists can hold at most); plan_fields = (universe [B, H, max(Nv, 1)],
     q_ids [B, H, nChunks, nQB], bits, counts) of `ColumnPlan` for `chunk`.
     """
     B, H, nv = vertical.shape
@@ -236,7 +236,8 @@ def build_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, 
     nf = n + 2  # block offsets 0..n, slot n + 1 spare
     wb, wc = list_widths(nv, ns, seq_len, block_size)
     uw = max(1, nv)
-    cap = n * wb
+    # A head's transposed entries = its listed blocks: query block i lists at most min(i + 1, wb).
+    cap = wb * (wb + 1) // 2 + (n - wb) * wb
     if not 1 <= chunk <= 64 or chunk & (chunk - 1):
         raise ValueError(f"column chunk must be a power of two in 1..64 (one int64 bit mask per entry); got {chunk}")
     i32 = dict(dtype=torch.int32, device=dev)

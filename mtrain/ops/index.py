@@ -380,7 +380,9 @@ class SparseIndex:
 
     def transposed_csr(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q_ids int32 [E], starts int64 [B, Hq, nKB], counts int32 [B, Hq, nKB]): the transposed index as
-        ragged lists (what the deterministic backward reads; cached)."""
+        ragged lists, list (b, h, j) = q_ids[starts[b, h, j]:][:counts[b, h, j]] (what the deterministic
+        backward reads; cached). From the GPU builder the lists of each head lie in their own segment, with
+        unused entries between heads."""
         if "t" not in self._cache:
             self._cache["t"] = transpose_blocks_csr(self.block_ids, self.block_counts, self.n_blocks)
         return self._cache["t"]
