@@ -148,6 +148,51 @@ def cpu_plan():
             yield ("sparse", S, Hq, Hkv, D, 64, 0.1, 256)
 
 
+def validate(device, dtype, it, out) -> None:
+    """Check the choice on index shapes the fits never saw: random slashes and verticals (a 1K local window
+    plus n_s random offsets and n_v random columns), 32K-128K. Per case: predicted and measured ms of both
+    paths (sparse = index + forward + backward), the path chosen, and its regret (measured time of the chosen
+    path / the faster one)."""
+    from mtrain.ops import cost
+
+    rows = []
+    for (Hq, Hkv, D), lengths in {(9, 3, 64): (32768, 65536, 131072), (16, 2, 128): (32768, 131072)}.items():
+        for S in lengths:
+            dense = bench_dense(S, Hq, Hkv, D, device, dtype, it)
+            for n_s, n_v in ((16, 64), (64, 256), (256, 256), (1024, 1024), (4096, 2048)):
+                g = torch.Generator(device=device).manual_seed(n_s + n_v)
+                slash = torch.cat([torch.arange(1024, device=device).expand(1, Hq, -1),
+                                   torch.randint(1024, S, (1, Hq, n_s), device=device, generator=g)], -1)
+                vert = torch.randint(0, S, (1, Hq, n_v), device=device, generator=g)
+                q, k, v = qkv(S, Hq, Hkv, D, device, dtype, True)
+                dout = torch.randn_like(q)
+                index = build_index(vert, slash, S, 64, Hkv, D, device)
+                blocks, cols = work(index)
+
+                def fwd_bwd():
+                    out = vertical_slash_attention(q, k, v, index)
+                    torch.autograd.grad(out, (q, k, v), dout)
+
+                sparse = timed(fwd_bwd, it) + timed(lambda: build_index(vert, slash, S, 64, Hkv, D, device), it)
+                pred = cost.predict(blocks, cols, seq_len=S, heads=Hq, head_dim=D, block_size=64, device=device)
+                measured = {"dense": dense["ms_fwd_bwd"], "sparse": sparse}
+                row = dict(kind="validate", S=S, Hq=Hq, D=D, n_s=n_s, n_v=n_v, density=index.density(),
+                           pred_dense=pred.dense_ms, pred_sparse=pred.sparse_ms, ms_dense=measured["dense"],
+                           ms_sparse=sparse, chosen=pred.path, regret=measured[pred.path] / min(measured.values()))
+                rows.append(row)
+                line = json.dumps({k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()})
+                print(line, flush=True)
+                if out:
+                    out.write(line + "\n")
+                del q, k, v, dout, index
+                torch.cuda.empty_cache()
+    print("\n| S | heads x D | density | pred dense | pred sparse | dense ms | sparse ms | chosen | regret |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['S']} | {r['Hq']} x {r['D']} | {r['density']:.3f} | {r['pred_dense']:.1f} | {r['pred_sparse']:.1f} | "
+              f"{r['ms_dense']:.1f} | {r['ms_sparse']:.1f} | {r['chosen']} | {r['regret']:.2f} |")
+
+
 def _fit(X, y):
     """Least squares on relative error with non-negative coefficients (a negative term is dropped and the
     rest refitted): returns (coefficients, worst relative error)."""
@@ -195,6 +240,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write the JSON lines here")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--fit", metavar="JSONL", help="fit the cost-table coefficients to measured rows and stop")
+    ap.add_argument("--validate", action="store_true", help="time both paths on random-line indices and report "
+                    "the cost model's choice and its regret (GPU)")
     args = ap.parse_args()
     if args.fit:
         fit(args.fit)
@@ -205,6 +252,9 @@ def main() -> int:
         print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     rows = []
     out = open(args.out, "w") if args.out else None
+    if args.validate:
+        validate(device, dtype, args.iters, out)
+        return 0
     for spec in cpu_plan() if args.cpu else gpu_plan():
         t0 = time.perf_counter()
         if spec[0] == "dense":
