@@ -113,11 +113,17 @@ def kernels_agree(vertical, slash, S: int, hq: int, hkv: int, d: int, bs: int, d
         out.backward(torch.ones_like(out))
         results.append((out, qi.grad, ki.grad, vi.grad))
     names = ("out", "dq", "dk", "dv")
-    bad = [f"{n} rel {float((a.float() - b.float()).norm() / b.float().norm()):.1e}"
-           for n, a, b in zip(names, *results) if not torch.equal(a, b)]
-    # Bitwise differences can only come from a different split of the column backward's work (the new
-    # plan may hold extra empty chunks, which changes the mean list length that sets the split).
-    return "identical" if not bad else "DIFFER: " + ", ".join(bad)
+    rel = {n: float((a.float() - b.float()).norm() / b.float().norm()) for n, a, b in zip(names, *results)
+           if not torch.equal(a, b)}
+    if not rel:
+        return "identical"
+    # Bitwise differences in dK/dV can come only from the order of the column backward's fp32 sums: its work
+    # split (`_split_work`) uses the mean list length over the plan's chunks, and the new plan may hold
+    # extra empty chunks. The same pairs are computed; a real difference would be far above 1e-4.
+    text = ", ".join(f"{n} rel {r:.1e}" for n, r in rel.items())
+    if set(rel) <= {"dk", "dv"} and max(rel.values()) < 1e-4:
+        return f"same up to fp32 summation order ({text})"
+    return "DIFFER: " + text
 
 
 def nbytes(built) -> float:
@@ -214,7 +220,7 @@ def main() -> int:
             S = args.kernel_check_seq
             vertical, slash = make_lines(S, hq, 2000, 500, dev, seed=7)
             check = kernels_agree(vertical, slash, S, hq, hkv, d, bs, dev)
-            failures += check != "identical"
+            failures += check.startswith("DIFFER")
             print(f"kernels (bf16 fwd + deterministic bwd), {model} S={S} Nv=2000 Ns=500, reference index vs new: "
                   f"{check}", flush=True)
     print()
@@ -259,7 +265,8 @@ def main() -> int:
                       f"{nv} / {ns} |", flush=True)
                 del q, k
     if failures:
-        print(f"{failures} configuration(s) where the new lists differ from the reference", file=sys.stderr)
+        print(f"{failures} configuration(s) where the new index differs from the reference (lists or kernel "
+              f"results)", file=sys.stderr)
         return 1
     return 0
 
