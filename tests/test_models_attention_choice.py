@@ -181,3 +181,38 @@ def test_cp2_ranks_agree_on_the_choice(tmp_path):
     assert all(r["same_as_forced"] for r in rows.values())
     assert rows["flat"]["err_vs_single_dense"] < 1e-5  # the dense ring equals one-device dense (fp32)
     assert rows["local"]["err_vs_single_dense"] > 1e-2  # and the sparse ring really is sparse
+
+
+def test_trainer_logs_the_choice_per_layer(tmp_path):
+    """A training run writes every layer's path and density to metrics.jsonl, and the sampled true recall on
+    logging.recall_every steps."""
+    from mtrain.config import load_recipe
+    from mtrain.data import pack
+    from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
+    from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+    from mtrain.train.metrics import read_metrics
+    from mtrain.train.trainer import Trainer
+
+    write_jsonl(tmp_path / "docs.jsonl", generate(CorpusSpec(num_docs=40, max_sentences=40, seed=5)))
+    pack([f"{tmp_path / 'docs.jsonl'}:jsonl"], str(TOKENIZER_DIR), 256, tmp_path / "packed", progress=False, workers=1)
+    rows = {}
+    for policy in ("always", "auto"):
+        recipe = load_recipe(None, [
+            f"model.config={MODEL_CONFIG}", f"model.tokenizer={TOKENIZER_DIR}", f"data.path={tmp_path / 'packed'}",
+            "data.seq_len=256", "attention.kind=mtraining", "attention.block_size=32", "attention.recall=0.6",
+            f"attention.sparse_policy={policy}", "logging.wandb=disabled", "logging.recall_every=2",
+            f"train.output_dir={tmp_path / policy}", "train.max_steps=2", "train.export=false"])
+        Trainer(recipe).run()
+        rows[policy] = read_metrics(tmp_path / policy / "metrics.jsonl")
+    first, second = rows["always"]
+    assert first["attention_paths"] == second["attention_paths"] == "ssss"
+    assert all(0 < first[f"attn_density/L{i:02d}"] < 1 for i in range(4))
+    assert "attention_true_recall" not in first  # step 1 is not a recall step
+    assert all(0 < second[f"attn_true_recall/L{i:02d}"] <= 1 for i in range(4))
+    assert 0 < second["attention_true_recall_min"] <= second["attention_true_recall"] <= 1
+    assert second["attention_work"] == pytest.approx(second["attention_density"])
+    # auto on a CPU at 256 tokens: dense everywhere (the sparse fixed costs do not pay), so no recall to sample
+    for row in rows["auto"]:
+        assert row["attention_paths"] == "dddd" and row["attention_work"] == 1.0
+        assert row["attention_pred_ms"] == pytest.approx(row["attention_pred_dense_ms"])
+        assert "attention_true_recall" not in row
