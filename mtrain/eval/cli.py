@@ -34,8 +34,11 @@ def register(subparsers) -> None:
     parser.add_argument("suite", nargs="?", default=DEFAULT_SUITE,
                         help="suite YAML (default: eval/tiny.yaml, the embedded default)")
     parser.add_argument("--model", help="HF checkpoint folder (config.json, weights, tokenizer)")
-    parser.add_argument("--backend", choices=("hf", "vllm"), default=None,
-                        help="hf (transformers, default) or vllm (optional GPU extra)")
+    parser.add_argument("--backend", choices=("hf", "vllm", "auto"), default=None,
+                        help="hf (transformers), vllm (vLLM here, or its worker venv: $MTRAIN_VLLM_PYTHON) or auto "
+                        "(vllm where it can run, else hf); default: the suite's backend.name")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="backend.KEY=VALUE",
+                        help="backend option, e.g. --set backend.max_num_batched_tokens=4096 (repeatable; VALUE is YAML)")
     parser.add_argument("--tasks", help="comma-separated task names or patterns, e.g. niah,ruler/*,pg19")
     parser.add_argument("--lengths", type=_int_list,
                         help="comma-separated lengths replacing the suite's, e.g. 4096,8192")
@@ -71,11 +74,28 @@ def run(args: argparse.Namespace) -> int:
                            lengths=args.lengths, samples=args.samples)
         backend = args.backend or suite.backend.get("name", "hf")
         options = {"max_length": args.max_length} if args.max_length else {}
+        options.update(_backend_overrides(args.overrides))
         results = run_suite(suite, args.model, args.out, backend=backend, backend_options=options,
                             progress=not args.no_progress)
+        with open(os.path.join(args.out, "manifest.json")) as f:
+            ran = json.load(f)["backend"]
+        print("backend: " + ran["backend"] + " (" + ", ".join(f"{k} {v}" for k, v in ran["versions"].items()) + ")")
     print(summary(results))
     print(f"wrote {os.path.join(args.out, 'results.json')}")
     return 0
+
+
+def _backend_overrides(items: list[str]) -> dict:
+    """`--set backend.KEY=VALUE` items as backend options (VALUE read as YAML: 1 -> int, true -> bool)."""
+    from mtrain.config import _parse_override_value
+
+    options = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.startswith("backend.") or key == "backend.":
+            raise MtrainError(f"--set {item!r}: expected backend.KEY=VALUE, e.g. backend.max_num_batched_tokens=4096")
+        options[key[len("backend."):]] = _parse_override_value(text)
+    return options
 
 
 def summary(results: dict) -> str:

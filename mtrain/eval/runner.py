@@ -143,8 +143,28 @@ def check_checkpoint_folder(model_path: str) -> None:
                           "the model's tokenizer into it (tokenizer.save_pretrained)")
 
 
+BACKENDS = ("hf", "vllm")
+
+
+def resolve_backend(name: str) -> str:
+    """`auto` is vllm where vLLM can run (imports here, or a worker venv is set up), else hf."""
+    if name != "auto":
+        return name
+    from mtrain.eval.backends.vllm import vllm_available
+
+    return "vllm" if vllm_available() else "hf"
+
+
+def suite_backend_options(settings: dict, backend: str) -> dict:
+    """The suite's `backend:` settings for `backend`: top-level keys belong to the backend the suite names
+    (`name`, default hf), so hf's prefill_chunk never reaches vllm; a mapping under a backend's name
+    (`vllm: {max_num_batched_tokens: 4096}`) applies to that backend whichever the suite names."""
+    top = {k: v for k, v in settings.items() if k != "name" and k not in BACKENDS}
+    return {**(top if settings.get("name", "hf") == backend else {}), **(settings.get(backend) or {})}
+
+
 def make_backend(name: str, model_path: str, **options) -> Backend:
-    """Load a backend by name: `hf` (transformers) or `vllm` (optional extra, GPU)."""
+    """Load a backend by name: `hf` (transformers) or `vllm` (vLLM here or in a worker venv, see backends/vllm.py)."""
     if name == "hf":
         from mtrain.eval.backends.hf import HFBackend
 
@@ -153,7 +173,7 @@ def make_backend(name: str, model_path: str, **options) -> Backend:
         from mtrain.eval.backends.vllm import VLLMBackend
 
         return VLLMBackend(model_path, **options)
-    raise MtrainError(f"unknown eval backend {name!r}; choose hf or vllm")
+    raise MtrainError(f"unknown eval backend {name!r}; choose hf, vllm or auto")
 
 
 def run_suite(suite: Suite, model_path: str, out_dir: str, *, backend: str = "hf",
@@ -177,7 +197,8 @@ def run_suite(suite: Suite, model_path: str, out_dir: str, *, backend: str = "hf
     manifest.check_and_set({"checkpoint_sha256": checkpoint_hash(model_path), "rope": rope_config(model_path),
                             "seed": suite.seed})
     log.info("checkpoint hashed in %.1fs", time.time() - started)
-    options = {**{k: v for k, v in suite.backend.items() if k != "name"}, **(backend_options or {})}
+    backend = resolve_backend(backend)
+    options = {**suite_backend_options(suite.backend, backend), **(backend_options or {})}
     engine = make_backend(backend, model_path, **options)
     manifest.check_and_set({"backend": engine.describe()})
     for run in suite.tasks:
