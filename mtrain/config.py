@@ -64,14 +64,20 @@ class AttentionConfig:
     """One of: dense, mtraining, zigzag-dense, zigzag-sparse, sdpa, eager."""
     block_size: int = 64
     """Sparse kernel block size (tokens)."""
-    recall: float = 0.95
-    """Target attention-mass recall of the online vertical-slash estimate."""
+    recall: float = 0.99
+    """Target mean per-row attention mass the online vertical-slash estimate keeps on its scored rows."""
     last_q: int = 64
     """Queries (at the end of the sequence) used to estimate the sparse pattern."""
     max_vertical: int = 4096
     """Budget cap on vertical (key column) lines per head."""
     max_slash: int = 4096
-    """Budget cap on slash (diagonal offset) lines per head."""
+    """Budget cap on slash lines per head, in token diagonals (slashes are chosen per block offset, which
+    counts as block_size diagonals)."""
+    sample_blocks: int = 16
+    """Query blocks spread evenly over the sequence that the estimate scores besides the last_q queries."""
+    cap_fraction: Optional[float] = None
+    """Also cap verticals at this fraction of the sequence's tokens and slashes at this fraction of its
+    blocks (caps that grow with the sequence); None = only max_vertical / max_slash."""
     sparse_policy: Literal["auto", "always", "never"] = "auto"
     """Sparse kinds, per layer: auto = run dense where the cost model (mtrain.ops.cost) predicts sparse would
     not pay; always = sparse on every layer; never = dense on every layer (the pattern is not estimated)."""

@@ -9,7 +9,6 @@ import math
 import torch
 
 from mtrain.ops.index import SparseIndex
-from mtrain.ops.recall import index_row_mask
 
 
 def scored_rows(seq_len: int, last_q: int, sample_blocks: int, block_size: int, device=None) -> torch.Tensor:
@@ -124,18 +123,64 @@ def line_caps(seq_len: int, block_size: int, max_vertical: int, max_slash: int,
     return cap_v, cap_s
 
 
+def pool_blocks(x: torch.Tensor, k_pos: torch.Tensor, block_size: int, n_blocks: int) -> torch.Tensor:
+    """Sum [..., Sk] over the key blocks of k_pos -> [..., n_blocks] (a reshape when k_pos is 0..Sk-1)."""
+    sk = x.shape[-1]
+    if sk == k_pos.numel() and int(k_pos[0]) == 0 and int(k_pos[-1]) == sk - 1:  # the whole sequence, in order
+        pad = n_blocks * block_size - sk
+        return torch.nn.functional.pad(x, (0, pad)).view(*x.shape[:-1], n_blocks, block_size).sum(-1)
+    out = x.new_zeros(*x.shape[:-1], n_blocks)
+    return out.index_add_(-1, k_pos // block_size, x)
+
+
 def residual_parts(logits, rows, k_pos, row_max, row_sum, block_size: int, n_blocks: int):
     """From the masked logits [B, Hkv, G, n, Sk] of the scored rows (keys at k_pos) and each row's global
-    softmax max and sum: (probs, the row mass on the always-kept blocks (sink block 0 and the row's own
-    block) [B, Hkv, G], the rest per column [B, Hkv, G, Sk] and per (row, key block) [B, Hkv, G, n, nKB])."""
-    probs = torch.exp(logits - row_max[..., None]) / row_sum[..., None]
+    softmax max and sum: (probs, probs per (row, key block) [B, Hkv, G, n, nKB], the mass on the always-kept
+    blocks (sink block 0 and the row's own block) [B, Hkv, G], the rest per column [B, Hkv, G, Sk] and per
+    (row, key block) [B, Hkv, G, n, nKB])."""
+    probs = torch.exp(logits.sub_(row_max[..., None])).div_(row_sum[..., None])
+    pooled = pool_blocks(probs, k_pos, block_size, n_blocks)
+    row_blk = (rows // block_size).expand(*pooled.shape[:-2], -1)[..., None]
+    rest = pooled.clone()
+    rest[..., 0] = 0.0
+    rest.scatter_(-1, row_blk, 0.0)
+    mandatory = (pooled - rest).sum(-1).sum(-1)
     k_blk = k_pos // block_size
     kept = (k_blk[None, :] == 0) | (k_blk[None, :] == (rows // block_size)[:, None])  # [n, Sk]
-    mandatory = torch.where(kept, probs, 0.0).sum(-1).sum(-1)
-    rest = torch.where(kept, 0.0, probs)
-    pooled = rest.new_zeros(*rest.shape[:-1], n_blocks)
-    pooled.index_add_(-1, k_blk, rest)
-    return probs, mandatory, rest.sum(-2), rest, pooled
+    vert = torch.where(kept, 0.0, probs).sum(-2)
+    return probs, pooled, mandatory, vert, rest
+
+
+def uncovered_blocks(probs, rest, rows, k_pos, vertical, seq_len: int, block_size: int) -> torch.Tensor:
+    """`rest` [..., n, nKB] less the mass of the chosen vertical columns (global positions [..., Nv], -1
+    padded, broadcastable to probs' heads) outside the always-kept blocks, from this rank's keys k_pos."""
+    local = torch.full((seq_len + 1,), -1, dtype=torch.long, device=probs.device)
+    local[k_pos] = torch.arange(k_pos.numel(), device=probs.device)
+    v = vertical.expand(*probs.shape[:-2], -1)
+    slot = local[torch.where(v >= 0, v, seq_len)]  # -1: padding or a key another rank holds
+    n = rows.numel()
+    vals = torch.gather(probs, -1, slot.clamp(min=0)[..., None, :].expand(*v.shape[:-1], n, -1))
+    v_blk = torch.where(v >= 0, v, 0) // block_size
+    row_blk = (rows // block_size)[:, None]
+    keep = (slot >= 0)[..., None, :] & (v_blk[..., None, :] != 0) & (v_blk[..., None, :] != row_blk)
+    return rest.scatter_add(-1, v_blk[..., None, :].expand(*v.shape[:-1], n, -1), -torch.where(keep, vals, 0.0))
+
+
+def covered_mass(index: SparseIndex, rows, probs, pooled, k_pos) -> torch.Tensor:
+    """Mass of the scored rows inside `index`, summed over rows, from this rank's keys: [B, Hq]. probs
+    [B, Hq, n, Sk] and pooled [B, Hq, n, nKB] as `residual_parts` gives them (heads flattened)."""
+    dev = probs.device
+    qb = rows // index.block_size
+    ids = index.block_ids[:, :, qb].long()
+    ok = (torch.arange(ids.shape[-1], device=dev) < index.block_counts[:, :, qb, None].long()) & (ids >= 0)
+    in_blocks = torch.where(ok, torch.gather(pooled, -1, ids.clamp(min=0)), 0.0).sum(-1)
+    local = torch.full((index.seq_len + 1,), -1, dtype=torch.long, device=dev)
+    local[k_pos] = torch.arange(k_pos.numel(), device=dev)
+    cols = index.col_ids[:, :, qb].long()
+    cok = (torch.arange(cols.shape[-1], device=dev) < index.col_counts[:, :, qb, None].long()) & (cols >= 0)
+    slot = local[torch.where(cok, cols, index.seq_len)]
+    in_cols = torch.where(slot >= 0, torch.gather(probs, -1, slot.clamp(min=0)), 0.0).sum(-1)
+    return (in_blocks + in_cols).sum(-1)
 
 
 def block_slash_mass(pooled: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -171,7 +216,7 @@ def choose_verticals(cand_mass, cand_ids, slash_mass, need, cap_v: int, min_v: i
 def estimate_vertical_slash(
     q: torch.Tensor,
     k: torch.Tensor,
-    recall: float = 0.95,
+    recall: float = 0.99,
     last_q: int = 64,
     max_vertical: int = 4096,
     max_slash: int = 4096,
@@ -224,10 +269,10 @@ def estimate_vertical_slash(
         row_max = logits.amax(-1)
         row_sum = torch.exp(logits - row_max[..., None]).sum(-1)
         k_pos = torch.arange(S, device=q.device)
-        probs, mandatory, vert, rest, pooled = residual_parts(logits, rows, k_pos, row_max, row_sum, block_size,
+        probs, pooled, mandatory, vert, rest = residual_parts(logits, rows, k_pos, row_max, row_sum, block_size,
                                                               n_blocks)
         del logits
-        slash0 = block_slash_mass(pooled, rows, block_size)
+        slash0 = block_slash_mass(rest, rows, block_size)
         total = float(rows.numel())
         if share_kv_group:
             mandatory, vert, slash0 = (t.sum(2, keepdim=True) for t in (mandatory, vert, slash0))
@@ -237,14 +282,7 @@ def estimate_vertical_slash(
         v_idx, v_mass = choose_verticals(vert, k_pos.expand(vert.shape), slash0, v_need, cap_v, min_vertical,
                                          block_size)
         # the slash stage sees only what the kept blocks and the chosen verticals leave uncovered
-        taken = torch.zeros(*v_idx.shape[:-1], S + 1, dtype=torch.bool, device=q.device)
-        taken.scatter_(-1, torch.where(v_idx >= 0, v_idx, S), True)
-        taken = taken[..., :S]
-        if share_kv_group:
-            taken = taken.expand(B, Hkv, G, S)
-        uncovered = pooled.clone()
-        uncovered.index_add_(-1, k_pos // block_size, -torch.where(taken[..., None, :], rest, 0.0))
-        slash1 = block_slash_mass(uncovered, rows, block_size)
+        slash1 = block_slash_mass(uncovered_blocks(probs, rest, rows, k_pos, v_idx, S, block_size), rows, block_size)
         if share_kv_group:
             slash1 = slash1.sum(2, keepdim=True)
         s_target = recall if slash_recall is None else slash_recall
@@ -256,6 +294,7 @@ def estimate_vertical_slash(
         v_idx = v_idx.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
         s_tok = s_tok.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
         index = SparseIndex.from_lines(v_idx, s_tok, S, block_size)
-        inside = index_row_mask(index, rows)
-        index._cache["est_recall"] = torch.where(inside, probs.reshape(B, Hq, -1, S), 0.0).sum(-1).mean(-1)
+        n = rows.numel()
+        covered = covered_mass(index, rows, probs.view(B, Hq, n, S), pooled.view(B, Hq, n, -1), k_pos)
+        index._cache["est_recall"] = covered / n
         return index
