@@ -115,10 +115,15 @@ def bench_sparse(S, Hq, Hkv, D, bs, frac, n_vert, device, dtype, it):
 
 
 def bench_estimate(S, Hq, Hkv, D, bs, device, dtype, it):
+    import inspect
+
     q, k, _ = qkv(S, Hq, Hkv, D, device, dtype, False)
+    defaults = inspect.signature(estimate_vertical_slash).parameters
+    last_q = defaults["last_q"].default
+    sampled = defaults["sample_blocks"].default * bs if "sample_blocks" in defaults else 0
     index = estimate_vertical_slash(q, k, block_size=bs)
-    return dict(kind="estimate", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, density=index.density(),
-                ms_estimate=timed(lambda: estimate_vertical_slash(q, k, block_size=bs), it))
+    return dict(kind="estimate", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, rows=min(S, last_q + sampled),
+                density=index.density(), ms_estimate=timed(lambda: estimate_vertical_slash(q, k, block_size=bs), it))
 
 
 def gpu_plan():
@@ -229,9 +234,16 @@ def fit(path: str) -> None:
     s = [r for r in rows if r["kind"] == "sparse"]
     c, err = _fit([[1, r["Hq"] * r["S"] / 1e6, r["blocks"] / 1e6, r["cols"] / 1e6] for r in s], [r["ms_index"] for r in s])
     print(f"# index: worst relative error {err:.2f}")
+    e = [r for r in rows if r["kind"] == "estimate" and "rows" in r]
+    estimate = None
+    if e:
+        ce, err = _fit([[1, r["Hq"] * r["rows"] * r["S"] / 1e9] for r in e], [r["ms_estimate"] for r in e])
+        estimate = tuple(round(float(x), 4) for x in ce)
+        print(f"# estimate: worst relative error {err:.2f}")
     print(f"dense={dense}")
     print(f"sparse={sparse}")
     print(f"index={tuple(round(float(x), 4) for x in c)}")
+    print(f"estimate={estimate}")
 
 
 def main() -> int:

@@ -1,5 +1,6 @@
 """The per-layer sparse/dense choice of the sparse attention kinds (attention.sparse_policy) and its logging."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.attention import CONTEXT, mtrain_attention, register_kind
-from mtrain.ops import estimate_vertical_slash, vertical_slash_attention
+from mtrain.ops import cost, estimate_vertical_slash, vertical_slash_attention
 from mtrain.parallel import SparseSettings
 from mtrain.train.metrics import attention_stats
 
@@ -21,6 +22,13 @@ from attention_choice import BS, inputs  # noqa: E402  (the worker's two pattern
 
 LOCAL = SparseSettings(recall=0.5, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)
 FLAT = SparseSettings(recall=1.0, block_size=BS)
+
+
+@pytest.fixture(autouse=True)
+def kernels_only_cpu_costs(monkeypatch):
+    """These tests check the choice between the kernels: leave out the online estimate's own cost, which
+    changes with every estimator version (test_skips_the_estimate_where_sparse_cannot_pay covers it)."""
+    monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
 
 
 @pytest.fixture(autouse=True)
@@ -93,6 +101,22 @@ def test_eval_uses_the_forward_only_costs():
     assert infer.dense_ms < train.dense_ms and infer.sparse_ms < train.sparse_ms
 
 
+def test_skips_the_estimate_where_sparse_cannot_pay(monkeypatch):
+    q, k, v = inputs("local")
+    slow = dataclasses.replace(cost.CPU, estimate=(1e6, 0.0))  # an estimate slower than any dense call here
+    monkeypatch.setattr(cost, "CPU", slow)
+    calls = []
+    monkeypatch.setattr("mtrain.ops.estimate_vertical_slash", lambda *a, **kw: calls.append(1))
+    out = call(q, k, v, LOCAL, "auto", layer=5)
+    (record,) = CONTEXT.layers
+    assert calls == [] and CONTEXT.densities == []  # never estimated
+    assert record.path == "dense" and record.density is None and record.layer == 5
+    assert record.sparse_ms >= 1e6 > record.dense_ms
+    assert torch.equal(out, dense_kind(q, k, v))
+    stats = attention_stats(CONTEXT.layers)
+    assert stats["attention_paths"] == "d" and "attn_density/L05" not in stats and stats["attention_work"] == 1.0
+
+
 def test_sampled_true_recall_matches_a_float64_reference():
     q, k, v = inputs("local")
     CONTEXT.sample_recall, CONTEXT.recall_rows = True, 16
@@ -152,16 +176,21 @@ def test_model_forward_records_every_layer():
 
     from mtrain.tiny import tiny_config
 
-    name = register_kind("mtraining", sparse_policy="auto", block_size=32, recall=0.9)
-    model = AutoModelForCausalLM.from_config(tiny_config(), attn_implementation=name).eval()
     ids = torch.randint(0, 500, (1, 256), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model(ids)
-    stats = attention_stats(CONTEXT.layers)
-    layers = model.config.num_hidden_layers
-    assert len(stats["attention_paths"]) == layers and set(stats["attention_paths"]) <= {"s", "d"}
-    assert all(0 < stats[f"attn_density/L{i:02d}"] <= 1 for i in range(layers))
-    assert "attention_pred_ms" in stats
+    layers = tiny_config().num_hidden_layers
+    for policy in ("auto", "always"):
+        CONTEXT.layers = []
+        name = register_kind("mtraining", sparse_policy=policy, block_size=32, recall=0.9)
+        model = AutoModelForCausalLM.from_config(tiny_config(), attn_implementation=name).eval()
+        with torch.no_grad():
+            model(ids)
+        stats = attention_stats(CONTEXT.layers)
+        assert len(stats["attention_paths"]) == layers
+        if policy == "auto":  # 256 tokens: dense everywhere, with the predictions logged
+            assert stats["attention_paths"] == "d" * layers and "attention_pred_ms" in stats
+        else:
+            assert stats["attention_paths"] == "s" * layers
+            assert all(0 < stats[f"attn_density/L{i:02d}"] < 1 for i in range(layers))
 
 
 def test_register_rejects_an_unknown_policy():

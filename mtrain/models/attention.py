@@ -58,6 +58,7 @@ class AttentionContext:
     """Set by the trainer on the steps that log a sampled true recall: sparse layers then measure it."""
     recall_rows: int = 64
     """Query rows (spread over the sequence) the sampled true recall averages over."""
+
     imbalances: list = field(default_factory=list)
     """(worker, step) imbalance of the first layer's sparse index under the layout, per forward (logging)."""
 
@@ -74,11 +75,12 @@ class LayerRecord:
     """module.layer_idx, or None when the module has none."""
     path: str
     """"sparse" or "dense": what ran."""
-    density: float
-    """Fraction of causal pairs in the estimated pattern."""
+    density: object
+    """Fraction of causal pairs in the estimated pattern (None: not estimated, see `_skip_estimate`)."""
     dense_ms: float = float("nan")
     sparse_ms: float = float("nan")
-    """The cost model's predictions (NaN when the policy is not "auto")."""
+    """The cost model's predictions (NaN when the policy is not "auto"; without an estimate, sparse_ms is the
+    floor: estimate + fixed costs)."""
     est_recall: object = None
     """Tensor [B, Hq]: the estimator's own recall figure (index._cache["est_recall"]), when it provides one."""
     true_recall: object = None
@@ -116,6 +118,26 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
     return prediction.path, prediction
 
 
+def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 1, doc_ids=None) -> bool:
+    """Under "auto": True when sparse cannot pay even with no work listed (the estimate and the fixed costs
+    alone exceed dense; `mtrain.ops.cost.worth_estimating`). The call then runs dense without estimating and
+    records the floor. Decided from shapes and settings every rank shares."""
+    if policy != "auto":
+        return False
+    from mtrain.ops import cost
+
+    B, S_local, Hq, D = q.shape
+    S = S_local * world
+    doc_lengths = None if doc_ids is None or world > 1 else _document_lengths(doc_ids)
+    floor = cost.worth_estimating(seq_len=S, heads=Hq, head_dim=D, block_size=s.block_size,
+                                  rows=s.last_q + s.sample_blocks * s.block_size, batch=B, backward=training,
+                                  device=q.device, world=world, doc_lengths=doc_lengths)
+    if floor.path == "sparse":
+        return False
+    CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, floor.dense_ms, floor.sparse_ms))
+    return True
+
+
 def _record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None) -> None:
     """Append this call's LayerRecord; on sample_recall steps measure the true recall of a sparse call on
     CONTEXT.recall_rows rows spread evenly over the sequence (ending at the last row). q/k: the whole
@@ -147,7 +169,8 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
     SparseSettings `s`, run sparse or dense per `policy` (see `_choose_path`)."""
     from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
 
-    if s is not None and policy != "never":
+    if s is not None and policy != "never" and not _skip_estimate(q, s, layer_idx, policy=policy,
+                                                                    training=training, doc_ids=doc_ids):
         # every SparseSettings field is an estimate_vertical_slash keyword of the same name
         fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
         index = estimate_vertical_slash(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids)
@@ -194,9 +217,11 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     from mtrain.parallel.estimate import estimate_index
 
     index = None
-    if settings is not None and policy != "never":
+    world = dist.get_world_size(CONTEXT.group)
+    if settings is not None and policy != "never" and not _skip_estimate(q, settings, layer_idx, policy=policy,
+                                                                         training=training, world=world):
         # Estimated across the group (no rank does it for the others); identical on every rank.
-        world, rank = dist.get_world_size(CONTEXT.group), dist.get_rank(CONTEXT.group)
+        rank = dist.get_rank(CONTEXT.group)
         seq_len = q.shape[1] * world
         positions = CONTEXT.layout.indices(seq_len, rank).to(q.device)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 # up to ~15% (35% on the smallest sparse calls), and a wrong "sparse" costs more than a wrong "dense" (a dense
 # layer is exact and at worst as slow as dense).
 SPARSE_MARGIN = 0.85
-# Checked on index shapes the fits never saw (`scripts/bench_cost.py --validate`, H200, 2026-11-23: random
-# slashes + verticals, 32K-128K, heads 9 x 64 and 16 x 128, densities 3-100%): predictions within 7% of the
-# measured index + forward + backward; 23 of 25 choices optimal, the other two picked dense where sparse was
-# 6% and 11% faster (near break-even, inside the margin); no case ran slower than dense.
-
+# Checked on index shapes the fits never saw (`scripts/bench_cost.py --validate`, H200, 2026-11-23, twice:
+# random slashes + verticals, 32K-128K, heads 9 x 64 and 16 x 128, densities 3-100%): predicted index + forward
+# + backward within ~7% of the measured; 23 of 25 choices optimal, the other two picked dense where sparse was
+# 6-14% faster (near break-even, inside the margin); no choice ran slower than dense. The estimate is not in
+# that check: it is paid before the choice (see `worth_estimating`).
 
 @dataclass(frozen=True)
 class CostTable:
@@ -32,6 +32,8 @@ class CostTable:
         column unit = listed (query block, vertical column) entries * block_size * D / 1e12.
     index = (ms0, ms per row unit, ms per 1e6 block entries, ms per 1e6 column entries): building the
         SparseIndex from the lines and everything the backward derives from it (transposed lists, column plan).
+    estimate = (ms0, ms per 1e9 of B * Hq * scored rows * S): the online estimate (`estimate_vertical_slash`:
+        scoring the sampled query rows against all keys, selecting lines), paid before any choice is possible.
     A head dim or block size that was not measured takes the nearest measured one (its rate per unit).
     """
 
@@ -40,25 +42,30 @@ class CostTable:
     dense: dict
     sparse: dict
     index: tuple
+    estimate: tuple = (0.0, 0.0)
 
 
 # One NVIDIA H200, torch 2.11, triton 3.6, bf16; measured 2026-11-23 by `python scripts/bench_cost.py`
 # (heads 9q/3kv x 64 = SmolLM2-135M and 16q/2kv x 128 = Qwen2.5-3B; dense through `dense_attention` = SDPA
 # cuDNN, 4K-128K; sparse = our Triton kernels, deterministic backward, local band + 2048 verticals, 1-28% of
-# causal blocks, 8K-128K). Worst relative error of the fits: dense 2-10%, sparse kernels 2-15% (35% on a
-# 2.6 ms call), index 26%. Examples: dense fwd+bwd 10.0 ms at 32K x 64 (9 heads), 454 ms at 128K x 128 (16
-# heads, 533 TFLOP/s); sparse 128K x 128 at 5% of blocks 49 ms (bs 64); index 3.5-5 ms, +0.55 ms per 1e6
-# column entries.
+# causal blocks, 8K-128K; index = from_lines with the GPU builder (commit 89a959c) + the backward's plans;
+# estimate = estimate_vertical_slash at its defaults then (last 64 rows + 16 sampled 64-row blocks = 1088
+# scored rows, with its own recall figure)). Worst relative error of the fits: dense 2-8%, sparse kernels
+# 5-25%, index 36% (of ~2 ms), estimate 22%. Examples: dense fwd+bwd 10.2 ms at 32K x 64 (9 heads), 462 ms at
+# 128K x 128 (16 heads); sparse 128K x 128 at 5% of blocks 49.9 ms (bs 64); index 1.7-2.7 ms; estimate 27 ms
+# at 32K x 9 heads, 100 ms at 128K x 9 heads, 249 ms at 128K x 16 heads. (A first run on 2026-11-23 with the
+# previous index builder gave the same kernel rates, index 3.5-5 ms, and 3.7-15 ms for the 64-row estimate.)
 H200 = CostTable(
     name="cuda (H200)",
     source="scripts/bench_cost.py on one H200, 2026-11-23",
-    dense={64: {"train": (0.4789, 31.1267), "eval": (0.3822, 8.05)},
-           128: {"train": (0.7172, 23.9996), "eval": (0.1605, 6.5063)}},
-    sparse={(64, 64): {"train": (1.1516, 1.2205, 54.4929, 93.0403), "eval": (0.1755, 0.3057, 18.8462, 29.9299)},
-            (64, 128): {"train": (1.4788, 1.3479, 57.8477, 105.9521), "eval": (0.2436, 0.1483, 18.7776, 29.4297)},
-            (128, 64): {"train": (0.7455, 2.5521, 48.6712, 74.9097), "eval": (0.2052, 0.2622, 11.7576, 17.8773)},
-            (128, 128): {"train": (1.6772, 2.2439, 40.7202, 79.0168), "eval": (0.2411, 0.2298, 11.986, 17.7466)}},
-    index=(3.9474, 0.0, 0.0597, 0.5463),
+    dense={64: {"train": (0.5881, 31.5157), "eval": (0.297, 8.4706)},
+           128: {"train": (0.4931, 24.2342), "eval": (0.1638, 6.525)}},
+    sparse={(64, 64): {"train": (1.1619, 0.7599, 56.2294, 106.9363), "eval": (0.1537, 0.4463, 18.3446, 35.5958)},
+            (64, 128): {"train": (1.6838, 1.3501, 56.6145, 101.7472), "eval": (0.2898, 0.2605, 18.2918, 28.0182)},
+            (128, 64): {"train": (0.8387, 2.5521, 48.8525, 74.734), "eval": (0.2091, 0.2714, 12.017, 19.4613)},
+            (128, 128): {"train": (2.0794, 2.2202, 40.1415, 69.7131), "eval": (0.2719, 0.2234, 11.9352, 17.2914)}},
+    index=(2.0754, 0.0, 0.0, 0.0186),
+    estimate=(0.0, 85.47),
 )
 
 # The CPU path (fp32; dense = PyTorch SDPA, sparse = mtrain.ops.partial's PyTorch path over the listed blocks,
@@ -74,6 +81,7 @@ CPU = CostTable(
     dense={32: {"train": (0.0, 267886.0248), "eval": (0.0, 71155.7291)}},
     sparse={(32, 64): {"train": (0.6148, 0.0, 573988.8701, 915806.3729), "eval": (0.0, 0.0, 228095.5965, 299461.9548)}},
     index=(0.368, 0.2239, 13.2548, 42.9433),
+    estimate=(0.0, 15201.4686),  # 64 scored rows then, 1K-8K; scaled by the rows scored
 )
 
 
@@ -131,6 +139,29 @@ def sparse_ms(blocks: float, columns: float, seq_len: int, heads: int, head_dim:
         i0, i_row, i_block, i_col = table.index
         total += i0 + i_row * rows + i_block * blocks / 1e6 + i_col * columns / 1e6
     return total
+
+
+def estimate_ms(seq_len: int, heads: int, rows: int, *, batch: int = 1, table: CostTable = H200,
+                world: int = 1) -> float:
+    """Predicted ms of the online estimate scoring `rows` query rows against `seq_len` keys (world > 1: each
+    rank scores against its 1/world of the keys)."""
+    ms0, per_unit = table.estimate
+    return ms0 + per_unit * batch * heads * min(rows, seq_len) * seq_len / 1e9 / world
+
+
+def worth_estimating(*, seq_len: int, heads: int, head_dim: int, block_size: int, rows: int, batch: int = 1,
+                     backward: bool = True, device="cuda", world: int = 1, doc_lengths=None,
+                     margin: float = SPARSE_MARGIN) -> Prediction:
+    """Whether sparse attention can pay at all, before estimating: its floor (the estimate + the index's and
+    kernels' fixed costs with no listed work) against dense. Prediction.path "dense" = it cannot: run dense
+    and skip the estimate; sparse_ms holds the floor."""
+    table = table_for(device)
+    dense = dense_ms(seq_len, heads, head_dim, batch=batch, backward=backward, table=table,
+                     doc_lengths=doc_lengths) / world
+    floor = (estimate_ms(seq_len, heads, rows, batch=batch, table=table, world=world)
+             + sparse_ms(0, 0, seq_len, heads, head_dim, block_size, batch=batch, backward=backward, table=table,
+                         world=world))
+    return Prediction(dense, floor, choose(dense, floor, margin))
 
 
 def index_work(index) -> tuple[int, int]:

@@ -103,12 +103,13 @@ def attention_stats(records: list) -> dict:
 
     Per layer (NN = layer index; calls of a layer in one step are averaged: micro-batches, recomputation):
     attn_sparse/LNN (share of its calls that ran sparse), attn_density/LNN (estimated pattern's fraction of
-    causal pairs), attn_est_recall/LNN (the estimator's own figure, when it gives one), attn_true_recall/LNN
-    (sampled exact recall, on logging.recall_every steps). Over all layers: attention_paths (one letter per
-    layer: s = sparse, d = dense, m = mixed), attention_sparse_layers (share of sparse calls), attention_work
-    (fraction of causal pairs computed: the density on sparse calls, 1 on dense ones), the means of the recalls
-    (true recall also its minimum) and, under the cost model, the predicted ms of the chosen paths and of
-    dense everywhere (attention_pred_ms, attention_pred_dense_ms).
+    causal pairs; absent where the cost model skipped the estimate), attn_est_recall/LNN (the estimator's own
+    figure, when it gives one), attn_true_recall/LNN (sampled exact recall, on logging.recall_every steps).
+    Over all layers: attention_paths (one letter per layer: s = sparse, d = dense, m = mixed),
+    attention_sparse_layers (share of sparse calls), attention_work (fraction of causal pairs computed: the
+    density on sparse calls, 1 on dense ones), the means of the recalls (true recall also its minimum) and,
+    under the cost model, the predicted ms of the chosen paths and of dense everywhere (attention_pred_ms,
+    attention_pred_dense_ms).
     """
     if not records:
         return {}
@@ -128,7 +129,9 @@ def attention_stats(records: list) -> dict:
         sparse_share = mean([1.0 if c["path"] == "sparse" else 0.0 for c in calls])
         paths.append("s" if sparse_share == 1.0 else "d" if sparse_share == 0.0 else "m")
         out[f"attn_sparse/{name}"] = sparse_share
-        out[f"attn_density/{name}"] = mean([c["density"] for c in calls])
+        density = mean([c["density"] for c in calls])
+        if density is not None:  # None: never estimated (sparse could not pay)
+            out[f"attn_density/{name}"] = density
         for key in ("est_recall", "true_recall"):
             value = mean([c[key] for c in calls])
             if value is not None:
