@@ -141,3 +141,59 @@ def test_dense_attention_cpu_matches_reference(Hq, Hkv):
     assert torch.allclose(lse.double(), r_lse, atol=1e-5)
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(k.grad).all()
+
+
+CP_SETTINGS = {  # every estimator setting the CP twin must reproduce
+    "defaults": {},
+    "shared": {"share_kv_group": True, "recall": 0.9},
+    "capped": {"cap_fraction": 0.05, "recall": 1.0},  # the caps bind
+    "last-only": {"sample_blocks": 0, "last_q": 24, "slash_recall": 0.8},
+    "docs": {"recall": 0.95, "sample_blocks": 5},
+}
+
+
+def _cp_worker(rank, world, init_file, out_file):
+    """Every layout x setting: the CP estimate from this rank's shard vs the single device's on the whole."""
+    import json
+
+    import torch.distributed as dist
+
+    from mtrain.parallel import LAYOUT_NAMES, Layout, SparseSettings
+    from mtrain.parallel.estimate import estimate_index
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    q, k = planted(S=320, Hq=4, Hkv=2, seed=5)
+    docs = torch.zeros(1, 320, dtype=torch.long)
+    docs[:, 90:], docs[:, 211:] = 1, 2
+    results = {}
+    for layout_name in LAYOUT_NAMES:
+        layout = Layout.create(layout_name, world_size=world, granularity=16)
+        pos = layout.indices(320, rank)
+        for name, extra in CP_SETTINGS.items():
+            kw = dict(block_size=16, **extra)
+            doc_ids = docs if name == "docs" else None
+            want = estimate_vertical_slash(q, k, doc_ids=doc_ids, **kw)
+            got = estimate_index(layout.shard(q, rank), layout.shard(k, rank), pos, pos, 320, SparseSettings(**kw),
+                                 1.0 / math.sqrt(32), None, doc_ids=doc_ids)
+            same = all(torch.equal(getattr(got, f), getattr(want, f))
+                       for f in ("block_ids", "block_counts", "col_ids", "col_counts"))
+            err = float((got._cache["est_recall"] - want._cache["est_recall"]).abs().max())
+            results[f"{layout_name}/{name}"] = [same, err, want.density()]
+    with open(f"{out_file}.{rank}", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def test_cp_estimator_gives_the_single_device_lines_for_every_setting(tmp_path):
+    """2 gloo ranks on the CPU; identical index and est_recall within 1e-5 (sums in another order)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_cp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    for rank in range(2):
+        for case, (same, err, density) in json.loads((tmp_path / f"out.{rank}").read_text()).items():
+            assert same, f"rank {rank} {case}: the CP index differs from the single-device one"
+            assert err < 1e-5, f"rank {rank} {case}: est_recall differs by {err:.2e}"
+            assert density < 0.95, f"{case}: density {density:.2f}, the case tests nothing"
