@@ -7,6 +7,9 @@ Writes one JSON line per (model, kind, with or without packed documents) with th
 import json
 import sys
 
+import tempfile
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -49,6 +52,9 @@ def main(out_path: str) -> None:
     for i, start in enumerate(starts):
         doc_ids[:, start:] = i
     rows = []
+    # the recipe is loaded only for its attention settings; data.path must still look like a packed folder
+    packed = tempfile.mkdtemp(prefix="cp_step_")
+    Path(packed, "index.json").write_text("{}")
     for model_name, config in configs().items():
         for kind in ("dense", "mtraining", "zigzag-dense", "zigzag-sparse"):
             recipe = load_recipe(None, [f"attention.kind={kind}", "attention.block_size=32", "attention.last_q=32",
@@ -56,7 +62,7 @@ def main(out_path: str) -> None:
                                         "attention.sparse_policy=always",
                                         f"parallel.cp_size={world}", "parallel.granularity=32",
                                         "model.config=mtrain/assets/tiny-qwen2/config.json",
-                                        "model.tokenizer=mtrain/assets/tiny-tokenizer", "data.path=."])
+                                        "model.tokenizer=mtrain/assets/tiny-tokenizer", f"data.path={packed}"])
             name = register_attention(recipe)
             torch.manual_seed(1)
             model = ChunkedLossLM(AutoModelForCausalLM.from_config(config, attn_implementation=name), chunk=200)
