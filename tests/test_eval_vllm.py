@@ -213,7 +213,9 @@ def test_without_vllm_or_a_worker_python_the_error_says_what_to_do(checkpoint, m
         VLLMBackend(checkpoint, python="/nonexistent/bin/python")
 
 
-def test_suite_backend_options_go_to_the_backend_they_name():
+def test_suite_backend_options_go_to_the_backend_they_name(monkeypatch):
+    import importlib.util
+
     from mtrain.eval.runner import resolve_backend, suite_backend_options
 
     settings = {"name": "hf", "prefill_chunk": 8192, "vllm": {"max_num_batched_tokens": 2048}}
@@ -221,4 +223,8 @@ def test_suite_backend_options_go_to_the_backend_they_name():
     assert suite_backend_options(settings, "vllm") == {"max_num_batched_tokens": 2048}
     assert suite_backend_options({"gpu_memory_utilization": 0.8, "name": "vllm"}, "vllm") == \
         {"gpu_memory_utilization": 0.8}
-    assert resolve_backend("hf") == "hf" and resolve_backend("auto") in ("hf", "vllm")
+    assert resolve_backend("hf") == "hf"
+    monkeypatch.setenv("MTRAIN_VLLM_PYTHON", VLLM_PYTHON)
+    assert resolve_backend("auto") == "vllm"
+    monkeypatch.delenv("MTRAIN_VLLM_PYTHON")
+    assert resolve_backend("auto") == ("vllm" if importlib.util.find_spec("vllm") else "hf")
