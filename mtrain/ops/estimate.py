@@ -138,16 +138,23 @@ def residual_parts(logits, rows, k_pos, row_max, row_sum, block_size: int, n_blo
     softmax max and sum: (probs, probs per (row, key block) [B, Hkv, G, n, nKB], the mass on the always-kept
     blocks (sink block 0 and the row's own block) [B, Hkv, G], the rest per column [B, Hkv, G, Sk] and per
     (row, key block) [B, Hkv, G, n, nKB])."""
-    probs = torch.exp(logits.sub_(row_max[..., None])).div_(row_sum[..., None])
+    probs = logits.sub_(row_max[..., None]).exp_().div_(row_sum[..., None])  # in place: no second copy
     pooled = pool_blocks(probs, k_pos, block_size, n_blocks)
-    row_blk = (rows // block_size).expand(*pooled.shape[:-2], -1)[..., None]
+    row_blk = rows // block_size
     rest = pooled.clone()
     rest[..., 0] = 0.0
-    rest.scatter_(-1, row_blk, 0.0)
+    rest.scatter_(-1, row_blk.expand(*pooled.shape[:-2], -1)[..., None], 0.0)
     mandatory = (pooled - rest).sum(-1).sum(-1)
-    k_blk = k_pos // block_size
-    kept = (k_blk[None, :] == 0) | (k_blk[None, :] == (rows // block_size)[:, None])  # [n, Sk]
-    vert = torch.where(kept, 0.0, probs).sum(-2)
+    # column mass outside the kept blocks: all rows, less the rows of the column's own block; block 0 is kept
+    blocks, which = torch.unique(row_blk, return_inverse=True)  # the few query blocks the rows lie in
+    member = (which[None, :] == torch.arange(blocks.numel(), device=probs.device)[:, None]).to(probs.dtype)
+    own = torch.matmul(member, probs)  # [..., U, Sk]: each row block's rows summed (a matmul: fast everywhere)
+    slot = torch.full((n_blocks,), -1, dtype=torch.long, device=probs.device)
+    slot[blocks] = torch.arange(blocks.numel(), device=probs.device)
+    k_slot = slot[k_pos // block_size]  # [Sk]: the key's block among the rows' blocks, or -1
+    own = torch.gather(own, -2, k_slot.clamp(min=0).expand(*own.shape[:-2], 1, -1)).squeeze(-2)
+    vert = probs.sum(-2) - torch.where(k_slot >= 0, own, 0.0)
+    vert = torch.where(k_pos < block_size, 0.0, vert.clamp_(min=0.0))
     return probs, pooled, mandatory, vert, rest
 
 
