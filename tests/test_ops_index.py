@@ -258,6 +258,86 @@ def test_triton_built_index_drives_the_kernels_like_the_reference():
         assert torch.equal(got, want)
 
 
+def split_reference(work: torch.Tensor, item_limit):
+    """The backward's work items written plainly (host loop): per target, ceil(w / L) items (at least 1),
+    L = item_limit or max(256, 2 * total // (targets with work) + 1); extra slots numbered in item order."""
+    w = [int(x) for x in work.flatten()]
+    busy = sum(x > 0 for x in w)
+    limit = item_limit or max(256, 2 * sum(w) // max(1, busy) + 1)
+    items, heavy, n_extra = [], [], 0
+    for t, x in enumerate(w):
+        n = max(1, -(-x // limit))
+        if n > 1:
+            heavy.append((t, n_extra, n - 1))
+        for r in range(n):
+            items.append((t, r * limit, min(r * limit + limit, x), -1 if r == 0 else n_extra + r - 1))
+        n_extra += n - 1
+    return items, heavy, n_extra
+
+
+@needs_interpreter
+@pytest.mark.parametrize("item_limit", [None, 3])
+def test_triton_split_work_matches_reference(item_limit, monkeypatch):
+    """`_split_work` builds fixed-size tables on the device (padding: target -1, reduce count 0) holding
+    exactly the items and split targets of the plain rule, whatever the empty targets."""
+    from mtrain.ops import _triton_attention as ta
+
+    monkeypatch.setattr(ta, "ITEM_LIMIT", item_limit)
+    gen = torch.Generator().manual_seed(5)
+    n_inner, n_heads, rows_per, rows_total = 7, 2, 16, 100
+    for trial in range(4):
+        work = torch.randint(0, 40, (2, n_heads, n_inner), generator=gen, dtype=torch.int32)
+        work[work < 10] = 0  # empty targets
+        if item_limit is None:
+            work[0, 0, 0] = 1500 + 700 * trial  # one long list, as the sink block's: split above 256
+        rows = (n_inner, n_heads, 1000, 100, 10, rows_per, rows_total)
+        plan = ta._split_work(work, int(work.max()), rows)
+        items, heavy, n_extra = split_reference(work, item_limit)
+        got = list(zip(*(plan[k].tolist() for k in ("target", "start", "end", "slot"))))
+        assert got[: len(items)] == items
+        assert all(t == -1 for t, *_ in got[len(items):]) and plan["grid"] >= len(items)
+        assert int(plan["n_extra"]) == n_extra <= plan["extra_cap"]
+        count = plan["extra_count"].tolist()
+        assert [(s, c) for s, c in zip(plan["extra_start"].tolist(), count) if c] == [(s, c) for _, s, c in heavy]
+        assert count[len(heavy):] == [0] * (len(count) - len(heavy))
+        for k, (t, _, _) in enumerate(heavy):
+            bh, x = divmod(t, n_inner)
+            b, h = divmod(bh, n_heads)
+            assert int(plan["off"][k]) == b * 1000 + h * 100 + x * 10
+            assert int(plan["nrows"][k]) == min(rows_total - x * rows_per, rows_per)
+        if item_limit is None:
+            assert heavy  # the long list really split
+
+
+@needs_interpreter
+def test_triton_column_add_matches_indexed_adds():
+    """The column gradients are added to dK/dV rows head by head in group order (bitwise as a plain loop),
+    keys found in each head's sorted, -1 padded universe; keys in no universe are left alone."""
+    from mtrain.ops._triton_attention import _column_add
+
+    gen = torch.Generator().manual_seed(2)
+    B, Sk, Hkv, group, D, U = 2, 150, 2, 3, 16, 9
+    universe = torch.full((B, Hkv * group, U), -1, dtype=torch.int32)
+    for b in range(B):
+        for h in range(Hkv * group):
+            n = int(torch.randint(0, U + 1, (1,), generator=gen))  # some heads have fewer, or none
+            universe[b, h, :n] = torch.randperm(Sk, generator=gen)[:n].sort().values
+    universe[0, 0, :U] = torch.arange(Sk - U, Sk)  # the last keys, a full universe
+    dk, dv = torch.randn(B, Sk, Hkv, D, generator=gen), torch.randn(B, Sk, Hkv, D, generator=gen)
+    dkc, dvc = torch.randn(B, Hkv * group, U, D, generator=gen), torch.randn(B, Hkv * group, U, D, generator=gen)
+    want_k, want_v = dk.clone(), dv.clone()
+    for b in range(B):
+        for hk in range(Hkv):
+            for g in range(group):
+                h = hk * group + g
+                for slot, key in enumerate(universe[b, h].tolist()):
+                    if key >= 0:
+                        want_k[b, key, hk] += dkc[b, h, slot]
+                        want_v[b, key, hk] += dvc[b, h, slot]
+    _column_add(dk, dv, dkc, dvc, universe, group)
+    assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
+
+
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the Triton builder tests")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is for CPU machines")
 def test_triton_builder_tests_in_interpreter_process():
@@ -275,6 +355,8 @@ def test_triton_builder_tests_in_interpreter_process():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_triton_builder_on_gpu_matches_reference_without_host_sync():
+    from mtrain.ops import _triton_attention
+
     gen = torch.Generator().manual_seed(1)
     for S, bs, nv, ns in [(32768, 64, 500, 200), (20000, 128, 300, 120)]:
         vertical, slash = random_lines(S, bs, nv, ns, gen, batch=1, heads=9)
@@ -283,6 +365,7 @@ def test_triton_builder_on_gpu_matches_reference_without_host_sync():
         torch.cuda.set_sync_debug_mode("error")
         try:
             new = SparseIndex.from_lines(vertical, slash, S, bs)
+            _triton_attention.prepare_backward(new, 3, 64)  # the backward's work plans
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert_same_lists(SparseIndex.from_lines(vertical, slash, S, bs, impl="torch"), new)

@@ -271,10 +271,13 @@ def _dkdv_kernel(
     pairs that use its key block, each query block as NQS sub-tiles, summed over the query heads of the
     GQA group in registers. The first item of a key block writes dK/dV; the rest write to extra slots that
     `_reduce_kernel` adds in a fixed order (no atomics). The transposed index is ragged: head h's list of
-    key block j is TI[TS[b, h, j] :][: count]."""
+    key block j is TI[TS[b, h, j] :][: count]. The grid is a bound on the item count (`_split_work`): an
+    item with target -1 is padding and exits."""
     item = tl.program_id(0)
     ks = tl.program_id(1)
     t = tl.load(IT + item)
+    if t < 0:
+        return
     start = tl.load(IS + item)
     end = tl.load(IE + item)
     slot = tl.load(ISL + item)
@@ -340,9 +343,11 @@ def _col_dkdv_kernel(
 ):
     """dK, dV of one work item: a chunk of a query head's vertical columns against a slice of the query
     blocks that use them, each as NQS query sub-tiles (first item writes, the rest go to extra slots, as
-    in `_dkdv_kernel`)."""
+    in `_dkdv_kernel`; padding items, target -1, exit)."""
     item = tl.program_id(0)
     t = tl.load(IT + item)
+    if t < 0:
+        return
     start = tl.load(IS + item)
     end = tl.load(IE + item)
     item_slot = tl.load(ISL + item)
@@ -390,13 +395,16 @@ def _col_dkdv_kernel(
 def _reduce_kernel(DK, DV, EXK, EXV, OFF, NROWS, ES, EC, rstride, ROWS: tl.constexpr, SUB: tl.constexpr,
                    D: tl.constexpr):
     """Add the extra slots (ROWS rows each) of one split target to its rows, in slot order
-    (deterministic); program axis 1 picks a sub-tile of SUB rows."""
+    (deterministic); program axis 1 picks a sub-tile of SUB rows. Entries without extra slots are the
+    padding of a fixed-size table (`_split_work`) and exit."""
     p = tl.program_id(0)
     r0 = tl.program_id(1) * SUB
+    count = tl.load(EC + p)
+    if count == 0:
+        return
     off = tl.load(OFF + p)
     nrows = tl.load(NROWS + p)
     first = tl.load(ES + p)
-    count = tl.load(EC + p)
     offs_r = r0 + tl.arange(0, SUB)
     offs_d = tl.arange(0, D)
     ptr = off + offs_r[:, None] * rstride + offs_d[None, :]
@@ -409,6 +417,121 @@ def _reduce_kernel(DK, DV, EXK, EXV, OFF, NROWS, ES, EC, rstride, ROWS: tl.const
         av += tl.load(EXV + base + e * (ROWS * D))
     tl.store(DK + ptr, ak, mask=m)
     tl.store(DV + ptr, av, mask=m)
+
+
+@triton.jit
+def _split_kernel(
+    WORK, IT, IS, IE, ISL, NEXTRA, HS, HC, HOFF, HNR,
+    N, CAP, HCAP, fixed_limit, n_inner, n_heads, s_batch, s_head, s_inner, rows_per, rows_total,
+    T: tl.constexpr,
+):
+    """The work items of `_split_work` in one program, on the device (no host sync).
+
+    Per target t (WORK[t] entries of work): item length `limit` = fixed_limit, or when that is 0
+    max(256, 2 * total // busy + 1) with `busy` the targets that have work; ceil(WORK[t] / limit) items
+    (at least 1), numbered target by target. Item k: target IT, entries [IS, IE), extra slot ISL (-1 for a
+    target's first item, which writes the result; the rest are numbered in item order). Items past the
+    last are padding (IT = -1) up to CAP. Per target with extra items ("heavy"), in target order up to
+    HCAP (padding HC = 0): its first extra slot HS, their count HC, and where its result rows lie: target
+    t = bh * n_inner + x writes rows_per rows (fewer at the end of rows_total) at
+    (bh // n_heads) * s_batch + (bh % n_heads) * s_head + x * s_inner. NEXTRA = the real extra count."""
+    offs = tl.arange(0, T)
+    limit = tl.zeros([], tl.int64) + fixed_limit
+    if fixed_limit <= 0:
+        total = tl.zeros([], tl.int64)
+        busy = tl.zeros([], tl.int64)
+        for t0 in range(0, N, T):
+            w = tl.load(WORK + t0 + offs, mask=t0 + offs < N, other=0).to(tl.int64)
+            total += tl.sum(w, 0)
+            busy += tl.sum((w > 0).to(tl.int64), 0)
+        limit = tl.maximum(2 * total // tl.maximum(busy, 1) + 1, 256)
+    base = tl.zeros([], tl.int64)  # items before this tile of targets
+    hbase = tl.zeros([], tl.int64)  # heavy targets before it
+    for t0 in range(0, N, T):
+        tg = t0 + offs
+        m = tg < N
+        w = tl.load(WORK + tg, mask=m, other=0).to(tl.int64)
+        n_it = tl.where(m, tl.maximum((w + limit - 1) // limit, 1), 0)
+        first = base + tl.cumsum(n_it, 0) - n_it
+        for r in range(0, tl.max(n_it, 0).to(tl.int32)):
+            k = first + r
+            mr = m & (r < n_it) & (k < CAP)  # k < CAP holds by the bound; never write past the table
+            start = r * limit
+            tl.store(IT + k, tg, mask=mr)
+            tl.store(IS + k, start.to(tl.int32), mask=mr)
+            tl.store(IE + k, tl.minimum(start + limit, w).to(tl.int32), mask=mr)
+            tl.store(ISL + k, tl.where(r > 0, k - tg - 1, -1).to(tl.int32), mask=mr)
+        heavy = m & (n_it > 1)
+        hpos = hbase + tl.cumsum(heavy.to(tl.int64), 0) - 1
+        hm = heavy & (hpos < HCAP)
+        bh = tg // n_inner
+        x = (tg % n_inner).to(tl.int64)
+        off = (bh // n_heads).to(tl.int64) * s_batch + (bh % n_heads).to(tl.int64) * s_head + x * s_inner
+        tl.store(HS + hpos, (first - tg).to(tl.int32), mask=hm)
+        tl.store(HC + hpos, (n_it - 1).to(tl.int32), mask=hm)
+        tl.store(HOFF + hpos, off, mask=hm)
+        tl.store(HNR + hpos, tl.minimum(rows_total - x * rows_per, rows_per).to(tl.int32), mask=hm)
+        base += tl.sum(n_it, 0)
+        hbase += tl.sum(heavy.to(tl.int64), 0)
+    for k0 in range(0, CAP, T):
+        k = k0 + offs
+        tl.store(IT + k, tl.full([T], -1, tl.int32), mask=(k >= base) & (k < CAP))
+    for k0 in range(0, HCAP, T):
+        k = k0 + offs
+        tl.store(HC + k, tl.zeros([T], tl.int32), mask=(k >= hbase) & (k < HCAP))
+    tl.store(NEXTRA, base - N)
+
+
+@triton.jit
+def _universe_slot(UB, keys, u_len, n_steps):
+    """Where each of `keys` sits in a sorted universe UB[:u_len] (-1 padding only after the entries, read as
+    +inf): (slot, found)."""
+    lo = tl.zeros_like(keys)
+    hi = lo + u_len
+    for _ in range(0, n_steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        val = tl.load(UB + mid, mask=active, other=0)
+        right = active & ((val >= 0) & (val < keys))
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    val = tl.load(UB + lo, mask=lo < u_len, other=-1)
+    return lo, (lo < u_len) & (val == keys)
+
+
+@triton.jit
+def _column_add_kernel(
+    DK, DV, DKC, DVC, U, Sk, HKV, GROUP, u_len, n_steps,
+    sdb, sds, sdh, scb, sch, scu, sub, suh,
+    KT: tl.constexpr, D: tl.constexpr,
+):
+    """Add the vertical columns' dK/dV (DKC/DVC [B, Hq, U, D], per query head and universe slot) to the rows
+    of KT keys of KV head hk: dK[key] + col(g = 0) + col(g = 1) + ... over the heads of the group in order
+    (a fixed order: deterministic). A key's slot in head h's universe is found by binary search."""
+    keys = tl.program_id(0) * KT + tl.arange(0, KT)
+    bhk = tl.program_id(1)
+    b = (bhk // HKV).to(tl.int64)
+    hk = bhk % HKV
+    key_ok = keys < Sk
+    offs_d = tl.arange(0, D)
+    hit = key_ok & False
+    for g in range(0, GROUP):
+        ub = U + b * sub + (hk * GROUP + g) * suh
+        _, found = _universe_slot(ub, keys, u_len, n_steps)
+        hit = hit | (found & key_ok)
+    if tl.max(hit.to(tl.int32), 0) > 0:
+        ptr = b * sdb + keys[:, None] * sds + hk * sdh + offs_d[None, :]
+        ak = tl.load(DK + ptr, mask=hit[:, None], other=0.0)
+        av = tl.load(DV + ptr, mask=hit[:, None], other=0.0)
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            slot, found = _universe_slot(U + b * sub + h * suh, keys, u_len, n_steps)
+            found = found & key_ok
+            src = b * scb + h * sch + slot[:, None].to(tl.int64) * scu + offs_d[None, :]
+            ak = tl.where(found[:, None], ak + tl.load(DKC + src, mask=found[:, None], other=0.0), ak)
+            av = tl.where(found[:, None], av + tl.load(DVC + src, mask=found[:, None], other=0.0), av)
+        tl.store(DK + ptr, ak, mask=hit[:, None])
+        tl.store(DV + ptr, av, mask=hit[:, None])
 
 
 def _tile(block_size: int) -> int:
@@ -672,13 +795,14 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             plans["t"] = transpose_blocks_csr(bi, bc, nkb)
         tr = plans["t"]
     ti, ts, tc = tr
-    kv_plan = _kv_work_plan(tc, B, Hkv, group, nkb, dk, block_size, plans)
+    kv_plan = _kv_work_plan(tc, B, Hkv, group, nqb, nkb, dk, block_size, plans)
     sub = _subtiles(block_size, "dkdv")
     ex_rows = sub["NKS"] * sub["KT"]  # rows of one extra slot: a whole (padded) key block
-    extra_k = torch.empty(max(1, kv_plan["n_extra"]), ex_rows, D, dtype=torch.float32, device=q.device)
+    # Sized by the plan's bound, not its count (reading the count would wait for the GPU).
+    extra_k = torch.empty(kv_plan["extra_cap"], ex_rows, D, dtype=torch.float32, device=q.device)
     extra_v = torch.empty_like(extra_k)
     _launch(
-        _dkdv_kernel, (kv_plan["n_items"], sub["NKS"]),
+        _dkdv_kernel, (kv_plan["grid"], sub["NKS"]),
         q, k, v, dout, lse, delta, dk, dv, extra_k, extra_v, qp, kp, ti, ts, kv_plan["pre"],
         kv_plan["target"], kv_plan["start"], kv_plan["end"], kv_plan["slot"], qd, kd,
         scale * _LOG2E, scale, *common, dk.stride(0), dk.stride(1), dk.stride(2),
@@ -699,11 +823,11 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         n_chunks = plan.q_ids.shape[2]
         dkc = torch.empty(B, Hq, u_cap, D, dtype=torch.float32, device=q.device)
         dvc = torch.empty_like(dkc)
-        col_plan = _col_work_plan(plan, dkc, plans)
-        extra_k = torch.empty(max(1, col_plan["n_extra"]), chunk, D, dtype=torch.float32, device=q.device)
+        col_plan = _col_work_plan(plan, nqb, dkc, plans)
+        extra_k = torch.empty(col_plan["extra_cap"], chunk, D, dtype=torch.float32, device=q.device)
         extra_v = torch.empty_like(extra_k)
         _launch(
-            _col_dkdv_kernel, (col_plan["n_items"],),
+            _col_dkdv_kernel, (col_plan["grid"],),
             q, k, v, dout, lse, delta, dkc, dvc, extra_k, extra_v, qp, kp, universe, plan.q_ids, plan.bits,
             col_plan["target"], col_plan["start"], col_plan["end"], col_plan["slot"], qd, kd,
             scale * _LOG2E, scale, *common,
@@ -714,111 +838,106 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             HAS_DOC=has_doc, **_opts(q, "col", max(sub["QT"], chunk)),
         )
         _reduce(dkc, dvc, extra_k, extra_v, col_plan, dkc.stride(2), chunk, chunk, D)
-        scatter = _column_scatter(universe, B, Sk, Hkv, group, plans)
-        flat_k, flat_v = dk.view(-1, D), dv.view(-1, D)
-        src_k, src_v = dkc.view(-1, D), dvc.view(-1, D)
-        for rows, src in scatter:
-            # A head's columns are distinct and the heads of one step belong to different KV heads, so each
-            # step touches every row at most once: exact and independent of scheduling.
-            flat_k[rows] += src_k[src]
-            flat_v[rows] += src_v[src]
+        _column_add(dk, dv, dkc, dvc, universe, group)
     return dq, dk, dv
 
 
 def prepare_backward(index, num_kv_heads: int, head_dim: int) -> None:
     """Build, and cache in `index._cache`, all the deterministic backward derives from a SparseIndex:
-    the transposed index, the column plan and the work items (so it can be timed with the index)."""
+    the transposed index, the column plan and the work items (so it can be timed with the index). With the
+    GPU builder's index this queues device work only: no host synchronisation."""
     B, Hq, nqb = index.block_counts.shape
     S, bs, plans = index.seq_len, index.block_size, index._cache
     group = Hq // num_kv_heads
     _, _, tc = index.transposed_csr()
     dk = torch.empty(B, S, num_kv_heads, head_dim, device="meta")
-    _kv_work_plan(tc, B, num_kv_heads, group, nqb, dk, bs, plans)
+    _kv_work_plan(tc, B, num_kv_heads, group, nqb, nqb, dk, bs, plans)
     chunk = min(_tile(bs), 64)
     plan = index.column_plan(chunk)
-    _col_work_plan(plan, torch.empty(B, Hq, plan.universe.shape[-1], head_dim, device="meta"), plans)
-    _column_scatter(plan.universe, B, S, num_kv_heads, group, plans)
+    _col_work_plan(plan, nqb, torch.empty(B, Hq, plan.universe.shape[-1], head_dim, device="meta"), plans)
 
 
-def _split_work(work: torch.Tensor) -> dict:
-    """Cut per-target work (list lengths) into items of at most ~2x the mean, so one long list (the sink
-    block every query block uses) does not serialize the backward. Returns the item tables."""
+# Targets per step of `_split_kernel` (one program walks them all).
+_SPLIT_TILE = 1024
+
+
+def _split_work(work: torch.Tensor, max_work: int, rows: tuple) -> dict:
+    """Cut per-target work (list lengths) into items of at most ~2x the mean over the targets that have work
+    (so one long list, the sink block every query block uses, does not serialize the backward, and targets
+    without work, e.g. a wider column plan's empty chunks, change nothing). Built by `_split_kernel` on the
+    device without a host sync: the tables have a size the host knows, a bound on the count (padding items
+    have target -1 and exit in the kernels; padding reduce entries have no extra slot).
+
+    The bound: with limit L > 2 * total / busy, items = targets + sum(ceil(w / L) - 1) < targets + busy / 2,
+    and fewer than busy / 2 targets have w > L. With ITEM_LIMIT (tests) every target may split, into at most
+    ceil(max_work / ITEM_LIMIT) items. rows = (n_inner, n_heads, s_batch, s_head, s_inner, rows_per,
+    rows_total): where each target's result rows lie (see `_split_kernel`), for the reduce of split targets.
+    """
     dev = work.device
-    work = work.long().flatten()
-    n_targets = work.numel()
-    limit = ITEM_LIMIT or max(256, 2 * int(work.sum()) // max(1, n_targets) + 1)
-    n_items = ((work + limit - 1) // limit).clamp(min=1)
-    total = int(n_items.sum())
-    target = torch.repeat_interleave(torch.arange(n_targets, device=dev), n_items)
-    first = torch.cumsum(n_items, 0) - n_items
-    r = torch.arange(total, device=dev) - first[target]
-    start = r * limit
-    end = torch.minimum(start + limit, work[target])
-    slot = torch.where(r > 0, torch.cumsum((r > 0).long(), 0) - 1, -1)
-    n_more = n_items - 1
-    heavy = torch.nonzero(n_more > 0).flatten()
-    return {
-        "n_items": total, "n_extra": total - n_targets,
-        "target": target.int(), "start": start.int(), "end": end.int(), "slot": slot.int(),
-        "heavy": heavy, "extra_start": (torch.cumsum(n_more, 0) - n_more)[heavy].int(),
-        "extra_count": n_more[heavy].int(),
+    work = work.reshape(-1).to(torch.int32).contiguous()
+    n = work.numel()
+    if ITEM_LIMIT:
+        cap, heavy_cap = n * max(1, -(-max_work // ITEM_LIMIT)), n
+    else:
+        cap, heavy_cap = n + n // 2, max(1, n // 2)
+    i32 = dict(dtype=torch.int32, device=dev)
+    plan = {
+        "grid": cap, "extra_cap": max(1, cap - n), "heavy_cap": heavy_cap,
+        "target": torch.empty(cap, **i32), "start": torch.empty(cap, **i32), "end": torch.empty(cap, **i32),
+        "slot": torch.empty(cap, **i32), "n_extra": torch.empty((), dtype=torch.int64, device=dev),
+        "extra_start": torch.empty(heavy_cap, **i32), "extra_count": torch.empty(heavy_cap, **i32),
+        "off": torch.empty(heavy_cap, dtype=torch.int64, device=dev), "nrows": torch.empty(heavy_cap, **i32),
     }
+    _split_kernel[(1,)](
+        work, plan["target"], plan["start"], plan["end"], plan["slot"], plan["n_extra"], plan["extra_start"],
+        plan["extra_count"], plan["off"], plan["nrows"], n, cap, heavy_cap, ITEM_LIMIT or 0, *rows,
+        T=_SPLIT_TILE,
+    )
+    return plan
 
 
-def _kv_work_plan(tc, B, Hkv, group, nkb, dk, block_size, plans) -> dict:
+def _kv_work_plan(tc, B, Hkv, group, nqb, nkb, dk, block_size, plans) -> dict:
+    """Work items of the dK/dV pass: one target per (batch, KV head, key block), its work the transposed
+    lists of the group's heads (PRE: where each head's list starts in the target's numbering)."""
     key = ("kv_items", tuple(dk.stride()))
     if key not in plans:
-        counts = tc.expand(B, Hkv * group, nkb).reshape(B, Hkv, group, nkb).permute(0, 1, 3, 2).long()
+        counts = tc.expand(B, Hkv * group, nkb).reshape(B, Hkv, group, nkb).permute(0, 1, 3, 2)
         pre = torch.zeros(B, Hkv, nkb, group + 1, dtype=torch.int32, device=tc.device)
-        pre[..., 1:] = counts.cumsum(-1)
-        plan = _split_work(pre[..., -1])
-        plan["pre"] = pre.contiguous()
-        t = plan["heavy"]
-        j, bh = t % nkb, t // nkb
-        b, hk = bh // Hkv, bh % Hkv
-        Sk = dk.shape[1]
-        plan["off"] = (b * dk.stride(0) + j * block_size * dk.stride(1) + hk * dk.stride(2)).long()
-        plan["nrows"] = torch.clamp(Sk - j * block_size, max=block_size).int()
+        torch.cumsum(counts, -1, dtype=torch.int32, out=pre[..., 1:])
+        rows = (nkb, Hkv, dk.stride(0), dk.stride(2), block_size * dk.stride(1), block_size, dk.shape[1])
+        plan = _split_work(pre[..., -1], group * nqb, rows)
+        plan["pre"] = pre
         plans[key] = plan
     return plans[key]
 
 
-def _col_work_plan(plan: ColumnPlan, dkc, plans) -> dict:
+def _col_work_plan(plan: ColumnPlan, nqb: int, dkc, plans) -> dict:
+    """Work items of the column dK/dV pass: one target per (batch, query head, chunk of its columns)."""
     key = ("col_items", plan.chunk, tuple(dkc.stride()))
     if key not in plans:
-        work = _split_work(plan.counts)
         B, H, n_chunks = plan.counts.shape
-        t = work["heavy"]
-        c, bh = t % n_chunks, t // n_chunks
-        b, h = bh // H, bh % H
-        u_cap = dkc.shape[2]
-        work["off"] = (b * dkc.stride(0) + h * dkc.stride(1) + c * plan.chunk * dkc.stride(2)).long()
-        work["nrows"] = torch.clamp(u_cap - c * plan.chunk, max=plan.chunk).int()
-        plans[key] = work
+        rows = (n_chunks, H, dkc.stride(0), dkc.stride(1), plan.chunk * dkc.stride(2), plan.chunk, dkc.shape[2])
+        plans[key] = _split_work(plan.counts, nqb, rows)
     return plans[key]
 
 
 def _reduce(dst_k, dst_v, extra_k, extra_v, plan, row_stride, rows, sub, D) -> None:
-    n = plan["heavy"].numel()
-    if n:
-        _reduce_kernel[(n, rows // sub)](dst_k, dst_v, extra_k, extra_v, plan["off"], plan["nrows"],
-                                         plan["extra_start"], plan["extra_count"], row_stride, ROWS=rows, SUB=sub,
-                                         D=D)
+    _reduce_kernel[(plan["heavy_cap"], rows // sub)](
+        dst_k, dst_v, extra_k, extra_v, plan["off"], plan["nrows"], plan["extra_start"], plan["extra_count"],
+        row_stride, ROWS=rows, SUB=sub, D=D)
 
 
-def _column_scatter(universe, B, Sk, Hkv, group, plans):
-    """Per GQA step g: (flat rows of dk [B*Sk*Hkv], flat rows of dkc [B*Hq*U]) for the columns of heads
-    g, G+g, ...; built with one nonzero and one sort for all steps (few ops: index building is
-    launch-bound on the GPU)."""
-    if "col_scatter" not in plans:
-        U = universe.shape[-1]
-        b, h, slot = torch.nonzero(universe >= 0, as_tuple=True)
-        u = universe[b, h, slot].long()
-        rows = (b * Sk + u) * Hkv + h // group
-        src = (b * (Hkv * group) + h) * U + slot
-        g = h % group
-        order = torch.sort(g, stable=True).indices
-        counts = torch.bincount(g, minlength=group).tolist()
-        rows, src = rows[order].split(counts), src[order].split(counts)
-        plans["col_scatter"] = list(zip(rows, src))
-    return plans["col_scatter"]
+# Keys per program of `_column_add_kernel`.
+_COLUMN_ADD_KEYS = 64
+
+
+def _column_add(dk, dv, dkc, dvc, universe, group) -> None:
+    """dK/dV rows += the columns' dK/dV of every query head of their group (see `_column_add_kernel`)."""
+    B, Sk, Hkv, D = dk.shape
+    u_len = universe.shape[-1]
+    universe = universe if universe.stride(-1) == 1 else universe.contiguous()
+    _column_add_kernel[(-(-Sk // _COLUMN_ADD_KEYS), B * Hkv)](
+        dk, dv, dkc, dvc, universe, Sk, Hkv, group, u_len, u_len.bit_length(),
+        dk.stride(0), dk.stride(1), dk.stride(2), dkc.stride(0), dkc.stride(1), dkc.stride(2),
+        universe.stride(0), universe.stride(1), KT=_COLUMN_ADD_KEYS, D=D,
+    )
