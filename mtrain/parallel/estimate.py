@@ -1,5 +1,6 @@
-"""Online vertical-slash estimation across a CP group: every rank scores the global last queries against its
-own keys; all-reduce / all-gather of small tensors give every rank the same lines, no rank works for all."""
+"""Online vertical-slash estimation across a CP group: every rank scores the sampled query rows (the global last
+queries and strided query blocks) against its own keys; all-reduces / an all-gather of small tensors give every
+rank the lines one device would pick, and no rank works for all."""
 
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ class SparseSettings:
     max_vertical: int = 4096
     """Cap on vertical columns per head (key positions every query attends to)."""
     max_slash: int = 4096
-    """Cap on slash lines per head (token-level offsets q - k)."""
+    """Cap on slash lines per head in token diagonals; slashes are chosen per block offset a * block_size,
+    which counts as block_size of them."""
     block_size: int = 64
     """Key/query block size of the index handed to the kernels."""
     min_vertical: int = 16
     """Floor on the verticals kept, so one dominant key does not leave a one-entry list."""
     min_slash: int = 16
-    """Floor on the slashes kept."""
+    """Floor on the slashes kept, in token diagonals (ceil(min_slash / block_size) block offsets)."""
     share_kv_group: bool = False
     """Select once per KV group on the scores summed over its query heads (one budget per group)."""
     slash_recall: float | None = None
