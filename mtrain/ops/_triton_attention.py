@@ -419,7 +419,9 @@ def _reduce_kernel(DK, DV, EXK, EXV, OFF, NROWS, ES, EC, rstride, ROWS: tl.const
     tl.store(DV + ptr, av, mask=m)
 
 
-@triton.jit
+# Shapes and strides are not specialised on: one compile serves every shape (they are read a few times only).
+@triton.jit(do_not_specialize=["N", "CAP", "HCAP", "fixed_limit", "n_inner", "n_heads", "s_batch", "s_head", "s_inner",
+                               "rows_per", "rows_total"])
 def _split_kernel(
     WORK, IT, IS, IE, ISL, NEXTRA, HS, HC, HOFF, HNR,
     N, CAP, HCAP, fixed_limit, n_inner, n_heads, s_batch, s_head, s_inner, rows_per, rows_total,
@@ -499,7 +501,8 @@ def _universe_slot(UB, keys, u_len, n_steps):
     return lo, (lo < u_len) & (val == keys)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Sk", "HKV", "GROUP", "u_len", "n_steps", "sdb", "sds", "sdh", "scb", "sch", "scu", "sub",
+                               "suh"])
 def _column_add_kernel(
     DK, DV, DKC, DVC, U, Sk, HKV, GROUP, u_len, n_steps,
     sdb, sds, sdh, scb, sch, scu, sub, suh,
