@@ -1,7 +1,7 @@
 """GPU correctness gate: every attention engine x dtype x block size x GQA x document masking against a float64
 reference, on short ragged sequences. Exits non-zero on any failure. Run it in every GPU session before timing:
 
-    python scripts/gpu_check.py            # on the GPU machine (about a minute)
+    python scripts/gpu_check.py            # on the GPU machine (cases in 8 processes: the compiles dominate)
     TRITON_INTERPRET=1 python scripts/gpu_check.py --device cpu --quick   # smoke on a CPU (fp32/fp16 only)
 
 Engines: mtrain's Triton kernels with the deterministic and the atomic backward, FlexAttention driven by the same
@@ -101,60 +101,82 @@ def ring_step_case(q, k, v, index, doc_ids, bs, dout):
     return want, engine_grads(fn, qs, ks, vs, dout[:, mine])
 
 
+def run_case(case) -> tuple[list[str], list[str]]:
+    """One (block size, dtype, heads, documents) case: every engine against float64; (lines, failures)."""
+    bs, dtype_name, (Hq, Hkv, D), doc, S, device_name, seed = case
+    dtype, device = getattr(torch, dtype_name), torch.device(device_name)
+    lines, failures = [], []
+    q, k, v, index, doc_ids = make_case(S, Hq, Hkv, D, bs, dtype, doc, device, seed=seed)
+    dout = torch.randn_like(q)
+    same_doc = None if doc_ids is None else doc_ids[0][:, None] == doc_ids[0][None, :]
+    mask = index.to_mask() if same_doc is None else index.to_mask() & same_doc
+    want = reference_grads(q, k, v, mask, dout)
+    dense_mask = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+    want_dense = reference_grads(q, k, v, dense_mask if same_doc is None else dense_mask & same_doc, dout)
+    tol_out, tol_grad = TOL[dtype]
+    tag = f"bs={bs:3d} {dtype_name:8s} H={Hq}/{Hkv}x{D:<3d} docs={int(doc)}"
+
+    def report(name, errs):
+        bad = errs[0] > tol_out or max(errs[1:]) > tol_grad or not all(math.isfinite(e) for e in errs)
+        line = (f"{'FAIL' if bad else 'ok  '} {name:13s} {tag} density={index.density():.2f}: out {errs[0]:.1e} "
+                f"dq {errs[1]:.1e} dk {errs[2]:.1e} dv {errs[3]:.1e}")
+        lines.append(line)
+        if bad:
+            failures.append(line)
+
+    def raised(name, exc):
+        line = f"FAIL {name:13s} {tag}: raised {exc!r:.300}"
+        lines.append(line)
+        failures.append(line)
+
+    for name, fn in engines(device, index, doc_ids, S).items():
+        try:
+            got = engine_grads(fn, q, k, v, dout)
+        except Exception as exc:  # noqa: BLE001 - a gate reports every engine's failure and goes on
+            raised(name, exc)
+            continue
+        report(name, [rel(a, b) for a, b in zip(got, want_dense if name == "dense" else want)])
+    try:
+        want_step, got_step = ring_step_case(q, k, v, index, doc_ids, bs, dout)
+        report("ring-step", [rel(a, b) for a, b in zip(got_step, want_step)])
+    except Exception as exc:  # noqa: BLE001
+        raised("ring-step", exc)
+    return lines, failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seq", type=int, default=2100, help="sequence length (ragged on purpose)")
-    ap.add_argument("--quick", action="store_true", help="one GQA shape, no documents x dtype product (CPU smoke)")
+    ap.add_argument("--quick", action="store_true", help="one GQA shape, short sequence (CPU smoke)")
+    ap.add_argument("--dtypes", nargs="+", help="dtypes to check (default: float32 float16, and bfloat16 on CUDA)")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                    help="cases run in this many processes at once (the Triton compiles dominate; they run in "
+                         "parallel on the host's cores, sharing the GPU)")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("on the CPU the Triton kernels need TRITON_INTERPRET=1")
-    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device.type == "cuda" else [])
+    dtypes = args.dtypes or (["float32", "float16"] + (["bfloat16"] if device.type == "cuda" else []))
     heads = [(4, 4, 64), (8, 2, 128)] if not args.quick else [(4, 2, 64)]
-    docs = [False, True]
-    block_sizes = [64, 128]
-    failures, rows = [], 0
+    S = args.seq if not args.quick else 200
+    cases = [(bs, dt, h, doc, S, args.device, i) for i, (bs, dt, h, doc) in
+             enumerate(itertools.product([64, 128], dtypes, heads, [False, True]))]
     t0 = time.time()
-    for bs, dtype, (Hq, Hkv, D), doc in itertools.product(block_sizes, dtypes, heads, docs):
-        S = args.seq if not args.quick else 200
-        q, k, v, index, doc_ids = make_case(S, Hq, Hkv, D, bs, dtype, doc, device, seed=rows)
-        dout = torch.randn_like(q)
-        mask = index.to_mask()
-        if doc_ids is not None:
-            mask = mask & (doc_ids[0][:, None] == doc_ids[0][None, :])
-        want = reference_grads(q, k, v, mask, dout)
-        dense_mask = torch.ones(S, S, dtype=torch.bool, device=device).tril()
-        if doc_ids is not None:
-            dense_mask = dense_mask & (doc_ids[0][:, None] == doc_ids[0][None, :])
-        want_dense = reference_grads(q, k, v, dense_mask, dout)
-        tol_out, tol_grad = TOL[dtype]
-        def report(name, errs):
-            bad = errs[0] > tol_out or max(errs[1:]) > tol_grad or not all(math.isfinite(e) for e in errs)
-            line = (f"{'FAIL' if bad else 'ok  '} {name:13s} bs={bs:3d} {str(dtype)[6:]:8s} H={Hq}/{Hkv}x{D:<3d} "
-                    f"docs={int(doc)} density={index.density():.2f}: out {errs[0]:.1e} dq {errs[1]:.1e} "
-                    f"dk {errs[2]:.1e} dv {errs[3]:.1e}")
-            print(line, flush=True)
-            if bad:
-                failures.append(line)
+    failures = []
+    if args.jobs <= 1:
+        results = map(run_case, cases)
+    else:
+        import concurrent.futures
+        import multiprocessing
 
-        tag = f"bs={bs} {dtype} H={Hq}/{Hkv}x{D} docs={doc}"
-        for name, fn in engines(device, index, doc_ids, S).items():
-            try:
-                got = engine_grads(fn, q, k, v, dout)
-            except Exception as exc:  # noqa: BLE001 - a gate reports every engine's failure and goes on
-                failures.append(f"{name} {tag}: raised {exc!r:.200}")
-                print(f"FAIL {name} {tag}: raised {exc!r:.200}", flush=True)
-                continue
-            report(name, [rel(a, b) for a, b in zip(got, want_dense if name == "dense" else want)])
-        try:
-            want_step, got_step = ring_step_case(q, k, v, index, doc_ids, bs, dout)
-            report("ring-step", [rel(a, b) for a, b in zip(got_step, want_step)])
-        except Exception as exc:  # noqa: BLE001
-            failures.append(f"ring-step {tag}: raised {exc!r:.200}")
-            print(f"FAIL ring-step {tag}: raised {exc!r:.200}", flush=True)
-        rows += 1
-    print(f"{rows} cases, {sum(1 for _ in failures)} failures, {time.time() - t0:.0f} s "
+        pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+        results = pool.map(run_case, cases)
+    for lines, bad in results:
+        for line in lines:
+            print(line, flush=True)
+        failures += bad
+    print(f"{len(cases)} cases, {len(failures)} failures, {time.time() - t0:.0f} s "
           f"(tolerances out/grads: " + ", ".join(f"{str(d)[6:]} {a:g}/{b:g}" for d, (a, b) in TOL.items()) + ")")
     for f in failures:
         print("FAILED:", f)
