@@ -184,20 +184,16 @@ def _settings_kwargs(settings) -> dict:
     return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
 
 
-def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recall_rows: int | None) -> LayerResult:
+def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recall_rows: int | None,
+                  policy: str = "auto") -> LayerResult:
     """All measures of one layer's captured q/k/v (see the module docstring)."""
     import functools
 
     from mtrain.models.attention import mtrain_attention
     from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
 
-    sparse_kw = dict(recall=settings.recall, last_q=min(settings.last_q, q.shape[1]),
-                     max_vertical=settings.max_vertical, max_slash=settings.max_slash,
-                     block_size=settings.block_size, min_vertical=settings.min_vertical,
-                     min_slash=settings.min_slash, share_kv_group=settings.share_kv_group,
-                     slash_recall=settings.slash_recall, softmax_scale=scale)
-    for name in getattr(settings, "extra_estimator_fields", ()):
-        sparse_kw[name] = getattr(settings, name)
+    sparse_kw = dict(_settings_kwargs(settings), softmax_scale=scale)
+    sparse_kw["last_q"] = min(settings.last_q, q.shape[1])
 
     def estimate():
         with torch.no_grad():
@@ -215,16 +211,15 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
 
     def as_trained(qq, kk, vv):
         out, _ = mtrain_attention(_Layer, qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), None,
-                                  scaling=scale, settings=settings)
+                                  scaling=scale, settings=settings, policy=policy)
         return out
 
     from mtrain.models.attention import CONTEXT
 
-    mark = len(CONTEXT.densities)
+    marks = len(CONTEXT.densities), len(CONTEXT.layers)
     mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters)
-    chosen = getattr(CONTEXT, "paths", None)
-    path = chosen[-1] if chosen else "sparse"
-    del CONTEXT.densities[mark:]
+    path = CONTEXT.layers[-1].path if len(CONTEXT.layers) > marks[1] else "sparse"
+    del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
 
     # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index
     def all_in(qq, kk, vv):
@@ -258,7 +253,8 @@ def _true_recall(q, k, index, scale, rows: int | None) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- the whole run
-def run(model: str, seq_len: int, *, settings=None, yarn="auto", device=None, dtype=None, iters: int = 5,
+def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="auto", device=None, dtype=None,
+        iters: int = 5,
         layers: list[int] | None = None, recall_rows: int | None = None, out_dir: str | None = None,
         log=print) -> dict:
     """Benchmark one model at one length; returns (and writes to out_dir/real_<S>.json) the results."""
@@ -289,7 +285,7 @@ def run(model: str, seq_len: int, *, settings=None, yarn="auto", device=None, dt
     results = []
     for i in picked:
         q, k, v = qkv[i]
-        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows)
+        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows, policy)
         results.append(r)
         log(f"layer {i:3d}: density {r.density:.3f} est {r.est_recall if r.est_recall is None else round(r.est_recall, 3)} "
             f"true {r.true_recall:.3f} (min head {r.min_head_recall:.3f}) {r.path:6s} | dense {r.dense_ms:7.2f} ms "
@@ -302,11 +298,14 @@ def run(model: str, seq_len: int, *, settings=None, yarn="auto", device=None, dt
     from mtrain.models.attention import mtrain_attention
 
     ppl_dense = perplexity(net, ids)
-    register_bench_attention(functools.partial(mtrain_attention, settings=settings))
+    ppl = {}
     try:
-        ppl_sparse = perplexity(net, ids)
+        for name in dict.fromkeys((policy, "always")):  # as configured, and sparse on every layer
+            register_bench_attention(functools.partial(mtrain_attention, settings=settings, policy=name))
+            ppl[name] = perplexity(net, ids)
     finally:
         register_bench_attention(None)
+    ppl_sparse = ppl[policy]
     dense_total = sum(r.dense_ms for r in results)
     mtrain_total = sum(r.mtrain_ms for r in results)
     summary = {
@@ -320,14 +319,17 @@ def run(model: str, seq_len: int, *, settings=None, yarn="auto", device=None, dt
         "dense_ms": dense_total, "mtrain_ms": mtrain_total, "speedup": dense_total / mtrain_total,
         "layers_slower_than_dense": [r.layer for r in results if r.mtrain_ms > r.dense_ms],
         "sparse_layers": sum(r.path == "sparse" for r in results),
-        "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
+        "policy": policy, "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
+        "ppl_all_sparse": ppl["always"], "ppl_all_sparse_rise": ppl["always"] / ppl_dense - 1,
         "recall_rows": recall_rows,
     }
     log(f"whole model ({len(results)} layers): dense {dense_total:.1f} ms, mtrain {mtrain_total:.1f} ms "
         f"({summary['speedup']:.2f}x); {summary['sparse_layers']} layers sparse; mean density "
         f"{summary['mean_density']:.3f}; true recall mean {summary['mean_true_recall']:.3f}, worst layer "
         f"{summary['min_layer_true_recall']:.3f}; perplexity dense {ppl_dense:.3f} mtrain {ppl_sparse:.3f} "
-        f"({100 * summary['ppl_rise']:+.2f}%); layers slower than dense: {summary['layers_slower_than_dense']}")
+        f"({100 * summary['ppl_rise']:+.2f}%), every layer sparse {ppl['always']:.3f} "
+        f"({100 * summary['ppl_all_sparse_rise']:+.2f}%); layers slower than dense: "
+        f"{summary['layers_slower_than_dense']}")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         target = Path(out_dir) / f"real_{seq_len}.json"

@@ -278,7 +278,7 @@ def real_main(args) -> int:
             logf.flush()
 
         for seq_len in args.seq_len:
-            bench_real.run(args.model, seq_len, settings=settings, yarn=args.yarn, iters=args.iters,
+            bench_real.run(args.model, seq_len, settings=settings, policy=args.policy, yarn=args.yarn, iters=args.iters,
                            layers=args.layers, recall_rows=args.recall_rows, out_dir=args.out, log=log)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -319,6 +319,8 @@ def main() -> int:
     real.add_argument("--iters", type=int, default=5, help="timed iterations per variant")
     real.add_argument("--recall-rows", type=int, help="true recall from this many rows spread over the sequence "
                                                       "(default: every row)")
+    real.add_argument("--policy", default="auto", choices=("auto", "always", "never"),
+                      help="attention.sparse_policy of the mtrain timings and perplexity (default auto)")
     real.add_argument("--sparse", action="append", default=[], metavar="KEY=VALUE",
                       help="sparse attention setting (SparseSettings field), e.g. --sparse recall=0.95 (repeatable)")
     args = ap.parse_args()

@@ -11,7 +11,8 @@
 #   scripts/gpu_real_model.sh run 32768 65536  # call 2, carry .carry/p2: reassemble, check, convert, gate, bench
 #
 # Environment: MODEL_DIR (where the converted checkpoint goes; reused while the machine stays warm),
-# BENCH_ARGS (extra arguments for bench_attention.py), CHECK=0 skips the gate, OUT (results folder).
+# BENCH_ARGS (extra arguments for bench_attention.py), CHECK=0 skips the gate, CHECK_ARGS (for gpu_check.py),
+# OUT (results folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_DIR=${MODEL_DIR:-/root/smollm2}
@@ -39,7 +40,7 @@ case "${1:-}" in
     fi
     mkdir -p "$RESULTS"
     if [ "${CHECK:-1}" = 1 ]; then
-      python scripts/gpu_check.py 2>&1 | grep -v "^ \|Warning\|warn\|AUTOTUNE\|Autotune\|strides\|dtypes\|^{" | tee "$RESULTS/gpu_check.txt"
+      python scripts/gpu_check.py ${CHECK_ARGS:-} 2>&1 | grep -v "^ \|Warning\|warn\|AUTOTUNE\|Autotune\|strides\|dtypes\|^{" | tee "$RESULTS/gpu_check.txt"
     fi
     python scripts/bench_attention.py --model "$MODEL_DIR" --seq-len "${@:-32768}" --out "$RESULTS" ${BENCH_ARGS:-} ;;
   *)
