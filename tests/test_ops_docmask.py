@@ -141,7 +141,7 @@ def test_estimator_scores_only_the_last_document():
     probs = last_query_probs(q, k, 16, doc_ids=docs)
     assert torch.all(probs[..., :70] == 0)
     assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-6)
-    est = dict(recall=1.0, last_q=16, block_size=16, min_vertical=1, min_slash=1, max_slash=1)
+    est = dict(recall=1.0, last_q=16, block_size=16, min_vertical=1, min_slash=1, max_slash=1, sample_blocks=0)
     index = estimate_vertical_slash(q, k, doc_ids=docs, **est)
     assert torch.all(index.col_ids[index.col_ids >= 0] >= 70)  # no vertical outside the scored document
     plain = estimate_vertical_slash(q, k, **est)

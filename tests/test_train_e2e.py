@@ -161,7 +161,7 @@ def test_dp2_cp2_runs(tmp_path, packed):
     proc = _torchrun(4, "train", str(_recipe(tmp_path, packed, "dpcp", max_steps=2, save_every=0, grad_accum=1,
                                                 micro_batch_size=1)),
                      "--set", "parallel.cp_size=2", "--set", "attention.kind=mtraining", "--set", "attention.block_size=32",
-                     "--set", "parallel.granularity=32")
+                     "--set", "attention.sparse_policy=always", "--set", "parallel.granularity=32")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     rows = [json.loads(line) for line in (tmp_path / "dpcp" / "metrics.jsonl").read_text().splitlines()]

@@ -141,10 +141,7 @@ def residual_parts(logits, rows, k_pos, row_max, row_sum, block_size: int, n_blo
     probs = logits.sub_(row_max[..., None]).exp_().div_(row_sum[..., None])  # in place: no second copy
     pooled = pool_blocks(probs, k_pos, block_size, n_blocks)
     row_blk = rows // block_size
-    rest = pooled.clone()
-    rest[..., 0] = 0.0
-    rest.scatter_(-1, row_blk.expand(*pooled.shape[:-2], -1)[..., None], 0.0)
-    mandatory = (pooled - rest).sum(-1).sum(-1)
+    mandatory, rest = kept_split(pooled, rows, block_size)
     # column mass outside the kept blocks: all rows, less the rows of the column's own block; block 0 is kept
     blocks, which = torch.unique(row_blk, return_inverse=True)  # the few query blocks the rows lie in
     member = (which[None, :] == torch.arange(blocks.numel(), device=probs.device)[:, None]).to(probs.dtype)
@@ -156,6 +153,15 @@ def residual_parts(logits, rows, k_pos, row_max, row_sum, block_size: int, n_blo
     vert = probs.sum(-2) - torch.where(k_slot >= 0, own, 0.0)
     vert = torch.where(k_pos < block_size, 0.0, vert.clamp_(min=0.0))
     return probs, pooled, mandatory, vert, rest
+
+
+def kept_split(pooled: torch.Tensor, rows: torch.Tensor, block_size: int):
+    """(mass on the always-kept blocks, sink block 0 and each row's own block, summed over rows [...]; `pooled`
+    [..., n, nKB] with those blocks zeroed)."""
+    rest = pooled.clone()
+    rest[..., 0] = 0.0
+    rest.scatter_(-1, (rows // block_size).expand(*pooled.shape[:-2], -1)[..., None], 0.0)
+    return (pooled - rest).sum(-1).sum(-1), rest
 
 
 def uncovered_blocks(probs, rest, rows, k_pos, vertical, seq_len: int, block_size: int) -> torch.Tensor:
@@ -188,6 +194,79 @@ def covered_mass(index: SparseIndex, rows, probs, pooled, k_pos) -> torch.Tensor
     slot = local[torch.where(cok, cols, index.seq_len)]
     in_cols = torch.where(slot >= 0, torch.gather(probs, -1, slot.clamp(min=0)), 0.0).sum(-1)
     return (in_blocks + in_cols).sum(-1)
+
+
+def _heads_k(k: torch.Tensor, pos: torch.Tensor, Hq: int) -> torch.Tensor:
+    """Keys at positions pos [B, Hq, ..., C] (any >= 0) of each query head's KV head: [B, Hq, ..., C, D]."""
+    B, _, Hkv, _ = k.shape
+    b = torch.arange(B, device=k.device).view(B, *([1] * (pos.dim() - 1)))
+    h = (torch.arange(Hq, device=k.device) // (Hq // Hkv)).view(1, Hq, *([1] * (pos.dim() - 2)))
+    return k[b, pos, h]
+
+
+def _visible(rpos: torch.Tensor, cpos: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
+    """Pairs (row at rpos [..., P], column at cpos [..., C], -1 = padding) a causal row sees: [..., P, C]."""
+    r, c = rpos[..., :, None], cpos[..., None, :]
+    vis = (r >= 0) & (c >= 0) & (c <= r)
+    if docs is not None:  # docs [B, S]; rpos / cpos lead with B
+        dr = torch.gather(docs, 1, rpos.clamp(min=0).reshape(docs.shape[0], -1)).view(rpos.shape)
+        dc = torch.gather(docs, 1, cpos.clamp(min=0).reshape(docs.shape[0], -1)).view(cpos.shape)
+        vis = vis & (dr[..., :, None] == dc[..., None, :])
+    return vis
+
+
+def uncovered_blocks_qk(rest, q_rows, k, rows, lse, vertical, block_size: int, scale: float, docs=None):
+    """`uncovered_blocks` from q and k instead of stored probabilities: q_rows [B, n, Hq, D] (the scored rows),
+    k [B, S, Hkv, D], lse [B, Hq, n] each row's softmax normaliser, vertical [B, Hq, Nv] (-1 padded)."""
+    B, n, Hq, _ = q_rows.shape
+    kv = _heads_k(k, vertical.clamp(min=0), Hq)  # [B, Hq, Nv, D]
+    logits = torch.matmul(q_rows.transpose(1, 2).float(), kv.float().transpose(-1, -2)).mul_(scale)  # [B,Hq,n,Nv]
+    rpos = rows.expand(B, Hq, n)
+    vis = _visible(rpos, vertical, docs)
+    v_blk = torch.where(vertical >= 0, vertical, 0) // block_size  # [B, Hq, Nv]
+    row_blk = (rows // block_size)[:, None]
+    vis &= (v_blk[..., None, :] != 0) & (v_blk[..., None, :] != row_blk)
+    vals = torch.where(vis, logits.sub_(lse[..., None]).exp_(), 0.0)
+    shape = rest.shape
+    out = rest.reshape(B, Hq, n, shape[-1]).scatter_add(-1, v_blk[..., None, :].expand(B, Hq, n, -1), -vals)
+    return out.view(shape)
+
+
+def row_groups(rows: torch.Tensor, block_size: int):
+    """Scored rows (sorted, on the host) by query block: (blocks [U], table [U, P] of indices into rows, -1
+    padded, P = the most rows of one block)."""
+    blk = rows // block_size
+    blocks, which, counts = torch.unique_consecutive(blk, return_inverse=True, return_counts=True)
+    start = torch.cumsum(counts, 0) - counts
+    table = torch.full((blocks.numel(), int(counts.max())), -1, dtype=torch.long)
+    table[which, torch.arange(rows.numel()) - start[which]] = torch.arange(rows.numel())
+    return blocks, table
+
+
+def covered_mass_qk(index: SparseIndex, rows_host, pooled, q_rows, k, lse, scale: float, docs=None):
+    """`covered_mass` from q and k: pooled [B, Hq, n, nKB] as `score_rows` gives it, q_rows [B, n, Hq, D], lse
+    [B, Hq, n]. The column part groups the rows by query block (the rows of one block share its columns)."""
+    dev = pooled.device
+    B, n, Hq, _ = q_rows.shape
+    rows = rows_host.to(dev)
+    qb = rows // index.block_size
+    ids = index.block_ids[:, :, qb].long()
+    ok = (torch.arange(ids.shape[-1], device=dev) < index.block_counts[:, :, qb, None].long()) & (ids >= 0)
+    in_blocks = torch.where(ok, torch.gather(pooled, -1, ids.clamp(min=0)), 0.0).sum(-1).sum(-1)
+    if index.col_ids.shape[-1] == 0:
+        return in_blocks
+    blocks, table = (t.to(dev) for t in row_groups(rows_host, index.block_size))
+    cols = index.col_ids[:, :, blocks].long()  # [B, Hq, U, C]
+    cok = (torch.arange(cols.shape[-1], device=dev) < index.col_counts[:, :, blocks, None].long()) & (cols >= 0)
+    cols = torch.where(cok, cols, -1)
+    kc = _heads_k(k, cols.clamp(min=0), Hq)  # [B, Hq, U, C, D]
+    qg = q_rows.transpose(1, 2)[:, :, table.clamp(min=0)]  # [B, Hq, U, P, D]
+    logits = torch.matmul(qg.float(), kc.float().transpose(-1, -2)).mul_(scale)  # [B, Hq, U, P, C]
+    rpos = torch.where(table >= 0, rows[table.clamp(min=0)], -1).expand(B, Hq, *table.shape)
+    lse_g = lse[:, :, table.clamp(min=0)]
+    vis = _visible(rpos, cols, docs)
+    in_cols = torch.where(vis, logits.sub_(lse_g[..., None]).exp_(), 0.0).sum((-1, -2, -3))
+    return in_blocks + in_cols
 
 
 def block_slash_mass(pooled: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -237,6 +316,7 @@ def estimate_vertical_slash(
     sample_blocks: int = 16,
     cap_fraction: float | None = None,
     doc_ids: torch.Tensor | None = None,
+    scorer: str = "auto",
 ) -> SparseIndex:
     """Estimate the vertical-slash pattern of causal attention and return its `SparseIndex`.
 
@@ -254,6 +334,11 @@ def estimate_vertical_slash(
     at most cap_fraction of the sequence's columns / blocks when cap_fraction is set.
     doc_ids: optional integer tensor [B, S] of document ids (packed samples): scored rows then see only keys
     of their own document.
+    scorer: how the rows are scored. "torch" materialises the [rows x S] probabilities; "triton" streams them
+    through one Triton kernel (`_triton_estimate.score_rows`: two passes, only per-block and per-column sums
+    written) and recomputes the few probabilities the later steps read from q and k; "auto" (default) is
+    "triton" on a GPU at a power-of-two block_size >= 16, else "torch". Both give the same index up to float
+    summation order.
     The returned index carries `index._cache["est_recall"]` (fp32 [B, Hq]): the exact mean mass of the scored
     rows inside the final index (blocks after expansion, sink and diagonal included, and columns).
     """
@@ -268,17 +353,33 @@ def estimate_vertical_slash(
         raise ValueError(
             f"doc_ids must be an integer tensor [B={B}, S={S}]; got {doc_ids.dtype} {tuple(doc_ids.shape)}"
         )
+    if scorer not in ("auto", "torch", "triton"):
+        raise ValueError(f"scorer must be 'auto', 'torch' or 'triton'; got {scorer!r}")
+    pow2 = block_size >= 16 and block_size & (block_size - 1) == 0
+    if scorer == "auto":
+        scorer = "triton" if q.is_cuda and pow2 else "torch"
     with torch.no_grad():
         docs = None if doc_ids is None else doc_ids.to(q.device)
-        rows = scored_rows(S, last_q, sample_blocks, block_size, q.device)
+        rows_host = scored_rows(S, last_q, sample_blocks, block_size)
+        rows = rows_host.to(q.device)
+        n = rows.numel()
         n_blocks = -(-S // block_size)
-        logits = row_probs(q[:, rows], k, rows, softmax_scale, docs)  # [B, Hkv, G, n, S]
-        row_max = logits.amax(-1)
-        row_sum = torch.exp(logits - row_max[..., None]).sum(-1)
         k_pos = torch.arange(S, device=q.device)
-        probs, pooled, mandatory, vert, rest = residual_parts(logits, rows, k_pos, row_max, row_sum, block_size,
-                                                              n_blocks)
-        del logits
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+        if scorer == "triton":
+            from mtrain.ops._triton_estimate import score_rows
+
+            lse, pooled, vert = score_rows(q, k, rows, block_size, scale, docs)
+            pooled, vert = pooled.view(B, Hkv, G, n, n_blocks), vert.view(B, Hkv, G, S)
+            mandatory, rest = kept_split(pooled, rows, block_size)
+            probs = None
+        else:
+            logits = row_probs(q[:, rows], k, rows, softmax_scale, docs)  # [B, Hkv, G, n, S]
+            row_max = logits.amax(-1)
+            row_sum = torch.exp(logits - row_max[..., None]).sum(-1)
+            probs, pooled, mandatory, vert, rest = residual_parts(logits, rows, k_pos, row_max, row_sum, block_size,
+                                                                  n_blocks)
+            del logits
         slash0 = block_slash_mass(rest, rows, block_size)
         total = float(rows.numel())
         if share_kv_group:
@@ -289,7 +390,12 @@ def estimate_vertical_slash(
         v_idx, v_mass = choose_verticals(vert, k_pos.expand(vert.shape), slash0, v_need, cap_v, min_vertical,
                                          block_size)
         # the slash stage sees only what the kept blocks and the chosen verticals leave uncovered
-        slash1 = block_slash_mass(uncovered_blocks(probs, rest, rows, k_pos, v_idx, S, block_size), rows, block_size)
+        if probs is None:
+            v_heads = v_idx.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
+            uncovered = uncovered_blocks_qk(rest, q[:, rows], k, rows, lse, v_heads, block_size, scale, docs)
+        else:
+            uncovered = uncovered_blocks(probs, rest, rows, k_pos, v_idx, S, block_size)
+        slash1 = block_slash_mass(uncovered, rows, block_size)
         if share_kv_group:
             slash1 = slash1.sum(2, keepdim=True)
         s_target = recall if slash_recall is None else slash_recall
@@ -301,7 +407,9 @@ def estimate_vertical_slash(
         v_idx = v_idx.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
         s_tok = s_tok.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
         index = SparseIndex.from_lines(v_idx, s_tok, S, block_size)
-        n = rows.numel()
-        covered = covered_mass(index, rows, probs.view(B, Hq, n, S), pooled.view(B, Hq, n, -1), k_pos)
+        if probs is None:
+            covered = covered_mass_qk(index, rows_host, pooled.view(B, Hq, n, -1), q[:, rows], k, lse, scale, docs)
+        else:
+            covered = covered_mass(index, rows, probs.view(B, Hq, n, S), pooled.view(B, Hq, n, -1), k_pos)
         index._cache["est_recall"] = covered / n
         return index
