@@ -114,16 +114,17 @@ def bench_sparse(S, Hq, Hkv, D, bs, frac, n_vert, device, dtype, it):
     return row
 
 
-def bench_estimate(S, Hq, Hkv, D, bs, device, dtype, it):
+def bench_estimate(S, Hq, Hkv, D, bs, device, dtype, it, scorer="auto"):
     import inspect
 
     q, k, _ = qkv(S, Hq, Hkv, D, device, dtype, False)
     defaults = inspect.signature(estimate_vertical_slash).parameters
     last_q = defaults["last_q"].default
     sampled = defaults["sample_blocks"].default * bs if "sample_blocks" in defaults else 0
-    index = estimate_vertical_slash(q, k, block_size=bs)
-    return dict(kind="estimate", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, rows=min(S, last_q + sampled),
-                density=index.density(), ms_estimate=timed(lambda: estimate_vertical_slash(q, k, block_size=bs), it))
+    index = estimate_vertical_slash(q, k, block_size=bs, scorer=scorer)
+    return dict(kind="estimate", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, rows=min(S, last_q + sampled), scorer=scorer,
+                density=index.density(),
+                ms_estimate=timed(lambda: estimate_vertical_slash(q, k, block_size=bs, scorer=scorer), it))
 
 
 def gpu_plan():
@@ -137,7 +138,10 @@ def gpu_plan():
                 for frac in (0.01, 0.05, 0.15, 0.3):
                     yield ("sparse", S, Hq, Hkv, D, bs, frac, 0)
                 yield ("sparse", S, Hq, Hkv, D, bs, 0.05, 2048)
-            yield ("estimate", S, Hq, Hkv, D, 64)
+    for D, (Hq, Hkv) in heads.items():
+        for S in (8192, 32768, 65536, 131072):
+            yield ("estimate", S, Hq, Hkv, D, 64, "triton")
+        yield ("estimate", 32768, Hq, Hkv, D, 64, "torch")  # the materialising scorer, for comparison
     for S in (8192, 65536):  # the length term of the sparse fixed cost
         yield ("sparse", S, 9, 3, 64, 64, 0.05, 0)
         yield ("sparse", S, 9, 3, 64, 64, 0.3, 0)
@@ -213,14 +217,17 @@ def _fit(X, y):
         keep &= c > 0
 
 
-def fit(path: str) -> None:
-    """Print the cost-table coefficients (`mtrain.ops.cost.CostTable` fields) fitted to the rows of `path`."""
+def fit(path: str, table_json: str | None = None) -> dict:
+    """Print the cost-table coefficients (`mtrain.ops.cost.CostTable` fields) fitted to the rows of `path`, for
+    the kinds it holds; with table_json, also write them there as a table override (MTRAIN_COST_TABLE)."""
     rows = [json.loads(line) for line in open(path)]
     modes = {"train": "ms_fwd_bwd", "eval": "ms_fwd"}
-    dense, sparse = {}, {}
+    dense, sparse, out = {}, {}, {}
     for D in sorted({r["D"] for r in rows}):
         d = [r for r in rows if r["kind"] == "dense" and r["D"] == D]
         for mode, key in modes.items():
+            if not d:
+                break
             c, err = _fit([[1, r["Hq"] * r["S"] ** 2 / 2 * D / 1e12] for r in d], [r[key] for r in d])
             dense.setdefault(D, {})[mode] = tuple(round(float(x), 4) for x in c)
             print(f"# dense D={D} {mode}: worst relative error {err:.2f}")
@@ -231,19 +238,31 @@ def fit(path: str) -> None:
                 c, err = _fit(X, [r[key] for r in s])
                 sparse.setdefault((D, bs), {})[mode] = tuple(round(float(x), 4) for x in c)
                 print(f"# sparse D={D} bs={bs} {mode}: worst relative error {err:.2f}")
+    if dense:
+        out["dense"] = dense
+        print(f"dense={dense}")
+    if sparse:
+        out["sparse"] = sparse
+        print(f"sparse={sparse}")
     s = [r for r in rows if r["kind"] == "sparse"]
-    c, err = _fit([[1, r["Hq"] * r["S"] / 1e6, r["blocks"] / 1e6, r["cols"] / 1e6] for r in s], [r["ms_index"] for r in s])
-    print(f"# index: worst relative error {err:.2f}")
-    e = [r for r in rows if r["kind"] == "estimate" and "rows" in r]
-    estimate = None
+    if s:
+        c, err = _fit([[1, r["Hq"] * r["S"] / 1e6, r["blocks"] / 1e6, r["cols"] / 1e6] for r in s],
+                      [r["ms_index"] for r in s])
+        print(f"# index: worst relative error {err:.2f}")
+        out["index"] = tuple(round(float(x), 4) for x in c)
+        print(f"index={out['index']}")
+    e = [r for r in rows if r["kind"] == "estimate" and "rows" in r and r.get("scorer", "auto") != "torch"]
     if e:
         ce, err = _fit([[1, r["Hq"] * r["rows"] * r["S"] / 1e9] for r in e], [r["ms_estimate"] for r in e])
-        estimate = tuple(round(float(x), 4) for x in ce)
+        out["estimate"] = tuple(round(float(x), 4) for x in ce)
         print(f"# estimate: worst relative error {err:.2f}")
-    print(f"dense={dense}")
-    print(f"sparse={sparse}")
-    print(f"index={tuple(round(float(x), 4) for x in c)}")
-    print(f"estimate={estimate}")
+        print(f"estimate={out['estimate']}")
+    if table_json:
+        from mtrain.ops.cost import write_override
+
+        write_override(table_json, out, source=f"scripts/bench_cost.py --fit {path}")
+        print(f"# wrote {table_json}: MTRAIN_COST_TABLE={table_json} makes the cost model use these figures")
+    return out
 
 
 def main() -> int:
@@ -254,9 +273,13 @@ def main() -> int:
     ap.add_argument("--fit", metavar="JSONL", help="fit the cost-table coefficients to measured rows and stop")
     ap.add_argument("--validate", action="store_true", help="time both paths on random-line indices and report "
                     "the cost model's choice and its regret (GPU)")
+    ap.add_argument("--write-table", metavar="JSON", help="with --fit: also write the fitted figures as a cost-table "
+                    "override file (read through MTRAIN_COST_TABLE)")
+    ap.add_argument("--only", nargs="+", choices=("dense", "sparse", "estimate"),
+                    help="measure only these kinds (e.g. --only estimate after an estimator change)")
     args = ap.parse_args()
     if args.fit:
-        fit(args.fit)
+        fit(args.fit, args.write_table)
         return 0
     device = "cpu" if args.cpu else "cuda"
     dtype = torch.float32 if args.cpu else torch.bfloat16
@@ -268,13 +291,15 @@ def main() -> int:
         validate(device, dtype, args.iters, out)
         return 0
     for spec in cpu_plan() if args.cpu else gpu_plan():
+        if args.only and spec[0] not in args.only:
+            continue
         t0 = time.perf_counter()
         if spec[0] == "dense":
             row = bench_dense(*spec[1:], device, dtype, args.iters)
         elif spec[0] == "sparse":
             row = bench_sparse(*spec[1:], device, dtype, args.iters)
         else:
-            row = bench_estimate(*spec[1:], device, dtype, args.iters)
+            row = bench_estimate(*spec[1:6], device, dtype, args.iters, *spec[6:])
         row["wall_s"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
         line = json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})

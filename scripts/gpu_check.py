@@ -9,6 +9,8 @@ index (CUDA only), the ring's partial entry point on a shard with global positio
 of rank 1 of 2 against rank 0's keys), and dense attention (the fastest backend; with documents, our kernels).
 Flex runs at 128-token blocks only (its 64-token backward lowers only under max_autotune, minutes per shape).
 Tolerances are relative Frobenius errors against float64, per dtype (TOL below), on out and dq/dk/dv.
+The pattern estimator's Triton scorer is checked in each case too: its est_recall against the float64 mass of
+the scored rows inside its index, its density against the PyTorch scorer's.
 """
 
 from __future__ import annotations
@@ -101,6 +103,31 @@ def ring_step_case(q, k, v, index, doc_ids, bs, dout):
     return want, engine_grads(fn, qs, ks, vs, dout[:, mine])
 
 
+def estimator_case(q, k, doc_ids, bs, tag) -> str:
+    """The estimator's Triton scorer: its est_recall against the float64 mass of the scored rows inside its own
+    index, and its density against the PyTorch scorer's (same rows, float32 probabilities)."""
+    from mtrain.ops.estimate import estimate_vertical_slash, scored_rows
+
+    kw = dict(recall=0.9, last_q=64, sample_blocks=4, block_size=bs, doc_ids=doc_ids)
+    got = estimate_vertical_slash(q, k, scorer="triton", **kw)
+    ref = estimate_vertical_slash(q, k, scorer="torch", **kw)
+    S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+    rows = scored_rows(S, 64, 4, bs).to(q.device)
+    kk = k.double().repeat_interleave(Hq // k.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double()[:, rows], kk) / math.sqrt(D)
+    pos = torch.arange(S, device=q.device)
+    vis = pos[None, :] <= rows[:, None]
+    if doc_ids is not None:
+        vis = vis & (doc_ids[0, rows, None] == doc_ids[0, None, :])
+    p = torch.softmax(s.masked_fill(~vis, -math.inf), -1)
+    want = (p * got.to_mask()[:, :, rows]).sum(-1).mean(-1)
+    err = float((got._cache["est_recall"].double() - want).abs().max())
+    d_err = abs(got.density() - ref.density())
+    bad = err > 2e-3 or d_err > 0.03 or not math.isfinite(err)
+    return (f"{'FAIL' if bad else 'ok  '} {'estimator':13s} {tag} density={got.density():.2f}: est_recall vs f64 "
+            f"{err:.1e} (tol 2e-3), density vs torch scorer {d_err:.1e} (tol 0.03)")
+
+
 def run_case(case) -> tuple[list[str], list[str]]:
     """One (block size, dtype, heads, documents) case: every engine against float64; (lines, failures)."""
     bs, dtype_name, (Hq, Hkv, D), doc, S, device_name, seed = case
@@ -136,6 +163,13 @@ def run_case(case) -> tuple[list[str], list[str]]:
             raised(name, exc)
             continue
         report(name, [rel(a, b) for a, b in zip(got, want_dense if name == "dense" else want)])
+    try:
+        line = estimator_case(q, k, doc_ids, bs, tag)
+        lines.append(line)
+        if line.startswith("FAIL"):
+            failures.append(line)
+    except Exception as exc:  # noqa: BLE001
+        raised("estimator", exc)
     try:
         want_step, got_step = ring_step_case(q, k, v, index, doc_ids, bs, dout)
         report("ring-step", [rel(a, b) for a, b in zip(got_step, want_step)])

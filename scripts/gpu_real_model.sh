@@ -7,12 +7,14 @@
 #
 # then on the GPU machine, two calls within the machine's warm window (PERF.md):
 #
-#   scripts/gpu_real_model.sh stage            # call 1, carry .carry/p1: keeps part 1 in /root/parts
-#   scripts/gpu_real_model.sh run 32768 65536  # call 2, carry .carry/p2: reassemble, check, convert, gate, bench
+#   scripts/gpu_real_model.sh stage            # call 1, carry .carry/p1: keeps part 1 in /root/parts; runs the
+#                                              # correctness gate and fits the estimator's cost on this GPU
+#   scripts/gpu_real_model.sh run 32768 65536  # call 2, carry .carry/p2: reassemble, convert, bench
 #
 # Environment: MODEL_DIR (where the converted checkpoint goes; reused while the machine stays warm),
 # BENCH_ARGS (extra arguments for bench_attention.py), CHECK=0 skips the gate, CHECK_ARGS (for gpu_check.py),
-# OUT (results folder).
+# EST=0 skips the estimator's cost fit, OUT (results folder). The machine stays warm only ~30 s between calls:
+# start call 2 as soon as call 1 returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_DIR=${MODEL_DIR:-/root/smollm2}
@@ -29,7 +31,17 @@ case "${1:-}" in
     .venv/bin/python -m pip download -q --no-deps -d .carry/p2 "gguf==0.19.0"
     ls -la .carry/p1 .carry/p2 ;;
   stage)
-    mkdir -p /root/parts && cp .carry/p1/part.aa /root/parts/ ;;
+    # the model-free GPU work runs here while part 1 waits: the correctness gate (CHECK=0 skips it) and the
+    # estimator's cost figures (EST=0 skips), fitted into /root/cost_table.json that `run` then uses
+    mkdir -p /root/parts "$RESULTS" && cp .carry/p1/part.aa /root/parts/
+    if [ "${CHECK:-1}" = 1 ]; then
+      python scripts/gpu_check.py ${CHECK_ARGS:-} 2>&1 | grep -v "^ \|Warning\|warn\|AUTOTUNE\|Autotune\|strides\|dtypes\|^{" | tee "$RESULTS/gpu_check.txt"
+    fi
+    if [ "${EST:-1}" = 1 ]; then
+      python scripts/bench_cost.py --only estimate --out "$RESULTS/cost_estimate.jsonl" | tail -12
+      python scripts/bench_cost.py --fit "$RESULTS/cost_estimate.jsonl" --write-table /root/cost_table.json
+      cp /root/cost_table.json "$RESULTS/"
+    fi ;;
   run)
     shift
     if [ ! -f "$MODEL_DIR/config.json" ]; then
@@ -39,9 +51,7 @@ case "${1:-}" in
       python -c "from mtrain.models.convert import convert_gguf; convert_gguf('/root/smollm2.gguf', '$MODEL_DIR', 'bfloat16')"
     fi
     mkdir -p "$RESULTS"
-    if [ "${CHECK:-1}" = 1 ]; then
-      python scripts/gpu_check.py ${CHECK_ARGS:-} 2>&1 | grep -v "^ \|Warning\|warn\|AUTOTUNE\|Autotune\|strides\|dtypes\|^{" | tee "$RESULTS/gpu_check.txt"
-    fi
+    if [ -f /root/cost_table.json ]; then export MTRAIN_COST_TABLE=/root/cost_table.json; fi
     python scripts/bench_attention.py --model "$MODEL_DIR" --seq-len "${@:-32768}" --out "$RESULTS" ${BENCH_ARGS:-} ;;
   *)
     echo "usage: $0 split | stage | run [SEQ_LEN ...]" >&2; exit 2 ;;

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 from attention_choice import BS, inputs  # noqa: E402  (the worker's two patterns: local and flat)
 
-LOCAL = SparseSettings(recall=0.5, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)
+LOCAL = SparseSettings(recall=0.4, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)
 FLAT = SparseSettings(recall=1.0, block_size=BS)
 
 
@@ -48,6 +48,23 @@ def call(q, k, v, settings, policy, training=True, layer=0):
 
 def dense_kind(q, k, v):
     return call(q, k, v, None, None)
+
+
+def test_auto_runs_dense_where_the_caps_keep_the_estimate_short_of_its_recall():
+    """The same local pattern asked for recall 0.5 with 4-line caps: the estimate reaches ~0.39, more than
+    RECALL_SLACK short, so auto runs the layer dense though sparse would pay; always still runs it sparse."""
+    from mtrain.models.attention import RECALL_SLACK
+
+    q, k, v = inputs("local")
+    short = dataclasses.replace(LOCAL, recall=0.5)
+    out = call(q, k, v, short, "auto")
+    (record,) = CONTEXT.layers
+    assert float(record.est_recall.min()) < 0.5 - RECALL_SLACK
+    assert record.path == "dense" and record.sparse_ms < record.dense_ms  # it would have paid
+    assert torch.equal(out, dense_kind(q, k, v))
+    CONTEXT.layers.clear()
+    call(q, k, v, short, "always")
+    assert CONTEXT.layers[0].path == "sparse"
 
 
 @pytest.mark.parametrize("documents", [False, True])

@@ -2,10 +2,12 @@
 the work, and chooses dense at high density and sparse at low density."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from mtrain.errors import MtrainError
 from mtrain.ops import SparseIndex, cost
 from mtrain.ops.index import blocks_for_causal_dense
 
@@ -136,3 +138,28 @@ def test_worth_estimating_weighs_the_estimate_against_dense():
     floor = cost.worth_estimating(**smollm_32k, rows=1088).sparse_ms
     assert floor == pytest.approx(cost.estimate_ms(32768, 9, 1088) + cost.sparse_ms(0, 0, 32768, 9, 64, 64))
     assert cost.estimate_ms(32768, 9, 1088) == pytest.approx(26.84, rel=0.25)  # measured on the H200
+
+
+def test_cost_table_override_from_measured_rows(tmp_path, monkeypatch):
+    """bench_cost.py --fit ... --write-table writes figures that MTRAIN_COST_TABLE puts in place of the built-in
+    ones they cover (the rest stay); a broken file is refused in one line naming the variable."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_cost
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(kind="estimate", S=S, Hq=9, Hkv=3, D=64, bs=64, rows=1088,
+                                            scorer="triton", ms_estimate=0.5 + 3.0 * 9 * 1088 * S / 1e9)) + "\n"
+                            for S in (8192, 32768, 131072)))
+    table = tmp_path / "table.json"
+    bench_cost.fit(str(rows), str(table))
+    monkeypatch.setenv("MTRAIN_COST_TABLE", str(table))
+    t = cost.table_for("cuda")
+    assert t.estimate == pytest.approx((0.5, 3.0), rel=1e-3)
+    assert t.dense == cost.H200.dense and t.index == cost.H200.index
+    assert cost.estimate_ms(32768, 9, 1088, table=t) == pytest.approx(0.5 + 3.0 * 9 * 1088 * 32768 / 1e9, rel=1e-3)
+    table.write_text('{"estimate": [1.0]}')
+    with pytest.raises(MtrainError, match="MTRAIN_COST_TABLE=.*estimate needs 2 numbers"):
+        cost.table_for("cuda")

@@ -40,7 +40,10 @@ def test_triton_scorer_gives_the_torch_index(S, Hq, Hkv, D, bs, kw):
     assert torch.allclose(a._cache["est_recall"], b._cache["est_recall"], atol=1e-6)
 
 
-def test_triton_scorer_with_documents_matches_and_reaches_recall():
+@pytest.mark.parametrize("chunk", [None, 1000])  # 1000: the q/k recomputations run in many small chunks
+def test_triton_scorer_with_documents_matches_and_reaches_recall(chunk, monkeypatch):
+    if chunk is not None:
+        monkeypatch.setattr("mtrain.ops.estimate._CHUNK", chunk)
     q, k = planted(S=256)
     docs = torch.tensor([0] * 70 + [1] * 100 + [2] * 86)[None]
     a, b = both(q, k, recall=0.95, last_q=32, block_size=16, sample_blocks=4, doc_ids=docs)

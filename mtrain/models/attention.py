@@ -95,12 +95,20 @@ class LayerRecord:
         return out
 
 
-def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None):
+# Under "auto", a layer whose estimate falls short of the recall target by more than this on any head (its caps
+# bind: the pattern it may list cannot hold the mass) runs dense, whatever the cost model says.
+RECALL_SLACK = 0.02
+
+
+def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None):
     """("sparse" | "dense", Prediction or None) for one call with the estimated `index` under `policy`.
 
-    Decided from the index's integer work counts (identical on every rank of a CP group, whose index is the
-    same global one), so every rank takes the same path. The index build is already paid; what the dense path
-    saves is everything the kernels derive from it (built lazily on the first kernel call) and the kernels.
+    Decided from the index's integer work counts and its est_recall (identical on every rank of a CP group,
+    whose index is the same global one), so every rank takes the same path. Under "auto" the layer runs dense
+    when the cost model predicts sparse does not pay, or when `target` (the recall asked for) is given and the
+    estimate's worst head falls short of it by more than RECALL_SLACK. The index build is already paid; what the
+    dense path saves is everything the kernels derive from it (built lazily on the first kernel call) and the
+    kernels.
     """
     if policy == "always":
         return "sparse", None
@@ -108,13 +116,20 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
         return "dense", None
     from mtrain.ops import cost
 
-    blocks, columns = cost.index_work(index)
+    est = index._cache.get("est_recall")
+    parts = [index.block_counts.long().sum().double(), index.col_counts.long().sum().double()]
+    if target is not None and est is not None:
+        parts.append(est.min().double())
+    read = torch.stack(parts).tolist()  # one device-to-host read
+    blocks, columns = int(read[0]), int(read[1])
     B, _, Hq, D = q.shape
     # one device with packed documents: the dense path runs one call per document
     doc_lengths = None if doc_ids is None else _document_lengths(doc_ids)
     prediction = cost.predict(blocks, columns, seq_len=index.seq_len, heads=Hq, head_dim=D,
                               block_size=index.block_size, batch=B, backward=training, device=q.device,
                               world=world, doc_lengths=doc_lengths)
+    if len(read) == 3 and read[2] < target - RECALL_SLACK:
+        prediction = cost.Prediction(prediction.dense_ms, prediction.sparse_ms, "dense")
     return prediction.path, prediction
 
 
@@ -174,7 +189,8 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         # every SparseSettings field is an estimate_vertical_slash keyword of the same name
         fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
         index = estimate_vertical_slash(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids)
-        path, prediction = _choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids)
+        path, prediction = _choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
+                                        target=s.recall)
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         if path == "sparse":
             return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
@@ -227,7 +243,8 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         index = estimate_index(q.detach(), k.detach(), positions, positions, seq_len, settings, scale,
                                CONTEXT.group, doc_ids=CONTEXT.doc_ids)
-        path, prediction = _choose_path(index, q, policy=policy, training=training, world=world)
+        path, prediction = _choose_path(index, q, policy=policy, training=training, world=world,
+                                        target=settings.recall)
         _record(layer_idx, path, index, prediction)
         if layer_idx == 0:  # one layer per forward is enough to watch the balance
             from mtrain.parallel import imbalance

@@ -7,7 +7,11 @@ rerun both after a kernel or index change and paste the printed tables here.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import math
+import os
 from dataclasses import dataclass
 
 # A layer runs sparse only when sparse is predicted at most this fraction of dense: the fits below are off by
@@ -88,9 +92,67 @@ CPU = CostTable(
 def table_for(device) -> CostTable:
     """The cost table of a device (a torch.device or its type string): CUDA -> H200, anything else -> CPU.
     Other GPUs use the H200 figures: the choice depends on the ratio of sparse to dense, which moves less
-    between GPUs than either time."""
+    between GPUs than either time. The environment variable MTRAIN_COST_TABLE names a JSON file of figures
+    measured on this machine (`scripts/bench_cost.py --fit ROWS --write-table FILE`) that replace the built-in
+    ones they cover."""
     kind = device if isinstance(device, str) else device.type
+    path = os.environ.get("MTRAIN_COST_TABLE")
+    if path:
+        return _with_override(kind == "cuda", path, os.path.getmtime(path) if os.path.exists(path) else None)
     return H200 if kind == "cuda" else CPU
+
+
+_FIELDS = ("dense", "sparse", "index", "estimate")
+
+
+def write_override(path: str, figures: dict, source: str) -> None:
+    """Write fitted figures (a dict of CostTable fields: dense {D: {mode: coeffs}}, sparse {(D, bs): {...}},
+    index, estimate) as a JSON override file, atomically."""
+    doc = {"source": source}
+    for name, value in figures.items():
+        if name not in _FIELDS:
+            raise ValueError(f"unknown cost-table field {name!r}; expected one of {', '.join(_FIELDS)}")
+        if name == "sparse":
+            value = {f"{d},{bs}": modes for (d, bs), modes in value.items()}
+        elif name == "dense":
+            value = {str(d): modes for d, modes in value.items()}
+        doc[name] = value
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+@functools.lru_cache(maxsize=8)
+def _with_override(cuda: bool, path: str, mtime) -> CostTable:
+    from mtrain.errors import MtrainError
+
+    base = H200 if cuda else CPU
+    try:
+        doc = json.load(open(path))
+        changes = {}
+        for name in _FIELDS:
+            if name not in doc:
+                continue
+            value = doc[name]
+            if name == "sparse":
+                value = {**base.sparse, **{tuple(int(x) for x in key.split(",")): {m: tuple(c) for m, c in v.items()}
+                                           for key, v in value.items()}}
+            elif name == "dense":
+                value = {**base.dense, **{int(key): {m: tuple(c) for m, c in v.items()} for key, v in value.items()}}
+            else:
+                value = tuple(float(x) for x in value)
+                if len(value) != len(getattr(base, name)):
+                    raise ValueError(f"{name} needs {len(getattr(base, name))} numbers, got {len(value)}")
+            changes[name] = value
+        unknown = set(doc) - set(_FIELDS) - {"source"}
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise MtrainError(f"MTRAIN_COST_TABLE={path}: not a cost-table override ({exc}); write one with "
+                          "scripts/bench_cost.py --fit ROWS --write-table FILE, or unset the variable") from exc
+    return dataclasses.replace(base, name=f"{base.name} + {os.path.basename(path)}",
+                               source=f"{base.source}; overridden by {doc.get('source', path)}", **changes)
 
 
 def _nearest(keys, want):

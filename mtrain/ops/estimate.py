@@ -196,6 +196,10 @@ def covered_mass(index: SparseIndex, rows, probs, pooled, k_pos) -> torch.Tensor
     return (in_blocks + in_cols).sum(-1)
 
 
+# Elements of the largest temporary the q/k recomputations make at once (fp32: 256 MB).
+_CHUNK = 1 << 26
+
+
 def _heads_k(k: torch.Tensor, pos: torch.Tensor, Hq: int) -> torch.Tensor:
     """Keys at positions pos [B, Hq, ..., C] (any >= 0) of each query head's KV head: [B, Hq, ..., C, D]."""
     B, _, Hkv, _ = k.shape
@@ -219,16 +223,19 @@ def uncovered_blocks_qk(rest, q_rows, k, rows, lse, vertical, block_size: int, s
     """`uncovered_blocks` from q and k instead of stored probabilities: q_rows [B, n, Hq, D] (the scored rows),
     k [B, S, Hkv, D], lse [B, Hq, n] each row's softmax normaliser, vertical [B, Hq, Nv] (-1 padded)."""
     B, n, Hq, _ = q_rows.shape
-    kv = _heads_k(k, vertical.clamp(min=0), Hq)  # [B, Hq, Nv, D]
-    logits = torch.matmul(q_rows.transpose(1, 2).float(), kv.float().transpose(-1, -2)).mul_(scale)  # [B,Hq,n,Nv]
-    rpos = rows.expand(B, Hq, n)
-    vis = _visible(rpos, vertical, docs)
+    kv = _heads_k(k, vertical.clamp(min=0), Hq).float()  # [B, Hq, Nv, D]
+    qh = q_rows.transpose(1, 2).float()  # [B, Hq, n, D]
     v_blk = torch.where(vertical >= 0, vertical, 0) // block_size  # [B, Hq, Nv]
-    row_blk = (rows // block_size)[:, None]
-    vis &= (v_blk[..., None, :] != 0) & (v_blk[..., None, :] != row_blk)
-    vals = torch.where(vis, logits.sub_(lse[..., None]).exp_(), 0.0)
     shape = rest.shape
-    out = rest.reshape(B, Hq, n, shape[-1]).scatter_add(-1, v_blk[..., None, :].expand(B, Hq, n, -1), -vals)
+    out = rest.reshape(B, Hq, n, shape[-1]).clone()
+    step = max(1, _CHUNK // max(1, B * Hq * vertical.shape[-1]))  # rows per chunk: bounded temporaries
+    for r0 in range(0, n, step):
+        r = rows[r0:r0 + step]
+        logits = torch.matmul(qh[:, :, r0:r0 + step], kv.transpose(-1, -2)).mul_(scale)  # [B, Hq, rows, Nv]
+        vis = _visible(r.expand(B, Hq, -1), vertical, docs)
+        vis &= (v_blk[..., None, :] != 0) & (v_blk[..., None, :] != (r // block_size)[:, None])
+        vals = torch.where(vis, logits.sub_(lse[:, :, r0:r0 + step, None]).exp_(), 0.0)
+        out[:, :, r0:r0 + step].scatter_add_(-1, v_blk[..., None, :].expand(B, Hq, r.numel(), -1), -vals)
     return out.view(shape)
 
 
@@ -259,13 +266,17 @@ def covered_mass_qk(index: SparseIndex, rows_host, pooled, q_rows, k, lse, scale
     cols = index.col_ids[:, :, blocks].long()  # [B, Hq, U, C]
     cok = (torch.arange(cols.shape[-1], device=dev) < index.col_counts[:, :, blocks, None].long()) & (cols >= 0)
     cols = torch.where(cok, cols, -1)
-    kc = _heads_k(k, cols.clamp(min=0), Hq)  # [B, Hq, U, C, D]
-    qg = q_rows.transpose(1, 2)[:, :, table.clamp(min=0)]  # [B, Hq, U, P, D]
-    logits = torch.matmul(qg.float(), kc.float().transpose(-1, -2)).mul_(scale)  # [B, Hq, U, P, C]
-    rpos = torch.where(table >= 0, rows[table.clamp(min=0)], -1).expand(B, Hq, *table.shape)
-    lse_g = lse[:, :, table.clamp(min=0)]
-    vis = _visible(rpos, cols, docs)
-    in_cols = torch.where(vis, logits.sub_(lse_g[..., None]).exp_(), 0.0).sum((-1, -2, -3))
+    U, P = table.shape
+    rpos_all = torch.where(table >= 0, rows[table.clamp(min=0)], -1)
+    in_cols = torch.zeros_like(in_blocks)
+    step = max(1, _CHUNK // max(1, B * Hq * P * cols.shape[-1]))  # query blocks per chunk
+    for u0 in range(0, U, step):
+        c, t = cols[:, :, u0:u0 + step], table[u0:u0 + step].clamp(min=0)
+        kc = _heads_k(k, c.clamp(min=0), Hq).float()  # [B, Hq, u, C, D]
+        qg = q_rows.transpose(1, 2)[:, :, t].float()  # [B, Hq, u, P, D]
+        logits = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale)  # [B, Hq, u, P, C]
+        vis = _visible(rpos_all[u0:u0 + step].expand(B, Hq, -1, -1), c, docs)
+        in_cols += torch.where(vis, logits.sub_(lse[:, :, t][..., None]).exp_(), 0.0).sum((-1, -2, -3))
     return in_blocks + in_cols
 
 
@@ -304,8 +315,8 @@ def estimate_vertical_slash(
     k: torch.Tensor,
     recall: float = 0.99,
     last_q: int = 64,
-    max_vertical: int = 4096,
-    max_slash: int = 4096,
+    max_vertical: int = 16384,
+    max_slash: int = 16384,
     block_size: int = 64,
     *,
     min_vertical: int = 16,

@@ -22,9 +22,9 @@ class SparseSettings:
     together (0.99: SmolLM2-135M at 4K lost 0.2% perplexity, 0.98 lost 1.2%)."""
     last_q: int = 64
     """How many of the last queries of the global sequence score the keys."""
-    max_vertical: int = 4096
+    max_vertical: int = 16384
     """Cap on vertical columns per head (key positions every query attends to)."""
-    max_slash: int = 4096
+    max_slash: int = 16384
     """Cap on slash lines per head in token diagonals; slashes are chosen per block offset a * block_size,
     which counts as block_size of them."""
     block_size: int = 64

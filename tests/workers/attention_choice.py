@@ -51,7 +51,7 @@ def main(out_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = Layout.create("block-stripe", world_size=world, granularity=BS)
     rows = []
-    for kind, settings in (("local", SparseSettings(recall=0.5, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)),
+    for kind, settings in (("local", SparseSettings(recall=0.4, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)),
                            ("flat", SparseSettings(recall=1.0, block_size=BS))):
         q, k, v = inputs(kind)
         CONTEXT.group, CONTEXT.layout, CONTEXT.doc_ids, CONTEXT.layers = dist.group.WORLD, layout, None, []
