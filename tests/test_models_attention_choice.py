@@ -59,7 +59,7 @@ def test_auto_runs_dense_where_the_caps_keep_the_estimate_short_of_its_recall():
     short = dataclasses.replace(LOCAL, recall=0.5)
     out = call(q, k, v, short, "auto")
     (record,) = CONTEXT.layers
-    assert float(record.est_recall.min()) < 0.5 - RECALL_SLACK
+    assert float(record.est_recall.mean()) < 0.5 - RECALL_SLACK
     assert record.path == "dense" and record.sparse_ms < record.dense_ms  # it would have paid
     assert torch.equal(out, dense_kind(q, k, v))
     CONTEXT.layers.clear()

@@ -59,6 +59,11 @@ class CostTable:
 # 128K x 128 (16 heads); sparse 128K x 128 at 5% of blocks 49.9 ms (bs 64); index 1.7-2.7 ms; estimate 27 ms
 # at 32K x 9 heads, 100 ms at 128K x 9 heads, 249 ms at 128K x 16 heads. (A first run on 2026-11-23 with the
 # previous index builder gave the same kernel rates, index 3.5-5 ms, and 3.7-15 ms for the 64-row estimate.)
+# estimate re-measured 2026-11-24 after the Triton scorer (`bench_cost.py --only estimate`, same H200 kind,
+# random q/k, so caps at 16384 lines bind and the q/k recomputations are at their widest): 9.4 / 16.4 / 18.1 /
+# 20.6 ms at 8K / 32K / 64K / 128K x 9 heads (the torch scorer: 23.1 ms at 32K), 16.4-36.0 ms x 16 heads x 128;
+# worst relative error of the fit 42%: a ~10 ms fixed part dominates (not yet profiled). On SmolLM2 at 128K
+# the whole index (estimate + build) took 22.5-24.0 ms per layer (was ~46 ms).
 H200 = CostTable(
     name="cuda (H200)",
     source="scripts/bench_cost.py on one H200, 2026-11-23",
@@ -69,7 +74,7 @@ H200 = CostTable(
             (128, 64): {"train": (0.8387, 2.5521, 48.8525, 74.734), "eval": (0.2091, 0.2714, 12.017, 19.4613)},
             (128, 128): {"train": (2.0794, 2.2202, 40.1415, 69.7131), "eval": (0.2719, 0.2234, 11.9352, 17.2914)}},
     index=(2.0754, 0.0, 0.0, 0.0186),
-    estimate=(0.0, 85.47),
+    estimate=(10.9573, 11.5444),
 )
 
 # The CPU path (fp32; dense = PyTorch SDPA, sparse = mtrain.ops.partial's PyTorch path over the listed blocks,
