@@ -76,7 +76,8 @@ class LayerRecord:
     path: str
     """"sparse" or "dense": what ran."""
     density: object
-    """Fraction of causal pairs in the estimated pattern (None: not estimated, see `_skip_estimate`)."""
+    """Fraction of causal pairs in the estimated pattern, a 0-dim tensor on the device (None: not estimated, see
+    `_skip_estimate`)."""
     dense_ms: float = float("nan")
     sparse_ms: float = float("nan")
     """The cost model's predictions (NaN when the policy is not "auto"; without an estimate, sparse_ms is the
@@ -87,7 +88,8 @@ class LayerRecord:
     """Tensor [B, Hq]: exact attention mass kept, averaged over sampled rows (sample_recall steps, sparse only)."""
 
     def as_floats(self) -> dict:
-        out = {"layer": self.layer, "path": self.path, "density": self.density, "dense_ms": self.dense_ms,
+        density = None if self.density is None else float(self.density)
+        out = {"layer": self.layer, "path": self.path, "density": density, "dense_ms": self.dense_ms,
                "sparse_ms": self.sparse_ms}
         for name in ("est_recall", "true_recall"):
             value = getattr(self, name)
@@ -161,7 +163,7 @@ def _record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, do
     """Append this call's LayerRecord; on sample_recall steps measure the true recall of a sparse call on
     CONTEXT.recall_rows rows spread evenly over the sequence (ending at the last row). q/k: the whole
     sequence (None under CP, where no rank holds it: no true recall there)."""
-    record = LayerRecord(layer_idx, path, index.density(), est_recall=index._cache.get("est_recall"))
+    record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=index._cache.get("est_recall"))
     if prediction is not None:
         record.dense_ms, record.sparse_ms = prediction.dense_ms, prediction.sparse_ms
     if CONTEXT.sample_recall and path == "sparse" and q is not None:

@@ -355,17 +355,18 @@ class SparseIndex:
         diag = q_len * (q_len + 1) / 2
         pairs = torch.where(k_lo < q_lo, full, torch.where(k_lo == q_lo, diag, torch.zeros_like(full)))
         total = torch.where(ok, pairs, 0.0).sum(dim=(-1, -2))
-        cslot = torch.arange(self.col_ids.shape[-1], device=dev)
-        cok = (cslot < self.col_counts[..., None].long()) & (self.col_ids >= 0)
-        col = self.col_ids.double()
-        q_hi = q_lo + q_len - 1
-        seen = torch.clamp(q_hi - torch.maximum(col, q_lo) + 1, min=0)  # rows r in the block with r >= col
-        return total + torch.where(cok, seen, 0.0).sum(dim=(-1, -2))
+        # A listed column lies before its query block (the block's own keys are in its diagonal block), so every
+        # row of the block sees it: the counts suffice, and the [B, Hq, nQB, C] column lists are never read.
+        return total + (self.col_counts.double() * q_len[..., 0]).sum(-1)
 
     def density(self) -> float:
         """Fraction of all causal (query, key) pairs that the kernels compute."""
+        return float(self.density_tensor())
+
+    def density_tensor(self) -> torch.Tensor:
+        """`density` as a 0-dim float64 tensor on the index's device (no host synchronisation)."""
         causal = self.seq_len * (self.seq_len + 1) / 2
-        return float(self.pair_counts().mean() / causal)
+        return self.pair_counts().mean() / causal
 
     def block_density(self) -> float:
         """Fraction of causal key blocks listed (the work measure of a block kernel)."""

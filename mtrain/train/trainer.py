@@ -461,7 +461,7 @@ class Trainer:
                     "skipped_steps": self.state.bad_steps,
                 }
                 if CONTEXT.densities:
-                    last["attention_density"] = sum(CONTEXT.densities) / len(CONTEXT.densities)
+                    last["attention_density"] = float(sum(CONTEXT.densities)) / len(CONTEXT.densities)
                 if CONTEXT.imbalances:
                     last["imbalance_worker"] = max(w for w, _ in CONTEXT.imbalances)
                     last["imbalance_step"] = max(s for _, s in CONTEXT.imbalances)

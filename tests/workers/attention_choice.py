@@ -67,7 +67,7 @@ def main(out_path: str) -> None:
         dist.all_gather(shards, auto.contiguous())
         CONTEXT.group, CONTEXT.layout = None, None
         single_dense = run(q, k, v, None, "never")  # settings None: the dense kind on one device
-        rows.append({"pattern": kind, "paths": paths, "density": record.density, "same_as_forced": torch.equal(auto, forced),
+        rows.append({"pattern": kind, "paths": paths, "density": float(record.density), "same_as_forced": torch.equal(auto, forced),
                      "err_vs_single_dense": float((layout.unshard(shards, dim=1) - single_dense).abs().max()),
                      "dense_ms": record.dense_ms, "sparse_ms": record.sparse_ms})
     if rank == 0:
