@@ -524,24 +524,23 @@ def index_build(seqs, block_sizes, nv: int, ns: int) -> int:
 
 
 def index_breakdown(q, k, recall, bs, Hkv, D, log):
-    """Time the pieces of index building once each (estimation, lines -> index, backward plans)."""
-    from mtrain.ops.estimate import _select, last_query_probs, slash_scores
+    """Time the pieces of index building once each: the Triton scorer alone, the whole estimate with either
+    scorer, and what the kernels derive from the index (transposed lists, backward plans)."""
+    from mtrain.ops._triton_estimate import score_rows
+    from mtrain.ops.estimate import scored_rows
 
-    B, S, Hq, _ = q.shape
-    G = Hq // Hkv
-    probs = last_query_probs(q, k, 64)
-    t_probs = timed(lambda: last_query_probs(q, k, 64), 3)
-    vert, sl = probs.sum(-2), slash_scores(probs)
-    t_sel = timed(lambda: (_select(probs.sum(-2), recall, 4096, 16), _select(slash_scores(probs), recall, 4096, 16)), 3)
-    v_idx = _select(vert, recall, 4096, 16).reshape(B, Hq, -1)
-    s_idx = _select(sl, recall, 4096, 16).reshape(B, Hq, -1)
-    t_lines = timed(lambda: SparseIndex.from_lines(v_idx, s_idx, S, bs), 3)
-    index = SparseIndex.from_lines(v_idx, s_idx, S, bs)
+    S = q.shape[1]
+    rows = scored_rows(S, 64, 16, bs).to(q.device)
+    t_score = timed(lambda: score_rows(q, k, rows, bs, D ** -0.5), 3)
+    t_est = {sc: timed(lambda sc=sc: estimate_vertical_slash(q, k, recall=recall, block_size=bs, scorer=sc), 3)
+             for sc in ("triton", "torch")}
+    index = estimate_vertical_slash(q, k, recall=recall, block_size=bs)
     t_t = timed(lambda: transpose_blocks_csr(index.block_ids, index.block_counts, index.n_blocks), 3)
     t_prep = timed(lambda: _triton_attention.prepare_backward(
         SparseIndex(index.block_ids, index.block_counts, index.col_ids, index.col_counts, S, bs), Hkv, D), 3)
-    log(f"   index breakdown S={S} bs={bs}: probs {t_probs:.2f} select {t_sel:.2f} from_lines {t_lines:.2f} "
-        f"transpose {t_t:.2f} all backward plans {t_prep:.2f} ms (Nv {v_idx.shape[-1]}, Ns {s_idx.shape[-1]})")
+    log(f"   index breakdown S={S} bs={bs}: scorer kernel ({rows.numel()} rows) {t_score:.2f}, estimate "
+        f"(triton scorer) {t_est['triton']:.2f}, estimate (torch scorer) {t_est['torch']:.2f}, transpose {t_t:.2f}, "
+        f"all backward plans {t_prep:.2f} ms (density {index.density():.3f})")
 
 
 def profile_index(q, k, recall, bs, Hkv, D, log):
