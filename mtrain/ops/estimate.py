@@ -4,6 +4,7 @@ verticals, then block-level slashes on the mass still uncovered, and build the S
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -250,19 +251,27 @@ def row_groups(rows: torch.Tensor, block_size: int):
     return blocks, table
 
 
-def covered_mass_qk(index: SparseIndex, rows_host, pooled, q_rows, k, lse, scale: float, docs=None):
+@functools.lru_cache(maxsize=64)
+def _row_plan(seq_len: int, last_q: int, sample_blocks: int, block_size: int, device: torch.device):
+    """(rows, blocks, table) of `scored_rows` / `row_groups` on `device`, made once per shape: a host-to-device
+    copy in every call would wait for the GPU's queue (a host synchronisation per layer)."""
+    rows = scored_rows(seq_len, last_q, sample_blocks, block_size)
+    blocks, table = row_groups(rows, block_size)
+    return rows.to(device), blocks.to(device), table.to(device)
+
+
+def covered_mass_qk(index: SparseIndex, plan, pooled, q_rows, k, lse, scale: float, docs=None):
     """`covered_mass` from q and k: pooled [B, Hq, n, nKB] as `score_rows` gives it, q_rows [B, n, Hq, D], lse
     [B, Hq, n]. The column part groups the rows by query block (the rows of one block share its columns)."""
     dev = pooled.device
     B, n, Hq, _ = q_rows.shape
-    rows = rows_host.to(dev)
+    rows, blocks, table = plan
     qb = rows // index.block_size
     ids = index.block_ids[:, :, qb].long()
     ok = (torch.arange(ids.shape[-1], device=dev) < index.block_counts[:, :, qb, None].long()) & (ids >= 0)
     in_blocks = torch.where(ok, torch.gather(pooled, -1, ids.clamp(min=0)), 0.0).sum(-1).sum(-1)
     if index.col_ids.shape[-1] == 0:
         return in_blocks
-    blocks, table = (t.to(dev) for t in row_groups(rows_host, index.block_size))
     cols = index.col_ids[:, :, blocks].long()  # [B, Hq, U, C]
     cok = (torch.arange(cols.shape[-1], device=dev) < index.col_counts[:, :, blocks, None].long()) & (cols >= 0)
     cols = torch.where(cok, cols, -1)
@@ -371,8 +380,8 @@ def estimate_vertical_slash(
         scorer = "triton" if q.is_cuda and pow2 else "torch"
     with torch.no_grad():
         docs = None if doc_ids is None else doc_ids.to(q.device)
-        rows_host = scored_rows(S, last_q, sample_blocks, block_size)
-        rows = rows_host.to(q.device)
+        plan = _row_plan(S, last_q, sample_blocks, block_size, q.device)
+        rows = plan[0]
         n = rows.numel()
         n_blocks = -(-S // block_size)
         k_pos = torch.arange(S, device=q.device)
@@ -419,7 +428,7 @@ def estimate_vertical_slash(
         s_tok = s_tok.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
         index = SparseIndex.from_lines(v_idx, s_tok, S, block_size)
         if probs is None:
-            covered = covered_mass_qk(index, rows_host, pooled.view(B, Hq, n, -1), q[:, rows], k, lse, scale, docs)
+            covered = covered_mass_qk(index, plan, pooled.view(B, Hq, n, -1), q[:, rows], k, lse, scale, docs)
         else:
             covered = covered_mass(index, rows, probs.view(B, Hq, n, S), pooled.view(B, Hq, n, -1), k_pos)
         index._cache["est_recall"] = covered / n
