@@ -27,7 +27,7 @@ from mtrain.ops import SparseIndex  # noqa: E402
 from mtrain.ops.attention import vertical_slash_attention  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
 from mtrain.parallel.comm import RingComm  # noqa: E402
-from mtrain.parallel.estimate import estimate_index  # noqa: E402
+from mtrain.parallel.estimate import estimate_index, estimate_rank_index  # noqa: E402
 from mtrain.parallel.merge import GradSum, PartialAccumulator  # noqa: E402
 from mtrain.parallel.plan import _build_sparse_plan, dense_plan, sparse_plan  # noqa: E402
 from mtrain.parallel.steps import (  # noqa: E402
@@ -334,12 +334,14 @@ def phases(tokens, rank, world, args, device):
         plan = sparse_plan(index, layout, rank, device) if index is not None else dense_plan(layout, seq, rank, device)
         t = {}
         if index is not None:
-            t["plan_build"] = timed(lambda: _build_sparse_plan(index, layout, rank, device), it, wu)
+            t["plan_build"] = timed(lambda: _build_sparse_plan(index, layout, rank, device, rank), it, wu)
             t["plan_cached"] = timed(lambda: sparse_plan(index, layout, rank, device), it, wu)
             pos = layout.indices(seq, rank).to(device)
             settings = SparseSettings(block_size=args.block_size, max_vertical=args.verticals,
                                       max_slash=args.window + args.far_slashes)
             t["estimate_index"] = timed(lambda: estimate_index(q, k, pos, pos, seq, settings, scale, None), it, wu)
+            t["estimate_rank_index"] = timed(lambda: estimate_rank_index(q, k, pos, pos, seq, settings, scale, None),
+                                             it, wu)
             t["column_gather"] = timed(lambda: ColumnGather(k, v, plan, None).wait(), it, wu)
         columns_kv = ColumnGather(k, v, plan, None).wait() if plan.columns is not None else None
         # a visiting shard's K/V (another rank's data, as the ring would hand it over)
@@ -391,7 +393,7 @@ def phases(tokens, rank, world, args, device):
             sums, dcols = bwd()
             if dcols is not None:
                 t["column_grads"] = timed(
-                    lambda: finish_column_grads(start_column_grad_reduce(dcols, None), plan, sums[1].value(),
+                    lambda: finish_column_grads(start_column_grad_reduce(dcols, plan, None), plan, sums[1].value(),
                                                 sums[2].value()), it, wu)
         dq_part = sums[0].value()
         dq_sum = dq_part.clone()

@@ -60,7 +60,10 @@ class AttentionContext:
     """Query rows (spread over the sequence) the sampled true recall averages over."""
 
     imbalances: list = field(default_factory=list)
-    """(worker, step) imbalance of the first layer's sparse index under the layout, per forward (logging)."""
+    """(worker, step) imbalance of the first layer's sparse index under the layout, per measured forward (logging)."""
+    sample_imbalance: bool = True
+    """Whether layer 0 measures the imbalance in this forward (the trainer sets it on the steps it logs): each CP rank
+    counts its own rows' work on the CPU and one small all-gather combines them."""
 
 
 CONTEXT = AttentionContext()
@@ -123,10 +126,10 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
     from mtrain.ops import cost
 
     est = index._cache.get("est_recall")
-    parts = [index.block_counts.long().sum().double(), index.col_counts.long().sum().double()]
+    parts = [index.work_tensor()]  # the whole index's work (a CP rank's RowIndex knows it from the lines)
     if target is not None and est is not None:
-        parts.append(est.double().mean())
-    read = torch.stack(parts).tolist()  # one device-to-host read
+        parts.append(est.double().mean().view(1))
+    read = torch.cat(parts).tolist()  # one device-to-host read
     blocks, columns = int(read[0]), int(read[1])
     B, _, Hq, D = q.shape
     # one device with packed documents: the dense path runs one call per document
@@ -236,27 +239,29 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     import torch.distributed as dist
 
     from mtrain.parallel import ring_attention
-    from mtrain.parallel.estimate import estimate_index
+    from mtrain.parallel.estimate import estimate_rank_index
 
     index = None
     world = dist.get_world_size(CONTEXT.group)
     if settings is not None and policy != "never" and not _skip_estimate(q, settings, layer_idx, policy=policy,
                                                                          training=training, world=world):
-        # Estimated across the group (no rank does it for the others); identical on every rank.
+        # Estimated across the group (no rank does it for the others; the lines are identical on every rank);
+        # each rank builds only its own rows of the index, whose whole work and density come from the lines.
         rank = dist.get_rank(CONTEXT.group)
         seq_len = q.shape[1] * world
         positions = CONTEXT.layout.indices(seq_len, rank).to(q.device)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        index = estimate_index(q.detach(), k.detach(), positions, positions, seq_len, settings, scale,
-                               CONTEXT.group, doc_ids=CONTEXT.doc_ids)
+        index = estimate_rank_index(q.detach(), k.detach(), positions, positions, seq_len, settings, scale,
+                                    CONTEXT.group, doc_ids=CONTEXT.doc_ids)
         path, prediction = _choose_path(index, q, policy=policy, training=training, world=world,
                                         target=settings.recall)
         _record(layer_idx, path, index, prediction)
-        if layer_idx == 0:  # one layer per forward is enough to watch the balance
-            from mtrain.parallel import imbalance
+        if layer_idx == 0 and CONTEXT.sample_imbalance:  # one layer of the logged steps watches the balance
+            from mtrain.parallel.imbalance import gathered_imbalance
 
-            measured = imbalance(index, CONTEXT.layout, local_world_size=CONTEXT.local_world_size)
-            CONTEXT.imbalances.append((float(measured["worker"]), float(measured["step"])))
+            measured = gathered_imbalance(index, CONTEXT.layout, rank, CONTEXT.group,
+                                          local_world_size=CONTEXT.local_world_size)
+            CONTEXT.imbalances.append((measured["worker"], measured["step"]))
         if path == "dense":
             index = None
     return ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, index=index, softmax_scale=scaling,

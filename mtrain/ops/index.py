@@ -147,6 +147,38 @@ def kernel_column_chunk(block_size: int) -> int:
     return min(max(16, 1 << (block_size - 1).bit_length()), 64)
 
 
+def _block_offsets(slash: torch.Tensor, seq_len: int, block_size: int):
+    """(O [B, H, K], O_last or None): the per-head sets of BLOCK offsets of the slashes, holding 0 (the diagonal),
+    ascending, _NONE padded; O_last is the set of a short last query block (None when the last block is full).
+
+    A slash d = a*bs + r crosses, in every full query block i, key blocks i - a and (r > 0) i - a - 1; in a
+    short last block of `tail` rows, i - a only when r < tail. So each query block's list is {0 (sink)} +
+    {i - o : o in O, o <= i}: built from O alone, without any nQB x nQB flags."""
+    B, H, _ = slash.shape
+    n = -(-seq_len // block_size)
+    tail = seq_len - (n - 1) * block_size  # length of the last query block
+    d = slash.long()
+    ok = (d >= 0) & (d < seq_len)
+    a, r = d // block_size, d % block_size
+    zero = torch.zeros(B, H, 1, dtype=torch.long, device=slash.device)
+    offs = _offset_set(torch.cat([zero, torch.where(ok, a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1))
+    if tail == block_size:
+        return offs, None
+    offs_last = _offset_set(torch.cat(
+        [zero, torch.where(ok & (r < tail), a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1))
+    return offs, offs_last
+
+
+def _sorted_verticals(vertical: torch.Tensor, seq_len: int, block_size: int):
+    """(v [B, H, Nv] ascending, duplicates and padding set to seq_len; v_blk: their key blocks, nQB for those)."""
+    n = -(-seq_len // block_size)
+    v, _ = torch.sort(torch.where((vertical >= 0) & (vertical < seq_len), vertical.long(), seq_len), dim=-1)
+    dup = torch.zeros_like(v, dtype=torch.bool)
+    dup[..., 1:] = v[..., 1:] == v[..., :-1]
+    v_ok = (v < seq_len) & ~dup
+    return torch.where(v_ok, v, seq_len), torch.where(v_ok, v // block_size, n)
+
+
 # Padding of the block-offset sets: larger than any real offset.
 _NONE = 1 << 62
 # Elements of the temporaries of one step of the vertical-coverage scatter in `from_lines`.
@@ -263,22 +295,11 @@ class SparseIndex:
         B, H, _ = vertical.shape
         dev = vertical.device
         n = -(-seq_len // block_size)
-        tail = seq_len - (n - 1) * block_size  # length of the last query block
-        # A slash d = a*bs + r crosses, in every full query block i, key blocks i - a and (r > 0) i - a - 1;
-        # in a short last block of `tail` rows, i - a only when r < tail. So each query block's list
-        # is {0 (sink)} + {i - o : o in O, o <= i} for a per-head set O of BLOCK offsets holding 0
-        # (the diagonal): built from O alone, without any nQB x nQB flags.
-        d = slash.long()
-        ok = (d >= 0) & (d < seq_len)
-        a, r = d // block_size, d % block_size
-        zero = torch.zeros(B, H, 1, dtype=torch.long, device=dev)
-        offs = _offset_set(torch.cat([zero, torch.where(ok, a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1))
+        offs, offs_last = _block_offsets(slash, seq_len, block_size)
         rows = torch.arange(n, device=dev)
         counts, pick, sink = _rows_from_offsets(offs, rows)
         last = None
-        if tail < block_size:
-            offs_last = _offset_set(torch.cat(
-                [zero, torch.where(ok & (r < tail), a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1))
+        if offs_last is not None:
             last = _rows_from_offsets(offs_last, rows[-1:])
             counts[..., -1:], pick[..., -1:], sink[..., -1:] = last
         width = max(int(counts.max()), 1)
@@ -288,11 +309,7 @@ class SparseIndex:
         block_counts = counts.to(torch.int32)
 
         if vertical.shape[-1] > 0:
-            v, _ = torch.sort(torch.where((vertical >= 0) & (vertical < seq_len), vertical.long(), seq_len), dim=-1)
-            dup = torch.zeros_like(v, dtype=torch.bool)
-            dup[..., 1:] = v[..., 1:] == v[..., :-1]
-            v_ok = (v < seq_len) & ~dup  # [B,H,Nv]
-            v_blk = torch.where(v_ok, v // block_size, n)
+            v, v_blk = _sorted_verticals(vertical, seq_len, block_size)
             # A vertical is a column of every later query block whose list misses its key block: rows
             # v_blk + o (o in O) hold that block, and every row holds block 0.
             active = torch.zeros(B, H, n + 1, v.shape[-1], dtype=torch.bool, device=dev)  # last row = dump
@@ -368,6 +385,11 @@ class SparseIndex:
         causal = self.seq_len * (self.seq_len + 1) / 2
         return self.pair_counts().mean() / causal
 
+    def work_tensor(self) -> torch.Tensor:
+        """Float64 [2] on the index's device: listed (query block, key block) and (query block, column) entries,
+        summed over batch and heads (what `mtrain.ops.cost` prices; no host synchronisation)."""
+        return torch.stack([self.block_counts.double().sum(), self.col_counts.double().sum()])
+
     def block_density(self) -> float:
         """Fraction of causal key blocks listed (the work measure of a block kernel)."""
         n = self.n_blocks
@@ -400,6 +422,152 @@ class SparseIndex:
             self.block_ids.to(device), self.block_counts.to(device), self.col_ids.to(device),
             self.col_counts.to(device), self.seq_len, self.block_size,
         )
+
+
+@dataclass
+class RowIndex:
+    """Some query blocks' lists of a vertical-slash index (one context-parallel rank's rows), with the facts of
+    the whole index that such a rank needs, computed from the lines in O(lines + nQB) per head.
+
+    rows LongTensor [R]: the global query blocks held, ascending, distinct. block_ids [B, Hq, R, MAXB],
+    block_counts, col_ids [B, Hq, R, MAXC], col_counts: those rows of the `SparseIndex.from_lines` lists (same
+    entries, same order; the widths fit these rows). column_union LongTensor [U]: ascending positions that are a
+    column of some query block of the WHOLE index (any batch row or head; the sink block's tokens are never
+    columns). totals float64 [B, Hq, 3]: the whole index's listed block entries, column entries and computed
+    causal pairs. Every query block lists the sink block 0 (as `from_lines` builds it).
+    """
+
+    rows: torch.Tensor
+    block_ids: torch.Tensor
+    block_counts: torch.Tensor
+    col_ids: torch.Tensor
+    col_counts: torch.Tensor
+    seq_len: int
+    block_size: int
+    column_union: torch.Tensor | None = None
+    totals: torch.Tensor | None = None
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.seq_len // self.block_size)
+
+    def work_tensor(self) -> torch.Tensor:
+        """`SparseIndex.work_tensor` of the whole index: float64 [2] (block entries, column entries)."""
+        return self.totals[..., :2].sum((0, 1))
+
+    def pair_counts(self) -> torch.Tensor:
+        """`SparseIndex.pair_counts` of the whole index: float64 [B, Hq]."""
+        return self.totals[..., 2]
+
+    def density_tensor(self) -> torch.Tensor:
+        """`SparseIndex.density_tensor` of the whole index (0-dim float64, no host synchronisation)."""
+        return self.pair_counts().mean() / (self.seq_len * (self.seq_len + 1) / 2)
+
+    def density(self) -> float:
+        return float(self.density_tensor())
+
+
+def _row_columns(v, v_blk, offs, offs_last, rows, n: int):
+    """Column lists of query blocks `rows` [R]: (col_ids [B, H, R, MAXC] int32, counts). A vertical of key
+    block j > 0 is a column of a later row i whose list misses block j, i.e. whose offset set lacks i - j."""
+    B, H, nv = v.shape
+    R = rows.numel()
+    active = torch.empty(B, H, R, nv, dtype=torch.bool, device=v.device)
+    step = max(1, _SCATTER_ELEMS // max(1, B * H * nv))  # rows per chunk: bounds the [B, H, step, Nv] temporaries
+    for r0 in range(0, R, step):
+        r = rows[r0:r0 + step]
+        o = r[None, None, :, None] - v_blk[:, :, None, :]  # the offset that would cover the vertical
+        at = torch.searchsorted(offs, o.flatten(2)).clamp(max=offs.shape[-1] - 1)
+        covered = (torch.gather(offs, -1, at) == o.flatten(2)).view_as(o)
+        if offs_last is not None:  # a short last block tests its own offset set
+            at = torch.searchsorted(offs_last, o.flatten(2)).clamp(max=offs_last.shape[-1] - 1)
+            covered_last = (torch.gather(offs_last, -1, at) == o.flatten(2)).view_as(o)
+            covered = torch.where((r == n - 1)[:, None], covered_last, covered)
+        active[:, :, r0:r0 + step] = (o > 0) & (v_blk > 0)[:, :, None, :] & ~covered
+    slots, counts = compact(active)
+    ids = torch.where(slots >= 0, torch.gather(v, -1, slots.long().clamp(min=0).flatten(2)).view_as(slots), -1)
+    return ids.to(torch.int32), counts
+
+
+def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
+    """(totals float64 [B, H, 3] as `RowIndex.totals`, column union [U]) of the whole index, without its lists:
+    per row the list length from the offsets, per vertical the rows it is a column of by counting offsets."""
+    B, H, _ = offs.shape
+    dev = offs.device
+    n = -(-seq_len // block_size)
+    tail = seq_len - (n - 1) * block_size
+    rows = torch.arange(n, device=dev)
+    counts, _, _ = _rows_from_offsets(offs, rows)
+    if offs_last is not None:
+        counts[..., -1:] = _rows_from_offsets(offs_last, rows[-1:])[0]
+    q_len = torch.full((n,), float(block_size), dtype=torch.float64, device=dev)
+    q_len[-1] = tail
+    # every listed block before the diagonal is full (block_size keys); the diagonal block is a triangle
+    pairs = (q_len * block_size * (counts.double() - 1) + q_len * (q_len + 1) / 2).sum(-1)
+    blocks = counts.double().sum(-1)
+    full_rows = n if offs_last is None else n - 1
+    if v.shape[-1] == 0:
+        zero = torch.zeros(B, H, dtype=torch.float64, device=dev)
+        return torch.stack([blocks, zero, pairs], -1), torch.zeros(0, dtype=torch.long, device=dev)
+    ok = v_blk > 0  # excludes padding (v_blk = n) only below; sink-block verticals are never columns
+    later = (full_rows - 1 - v_blk).clamp(min=0)  # full rows after the vertical's block
+    have = torch.searchsorted(offs, later, right=True) - 1  # offsets in [1, later] (offs holds 0 once)
+    in_full = torch.where(ok & (v_blk < n), later - have, 0).double()
+    in_last = torch.zeros_like(in_full)
+    if offs_last is not None:
+        o = (n - 1) - v_blk
+        at = torch.searchsorted(offs_last, o).clamp(max=offs_last.shape[-1] - 1)
+        in_last = (ok & (v_blk < n - 1) & (torch.gather(offs_last, -1, at) != o)).double()
+    columns = (in_full + in_last).sum(-1)
+    col_pairs = (in_full * block_size + in_last * tail).sum(-1)
+    used = torch.zeros(seq_len + 1, dtype=torch.bool, device=dev)
+    used[torch.where(in_full + in_last > 0, v, seq_len).flatten()] = True
+    union = torch.nonzero(used[:seq_len]).flatten()
+    return torch.stack([blocks, columns, pairs + col_pairs], -1), union
+
+
+def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
+                    rows: torch.Tensor, *, totals: bool = True) -> RowIndex:
+    """The lists of the query blocks `rows` of `SparseIndex.from_lines(vertical, slash, seq_len, block_size)`,
+    without building the others: time and memory follow len(rows) (plus O(lines + nQB) per head for the
+    totals and the column union of the whole index, skipped with totals=False).
+
+    rows: LongTensor [R] of global query blocks, ascending and distinct (checked). Vectorised tensor ops on any
+    device; list widths are trimmed to these rows' longest (reads counts back to the host).
+    """
+    if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
+        raise ValueError(
+            f"vertical must be [B, Hq, Nv] and slash [B, Hq, Ns]; got {tuple(vertical.shape)}, {tuple(slash.shape)}"
+        )
+    if block_size < 1 or seq_len < 1:
+        raise ValueError(f"block_size and seq_len must be positive; got {block_size}, {seq_len}")
+    n = -(-seq_len // block_size)
+    rows = rows.to(vertical.device).long()
+    if rows.dim() != 1 or rows.numel() == 0 or not bool(((rows >= 0) & (rows < n)).all()) \
+            or not bool((rows[1:] > rows[:-1]).all()):
+        raise ValueError(f"rows must be a non-empty ascending list of distinct query blocks in [0, {n})")
+    offs, offs_last = _block_offsets(slash, seq_len, block_size)
+    counts, pick, sink = _rows_from_offsets(offs, rows)
+    last = None
+    if offs_last is not None and int(rows[-1]) == n - 1:
+        last = _rows_from_offsets(offs_last, rows[-1:])
+        counts[..., -1:], pick[..., -1:], sink[..., -1:] = last
+    width = max(int(counts.max()), 1)
+    block_ids = _expand_rows(offs, rows, counts, pick, sink, width)
+    if last is not None:
+        block_ids[:, :, -1:] = _expand_rows(offs_last, rows[-1:], *last, width)
+    v, v_blk = _sorted_verticals(vertical, seq_len, block_size)
+    B, H, _ = vertical.shape
+    if v.shape[-1] > 0:
+        col_ids, col_counts = _row_columns(v, v_blk, offs, offs_last, rows, n)
+    else:
+        col_ids = torch.full((B, H, rows.numel(), 1), -1, dtype=torch.int32, device=vertical.device)
+        col_counts = torch.zeros(B, H, rows.numel(), dtype=torch.int32, device=vertical.device)
+    union = work = None
+    if totals:
+        work, union = _line_totals(v, v_blk, offs, offs_last, seq_len, block_size)
+    return RowIndex(rows, block_ids, counts.to(torch.int32), col_ids, col_counts, seq_len, block_size, union, work)
 
 
 def blocks_for_causal_dense(seq_len: int, block_size: int, batch: int, heads: int, device=None) -> SparseIndex:

@@ -1,6 +1,7 @@
 """Online vertical-slash estimation across a CP group: every rank scores the sampled query rows (the global last
 queries and strided query blocks) against its own keys; all-reduces / an all-gather of small tensors give every
-rank the lines one device would pick, and no rank works for all."""
+rank the lines one device would pick, and no rank works for all. `estimate_rank_index` then builds only the
+rank's own rows of the index (`mtrain.ops.index.RowIndex`), so index time and memory per rank fall as 1/CP."""
 
 from __future__ import annotations
 
@@ -155,4 +156,45 @@ def estimate_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, s
         covered = covered_mass(index, rows, probs, pooled, k_pos.to(probs.device))
         dist.all_reduce(covered, group=group)
     index._cache["est_recall"] = covered / rows.numel()
+    return index
+
+
+def rank_rows(q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The global query blocks (ascending, distinct) that the positions `q_pos` of one rank's shard fall in."""
+    return torch.unique(q_pos // block_size)
+
+
+def _covered_rows(lists, rows, probs, pooled, k_pos) -> torch.Tensor:
+    """`mtrain.ops.estimate.covered_mass` from a RowIndex holding (at least) the scored rows' query blocks."""
+    dev = probs.device
+    slot = torch.searchsorted(lists.rows, rows // lists.block_size)
+    ids = lists.block_ids[:, :, slot].long()
+    ok = (torch.arange(ids.shape[-1], device=dev) < lists.block_counts[:, :, slot, None].long()) & (ids >= 0)
+    in_blocks = torch.where(ok, torch.gather(pooled, -1, ids.clamp(min=0)), 0.0).sum(-1)
+    local = torch.full((lists.seq_len + 1,), -1, dtype=torch.long, device=dev)
+    local[k_pos] = torch.arange(k_pos.numel(), device=dev)
+    cols = lists.col_ids[:, :, slot].long()
+    cok = (torch.arange(cols.shape[-1], device=dev) < lists.col_counts[:, :, slot, None].long()) & (cols >= 0)
+    where = local[torch.where(cok, cols, lists.seq_len)]
+    in_cols = torch.where(where >= 0, torch.gather(probs, -1, where.clamp(min=0)), 0.0).sum(-1)
+    return (in_blocks + in_cols).sum(-1)
+
+
+def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
+                        doc_ids: torch.Tensor | None = None):
+    """This rank's rows of the index `estimate_index` gives (a `mtrain.ops.index.RowIndex` over the query blocks
+    of q_pos, entry for entry the same lists), with the whole index's work, density and column union from the
+    lines, and `_cache["est_recall"]` as `estimate_index` sets it. No rank builds the other ranks' rows: index
+    time and memory per rank fall as 1/CP (the lines and O(nQB) per head are what every rank still holds)."""
+    from mtrain.ops.index import rows_from_lines
+
+    vertical, slash, probs, pooled, scored = _estimate(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids)
+    bs = settings.block_size
+    index = rows_from_lines(vertical, slash, seq_len, bs, rank_rows(q_pos, bs))
+    with torch.no_grad():
+        # the scored rows' lists (a few query blocks, whichever rank holds them) for the recall figure
+        lists = rows_from_lines(vertical, slash, seq_len, bs, torch.unique(scored // bs), totals=False)
+        covered = _covered_rows(lists, scored, probs, pooled, k_pos.to(probs.device))
+        dist.all_reduce(covered, group=group)
+    index._cache["est_recall"] = covered / scored.numel()
     return index

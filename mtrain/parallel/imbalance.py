@@ -22,11 +22,13 @@ def _tokens_per_block_and_rank(layout: Layout, seq_len: int, block_size: int) ->
     return counts.view(n, layout.world_size)
 
 
-def _valid_entries(ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query block, listed id) of every valid entry of a [B, H, nQB, M] list, pooled over B and H."""
+def _valid_entries(ids: torch.Tensor, counts: torch.Tensor, row_ids: torch.Tensor | None = None):
+    """(query block, listed id) of every valid entry of a [B, H, nQB, M] list, pooled over B and H; row_ids [nQB]:
+    the global query block of each list (default 0..nQB-1)."""
     slot = torch.arange(ids.shape[-1])
     valid = (slot < counts[..., None].long()) & (ids >= 0)
-    rows = torch.arange(ids.shape[2]).view(1, 1, -1, 1).expand_as(ids)
+    row_ids = torch.arange(ids.shape[2]) if row_ids is None else row_ids.cpu().long()
+    rows = row_ids.view(1, 1, -1, 1).expand_as(ids)
     return rows[valid], ids[valid].long()
 
 
@@ -113,3 +115,44 @@ def imbalance(index, layout: Layout, *, vertical_on_ring: bool = False, local_wo
         "local": local,
         "total": float(per_worker.sum()),
     }
+
+
+def rank_work(index, layout: Layout, rank: int, *, local_world_size: int | None = None) -> torch.Tensor:
+    """Rank `rank`'s row of `imbalance`'s measure from its own rows of the index (a `mtrain.ops.index.RowIndex`
+    holding at least them, or a global SparseIndex): float64 [W + 1], its work at each ring step in step order,
+    then its off-ring (sink + vertical) work. Nothing of the other ranks' rows is needed."""
+    seq_len, block_size = int(index.seq_len), int(index.block_size)
+    world = layout.world_size
+    tokens = _tokens_per_block_and_rank(layout, seq_len, block_size)
+    mine = tokens[:, rank]
+    row_ids = getattr(index, "rows", None)
+    q_rows, k_blocks = _valid_entries(index.block_ids.cpu(), index.block_counts.cpu(), row_ids)
+    c_rows, _ = _valid_entries(index.col_ids.cpu(), index.col_counts.cpu(), row_ids)
+    area = float(block_size * block_size)
+    sink = k_blocks == 0
+    extra = torch.zeros(tokens.shape[0], dtype=torch.float64)
+    extra.index_add_(0, q_rows[sink], tokens[0].sum().expand(int(sink.sum())).clone())
+    extra.index_add_(0, c_rows, torch.ones(c_rows.numel(), dtype=torch.float64))
+    key_sums = _key_rank_sums(q_rows[~sink], k_blocks[~sink], tokens)
+    by_origin = mine @ key_sums / area  # [W]: work against each origin's shard
+    pair = torch.zeros(world, world, dtype=torch.float64)
+    pair[rank] = by_origin
+    by_step = _by_step(pair, local_world_size)[rank]
+    return torch.cat([by_step, (mine @ extra / area).view(1)])
+
+
+def gathered_imbalance(index, layout: Layout, rank: int, group, *, local_world_size: int | None = None) -> dict:
+    """`imbalance`'s worker and step figures for a CP group in which each rank holds only its own rows of the
+    index: every rank measures its row (`rank_work`) and one all-gather of W + 1 numbers per rank gives all of
+    them the whole measure. Collective: every rank of `group` must call it. Returns {"worker", "step"}."""
+    import torch.distributed as dist
+
+    mine = rank_work(index, layout, rank, local_world_size=local_world_size)
+    rows = [torch.empty_like(mine) for _ in range(layout.world_size)]
+    dist.all_gather(rows, mine, group=group)
+    table = torch.stack(rows)
+    work, local = table[:, :-1], table[:, -1]
+    per_worker = work.sum(dim=1) + local
+    step_time = work.max(dim=0).values.sum() + local.max()
+    step_mean = work.mean(dim=0).sum() + local.mean()
+    return {"worker": float(per_worker.max() / per_worker.mean()), "step": float(step_time / step_mean)}

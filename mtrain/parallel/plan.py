@@ -1,6 +1,7 @@
-"""What each ring step of one rank computes: a global SparseIndex remapped to local block lists, with the
-sink block and vertical columns taken off the ring (gathered once, attended in the local step); built once
-per index (cached with it), used by forward and backward together with the kernels' derived data."""
+"""What each ring step of one rank computes: a sparse index (the global SparseIndex, or the rank's own rows as a
+RowIndex) remapped to local block lists, with the sink block and vertical columns taken off the ring (gathered
+once from their owners, attended with one chosen step); built once per index (cached with it), used by forward
+and backward together with the kernels' derived data."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtrain.errors import MtrainError
+from mtrain.ops.index import RowIndex
 from mtrain.parallel.dense_rects import Rect, dense_rects
 from mtrain.parallel.layout import Layout
+
 
 @dataclass
 class StepBlocks:
@@ -39,6 +43,10 @@ class OffRingColumns:
     lives (-1 for padding), ids [B, Hq, nQB_local, C] int32 indices into positions, sorted, -1 padded.
     mine_slots / mine_local: the slots this rank owns and its local rows of them (index tensors, so the
     gather and the gradient scatter need no host sync).
+    The gather is an all-gather of per_rank rows from every rank (the most any rank owns; shorter lists padded):
+    send_local [per_rank] the local rows this rank sends (its slots ascending, padding row 0), src [U] where each
+    slot lies in the gathered [W * per_rank] rows, by_rank [W, per_rank] the slots each rank sends (padding = U),
+    which also orders the column gradients for their reduce-scatter back to the owners.
     """
 
     positions: torch.Tensor
@@ -48,6 +56,10 @@ class OffRingColumns:
     counts: torch.Tensor
     mine_slots: torch.Tensor
     mine_local: torch.Tensor
+    per_rank: int = 0
+    send_local: torch.Tensor | None = None
+    src: torch.Tensor | None = None
+    by_rank: torch.Tensor | None = None
 
 
 @dataclass
@@ -67,6 +79,8 @@ class RingPlan:
     doc_ids: torch.Tensor | None = None
     """Global document ids [B, seq_len] (packed samples) or None; see `with_documents`."""
     kernel_caches: dict[tuple, dict] = field(default_factory=dict, repr=False)
+    column_origin: int | None = None
+    """The origin whose step attends the gathered columns (appended to its keys); None: no columns."""
 
     @property
     def q_pos(self) -> torch.Tensor:
@@ -152,33 +166,52 @@ def _key_block_table(positions: torch.Tensor, local_block: int, block_size: int,
     return table
 
 
-def sparse_plan(index, layout: Layout, rank: int, device: torch.device) -> RingPlan:
-    """Remap a global SparseIndex (block lists + vertical columns) onto rank `rank`'s ring steps.
+def sparse_plan(index, layout: Layout, rank: int, device: torch.device, column_origin: int | None = None) -> RingPlan:
+    """Remap a sparse index onto rank `rank`'s ring steps: a global SparseIndex (block lists + vertical columns),
+    or a RowIndex holding this rank's rows (`mtrain.parallel.estimate.estimate_rank_index`).
 
     Slash/diagonal blocks travel the ring; global block 0 (the sinks) and vertical columns go off the ring:
-    gathered once and appended to the local step's keys, so no single worker carries them at one ring
-    step and they cost no kernel launch of their own. Cached with the index (which is frozen), so repeated
-    calls with one index, and the kernels' derived data in the plan, are built once.
+    gathered once and appended to the keys of the step of `column_origin` (default: the local step), so no single
+    worker carries them at one ring step and they cost no kernel launch of their own. A schedule picks the
+    origin of a step that runs after the gather had time to arrive (`mtrain.parallel.ring`). Cached with the
+    index (which is frozen), so repeated calls with one index, and the kernels' derived data in the plan, are
+    built once.
     """
-    key = ("ring_plan", layout.spec, rank, str(device))
+    column_origin = rank if column_origin is None else column_origin
+    if not 0 <= column_origin < layout.world_size:
+        raise MtrainError(f"column_origin {column_origin} is not a rank of the {layout.world_size}-rank ring")
+    key = ("ring_plan", layout.spec, rank, str(device), column_origin)
     cache = index._cache
     if key not in cache:
-        cache[key] = _build_sparse_plan(index, layout, rank, device)
+        cache[key] = _build_sparse_plan(index, layout, rank, device, column_origin)
     return cache[key]
 
 
-def _build_sparse_plan(index, layout: Layout, rank: int, device: torch.device) -> RingPlan:
+def _rank_lists(index, my_global_blocks: torch.Tensor, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block lists, column lists) [B, H, nLQB, *] in global ids of the rank's local query blocks."""
+    if not isinstance(index, RowIndex):
+        return (index.block_ids.to(device).long()[:, :, my_global_blocks, :],
+                index.col_ids.to(device).long()[:, :, my_global_blocks, :])
+    held = index.rows.to(device)
+    slot = torch.searchsorted(held, my_global_blocks).clamp(max=held.numel() - 1)
+    if not torch.equal(held[slot], my_global_blocks):
+        raise MtrainError(f"the RowIndex does not hold the query blocks of rank {rank}'s shard; build it from "
+                          "that rank's positions (mtrain.parallel.estimate.rank_rows)")
+    return index.block_ids.to(device).long()[:, :, slot, :], index.col_ids.to(device).long()[:, :, slot, :]
+
+
+def _build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, column_origin: int) -> RingPlan:
     seq_len, block_size = int(index.seq_len), int(index.block_size)
     layout.check(seq_len)
     local_block = layout.local_block_size(seq_len, block_size)
     positions = _all_positions(layout, seq_len, device)
 
     my_global_blocks = positions[rank].view(-1, local_block)[:, 0] // block_size
-    rows = index.block_ids.to(device).long()[:, :, my_global_blocks, :]  # [B, H, nLQB, MAXB] global ids
+    rows, my_cols = _rank_lists(index, my_global_blocks, rank, device)  # [B, H, nLQB, *] global ids
     had_sink = (rows == 0).any(dim=-1)
     rows = torch.where(rows == 0, -1, rows)
 
-    columns = _off_ring_columns(index, layout, rank, had_sink, my_global_blocks, local_block, seq_len, device)
+    columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device)
     steps: dict[int, StepBlocks | None] = {}
     valid = (rows >= 0).unsqueeze(-1)
     tables = _key_block_tables(layout.spec, seq_len, local_block, block_size, str(device))
@@ -189,16 +222,17 @@ def _build_sparse_plan(index, layout: Layout, rank: int, device: torch.device) -
         counts_max.append(counts.max())
         k_pos = positions[origin]
         step_columns = None
-        if origin == rank and columns is not None:
+        if origin == column_origin and columns is not None:
             # the gathered columns follow the shard's own keys: slot u is key S_local + u of this step
             n_local = k_pos.numel()
             step_columns = (torch.where(columns.ids >= 0, columns.ids + n_local, -1).to(torch.int32), columns.counts)
             k_pos = torch.cat([k_pos, columns.positions])
         steps[origin] = StepBlocks(ids, counts, k_pos, step_columns)
-    # one host sync for all origins; the local step always runs when it carries the columns
+    # one host sync for all origins; the step carrying the columns always runs
     empty = (torch.stack(counts_max) == 0).tolist()
     skip = {o for o, e in enumerate(empty) if e and steps[o].columns is None}
-    return RingPlan(seq_len, rank, local_block, positions, steps, skip, columns)
+    return RingPlan(seq_len, rank, local_block, positions, steps, skip, columns,
+                    column_origin=column_origin if columns is not None else None)
 
 
 @functools.lru_cache(maxsize=16)
@@ -209,19 +243,48 @@ def _key_block_tables(spec: tuple, seq_len: int, local_block: int, block_size: i
     return tuple(_key_block_table(p, local_block, block_size, n_global) for p in positions)
 
 
-def _off_ring_columns(index, layout, rank, had_sink, my_global_blocks, local_block, seq_len,
-                      device) -> OffRingColumns | None:
+def _column_union(index, seq_len: int, device) -> tuple[torch.Tensor, int]:
+    """(ascending positions gathered off the ring: the sink block's tokens, then every vertical column of the
+    whole index, the same on every rank; the number of sink tokens)."""
     block_size = int(index.block_size)
+    if isinstance(index, RowIndex):  # from the lines: every query block lists the sink block
+        n_sink = min(block_size, seq_len)
+        return torch.cat([torch.arange(n_sink, device=device), index.column_union.to(device)]), n_sink
     col_ids = index.col_ids.to(device).long()
-    any_sink = bool((index.block_ids == 0).any())
-    n_sink = min(block_size, seq_len) if any_sink else 0
-    # the union over the whole (global, identical on every rank) index, so all ranks agree on it; flags
-    # over the sequence (slot seq_len takes the -1 padding) instead of sorting every listed column
+    n_sink = min(block_size, seq_len) if bool((index.block_ids == 0).any()) else 0
+    # flags over the sequence (slot seq_len takes the -1 padding) instead of sorting every listed column
     used = torch.zeros(seq_len + 1, dtype=torch.bool, device=device)
     used[:n_sink] = True
     used[torch.where(col_ids >= 0, col_ids, seq_len).flatten()] = True
-    union = torch.nonzero(used[:seq_len]).flatten()
-    if union.numel() == 0:  # decided from the global index, so every rank skips the gather alike
+    return torch.nonzero(used[:seq_len]).flatten(), n_sink
+
+
+def _gather_tables(owner: torch.Tensor, local: torch.Tensor, world: int, rank: int):
+    """(per_rank, send_local, src, by_rank) of `OffRingColumns` for slots owned as `owner` [U] says (-1: padding)."""
+    u = owner.numel()
+    dev = owner.device
+    real = owner >= 0
+    group = torch.where(real, owner, world)
+    counts = torch.bincount(group, minlength=world + 1)[:world]
+    per_rank = max(1, int(counts.max()))
+    order = torch.sort(group, stable=True).indices  # slots grouped by owner, ascending within each
+    starts = torch.cumsum(counts, 0) - counts
+    slot_rank = group[order]
+    keep = slot_rank < world
+    order, slot_rank = order[keep], slot_rank[keep]
+    j = torch.arange(order.numel(), device=dev) - starts[slot_rank]
+    by_rank = torch.full((world, per_rank), u, dtype=torch.long, device=dev)
+    by_rank[slot_rank, j] = order
+    src = torch.zeros(u, dtype=torch.long, device=dev)
+    src[order] = slot_rank * per_rank + j
+    mine = by_rank[rank]
+    send_local = torch.where(mine < u, local[mine.clamp(max=u - 1)], 0)
+    return per_rank, send_local, src, by_rank
+
+
+def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device) -> OffRingColumns | None:
+    union, n_sink = _column_union(index, seq_len, device)
+    if union.numel() == 0:  # decided from the whole index, so every rank skips the gather alike
         return None
     pad = (-union.numel()) % local_block
     positions = torch.cat([union, torch.full((pad,), seq_len, dtype=torch.long, device=device)])
@@ -232,11 +295,12 @@ def _off_ring_columns(index, layout, rank, had_sink, my_global_blocks, local_blo
     local[: union.numel()] = local_all[union]
     mine_slots = torch.nonzero(owner == rank).flatten()
 
-    my_cols = col_ids[:, :, my_global_blocks, :]
     col_slots = torch.where(my_cols >= 0, torch.searchsorted(union, my_cols.clamp(min=0)), -1)
     b, h, n = had_sink.shape
     # sink tokens are the first entries of the sorted union (they are positions 0..block_size-1)
     sink_slots = torch.arange(n_sink, device=device).expand(b, h, n, n_sink)
     sink_slots = torch.where(had_sink.unsqueeze(-1), sink_slots, -1)
     ids, counts = _pack(torch.cat([sink_slots, col_slots], dim=-1))
-    return OffRingColumns(positions, owner, local, ids, counts, mine_slots, local[mine_slots])
+    per_rank, send_local, src, by_rank = _gather_tables(owner, local, layout.world_size, rank)
+    return OffRingColumns(positions, owner, local, ids, counts, mine_slots, local[mine_slots], per_rank, send_local,
+                          src, by_rank)

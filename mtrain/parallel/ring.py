@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from mtrain.errors import MtrainError
 from mtrain.parallel.comm import hierarchical_groups, local_world_size_from_env
-from mtrain.parallel.estimate import SparseSettings, estimate_index
+from mtrain.parallel import ring_flat, ring_hierarchical
+from mtrain.parallel.estimate import SparseSettings, estimate_rank_index
 from mtrain.parallel.layout import Layout
 from mtrain.parallel.plan import dense_plan, sparse_plan
 from mtrain.parallel.ring_flat import ring_flat_attention
@@ -34,6 +35,18 @@ def _check_shapes(q, k, v, layout: Layout, world: int) -> int:
     seq_len = q.shape[1] * world
     layout.check(seq_len)
     return seq_len
+
+
+def column_origin(group, hierarchy) -> int:
+    """The origin whose ring step attends the gathered sink + vertical columns under the schedule that runs
+    (flat, or hierarchical with `hierarchy` = (inner, outer) groups): one whose step comes after the gather had
+    time to arrive (see each schedule's `column_origin`)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if hierarchy is None:
+        return ring_flat.column_origin(rank, world)
+    inner = hierarchy[0]
+    grid = ring_hierarchical.node_grid(rank, world, dist.get_world_size(inner), dist.get_rank(inner))
+    return ring_hierarchical.column_origin(grid)
 
 
 def _check_index(index, q, seq_len: int) -> None:
@@ -101,8 +114,11 @@ def ring_attention(
     q: [B, S_local, Hq, D], k, v: [B, S_local, Hkv, D]: this rank's shard, `layout.shard(x, cp_rank)`
     (positions `layout.indices(S, cp_rank)`, S = S_local * group size). Only the Hkv heads travel.
     group: the CP process group (None = the default world group).
-    index: a global `mtrain.ops.SparseIndex` (vertical-slash sparse) or None; sparse: `SparseSettings`
-    to estimate the index online across the group (no rank computes it for the others); neither = dense.
+    index: a global `mtrain.ops.SparseIndex` (vertical-slash sparse), this rank's rows of one as a
+    `mtrain.ops.index.RowIndex` (`mtrain.parallel.estimate.estimate_rank_index`), or None; sparse: `SparseSettings`
+    to estimate the index online across the group (no rank computes it for the others, and each builds only its
+    own rows); neither = dense. The sink + vertical columns' K/V are all-gathered from their owners while the
+    first ring steps run (their gradients reduce-scattered back the same way).
     inner_group/outer_group: a hierarchical ring (inner = one node's consecutive CP ranks; outer = a second
     communicator over the CP ranks, see `comm.hierarchical_groups`, or the ranks with equal node-local
     index, in which case the CP group carries the outer ring); when not given they are derived from
@@ -124,10 +140,10 @@ def ring_attention(
         doc_ids = _check_docs(doc_ids, q, seq_len)
     if sparse is not None:
         positions = layout.indices(seq_len, rank).to(q.device)
-        index = estimate_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids)
+        index = estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids)
     if index is not None:
         _check_index(index, q, seq_len)
-        plan = sparse_plan(index, layout, rank, q.device)
+        plan = sparse_plan(index, layout, rank, q.device, column_origin(group, hierarchy))
     else:
         plan = dense_plan(layout, seq_len, rank, q.device)
     if doc_ids is not None:

@@ -14,6 +14,13 @@ from mtrain.parallel.steps import (
 )
 
 
+def column_origin(rank: int, world: int) -> int:
+    """The origin whose step attends the gathered columns: the last forward step (origin r + 1), which is the
+    first backward step, so the columns' all-gather overlaps W - 1 forward steps and their gradients'
+    reduce-scatter W - 1 backward steps."""
+    return (rank + 1) % world
+
+
 def _forward(q, k, v, plan: RingPlan, group, scale: float):
     comm = RingComm(group)
     gather = ColumnGather(k, v, plan, group) if plan.columns is not None else None
@@ -25,7 +32,7 @@ def _forward(q, k, v, plan: RingPlan, group, scale: float):
     for step, origin in enumerate(origins):
         incoming = comm.shift(held) if step < comm.size - 1 else None
         if origin not in plan.skip:
-            columns_kv = gather.wait() if gather is not None and origin == comm.rank else None
+            columns_kv = gather.wait() if gather is not None and origin == plan.column_origin else None
             step_forward(acc, q, held[0], held[1], plan, origin, scale, aux, columns_kv, final=step == last)
         if incoming is not None:
             held = incoming.wait()

@@ -75,6 +75,15 @@ def origin_rank(grid: NodeGrid, outer_step: int, inner_step: int) -> int:
     return grid.cp_rank_of_slot(grid.slot - outer_step - inner_step * grid.nodes)
 
 
+def column_origin(grid: NodeGrid) -> int:
+    """The origin whose step attends the gathered columns: the second step (forward and backward run the steps
+    in the same order here), so the columns' all-gather overlaps the first step and their gradients'
+    reduce-scatter all backward steps but the first two."""
+    if grid.nodes * grid.local_size == 1:
+        return origin_rank(grid, 0, 0)
+    return origin_rank(grid, 0, 1) if grid.local_size > 1 else origin_rank(grid, 1, 0)
+
+
 def _forward(q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float):
     inner, outer, grid = _comms(group, inner_group, outer_group)
     gather = ColumnGather(k, v, plan, group) if plan.columns is not None else None
@@ -90,7 +99,7 @@ def _forward(q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: fl
             incoming = inner.shift(held) if i < grid.local_size - 1 else None
             origin = origin_rank(grid, o, i)
             if origin not in plan.skip:
-                columns_kv = gather.wait() if gather is not None and origin == plan.rank else None
+                columns_kv = gather.wait() if gather is not None and origin == plan.column_origin else None
                 step_forward(acc, q, held[0], held[1], plan, origin, scale, aux, columns_kv,
                              final=o * grid.local_size + i == last)
             if incoming is not None:

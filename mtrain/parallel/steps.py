@@ -1,6 +1,7 @@
 """Per-step attention calls (mtrain.ops.partial with global positions, local block lists, the shards' document
-ids and the step's cached kernel data, or dense rectangles) and the off-ring columns' gather and gradient
-reduction, shared by every ring schedule. The local step also attends the gathered sink + vertical columns."""
+ids and the step's cached kernel data, or dense rectangles) and the off-ring columns' all-gather and gradient
+reduce-scatter, shared by every ring schedule. One step (`RingPlan.column_origin`) also attends the gathered
+sink + vertical columns."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from mtrain.parallel.plan import RingPlan
 
 
 def _step_args(plan: RingPlan, origin: int, q, k, v, columns_kv):
-    """(k, v, keyword arguments) of the partial kernels for the step of `origin`; the local step's keys are
-    the shard's own followed by the gathered columns."""
+    """(k, v, keyword arguments) of the partial kernels for the step of `origin`; the keys of the step carrying
+    the columns (`RingPlan.column_origin`) are the shard's own followed by the gathered columns."""
     step = plan.steps[origin]
     if step is None:  # dense: every key block of the shard
         k_pos, blocks, columns = plan.positions[origin], None, None
@@ -31,9 +32,9 @@ def _step_args(plan: RingPlan, origin: int, q, k, v, columns_kv):
 
 def step_forward(acc: PartialAccumulator, q, k, v, plan: RingPlan, origin: int, scale: float, aux: dict,
                  columns_kv=None, final: bool = False) -> None:
-    """Merge into `acc` the local queries' attention to the KV shard that originated at `origin` (the local
-    step: plus the gathered columns `columns_kv` = (kc, vc) [B, U, Hkv, D]); `aux` collects what fused dense
-    kernels need again in backward (keyed by origin and rectangle); final: no later step follows."""
+    """Merge into `acc` the local queries' attention to the KV shard that originated at `origin` (the step of
+    `plan.column_origin`: plus the gathered columns `columns_kv` = (kc, vc) [B, U, Hkv, D]); `aux` collects what
+    fused dense kernels need again in backward (keyed by origin and rectangle); final: no later step follows."""
     rects = plan.rects.get(origin)
     if rects is not None:
         for n, rect in enumerate(rects):
@@ -48,7 +49,7 @@ def step_backward(dq: GradSum, dk: GradSum, dv: GradSum, dout, q, k, v, out, lse
                   scale: float, aux: dict, columns_kv=None):
     """Add one ring step's gradients into dq [B, S_local, Hq, D] and the visiting shard's dk, dv, given the
     final merged out and lse and the forward's `aux`. Returns the columns' (dk, dv) [B, U, Hkv, D] fp32 of
-    the local step when it carries them (to be summed over ranks, `start_column_grad_reduce`), else None."""
+    the step that carries them (to be summed over ranks, `start_column_grad_reduce`), else None."""
     rects = plan.rects.get(origin)
     if rects is not None:
         for n, rect in enumerate(rects):
@@ -69,21 +70,26 @@ def step_backward(dq: GradSum, dk: GradSum, dv: GradSum, dout, q, k, v, out, lse
 
 
 class ColumnGather:
-    """The off-ring columns' K/V rows, gathered from their owners by an all-reduce of a zero-filled buffer
-    each owner writes its rows into (exact: one rank contributes each row); started before the ring."""
+    """The off-ring columns' K/V rows, gathered from their owners: an all-gather in which every rank sends the
+    rows it owns (`OffRingColumns.send_local`, padded to the most one rank owns), started as soon as the plan
+    exists and waited for only by the step that attends the columns (`RingPlan.column_origin`)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, group):
-        cols = plan.columns
-        b, _, hkv, d = k.shape
-        self.buf = k.new_zeros(2, b, cols.positions.numel(), hkv, d)
-        self.buf[0][:, cols.mine_slots] = k[:, cols.mine_local]
-        self.buf[1][:, cols.mine_slots] = v[:, cols.mine_local]
-        self.work = dist.all_reduce(self.buf, group=group, async_op=True)
+        self.cols = plan.columns
+        sent = torch.stack([k[:, self.cols.send_local], v[:, self.cols.send_local]])  # [2, B, P, Hkv, D]
+        self.received = sent.new_empty(dist.get_world_size(group), *sent.shape)
+        self.work = dist.all_gather(list(self.received.unbind(0)), sent, group=group, async_op=True)
+        self.sent = sent  # kept alive until the gather completes
+        self.buf = None
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.work is not None:
             self.work.wait()
-            self.work = None
+            self.work, self.sent = None, None
+            w, two, b, p, h, d = self.received.shape
+            rows = self.received.permute(1, 2, 0, 3, 4, 5).reshape(two, b, w * p, h, d)
+            self.buf = rows.index_select(2, self.cols.src)  # [2, B, U, Hkv, D] in slot order
+            self.received = None
         return self.buf[0], self.buf[1]
 
 
@@ -91,14 +97,14 @@ def ring_step_backward(dq: GradSum, dout, q, k, v, out, lse, plan: RingPlan, ori
                        columns_kv, grads_in_flight, group):
     """One backward ring step on the held shard of rank `origin`: its dK/dV share is queued first, then the
     partial sum for that shard that arrives from the neighbour (`grads_in_flight`, or None) is added.
-    Returns (dk, dv GradSums to send on, the started column-gradient reduction of the local step or None)."""
+    Returns (dk, dv GradSums to send on, the started column-gradient reduction of the columns' step or None)."""
     dk, dv = GradSum(k), GradSum(k)
     column_reduce = None
     if origin not in plan.skip:
         dcols = step_backward(dq, dk, dv, dout, q, k, v, out, lse, plan, origin, scale, aux,
-                              columns_kv if origin == plan.rank else None)
+                              columns_kv if origin == plan.column_origin else None)
         if dcols is not None:
-            column_reduce = start_column_grad_reduce(dcols, group)
+            column_reduce = start_column_grad_reduce(dcols, plan, group)
     if grads_in_flight is not None:  # waited for only after this step's kernels are queued
         earlier = grads_in_flight.wait()
         dk.add(earlier[0])
@@ -106,16 +112,25 @@ def ring_step_backward(dq: GradSum, dout, q, k, v, out, lse, plan: RingPlan, ori
     return dk, dv, column_reduce
 
 
-def start_column_grad_reduce(dcols, group):
-    """Start summing the local steps' column gradients over the group: (buffer [2, B, U, Hkv, D], work)."""
-    buf = torch.stack(dcols)
-    return buf, dist.all_reduce(buf, group=group, async_op=True)
+def start_column_grad_reduce(dcols, plan: RingPlan, group):
+    """Start summing the column gradients (dk, dv) [B, U, Hkv, D] over the group, each owner receiving only its
+    own rows (a reduce-scatter in the all-gather's order): (received [2, B, P, Hkv, D], work)."""
+    cols = plan.columns
+    grads = torch.stack(dcols)  # [2, B, U, Hkv, D] fp32
+    two, b, u, h, d = grads.shape
+    world = cols.by_rank.shape[0]
+    padded = torch.cat([grads, grads.new_zeros(two, b, 1, h, d)], 2)  # slot U: the padding's zero row
+    chunks = padded.index_select(2, cols.by_rank.flatten()).view(two, b, world, cols.per_rank, h, d)
+    chunks = chunks.permute(2, 0, 1, 3, 4, 5).contiguous()
+    received = grads.new_empty(two, b, cols.per_rank, h, d)
+    return received, dist.reduce_scatter(received, list(chunks.unbind(0)), group=group, async_op=True), chunks
 
 
 def finish_column_grads(reduce, plan: RingPlan, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """Add the group's summed column gradients of the columns this rank owns into its fp32 dk, dv."""
-    buf, work = reduce
+    """Add the group's summed column gradients of the columns this rank owns into its fp32 dk, dv (padding
+    entries add zeros to local row 0)."""
+    received, work, _ = reduce
     work.wait()
     cols = plan.columns
-    dk.index_add_(1, cols.mine_local, buf[0][:, cols.mine_slots].to(dk.dtype))
-    dv.index_add_(1, cols.mine_local, buf[1][:, cols.mine_slots].to(dv.dtype))
+    dk.index_add_(1, cols.send_local, received[0].to(dk.dtype))
+    dv.index_add_(1, cols.send_local, received[1].to(dv.dtype))

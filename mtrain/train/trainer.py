@@ -407,6 +407,9 @@ class Trainer:
                 CONTEXT.densities, CONTEXT.imbalances, CONTEXT.layers = [], [], []
                 every = r.logging.recall_every
                 CONTEXT.sample_recall = bool(every) and (self.state.step + 1) % every == 0
+                # the imbalance is logged with the step's metrics: measure it only on the steps that log
+                CONTEXT.sample_imbalance = ((self.state.step + 1) % r.logging.log_every == 0
+                                            or self.state.step + 1 == t.max_steps)
                 loss_sum_local = torch.zeros((), dtype=torch.float64)
                 grad_norm = None
                 for cpu_batch in micro:

@@ -70,7 +70,7 @@ def main(out_path: str) -> None:
             for docs in (None, doc_ids):
                 CONTEXT.group, CONTEXT.doc_ids, CONTEXT.densities = None, docs, []
                 ref_loss, ref_grads = step(model, ids, pos, labels, n_valid)
-                density = sum(CONTEXT.densities) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
+                density = float(sum(CONTEXT.densities)) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
                 CONTEXT.group, CONTEXT.layout = dist.group.WORLD, layout
                 loss, grads = step(model, layout.shard(ids, rank), layout.shard(pos, rank), layout.shard(labels, rank),
                                    n_valid)

@@ -1,0 +1,163 @@
+"""Per-rank index rows (issue #17): `rows_from_lines` gives exactly the rows of `SparseIndex.from_lines`, with the
+whole index's work, density and column union from the lines; across a CP group (gloo, CP 2/4/8, every layout)
+each rank's `estimate_rank_index` holds the global index's rows of its shard, its ring plan equals the one made
+from the global index, and the gathered imbalance equals the global measure."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtrain.ops.index import SparseIndex, rows_from_lines
+from mtrain.parallel import LAYOUT_NAMES, Layout, SparseSettings, imbalance
+
+
+def _lines(S: int, nv: int, ns: int, seed: int, B: int = 2, H: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    vertical = torch.randint(-1, S, (B, H, nv), generator=g)
+    slash = torch.cat([torch.arange(3).expand(B, H, 3), torch.randint(-1, S, (B, H, ns), generator=g)], -1)
+    return vertical, slash
+
+
+def _same_rows(full_t: torch.Tensor, rows_t: torch.Tensor) -> bool:
+    """Equal lists up to the trailing -1 padding (widths fit the rows each holds)."""
+    width = max(full_t.shape[-1], rows_t.shape[-1])
+    return torch.equal(F.pad(full_t, (0, width - full_t.shape[-1]), value=-1),
+                       F.pad(rows_t, (0, width - rows_t.shape[-1]), value=-1))
+
+
+@pytest.mark.parametrize("S,bs", [(256, 16), (250, 16), (100, 32), (1000, 64), (64, 64), (33, 16)])
+@pytest.mark.parametrize("nv,ns", [(0, 2), (5, 3), (40, 20)])
+def test_rows_from_lines_are_the_rows_of_from_lines(S, bs, nv, ns):
+    for seed in range(2):
+        vertical, slash = _lines(S, nv, ns, seed)
+        full = SparseIndex.from_lines(vertical, slash, S, bs)
+        n = full.n_blocks
+        for rows in (torch.arange(n), torch.arange(0, n, 3), torch.tensor([n - 1]), torch.arange(1, n, 2)):
+            if rows.numel() == 0:
+                continue
+            part = rows_from_lines(vertical, slash, S, bs, rows)
+            for name in ("block_ids", "col_ids"):
+                assert _same_rows(getattr(full, name)[:, :, rows], getattr(part, name)), (name, rows)
+            assert torch.equal(full.block_counts[:, :, rows], part.block_counts)
+            assert torch.equal(full.col_counts[:, :, rows], part.col_counts)
+            assert torch.allclose(part.work_tensor(), full.work_tensor())
+            assert torch.allclose(part.pair_counts(), full.pair_counts())
+            assert abs(part.density() - full.density()) < 1e-12
+            assert torch.equal(part.column_union, torch.unique(full.col_ids[full.col_ids >= 0].long()))
+
+
+def test_rows_from_lines_rejects_bad_rows():
+    vertical, slash = _lines(128, 4, 2, 0)
+    for rows in (torch.tensor([3, 1]), torch.tensor([0, 8]), torch.tensor([2, 2]), torch.tensor([], dtype=torch.long)):
+        with pytest.raises(ValueError, match="ascending list of distinct query blocks"):
+            rows_from_lines(vertical, slash, 128, 16, rows)
+
+
+def test_plan_rejects_a_row_index_of_another_rank():
+    from mtrain.errors import MtrainError
+    from mtrain.parallel.estimate import rank_rows
+    from mtrain.parallel.plan import sparse_plan
+
+    vertical, slash = _lines(256, 4, 2, 0)
+    layout = Layout.create("block-stripe", world_size=4, granularity=16)
+    part = rows_from_lines(vertical, slash, 256, 16, rank_rows(layout.indices(256, 1), 16))
+    with pytest.raises(MtrainError, match="does not hold the query blocks of rank 2"):
+        sparse_plan(part, layout, 2, torch.device("cpu"))
+    with pytest.raises(MtrainError, match="column_origin 4 is not a rank"):
+        sparse_plan(part, layout, 1, torch.device("cpu"), column_origin=4)
+
+
+SEQ, BLOCK = 512, 16
+
+
+def _planted(seed: int):
+    """q/k [1, SEQ, 4/2, 16] with a few strong key columns and a local band, so the estimate keeps a sparse mix."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, SEQ, 4, 16, generator=g)
+    k = torch.randn(1, SEQ, 2, 16, generator=g) * 0.3
+    k[:, [70, 200, 333]] += 2.5 * q.mean(dim=(1, 2), keepdim=True)[:, :, :2].expand(1, 3, 2, 16)
+    return q, k
+
+
+def _plan_equal(a, b) -> bool:
+    """Same steps, lists (up to -1 padding: widths follow the rows an index holds), columns and gather tables."""
+    if a.skip != b.skip or a.column_origin != b.column_origin:
+        return False
+    for origin in a.steps:
+        sa, sb = a.steps[origin], b.steps[origin]
+        if not (_same_rows(sa.ids, sb.ids) and torch.equal(sa.counts, sb.counts) and torch.equal(sa.k_pos, sb.k_pos)):
+            return False
+    ca, cb = a.columns, b.columns
+    return _same_rows(ca.ids, cb.ids) and all(
+        torch.equal(getattr(ca, f), getattr(cb, f)) for f in ("positions", "counts", "send_local", "src", "by_rank"))
+
+
+def _worker(rank, world, init_file, out_file):
+    import torch.distributed as dist
+
+    from mtrain.parallel.estimate import estimate_index, estimate_rank_index
+    from mtrain.parallel.imbalance import gathered_imbalance
+    from mtrain.parallel.plan import sparse_plan
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    q, k = _planted(11)
+    docs = torch.zeros(1, SEQ, dtype=torch.long)
+    docs[:, 150:], docs[:, 380:] = 1, 2
+    results = {}
+    cases = [(name, None, None) for name in LAYOUT_NAMES] + [("block-stripe", 2, None), ("block-stripe", None, docs)]
+    for name, nodes, doc_ids in cases:
+        if nodes is not None and (nodes >= world or world % nodes):
+            continue
+        layout = Layout.create(name, world_size=world, granularity=BLOCK, local_world_size=nodes)
+        pos = layout.indices(SEQ, rank)
+        settings = SparseSettings(recall=0.9, last_q=16, max_vertical=8, max_slash=64, block_size=BLOCK,
+                                  min_vertical=2, min_slash=16, sample_blocks=4)
+        args = (layout.shard(q, rank), layout.shard(k, rank), pos, pos, SEQ, settings, 1.0 / math.sqrt(16), None)
+        full = estimate_index(*args, doc_ids=doc_ids)
+        mine = estimate_rank_index(*args, doc_ids=doc_ids)
+        blocks = torch.unique(pos // BLOCK)
+        same = (torch.equal(mine.rows, blocks)
+                and all(_same_rows(getattr(full, f)[:, :, blocks], getattr(mine, f)) for f in ("block_ids", "col_ids"))
+                and torch.equal(full.block_counts[:, :, blocks], mine.block_counts)
+                and torch.equal(full.col_counts[:, :, blocks], mine.col_counts))
+        cpu = torch.device("cpu")
+        plan_same = _plan_equal(sparse_plan(full, layout, rank, cpu, (rank + 1) % world),
+                                sparse_plan(mine, layout, rank, cpu, (rank + 1) % world))
+        measured = gathered_imbalance(mine, layout, rank, None, local_world_size=nodes)
+        want = imbalance(full, layout, local_world_size=nodes)
+        results[f"{name}/{nodes}/{doc_ids is not None}"] = {
+            "rows": same, "plan": plan_same,
+            "work": torch.allclose(mine.work_tensor(), full.work_tensor()),
+            "density": abs(mine.density() - full.density()),
+            "recall": float((mine._cache["est_recall"] - full._cache["est_recall"]).abs().max()),
+            "imbalance": max(abs(measured["worker"] - want["worker"]), abs(measured["step"] - want["step"])),
+            "held": mine.block_ids.shape[2], "total": full.block_ids.shape[2], "full_density": full.density(),
+        }
+    with open(f"{out_file}.{rank}", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_rank_index_rows_equal_the_global_rows(tmp_path, world):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=world, join=True)
+    for rank in range(world):
+        results = json.loads((tmp_path / f"out.{rank}").read_text())
+        assert len(results) >= len(LAYOUT_NAMES) + 1, results.keys()
+        for case, r in results.items():
+            assert r["rows"], f"CP={world} rank {rank} {case}: rank rows differ from the global index's"
+            assert r["plan"], f"CP={world} rank {rank} {case}: ring plan differs from the global index's"
+            assert r["work"] and r["density"] < 1e-12, f"CP={world} rank {rank} {case}: whole-index totals differ"
+            assert r["recall"] < 1e-6, f"CP={world} rank {rank} {case}: est_recall differs by {r['recall']:.2e}"
+            assert r["imbalance"] < 1e-9, f"CP={world} rank {rank} {case}: gathered imbalance differs"
+            assert r["full_density"] < 0.9, f"{case}: the estimate kept nearly everything; the test is too weak"
+            if case.startswith("block-stripe"):  # a rank holds 1/CP of the query blocks
+                assert r["held"] * world == r["total"], (case, r["held"], r["total"])
