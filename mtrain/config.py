@@ -443,6 +443,14 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
 
     Relative paths inside the recipe are taken from the current directory (run from the repo root).
     """
+    recipe = parse_recipe(path, overrides)
+    _check(recipe)
+    return recipe
+
+
+def parse_recipe(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RecipeConfig:
+    """`load_recipe` without the checks that need the run's files (data, model, tokenizer paths) and the
+    cross-field checks: keys and types only. For tools that read a recipe's settings (`mtrain bench plan`)."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -462,6 +470,4 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
         if name not in sections:
             raise ConfigError(f"unknown section '{name}'{_suggest(name, sections)}; sections: {', '.join(sections)}")
         built[name] = _build_section(hints[name], name, value)
-    recipe = RecipeConfig(**built)
-    _check(recipe)
-    return recipe
+    return RecipeConfig(**built)
