@@ -83,6 +83,10 @@ class AttentionConfig:
     sparse_policy: Literal["auto", "always", "never"] = "auto"
     """Sparse kinds, per layer: auto = run dense where the cost model (mtrain.ops.cost) predicts sparse would
     not pay; always = sparse on every layer; never = dense on every layer (the pattern is not estimated)."""
+    dense_hold_steps: int = 16
+    """Under sparse_policy auto, in training: a layer the choice sent dense runs dense without estimating its
+    pattern for this many further steps, then estimates again (the estimate is paid before the choice; a
+    layer's density moves slowly). 0 = estimate every step."""
 
 
 @dataclass
@@ -325,6 +329,9 @@ def _check(recipe: RecipeConfig) -> None:
             raise ConfigError(f"{key}: must be positive, got {value}")
     if t.save_every < 0:
         raise ConfigError(f"train.save_every: must be >= 0 (0 = only at the end), got {t.save_every}")
+    if isinstance(a.dense_hold_steps, bool) or not isinstance(a.dense_hold_steps, int) or a.dense_hold_steps < 0:
+        raise ConfigError(f"attention.dense_hold_steps: must be an integer >= 0 (0 = estimate every step), "
+                          f"got {a.dense_hold_steps!r}")
     if recipe.logging.recall_every < 0:
         raise ConfigError(f"logging.recall_every: must be >= 0 (0 = never), got {recipe.logging.recall_every}")
     if not 0.0 < a.recall <= 1.0:

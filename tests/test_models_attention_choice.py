@@ -118,6 +118,43 @@ def test_eval_uses_the_forward_only_costs():
     assert infer.dense_ms < train.dense_ms and infer.sparse_ms < train.sparse_ms
 
 
+def test_a_dense_choice_holds_for_dense_hold_steps_in_training(monkeypatch):
+    """With CONTEXT.dense_hold = 2 a layer that auto sent dense at step 0 runs dense without estimating at
+    steps 0 (again: recomputation, micro-batches) to 2 and estimates again at step 3; eval calls never hold;
+    a sparse choice sets no hold."""
+    import mtrain.ops
+
+    q, k, v = inputs("flat")
+    estimates = []
+    real = mtrain.ops.estimate_vertical_slash
+    monkeypatch.setattr("mtrain.ops.estimate_vertical_slash", lambda *a, **kw: estimates.append(1) or real(*a, **kw))
+    monkeypatch.setattr(CONTEXT, "dense_hold", 2)
+    monkeypatch.setattr(CONTEXT, "dense_until", {})
+    want = dense_kind(q, k, v)
+    paths = []
+    for step in range(5):
+        monkeypatch.setattr(CONTEXT, "step", step)
+        CONTEXT.layers.clear()
+        out = call(q, k, v, FLAT, "auto", layer=3)
+        (record,) = CONTEXT.layers
+        paths.append((record.path, record.held))
+        assert torch.equal(out, want)
+    assert paths == [("dense", False), ("dense", True), ("dense", True), ("dense", False), ("dense", True)]
+    assert len(estimates) == 2
+    assert attention_stats(CONTEXT.layers)["attention_held_layers"] == 1.0
+    call(q, k, v, FLAT, "auto", layer=3, training=False)  # eval: estimated whatever the hold
+    assert len(estimates) == 3 and not CONTEXT.layers[-1].held
+    CONTEXT.dense_until.clear()
+    call(*inputs("local"), LOCAL, "auto", layer=4)  # sparse pays: no hold
+    r = CONTEXT.layers[-1]
+    assert r.path == "sparse" and 4 not in CONTEXT.dense_until, (r.sparse_ms, r.dense_ms, r.est_recall)
+
+
+def test_dense_hold_steps_is_validated():
+    with pytest.raises(MtrainError, match="dense_hold must be an integer >= 0"):
+        register_kind("mtraining", sparse_policy="auto", dense_hold=-1)
+
+
 def test_skips_the_estimate_where_sparse_cannot_pay(monkeypatch):
     q, k, v = inputs("local")
     slow = dataclasses.replace(cost.CPU, estimate=(1e6, 0.0))  # an estimate slower than any dense call here

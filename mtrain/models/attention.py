@@ -61,6 +61,13 @@ class AttentionContext:
 
     imbalances: list = field(default_factory=list)
     """(worker, step) imbalance of the first layer's sparse index under the layout, per measured forward (logging)."""
+    step: int = 0
+    """The optimizer step the trainer is on (for dense_hold)."""
+    dense_hold: int = 0
+    """Under sparse_policy auto, in training: a layer that the choice sent dense runs dense without estimating
+    for this many further steps (0 = estimate every call). Set from attention.dense_hold_steps."""
+    dense_until: dict = field(default_factory=dict)
+    """layer index -> the first step at which that layer estimates again (see dense_hold)."""
     sample_imbalance: bool = True
     """Whether layer 0 measures the imbalance in this forward (the trainer sets it on the steps it logs): each CP rank
     counts its own rows' work on the CPU and one small all-gather combines them."""
@@ -90,9 +97,12 @@ class LayerRecord:
     true_recall: object = None
     """Tensor [B, Hq]: exact attention mass kept, averaged over sampled rows (sample_recall steps, sparse only)."""
 
+    held: bool = False
+    """True when the layer ran dense without estimating because an earlier step's choice holds (dense_hold)."""
+
     def as_floats(self) -> dict:
         density = None if self.density is None else float(self.density)
-        out = {"layer": self.layer, "path": self.path, "density": density, "dense_ms": self.dense_ms,
+        out = {"layer": self.layer, "path": self.path, "density": density, "held": self.held, "dense_ms": self.dense_ms,
                "sparse_ms": self.sparse_ms}
         for name in ("est_recall", "true_recall"):
             value = getattr(self, name)
@@ -148,6 +158,9 @@ def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int =
     records the floor. Decided from shapes and settings every rank shares."""
     if policy != "auto":
         return False
+    if training and layer_idx is not None and CONTEXT.step < CONTEXT.dense_until.get(layer_idx, -1):
+        CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, held=True))  # held dense: see dense_hold
+        return True
     from mtrain.ops import cost
 
     B, S_local, Hq, D = q.shape
@@ -160,6 +173,14 @@ def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int =
         return False
     CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, floor.dense_ms, floor.sparse_ms))
     return True
+
+
+def _hold(layer_idx, path: str, policy: str, training: bool) -> None:
+    """After auto sent a training call dense, skip this layer's estimate for CONTEXT.dense_hold steps: the
+    estimate is paid before the choice, so a layer that keeps choosing dense would pay it every step for nothing
+    (a layer's attention pattern, and so its density, moves slowly during training)."""
+    if path == "dense" and policy == "auto" and training and CONTEXT.dense_hold > 0 and layer_idx is not None:
+        CONTEXT.dense_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold
 
 
 def _record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None) -> None:
@@ -200,6 +221,7 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         index = estimate_vertical_slash(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids)
         path, prediction = _choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
                                         target=s.recall)
+        _hold(layer_idx, path, policy, training)
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         if path == "sparse":
             return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
@@ -255,6 +277,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                                     CONTEXT.group, doc_ids=CONTEXT.doc_ids)
         path, prediction = _choose_path(index, q, policy=policy, training=training, world=world,
                                         target=settings.recall)
+        _hold(layer_idx, path, policy, training)  # the path, hence the hold, is the same on every rank
         _record(layer_idx, path, index, prediction)
         if layer_idx == 0 and CONTEXT.sample_imbalance:  # one layer of the logged steps watches the balance
             from mtrain.parallel.imbalance import gathered_imbalance
@@ -322,10 +345,10 @@ def register_attention(recipe) -> str:
     shared = {f.name for f in dataclasses.fields(SparseSettings)}
     a = recipe.attention
     settings = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name in shared}
-    return register_kind(a.kind, sparse_policy=a.sparse_policy, **settings)
+    return register_kind(a.kind, sparse_policy=a.sparse_policy, dense_hold=a.dense_hold_steps, **settings)
 
 
-def register_kind(kind: str, *, sparse_policy: str = "always", **sparse_settings) -> str:
+def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, **sparse_settings) -> str:
     """Register attention kind `kind` (see KINDS) as `mtrain-<kind>`; sparse kinds take
     `mtrain.parallel.SparseSettings` fields as keywords, and `sparse_policy` (SPARSE_POLICIES; the recipe's
     attention.sparse_policy, default "auto", reaches it through `register_attention`; called directly a
@@ -341,7 +364,10 @@ def register_kind(kind: str, *, sparse_policy: str = "always", **sparse_settings
     if sparse_policy not in SPARSE_POLICIES:
         raise MtrainError(f"sparse_policy '{sparse_policy}' is not one of {', '.join(SPARSE_POLICIES)}")
     sparse, _ = KINDS[kind]
+    if not isinstance(dense_hold, int) or dense_hold < 0:
+        raise MtrainError(f"dense_hold must be an integer >= 0 (steps; 0 = estimate every step), got {dense_hold!r}")
     CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy = kind, sparse, sparse_policy
+    CONTEXT.dense_hold, CONTEXT.dense_until = dense_hold, {}
     if sparse:
         try:
             CONTEXT.settings = SparseSettings(**sparse_settings)

@@ -106,6 +106,7 @@ def attention_stats(records: list) -> dict:
     causal pairs; absent where the cost model skipped the estimate), attn_est_recall/LNN (the estimator's own
     figure, when it gives one), attn_true_recall/LNN (sampled exact recall, on logging.recall_every steps).
     Over all layers: attention_paths (one letter per layer: s = sparse, d = dense, m = mixed),
+    attention_held_layers (share of calls run dense under attention.dense_hold_steps without estimating),
     attention_sparse_layers (share of sparse calls), attention_work (fraction of causal pairs computed: the
     density on sparse calls, 1 on dense ones), the means of the recalls (true recall also its minimum) and,
     under the cost model, the predicted ms of the chosen paths and of dense everywhere (attention_pred_ms,
@@ -137,6 +138,8 @@ def attention_stats(records: list) -> dict:
             if value is not None:
                 out[f"attn_{key}/{name}"] = value
     out["attention_paths"] = "".join(paths)
+    if any(r.get("held") for r in rows):  # dense without an estimate: an earlier step's choice holds
+        out["attention_held_layers"] = mean([1.0 if r.get("held") else 0.0 for r in rows])
     out["attention_sparse_layers"] = mean([1.0 if r["path"] == "sparse" else 0.0 for r in rows])
     out["attention_work"] = mean([r["density"] if r["path"] == "sparse" else 1.0 for r in rows])
     for key in ("est_recall", "true_recall"):

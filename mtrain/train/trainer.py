@@ -405,6 +405,7 @@ class Trainer:
                 global_valid, global_tokens = max(1.0, float(counts[0])), int(counts[1]) // self.mesh.cp_size
 
                 CONTEXT.densities, CONTEXT.imbalances, CONTEXT.layers = [], [], []
+                CONTEXT.step = self.state.step  # dense_hold counts optimizer steps
                 every = r.logging.recall_every
                 CONTEXT.sample_recall = bool(every) and (self.state.step + 1) % every == 0
                 # the imbalance is logged with the step's metrics: measure it only on the steps that log
