@@ -111,7 +111,9 @@ class RingPlan:
 @functools.lru_cache(maxsize=16)
 def _positions_cached(spec: tuple, seq_len: int, device: str) -> tuple[torch.Tensor, ...]:
     layout = Layout.create(*spec)
-    return tuple(layout.indices(seq_len, r).to(device) for r in range(layout.world_size))
+    local = layout.check(seq_len)
+    perm = layout.permutation(seq_len).to(device)  # once: `indices` per rank would rebuild it W times
+    return tuple(perm[layout.slot(r) * local:(layout.slot(r) + 1) * local].clone() for r in range(layout.world_size))
 
 
 @functools.lru_cache(maxsize=16)
@@ -213,13 +215,13 @@ def _build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, c
 
     columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device)
     steps: dict[int, StepBlocks | None] = {}
-    valid = (rows >= 0).unsqueeze(-1)
-    tables = _key_block_tables(layout.spec, seq_len, local_block, block_size, str(device))
-    counts_max = []
+    owners = _block_owners(layout.spec, seq_len, local_block, block_size, str(device))
+    if owners is not None:  # every global block is one local block of one rank: split the lists once
+        per_origin, longest = _split_by_origin(rows, *owners, layout.world_size)
+    else:
+        per_origin, longest = _remap_per_origin(rows, layout, seq_len, local_block, block_size, device)
     for origin in range(layout.world_size):
-        mapped = torch.where(valid, tables[origin][rows.clamp(min=0)], -1).flatten(-2)
-        ids, counts = _pack(mapped)
-        counts_max.append(counts.max())
+        ids, counts = per_origin[origin]
         k_pos = positions[origin]
         step_columns = None
         if origin == column_origin and columns is not None:
@@ -228,11 +230,62 @@ def _build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, c
             step_columns = (torch.where(columns.ids >= 0, columns.ids + n_local, -1).to(torch.int32), columns.counts)
             k_pos = torch.cat([k_pos, columns.positions])
         steps[origin] = StepBlocks(ids, counts, k_pos, step_columns)
-    # one host sync for all origins; the step carrying the columns always runs
-    empty = (torch.stack(counts_max) == 0).tolist()
-    skip = {o for o, e in enumerate(empty) if e and steps[o].columns is None}
+    # the step carrying the columns always runs
+    skip = {o for o, n in enumerate(longest) if n == 0 and steps[o].columns is None}
     return RingPlan(seq_len, rank, local_block, positions, steps, skip, columns,
                     column_origin=column_origin if columns is not None else None)
+
+
+def _remap_per_origin(rows, layout: Layout, seq_len: int, local_block: int, block_size: int, device):
+    """Per origin (ids, counts) of the rank's lists [B, H, nLQB, M] (global key blocks) in the origin's local
+    blocks, through each origin's `_key_block_table` (any layout); and the longest list per origin (one host
+    sync). Work and memory: W x the rank's list entries x the table width."""
+    valid = (rows >= 0).unsqueeze(-1)
+    tables = _key_block_tables(layout.spec, seq_len, local_block, block_size, str(device))
+    lists = [_pack(torch.where(valid, table[rows.clamp(min=0)], -1).flatten(-2)) for table in tables]
+    return lists, torch.stack([counts.max() for _, counts in lists]).tolist()
+
+
+def _split_by_origin(rows: torch.Tensor, owner: torch.Tensor, local: torch.Tensor, world: int):
+    """`_remap_per_origin` where global key block j is local block local[j] of rank owner[j] alone: every
+    listed entry goes to one origin, so one stable sort by (origin, list) splits the lists (ascending within
+    each, as the layouts keep a rank's blocks ascending) in time and memory of the entries, not W x them.
+    Widths are trimmed to the longest list of all origins (one host sync, which also gives the per-origin
+    longest lists)."""
+    b, h, n, _ = rows.shape
+    lists = b * h * n
+    valid = rows >= 0
+    key = owner[rows.clamp(min=0)] * lists + torch.arange(lists, device=rows.device).view(b, h, n, 1)
+    key, loc = key[valid], local[rows[valid]]
+    order = torch.sort(key, stable=True).indices
+    key, loc = key[order], loc[order]
+    counts = torch.bincount(key, minlength=world * lists)
+    longest = counts.view(world, lists).amax(1).tolist()
+    width = max(1, max(longest))
+    pos = torch.arange(key.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[key]
+    ids = torch.full((world * lists, width), -1, dtype=torch.int32, device=rows.device)
+    ids[key, pos] = loc.to(torch.int32)
+    ids, counts = ids.view(world, b, h, n, width), counts.view(world, b, h, n).to(torch.int32)
+    return [(ids[o], counts[o]) for o in range(world)], longest
+
+
+@functools.lru_cache(maxsize=16)
+def _block_owners(spec: tuple, seq_len: int, local_block: int, block_size: int, device: str):
+    """(owner [nG], local [nG]): the rank and local block of each global key block when each global block is
+    exactly one local block of one rank (block-stripe with granularity a multiple of the block size, zigzag and
+    contiguous with block-aligned chunks), else None."""
+    if local_block != block_size:
+        return None
+    layout = Layout.create(*spec)
+    positions = _all_positions(layout, seq_len, torch.device(device))
+    n_global = -(-seq_len // block_size)
+    owner = torch.full((n_global,), -1, dtype=torch.long, device=device)
+    local = torch.full((n_global,), -1, dtype=torch.long, device=device)
+    for rank, pos in enumerate(positions):
+        blocks = pos.view(-1, local_block)[:, 0] // block_size
+        owner[blocks] = rank
+        local[blocks] = torch.arange(blocks.numel(), device=device)
+    return owner, local
 
 
 @functools.lru_cache(maxsize=16)
