@@ -39,6 +39,12 @@ def register(subparsers) -> None:
                         "(vllm where it can run, else hf); default: the suite's backend.name")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="backend.KEY=VALUE",
                         help="backend option, e.g. --set backend.max_num_batched_tokens=4096 (repeatable; VALUE is YAML)")
+    parser.add_argument("--attention", metavar="KIND",
+                        help="attention the hf backend runs: mtrain's dense, mtraining, zigzag-dense, zigzag-sparse, or "
+                        "transformers' sdpa, eager (default: the suite's backend.attn_implementation, else sdpa)")
+    parser.add_argument("--sparse", dest="sparse", action="append", default=[], metavar="KEY=VALUE",
+                        help="setting of a sparse --attention (mtrain.parallel.SparseSettings fields, or sparse_policy), "
+                        "e.g. --sparse recall=0.95 --sparse block_size=64 (repeatable; VALUE is YAML)")
     parser.add_argument("--tasks", help="comma-separated task names or patterns, e.g. niah,ruler/*,pg19")
     parser.add_argument("--lengths", type=_int_list,
                         help="comma-separated lengths replacing the suite's, e.g. 4096,8192")
@@ -75,6 +81,13 @@ def run(args: argparse.Namespace) -> int:
         backend = args.backend or suite.backend.get("name", "hf")
         options = {"max_length": args.max_length} if args.max_length else {}
         options.update(_backend_overrides(args.overrides))
+        attention = attention_options(args.attention, args.sparse, suite.backend)
+        if attention:
+            if backend == "vllm":
+                raise MtrainError("--attention/--sparse choose the hf backend's attention; vLLM runs its own: "
+                                  "use --backend hf")
+            backend = "hf"  # auto too: only the hf backend runs mtrain's attention
+            options.update(attention)
         results = run_suite(suite, args.model, args.out, backend=backend, backend_options=options,
                             progress=not args.no_progress)
         with open(os.path.join(args.out, "manifest.json")) as f:
@@ -95,6 +108,55 @@ def _backend_overrides(items: list[str]) -> dict:
         if not sep or not key.startswith("backend.") or key == "backend.":
             raise MtrainError(f"--set {item!r}: expected backend.KEY=VALUE, e.g. backend.max_num_batched_tokens=4096")
         options[key[len("backend."):]] = _parse_override_value(text)
+    return options
+
+
+# transformers' own attention implementations --attention passes through; mtrain's kinds become mtrain-KIND
+TRANSFORMERS_ATTENTION = ("sdpa", "eager")
+
+
+def attention_options(kind: str | None, sparse_items: list[str], suite_backend: dict) -> dict:
+    """hf backend options from `--attention KIND` and `--sparse KEY=VALUE` items, validated (one line naming the
+    bad kind or key). Without --attention, --sparse applies to the suite's `attn_implementation`."""
+    from mtrain.config import _parse_override_value
+    from mtrain.models.attention import KINDS, SPARSE_POLICIES
+    from mtrain.parallel import SparseSettings
+
+    if kind is None and not sparse_items:
+        return {}
+    options: dict = {}
+    if kind is not None:
+        name = kind[len("mtrain-"):] if kind.startswith("mtrain-") else kind
+        if name in KINDS:
+            options["attn_implementation"] = f"mtrain-{name}"
+        elif name in TRANSFORMERS_ATTENTION and not kind.startswith("mtrain-"):
+            options["attn_implementation"] = name
+        else:
+            raise MtrainError(f"--attention {kind!r}: unknown attention kind; choose one of "
+                              f"{', '.join([*KINDS, *TRANSFORMERS_ATTENTION])}")
+    implementation = options.get("attn_implementation") or suite_backend.get("attn_implementation", "sdpa")
+    if sparse_items:
+        sparse_kind = implementation[len("mtrain-"):] if implementation.startswith("mtrain-") else None
+        if sparse_kind not in KINDS or not KINDS[sparse_kind][0]:
+            raise MtrainError(f"--sparse needs a sparse attention kind (--attention mtraining or zigzag-sparse), "
+                              f"not {implementation!r}")
+        valid = [*SparseSettings.__dataclass_fields__, "sparse_policy"]
+        settings = dict(suite_backend.get("sparse") or {}) if kind is None else {}
+        for item in sparse_items:
+            key, sep, text = item.partition("=")
+            if not sep or not key:
+                raise MtrainError(f"--sparse {item!r}: expected KEY=VALUE, e.g. recall=0.95")
+            if key not in valid:
+                raise MtrainError(f"--sparse {item!r}: unknown key {key!r}; valid keys: {', '.join(valid)}")
+            settings[key] = _parse_override_value(text)
+        if settings.get("sparse_policy", "always") not in SPARSE_POLICIES:
+            raise MtrainError(f"--sparse sparse_policy={settings['sparse_policy']!r}: choose one of "
+                              f"{', '.join(SPARSE_POLICIES)}")
+        try:  # values checked here, before any model is loaded
+            SparseSettings(**{k: v for k, v in settings.items() if k != "sparse_policy"})
+        except (TypeError, ValueError, MtrainError) as err:
+            raise MtrainError(f"--sparse: {' '.join(str(err).split())}") from None
+        options["sparse"] = settings
     return options
 
 

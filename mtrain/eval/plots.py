@@ -19,13 +19,21 @@ def _length_label(length: str) -> str:
     return f"{int(length) // 1024}K" if int(length) % 1024 == 0 else str(length)
 
 
-def niah_heatmap(grid: dict[str, dict[str, float]], path: str) -> None:
-    """Depth (rows) x length (columns) heatmap of the NIAH score (0-100), one cell per grid point."""
+NIAH_TITLE = "Needle in a haystack: answer found (%)"
+
+
+def niah_figure(grid: dict[str, dict[str, float]]):
+    """The NIAH heatmap's matplotlib figure: depth (rows) x length (columns), score 0-100 per cell.
+
+    A grid of one or two lengths makes a narrow figure: the title then breaks over lines (and the figure
+    keeps a minimum width) so it is never cut off.
+    """
     plt = _pyplot()
     lengths = sorted(grid, key=int)
     depths = sorted({d for cells in grid.values() for d in cells}, key=float)
     values = [[grid[L].get(d, float("nan")) for L in lengths] for d in depths]
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
+    width = max(3.2, 1.2 + 0.9 * len(lengths))
+    fig, ax = plt.subplots(figsize=(width, 1.2 + 0.5 * len(depths)))
     image = ax.imshow(values, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
     ax.set_xticks(range(len(lengths)), [_length_label(L) for L in lengths])
     ax.set_yticks(range(len(depths)), [f"{float(d):g}%" for d in depths])
@@ -34,9 +42,16 @@ def niah_heatmap(grid: dict[str, dict[str, float]], path: str) -> None:
             ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
-    ax.set_title("Needle in a haystack: answer found (%)")
+    ax.set_title(NIAH_TITLE if width >= 5 else NIAH_TITLE.replace(": ", ":\n"))
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
+    return fig
+
+
+def niah_heatmap(grid: dict[str, dict[str, float]], path: str) -> None:
+    """Write the NIAH heatmap (`niah_figure`) as a PNG."""
+    plt = _pyplot()
+    fig = niah_figure(grid)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -1,0 +1,81 @@
+"""`mtrain eval --attention KIND --sparse KEY=VALUE` and the NIAH heatmap title on narrow grids."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from test_eval_helpers import tiny_checkpoint
+
+from mtrain.errors import MtrainError
+from mtrain.eval.cli import attention_options
+
+SUITE_SPARSE = {"attn_implementation": "mtrain-mtraining", "sparse": {"recall": 0.9, "last_q": 32}}
+
+
+def test_attention_kinds_map_to_backend_options():
+    assert attention_options(None, [], {}) == {}
+    assert attention_options("dense", [], {}) == {"attn_implementation": "mtrain-dense"}
+    assert attention_options("mtrain-mtraining", [], {}) == {"attn_implementation": "mtrain-mtraining"}
+    assert attention_options("sdpa", [], {}) == {"attn_implementation": "sdpa"}
+    assert attention_options("mtraining", ["recall=0.95", "block_size=64", "sparse_policy=never"], {}) == {
+        "attn_implementation": "mtrain-mtraining", "sparse": {"recall": 0.95, "block_size": 64, "sparse_policy": "never"}}
+    # without --attention, --sparse refines the suite's own sparse settings; with it, it starts afresh
+    assert attention_options(None, ["recall=0.95"], SUITE_SPARSE) == {"sparse": {"recall": 0.95, "last_q": 32}}
+    assert attention_options("mtraining", ["recall=0.95"], SUITE_SPARSE)["sparse"] == {"recall": 0.95}
+
+
+@pytest.mark.parametrize("kind, items, message", [
+    ("flash", [], "--attention 'flash': unknown attention kind; choose one of dense, mtraining"),
+    ("mtrain-sdpa", [], "unknown attention kind"),
+    ("dense", ["recall=0.9"], "--sparse needs a sparse attention kind"),
+    (None, ["recall=0.9"], "--sparse needs a sparse attention kind (--attention mtraining or zigzag-sparse), not 'sdpa'"),
+    ("mtraining", ["recal=0.9"], "--sparse 'recal=0.9': unknown key 'recal'; valid keys: recall, last_q"),
+    ("mtraining", ["recall"], "--sparse 'recall': expected KEY=VALUE"),
+    ("mtraining", ["recall=1.5"], "--sparse: sparse.recall must be in (0, 1]"),
+    ("mtraining", ["block_size=0"], "--sparse: sparse.block_size must be >= 1"),
+    ("mtraining", ["sparse_policy=sometimes"], "sparse_policy='sometimes': choose one of auto, always, never"),
+])
+def test_bad_attention_flags_name_the_problem(kind, items, message):
+    with pytest.raises(MtrainError) as err:
+        attention_options(kind, items, {})
+    assert message in str(err.value)
+
+
+def test_cli_bad_sparse_key_is_one_line_before_loading(tmp_path, capsys):
+    from mtrain.cli import main
+
+    code = main(["eval", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "o"), "--tasks", "niah",
+                 "--attention", "mtraining", "--sparse", "bogus=1", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("mtrain eval: error: --sparse 'bogus=1': unknown key 'bogus'")
+    code = main(["eval", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "o"), "--tasks", "niah",
+                 "--backend", "vllm", "--attention", "mtraining", "--no-progress"])
+    assert code == 2 and "use --backend hf" in capsys.readouterr().err
+
+
+def test_cli_runs_mtraining_attention_with_sparse_settings(tmp_path):
+    from mtrain.cli import main
+
+    out = str(tmp_path / "out")
+    assert main(["eval", "--model", tiny_checkpoint(), "--out", out, "--tasks", "niah", "--lengths", "512",
+                 "--backend", "auto", "--attention", "mtraining", "--sparse", "recall=0.95",
+                 "--sparse", "block_size=64", "--no-progress"]) == 0
+    backend = json.load(open(os.path.join(out, "manifest.json")))["backend"]
+    assert backend["backend"] == "hf" and backend["attn_implementation"] == "mtrain-mtraining"
+    assert backend["sparse"] == {"recall": 0.95, "block_size": 64}
+    assert os.path.getsize(os.path.join(out, "niah_heatmap.png")) > 0
+
+
+@pytest.mark.parametrize("lengths", [1, 2, 4])
+def test_niah_heatmap_title_stays_inside_the_figure(lengths):
+    from mtrain.eval.plots import niah_figure, _pyplot
+
+    grid = {str(1024 << i): {"0.0": 100.0, "50.0": 0.0, "100.0": 50.0} for i in range(lengths)}
+    fig = niah_figure(grid)
+    fig.canvas.draw()
+    title = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())
+    assert fig.bbox.x0 <= title.x0 and title.x1 <= fig.bbox.x1 and title.y1 <= fig.bbox.y1
+    _pyplot().close(fig)
