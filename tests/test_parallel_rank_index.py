@@ -139,9 +139,45 @@ def _worker(rank, world, init_file, out_file):
             "imbalance": max(abs(measured["worker"] - want["worker"]), abs(measured["step"] - want["step"])),
             "held": mine.block_ids.shape[2], "total": full.block_ids.shape[2], "full_density": full.density(),
         }
+    results["first_round"] = _first_round_cases(rank, world, q, k)
     with open(f"{out_file}.{rank}", "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
+
+
+def _first_round_cases(rank, world, q, k) -> dict:
+    """Vertical candidates in two rounds (a few per rank first): for first-round sizes from 1 to 16 per head
+    the index equals the one of the full exchange; records how often the first round sufficed."""
+    import mtrain.ops.estimate as ops_estimate
+    from mtrain.parallel import estimate
+
+    layout = Layout.create("block-stripe", world_size=world, granularity=BLOCK)
+    pos = layout.indices(SEQ, rank)
+    settings = SparseSettings(recall=0.9, last_q=16, max_vertical=24, max_slash=64, block_size=BLOCK,
+                              min_vertical=1, min_slash=16, sample_blocks=4)
+    args = (layout.shard(q, rank), layout.shard(k, rank), pos, pos, SEQ, settings, 1.0 / math.sqrt(16), None)
+    saved = estimate.FIRST_ROUND, estimate.FIRST_ROUND_MIN, ops_estimate.choose_verticals
+    widths = []
+
+    def recording(cand_mass, *a, **kw):
+        widths.append(cand_mass.shape[-1])
+        return saved[2](cand_mass, *a, **kw)
+
+    try:
+        estimate.FIRST_ROUND, estimate.FIRST_ROUND_MIN = 0, 10**9  # the full exchange: every rank sends its best cap
+        want = estimate.estimate_rank_index(*args)
+        ops_estimate.choose_verticals = recording
+        same, accepted = True, 0
+        for first in (1, 2, 4, 8, 16):
+            estimate.FIRST_ROUND_MIN = first
+            widths.clear()
+            got = estimate.estimate_rank_index(*args)
+            same &= all(torch.equal(getattr(got, f), getattr(want, f))
+                        for f in ("block_ids", "block_counts", "col_ids", "col_counts", "column_union"))
+            accepted += widths[-1] == first * world
+    finally:
+        estimate.FIRST_ROUND, estimate.FIRST_ROUND_MIN, ops_estimate.choose_verticals = saved
+    return {"same": same, "accepted": accepted}
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -149,8 +185,12 @@ def test_rank_index_rows_equal_the_global_rows(tmp_path, world):
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=world, join=True)
+    accepted = 0
     for rank in range(world):
         results = json.loads((tmp_path / f"out.{rank}").read_text())
+        first_round = results.pop("first_round")
+        assert first_round["same"], f"CP={world} rank {rank}: a first round of candidates changed the index"
+        accepted += first_round["accepted"]
         assert len(results) >= len(LAYOUT_NAMES) + 1, results.keys()
         for case, r in results.items():
             assert r["rows"], f"CP={world} rank {rank} {case}: rank rows differ from the global index's"
@@ -161,3 +201,5 @@ def test_rank_index_rows_equal_the_global_rows(tmp_path, world):
             assert r["full_density"] < 0.9, f"{case}: the estimate kept nearly everything; the test is too weak"
             if case.startswith("block-stripe"):  # a rank holds 1/CP of the query blocks
                 assert r["held"] * world == r["total"], (case, r["held"], r["total"])
+    # both branches ran: some first rounds were proven exact, some fell back to the full exchange
+    assert 0 < accepted < 5 * world, accepted

@@ -63,7 +63,7 @@ def _estimate(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale:
     """(vertical [B, Hq, Nv], slash [B, Hq, Ns], the scored rows' probabilities on this rank's keys
     [B, Hq, n, S_local], the scored rows' positions [n]): the single-device rule of
     `mtrain.ops.estimate_vertical_slash`, with each reduction over keys summed across the group."""
-    from mtrain.ops.estimate import (block_slash_mass, choose_verticals, fewest, line_caps, residual_parts,
+    from mtrain.ops.estimate import (block_slash_mass, fewest, line_caps, residual_parts,
                                      row_probs, scored_rows, uncovered_blocks)
 
     b, _, hq, d = q.shape
@@ -100,16 +100,8 @@ def _estimate(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale:
         cap_v, cap_s = line_caps(seq_len, bs, settings.max_vertical, settings.max_slash, settings.cap_fraction)
 
         # verticals: each rank's best local keys are candidates; the global top set is among them
-        n_cand = min(cap_v, vert.shape[-1])
-        cand_mass, cand_where = torch.topk(vert, n_cand, dim=-1)
-        cand_pos = k_pos[cand_where]
-        world = dist.get_world_size(group)
-        mass_all = [torch.empty_like(cand_mass) for _ in range(world)]
-        pos_all = [torch.empty_like(cand_pos) for _ in range(world)]
-        dist.all_gather(mass_all, cand_mass, group=group)
-        dist.all_gather(pos_all, cand_pos, group=group)
-        vertical, v_mass = choose_verticals(torch.cat(mass_all, -1), torch.cat(pos_all, -1), slash0,
-                                            settings.recall * total - mandatory, cap_v, settings.min_vertical, bs)
+        vertical, v_mass = _global_verticals(vert, k_pos, slash0, settings.recall * total - mandatory, cap_v,
+                                             settings.min_vertical, bs, group)
 
         # slashes on the mass the kept blocks and the chosen verticals leave uncovered, summed over ranks
         slash1 = block_slash_mass(uncovered_blocks(probs, rest, rows, k_pos, vertical, seq_len, bs), rows, bs)
@@ -124,6 +116,72 @@ def _estimate(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale:
         vertical = vertical.expand(b, hkv, g, -1).reshape(b, hq, -1)
         slash = slash.expand(b, hkv, g, -1).reshape(b, hq, -1)
     return vertical, slash, probs.reshape(b, hq, n, -1), pooled.reshape(b, hq, n, -1), rows
+
+
+# First round of the vertical candidates: each rank sends its best max(FIRST_ROUND_MIN, FIRST_ROUND x cap / W)
+# columns per head instead of its best cap (at CP=128 and a 4096 cap, its whole score vector: ~100 MiB per
+# layer for 16 heads). A second round sends the full lists only where the first cannot be proven exact.
+FIRST_ROUND = 4
+FIRST_ROUND_MIN = 64
+
+
+def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, -1)
+
+
+def _cutoff(cand_mass, slash_mass, need, cap_v: int, min_v: int, block_size: int, full_width: int):
+    """Per head, the priority above which every column must be among the candidates for `choose_verticals` on
+    them to pick what it picks on all columns: the last item of its prefix and its last chosen column (-inf where
+    that cannot hold: it chose every candidate column while the full lists hold more)."""
+    from mtrain.ops.estimate import _count_to_reach
+
+    width = max(1, min(cap_v, cand_mass.shape[-1]))
+    top = torch.topk(cand_mass, width, dim=-1).values
+    value = torch.cat([top, slash_mass[..., 1:]], -1)
+    priority = torch.cat([top, slash_mass[..., 1:] / block_size], -1)
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    ranked = torch.gather(value, -1, order)
+    count = _count_to_reach(ranked, need, value.shape[-1])  # [..., 1]
+    reached = ranked.cumsum(-1)[..., -1:] >= need[..., None] * (1 - 1e-6)
+    p_sorted = torch.gather(priority, -1, order)
+    inf = torch.full_like(count, float("inf"), dtype=top.dtype)
+    # where the need is reached, the prefix ends at its last item; where it is not, the prefix is everything and
+    # every column is chosen up to the width, so only the chosen set's last column matters
+    p_last = torch.where((count > 0) & reached, torch.gather(p_sorted, -1, (count - 1).clamp(min=0)), inf)
+    n_v = ((torch.arange(value.shape[-1], device=top.device) < count) & (order < width)).sum(-1, keepdim=True)
+    n_v = n_v.clamp(min=min(min_v, width), max=width)
+    last_col = torch.where(n_v > 0, torch.gather(top, -1, (n_v - 1).clamp(min=0)), inf)
+    cut = torch.minimum(p_last, last_col)
+    if width < min(cap_v, full_width):  # the full lists could choose more columns than the candidates hold
+        cut = torch.where(n_v >= width, -inf, cut)
+    return cut[..., 0]
+
+
+def _global_verticals(vert, k_pos, slash0, need, cap_v: int, min_v: int, block_size: int, group):
+    """`choose_verticals` over every rank's columns (vert [..., S_local] mass per local key at k_pos), exchanging
+    only candidates: a first round of each rank's best few per head is exact when, on every head, each rank's last
+    sent mass lies below the selection's cutoff (`_cutoff`) or the cap is filled by sent columns above all of them;
+    else a second round sends each rank's best cap.
+    Every rank decides from the same gathered numbers, so all take the same branch."""
+    from mtrain.ops.estimate import choose_verticals
+
+    world = dist.get_world_size(group)
+    full = min(cap_v, vert.shape[-1])
+    first = min(full, max(FIRST_ROUND_MIN, min_v, FIRST_ROUND * -(-cap_v // world)))
+    if first < full:
+        mass, where = torch.topk(vert, first, dim=-1)
+        masses, positions = _gather_last(mass, group), _gather_last(k_pos[where], group)
+        unsent = _gather_last(mass[..., -1:], group).amax(-1)  # no unsent column weighs more than its rank's last
+        cut = _cutoff(masses, slash0, need, cap_v, min_v, block_size, full * world)
+        # or the cap binds above every unsent column: the choice is then the top cap columns, all of them sent
+        capped = (masses > unsent[..., None]).sum(-1) >= min(cap_v, full * world)
+        if bool(((unsent < cut) | capped).all()):
+            return choose_verticals(masses, positions, slash0, need, cap_v, min_v, block_size)
+    mass, where = torch.topk(vert, full, dim=-1)
+    return choose_verticals(_gather_last(mass, group), _gather_last(k_pos[where], group), slash0, need, cap_v,
+                            min_v, block_size)
 
 
 def estimate_lines(

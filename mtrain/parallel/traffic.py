@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from mtrain.errors import MtrainError
+from mtrain.parallel.estimate import FIRST_ROUND, FIRST_ROUND_MIN
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,11 @@ class LayerTraffic:
     columns_after: int
     """The same as an all-gather of each owner's rows (padded to `per_rank`) and a reduce-scatter of the gradients."""
     estimate: int
-    """The online estimate's collectives (scored queries, softmax max/sum, block masses, vertical candidates)."""
+    """The online estimate's collectives (scored queries, softmax max/sum, block masses, vertical candidates), with
+    the vertical candidates' first round only (`mtrain.parallel.estimate.FIRST_ROUND`; a second round, sent where
+    the first cannot be proven exact, costs `estimate_before`'s candidates again)."""
+    estimate_before: int
+    """The same with every rank sending its best max_vertical candidates per head (the exchange before)."""
     columns: int
     """U: sink tokens + distinct vertical columns gathered."""
     per_rank: int
@@ -31,7 +36,7 @@ class LayerTraffic:
 
     @property
     def side_before(self) -> int:
-        return self.columns_before + self.estimate
+        return self.columns_before + self.estimate_before
 
     @property
     def side_after(self) -> int:
@@ -74,7 +79,7 @@ def layer_traffic(*, world: int, seq_len: int, q_heads: int, kv_heads: int, head
     ring_kv = (world - 1) * kv_shard * bytes_per_elem + max(world - 2, 0) * kv_shard * bytes_per_elem \
         + (world - 1) * kv_shard * 4
     if not sparse or world == 1:
-        return LayerTraffic(int(ring_kv), 0, 0, 0, 0, 0)
+        return LayerTraffic(int(ring_kv), 0, 0, 0, 0, 0, 0)
     sink = min(block_size, seq_len)
     per_rank = expected_per_rank(columns, world, sink) if per_rank is None else per_rank
     row = batch * 2 * kv_heads * head_dim  # one column's K and V
@@ -82,13 +87,18 @@ def layer_traffic(*, world: int, seq_len: int, q_heads: int, kv_heads: int, head
     after = (world - 1) * per_rank * row * bytes_per_elem + (world - 1) * per_rank * row * 4
     n_blocks = -(-seq_len // block_size)
     heads_sel = kv_heads if share_kv_group else q_heads
-    cap = min(vertical_cap, s_local)
-    estimate = (_all_reduce(batch * scored_rows * q_heads * head_dim * bytes_per_elem, world)  # scored queries
-                + 2 * _all_reduce(batch * q_heads * scored_rows * 4, world)  # softmax max and sum
-                + 2 * _all_reduce(batch * q_heads * n_blocks * 4, world)  # slash masses, before and after verticals
-                + 2 * _all_reduce(batch * q_heads * 4, world)  # kept-block mass, est_recall
-                + (world - 1) * batch * heads_sel * cap * (4 + 8))  # vertical candidates: mass fp32 + position int64
-    return LayerTraffic(int(ring_kv), int(before), int(after), int(estimate), int(columns), int(per_rank))
+    full = min(vertical_cap, s_local)
+    first = min(full, max(FIRST_ROUND_MIN, FIRST_ROUND * -(-vertical_cap // world)))
+    rest = (_all_reduce(batch * scored_rows * q_heads * head_dim * bytes_per_elem, world)  # scored queries
+            + 2 * _all_reduce(batch * q_heads * scored_rows * 4, world)  # softmax max and sum
+            + 2 * _all_reduce(batch * q_heads * n_blocks * 4, world)  # slash masses, before and after verticals
+            + 2 * _all_reduce(batch * q_heads * 4, world))  # kept-block mass, est_recall
+
+    def candidates(n: int) -> float:  # vertical candidates: mass fp32 + position int64 (+ the last mass sent)
+        return (world - 1) * batch * heads_sel * (n * (4 + 8) + (4 if n < full else 0))
+
+    return LayerTraffic(int(ring_kv), int(before), int(after), int(rest + candidates(first)),
+                        int(rest + candidates(full)), int(columns), int(per_rank))
 
 
 def plan_traffic(plan, *, q_heads: int, kv_heads: int, head_dim: int, batch: int = 1, bytes_per_elem: int = 2,
