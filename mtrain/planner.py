@@ -107,6 +107,8 @@ GPUS = {
     "h100": Gpu("h100", 80.0, 370.0, 0.95, 450.0, 50.0, 50.0),
     "a100-40gb": Gpu("a100-40gb", 40.0, 125.0, 0.33, 300.0, 25.0, 25.0),
     "a100-80gb": Gpu("a100-80gb", 80.0, 125.0, 0.33, 300.0, 25.0, 25.0),
+    # this workplace's CPU box (fp32, attention from mtrain.ops.cost.CPU; gloo over loopback): for --check
+    "cpu": Gpu("cpu", 24.0, 0.05, 1.0, 2.0, 2.0, 2.0),
 }
 
 
@@ -320,8 +322,8 @@ def plan(spec: PlanSpec) -> Plan:
     out.link_bytes = {"ring KV, NVLink (per micro-step)": nvlink * s.layers,
                       "ring KV, network (per micro-step)": network * s.layers,
                       f"side traffic, {side_link} (per micro-step)": side_per_layer * s.layers,
-                      "side traffic before (all-reduce columns)": (traffic.columns_before + calls * traffic.estimate)
-                      * s.layers,
+                      "  same, before #17 (column all-reduce, all candidates)":
+                          (traffic.columns_before + calls * traffic.estimate_before) * s.layers,
                       "gradient sync (per optimizer step)": grad_sync,
                       "offload PCIe (per optimizer step)": 6 * n / world if spec.offload else 0.0}
 
@@ -377,7 +379,7 @@ def format_plan(p: Plan) -> str:
                      f"{p.host_gb['host memory per node']:.0f} GB")
     lines.append("  bytes sent per rank (GB):")
     for k, v in p.link_bytes.items():
-        lines.append(f"    {k:<45} {v / GB:10.3f}")
+        lines.append(f"    {k:<55} {v / GB:10.3f}")
     lines.append("  time (s):")
     for k, v in p.times_s.items():
         lines.append(f"    {k:<40} {v:10.3f}")
@@ -415,6 +417,15 @@ MEASURED = [
 ]
 _HEADS_16 = ModelShape("attention 16/16 x 128", 1, 2048, 16, 16, 128, 1, 1)
 _HEADS_16_2 = ModelShape("attention 16/2 x 128", 1, 2048, 16, 2, 128, 1, 1)
+# CPU gloo, 2 ranks, fp32, 8K tokens, 4/2 heads x 32 (scripts/bench_ring_cpu.py, 2026-11-24, median of 3, twice)
+_CPU_HEADS = ModelShape("attention 4/2 x 32", 1, 128, 4, 2, 32, 1, 1)
+MEASURED += [
+    ("CPU gloo 2 ranks ring attention dense 4K/rank", dict(shape=_CPU_HEADS, seq_len=8192, gpus=2, cp=2,
+                                                          attention="dense", gpu=GPUS["cpu"]), "attn", 11036.2),
+    ("CPU gloo 2 ranks ring attention sparse 4K/rank (25%)", dict(shape=_CPU_HEADS, seq_len=8192, gpus=2, cp=2,
+                                                                 density=0.251, verticals=64, gpu=GPUS["cpu"]),
+     "attn", 764.4),
+]
 for _cp, _ms in ((2, (231.4, 920.4, 47.2, 97.6)), (4, (464.2, 1827.5, 57.6, 116.3))):
     for _i, _tok in enumerate((65536, 131072)):
         _dens = 0.083 * 131072 / (_tok * _cp)  # the bench's fixed per-row budget: 8.3% of blocks at 128K
