@@ -37,8 +37,15 @@ def lines(seq: int, heads: int, verticals: int, window: int, far: int, seed: int
     return vertical, torch.cat([local, far_offsets], -1)
 
 
-def _peak_mb() -> float:
+def _peak_mb(device: str = "cpu") -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def measure(args) -> dict:
@@ -55,20 +62,24 @@ def measure(args) -> dict:
 
     torch.set_num_threads(args.threads)
     seq, cp, rank, bs = args.one_seq, args.one_cp, args.rank, args.block_size
-    vertical, slash = lines(seq, args.heads, args.verticals, args.window, args.far)
+    dev = args.device
+    vertical, slash = (t.to(dev) for t in lines(seq, args.heads, args.verticals, args.window, args.far))
     layout = Layout.create("block-stripe", world_size=cp, granularity=bs)
-    positions = layout.indices(seq, rank)
-    cpu = torch.device("cpu")
-    base = _peak_mb()
+    positions = layout.indices(seq, rank).to(dev)
+    cpu = torch.device(dev)
+    base = _peak_mb(dev)
     best = {}
     for _ in range(args.repeat):
+        _sync(dev)
         t0 = time.perf_counter()
         if args.mode == "global":
             index = SparseIndex.from_lines(vertical, slash, seq, bs)
         else:
             index = rows_from_lines(vertical, slash, seq, bs, rank_rows(positions, bs))
+        _sync(dev)
         t1 = time.perf_counter()
         plan = sparse_plan(index, layout, rank, cpu, column_origin(rank, cp))
+        _sync(dev)
         t2 = time.perf_counter()
         density = index.density()
         t3 = time.perf_counter()
@@ -83,7 +94,7 @@ def measure(args) -> dict:
     traffic = plan_traffic(plan, q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=bs,
                            vertical_cap=args.vertical_cap)
     return {"seq": seq, "cp": cp, "rank": rank, "mode": args.mode, **best, "density": density,
-            "peak_mb": _peak_mb() - base, "traffic": traffic.as_dict(), "threads": args.threads}
+            "peak_mb": _peak_mb(dev) - base, "traffic": traffic.as_dict(), "threads": args.threads, "device": dev}
 
 
 def main() -> None:
@@ -102,6 +113,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--modes", nargs="+", default=["global", "rank"])
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (global = the GPU index builder; peak = CUDA "
+                   "memory allocated above the inputs)")
     p.add_argument("--json", default=None)
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # one measurement (child process)
     p.add_argument("--one-seq", type=int, default=None, help=argparse.SUPPRESS)
@@ -116,7 +129,7 @@ def main() -> None:
             for mode in args.modes:
                 cmd = [sys.executable, __file__, "--mode", mode, "--one-seq", str(seq), "--one-cp", str(cp)]
                 for flag in ("rank", "heads", "kv_heads", "head_dim", "verticals", "window", "far", "block_size",
-                             "vertical_cap", "repeat", "threads"):
+                             "vertical_cap", "repeat", "threads", "device"):
                     cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode:

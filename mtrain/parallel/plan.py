@@ -37,16 +37,16 @@ class StepBlocks:
 
 @dataclass
 class OffRingColumns:
-    """Sink block + vertical columns, attended locally against K/V gathered once from their owners.
+    """Sink block + vertical columns, attended by one ring step (`RingPlan.column_origin`) against K/V gathered
+    once from their owners.
 
     positions [U] global positions (padding = seq_len, causally invisible), owner/local [U] where each
     lives (-1 for padding), ids [B, Hq, nQB_local, C] int32 indices into positions, sorted, -1 padded.
-    mine_slots / mine_local: the slots this rank owns and its local rows of them (index tensors, so the
-    gather and the gradient scatter need no host sync).
     The gather is an all-gather of per_rank rows from every rank (the most any rank owns; shorter lists padded):
     send_local [per_rank] the local rows this rank sends (its slots ascending, padding row 0), src [U] where each
     slot lies in the gathered [W * per_rank] rows, by_rank [W, per_rank] the slots each rank sends (padding = U),
-    which also orders the column gradients for their reduce-scatter back to the owners.
+    which also orders the column gradients for their reduce-scatter back to the owners (index tensors: the
+    gather and the gradient scatter need no host sync).
     """
 
     positions: torch.Tensor
@@ -54,12 +54,10 @@ class OffRingColumns:
     local: torch.Tensor
     ids: torch.Tensor
     counts: torch.Tensor
-    mine_slots: torch.Tensor
-    mine_local: torch.Tensor
-    per_rank: int = 0
-    send_local: torch.Tensor | None = None
-    src: torch.Tensor | None = None
-    by_rank: torch.Tensor | None = None
+    per_rank: int
+    send_local: torch.Tensor
+    src: torch.Tensor
+    by_rank: torch.Tensor
 
 
 @dataclass
@@ -346,7 +344,6 @@ def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_l
     local = torch.full_like(positions, -1)
     owner[: union.numel()] = owner_all[union]
     local[: union.numel()] = local_all[union]
-    mine_slots = torch.nonzero(owner == rank).flatten()
 
     col_slots = torch.where(my_cols >= 0, torch.searchsorted(union, my_cols.clamp(min=0)), -1)
     b, h, n = had_sink.shape
@@ -355,5 +352,4 @@ def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_l
     sink_slots = torch.where(had_sink.unsqueeze(-1), sink_slots, -1)
     ids, counts = _pack(torch.cat([sink_slots, col_slots], dim=-1))
     per_rank, send_local, src, by_rank = _gather_tables(owner, local, layout.world_size, rank)
-    return OffRingColumns(positions, owner, local, ids, counts, mine_slots, local[mine_slots], per_rank, send_local,
-                          src, by_rank)
+    return OffRingColumns(positions, owner, local, ids, counts, per_rank, send_local, src, by_rank)
