@@ -203,3 +203,14 @@ def test_rank_index_rows_equal_the_global_rows(tmp_path, world):
                 assert r["held"] * world == r["total"], (case, r["held"], r["total"])
     # both branches ran: some first rounds were proven exact, some fell back to the full exchange
     assert 0 < accepted < 5 * world, accepted
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_cached_rank_blocks_are_the_query_blocks_of_the_shard(name):
+    from mtrain.parallel.estimate import rank_rows
+    from mtrain.parallel.plan import rank_blocks
+
+    layout = Layout.create(name, world_size=4, granularity=16)
+    for rank in range(4):
+        want = rank_rows(layout.indices(512, rank), 32)
+        assert torch.equal(rank_blocks(layout, 512, rank, 32, torch.device("cpu")), want)

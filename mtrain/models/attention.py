@@ -262,6 +262,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
 
     from mtrain.parallel import ring_attention
     from mtrain.parallel.estimate import estimate_rank_index
+    from mtrain.parallel.plan import rank_blocks
 
     index = None
     world = dist.get_world_size(CONTEXT.group)
@@ -273,8 +274,9 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         seq_len = q.shape[1] * world
         positions = CONTEXT.layout.indices(seq_len, rank).to(q.device)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        rows = rank_blocks(CONTEXT.layout, seq_len, rank, settings.block_size, q.device)
         index = estimate_rank_index(q.detach(), k.detach(), positions, positions, seq_len, settings, scale,
-                                    CONTEXT.group, doc_ids=CONTEXT.doc_ids)
+                                    CONTEXT.group, doc_ids=CONTEXT.doc_ids, rows=rows)
         path, prediction = _choose_path(index, q, policy=policy, training=training, world=world,
                                         target=settings.recall)
         _hold(layer_idx, path, policy, training)  # the path, hence the hold, is the same on every rank

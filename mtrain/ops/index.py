@@ -528,13 +528,14 @@ def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
 
 
 def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
-                    rows: torch.Tensor, *, totals: bool = True) -> RowIndex:
+                    rows: torch.Tensor, *, totals: bool = True, check: bool = True) -> RowIndex:
     """The lists of the query blocks `rows` of `SparseIndex.from_lines(vertical, slash, seq_len, block_size)`,
     without building the others: time and memory follow len(rows) (plus O(lines + nQB) per head for the
     totals and the column union of the whole index, skipped with totals=False).
 
-    rows: LongTensor [R] of global query blocks, ascending and distinct (checked). Vectorised tensor ops on any
-    device; list widths are trimmed to these rows' longest (reads counts back to the host).
+    rows: LongTensor [R] of global query blocks, ascending and distinct (checked unless check=False: the check
+    reads them back to the host). Vectorised tensor ops on any device; list widths are trimmed to these rows'
+    longest (reads counts back to the host).
     """
     if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
         raise ValueError(
@@ -544,19 +545,22 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
         raise ValueError(f"block_size and seq_len must be positive; got {block_size}, {seq_len}")
     n = -(-seq_len // block_size)
     rows = rows.to(vertical.device).long()
-    if rows.dim() != 1 or rows.numel() == 0 or not bool(((rows >= 0) & (rows < n)).all()) \
-            or not bool((rows[1:] > rows[:-1]).all()):
+    if rows.dim() != 1 or rows.numel() == 0 or (check and (not bool(((rows >= 0) & (rows < n)).all())
+                                                           or not bool((rows[1:] > rows[:-1]).all()))):
         raise ValueError(f"rows must be a non-empty ascending list of distinct query blocks in [0, {n})")
     offs, offs_last = _block_offsets(slash, seq_len, block_size)
     counts, pick, sink = _rows_from_offsets(offs, rows)
     last = None
-    if offs_last is not None and int(rows[-1]) == n - 1:
+    if offs_last is not None:  # a short last block: its own offsets, if the rows hold it (no host read to know)
+        is_last = rows[-1:] == n - 1
         last = _rows_from_offsets(offs_last, rows[-1:])
-        counts[..., -1:], pick[..., -1:], sink[..., -1:] = last
+        for mine, theirs in zip((counts, pick, sink), last):
+            mine[..., -1:] = torch.where(is_last, theirs, mine[..., -1:])
     width = max(int(counts.max()), 1)
     block_ids = _expand_rows(offs, rows, counts, pick, sink, width)
     if last is not None:
-        block_ids[:, :, -1:] = _expand_rows(offs_last, rows[-1:], *last, width)
+        tail_ids = _expand_rows(offs_last, rows[-1:], counts[..., -1:], pick[..., -1:], sink[..., -1:], width)
+        block_ids[:, :, -1:] = torch.where(is_last[:, None], tail_ids, block_ids[:, :, -1:])
     v, v_blk = _sorted_verticals(vertical, seq_len, block_size)
     B, H, _ = vertical.shape
     if v.shape[-1] > 0:

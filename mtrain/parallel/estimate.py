@@ -239,19 +239,22 @@ def _covered_rows(lists, rows, probs, pooled, k_pos) -> torch.Tensor:
 
 
 def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
-                        doc_ids: torch.Tensor | None = None):
+                        doc_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None):
     """This rank's rows of the index `estimate_index` gives (a `mtrain.ops.index.RowIndex` over the query blocks
     of q_pos, entry for entry the same lists), with the whole index's work, density and column union from the
     lines, and `_cache["est_recall"]` as `estimate_index` sets it. No rank builds the other ranks' rows: index
-    time and memory per rank fall as 1/CP (the lines and O(nQB) per head are what every rank still holds)."""
+    time and memory per rank fall as 1/CP (the lines and O(nQB) per head are what every rank still holds).
+    rows: `rank_rows(q_pos, block_size)` made once by the caller (`mtrain.parallel.plan.rank_blocks` caches them
+    per layout), else computed here."""
     from mtrain.ops.index import rows_from_lines
 
     vertical, slash, probs, pooled, scored = _estimate(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids)
     bs = settings.block_size
-    index = rows_from_lines(vertical, slash, seq_len, bs, rank_rows(q_pos, bs))
+    rows = rank_rows(q_pos, bs) if rows is None else rows
+    index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False)
     with torch.no_grad():
         # the scored rows' lists (a few query blocks, whichever rank holds them) for the recall figure
-        lists = rows_from_lines(vertical, slash, seq_len, bs, torch.unique(scored // bs), totals=False)
+        lists = rows_from_lines(vertical, slash, seq_len, bs, torch.unique(scored // bs), totals=False, check=False)
         covered = _covered_rows(lists, scored, probs, pooled, k_pos.to(probs.device))
         dist.all_reduce(covered, group=group)
     index._cache["est_recall"] = covered / scored.numel()

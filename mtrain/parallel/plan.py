@@ -120,6 +120,17 @@ def _owners_cached(spec: tuple, seq_len: int, device: str) -> tuple[torch.Tensor
     return owner.to(device), local.to(device)
 
 
+def rank_blocks(layout: Layout, seq_len: int, rank: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """The global query blocks rank `rank` holds (ascending, distinct), on `device`; cached per layout, so the
+    estimator's per-rank index needs no host read or copy per layer to know its rows."""
+    return _rank_blocks_cached(layout.spec, seq_len, rank, block_size, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_blocks_cached(spec: tuple, seq_len: int, rank: int, block_size: int, device: str) -> torch.Tensor:
+    return torch.unique(_positions_cached(spec, seq_len, "cpu")[rank] // block_size).to(device)
+
+
 def _all_positions(layout: Layout, seq_len: int, device: torch.device) -> list[torch.Tensor]:
     """Every rank's positions on `device`; cached, since every layer of a step asks for the same ones."""
     return list(_positions_cached(layout.spec, seq_len, str(device)))

@@ -14,7 +14,7 @@ from mtrain.parallel.comm import hierarchical_groups, local_world_size_from_env
 from mtrain.parallel import ring_flat, ring_hierarchical
 from mtrain.parallel.estimate import SparseSettings, estimate_rank_index
 from mtrain.parallel.layout import Layout
-from mtrain.parallel.plan import dense_plan, sparse_plan
+from mtrain.parallel.plan import dense_plan, rank_blocks, sparse_plan
 from mtrain.parallel.ring_flat import ring_flat_attention
 from mtrain.parallel.ring_hierarchical import ring_hierarchical_attention
 
@@ -140,7 +140,8 @@ def ring_attention(
         doc_ids = _check_docs(doc_ids, q, seq_len)
     if sparse is not None:
         positions = layout.indices(seq_len, rank).to(q.device)
-        index = estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids)
+        index = estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
+                                    rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device))
     if index is not None:
         _check_index(index, q, seq_len)
         plan = sparse_plan(index, layout, rank, q.device, column_origin(group, hierarchy))
