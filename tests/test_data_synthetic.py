@@ -1,0 +1,100 @@
+"""The synthetic corpus' retrieval documents: the eval's own needle prompts, answered (what stage 1/2 train on)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from mtrain.data import synthetic as S
+
+
+def test_retrieval_templates_are_the_evals():
+    from mtrain.eval.tasks import infbench, niah, ruler
+    from mtrain.eval.text import NOISE
+
+    assert S.NIAH_NEEDLE == niah.DEFAULTS["needle"]
+    assert S.NIAH_TEMPLATE == niah.DEFAULTS["template"]
+    assert S.NIAH_ANSWER_PREFIX == niah.DEFAULTS["answer_prefix"]
+    # RULER's single-answer wording, as ruler._niah_builder derives it for one key and one value
+    singular = ruler.NIAH_TEMPLATE.replace("Some", "A").replace("are all", "is").replace("are", "is")
+    assert S.RULER_TEMPLATE == singular.replace("{type_needle_v}", "number")
+    assert S.RULER_NEEDLE == ruler.NEEDLE.replace("{type_needle_v}", "numbers")
+    _, needle, question = infbench.RETRIEVAL["passkey"]
+    assert (S.PASSKEY_PROMPT, S.PASSKEY_NEEDLE, S.PASSKEY_INPUT) == (infbench.TEMPLATES["passkey"], needle, question)
+    assert S.NOISE == NOISE
+
+
+def _docs(fmt: str, n: int = 30, **spec) -> list[str]:
+    spec = S.CorpusSpec(num_docs=n, min_sentences=2, max_sentences=30, retrieval=1.0, formats=((fmt, 1.0),), **spec)
+    return S.generate(spec)
+
+
+def test_niah_documents_answer_the_evals_question_from_their_needle():
+    intro = S.NIAH_TEMPLATE.split("{context}")[0]
+    qa = re.compile(r"What is the special magic number for (\S+) mentioned in the provided text\? "
+                    r"The special magic number for \1 mentioned in the provided text is (\d{7})\.")
+    for doc in _docs("niah"):
+        assert doc.startswith(intro)
+        context, *questions = doc[len(intro):].split("\n")
+        answered = [qa.fullmatch(q) for q in questions]
+        assert questions and all(answered), questions
+        for match in answered:  # every answer is the value its needle states in the context
+            assert S.NIAH_NEEDLE.format(key=match[1], value=match[2]) in context
+        assert len(questions) == context.count("The special magic number for")
+
+
+def test_eval_prompt_is_a_prefix_of_a_training_document():
+    """The eval's NIAH prompt (built by the eval itself) continues, in training text, with the answer."""
+    from mtrain.eval.registry import BuildContext, get_task
+    from mtrain.tiny import load_tokenizer
+
+    tok = load_tokenizer()
+    task = get_task("niah")
+    params = {**task.default_params, "essay_path": "synthetic", "haystacks": 1, "max_new_tokens": 12}
+    ctx = BuildContext(tokenizer=tok, seed=0, task_name="niah", params=params)
+    sample = task.build(ctx, 512, 2)
+    prompt = tok.decode(sample.prompt_ids)
+    key = re.search(r"magic number for (\S+) is: ", prompt)[1]
+    value = sample.references[0]
+    assert S.NIAH_NEEDLE.format(key=key, value=value) in prompt
+    assert prompt.endswith(S.NIAH_ANSWER_PREFIX.format(key=key))
+    # the same prompt, answered as training documents are, parses as one
+    intro = S.NIAH_TEMPLATE.split("{context}")[0]
+    assert prompt.startswith(intro) and (prompt + f" {value}.").count("\n") == 2
+
+
+@pytest.mark.parametrize("fmt", ["ruler", "passkey", "repeat"])
+def test_other_formats(fmt):
+    for doc in _docs(fmt):
+        if fmt == "ruler":
+            assert doc.startswith("A special magic number is hidden")
+            key, value = re.search(r"The special magic number for (\S+) mentioned in the provided text is (\d{7})\.",
+                                   doc).groups()
+            assert S.RULER_NEEDLE.format(key=key, value=value) in doc
+        elif fmt == "passkey":
+            value = re.fullmatch(r".*\n\nThe pass key is (\d{5})\.", doc, re.S)[1]
+            assert S.PASSKEY_NEEDLE.format(key=value) in doc and S.NOISE in doc
+        else:
+            first, second = doc.split(S.REPEAT_JOIN)
+            assert first == second and "The special magic number for" in first
+
+
+def test_generation_is_deterministic_and_mixes_formats():
+    spec = S.CorpusSpec(num_docs=60, min_sentences=1, max_sentences=20, retrieval=1.0)
+    docs = S.generate(spec)
+    assert docs == S.generate(spec)
+    assert any(S.REPEAT_JOIN in d for d in docs) and any(d.startswith("Some special magic") for d in docs)
+    # retrieval=0 keeps the facts documents (the tokenizer is built from those)
+    facts = S.generate(S.CorpusSpec(num_docs=5, max_sentences=20))
+    assert facts == [S.make_document(rng, S.CorpusSpec(num_docs=5, max_sentences=20))
+                     for rng in [random.Random(0)] for _ in range(5)]
+
+
+def test_cli_rejects_bad_formats(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        S.main(["--out", str(tmp_path / "x.jsonl"), "--retrieval", "1", "--formats", "niah=1,haystack=2"])
+    assert exit_.value.code == 2 and "--formats 'haystack=2'" in capsys.readouterr().err
+    assert S.main(["--out", str(tmp_path / "x.jsonl"), "--docs", "3", "--retrieval", "1",
+                   "--formats", "passkey=1"]) == 0
