@@ -424,6 +424,17 @@ COMPARE = [
                                ["config.yaml", "not valid YAML"], 2)),
     ("plot-is-a-folder", lambda c: (["compare", str(c.world / "run"), "--plot", str(c.folder("plotdir"))],
                                     ["--plot", "plotdir"], 2)),
+    ("csv-is-a-folder", lambda c: (["compare", str(c.world / "run"), "--plot", str(c.tmp / "compare.png"),
+                                    "--csv", str(c.folder("csvdir"))], ["--csv", "csvdir"], 2)),
+    ("nothing-to-compare", lambda c: (["compare"], ["nothing to compare", "--wandb"], 2)),
+    ("wandb-runs-without-project", lambda c: (["compare", "--runs", "abc123"], ["--runs", "--wandb ENTITY/PROJECT"], 2)),
+    ("wandb-project-not-entity-slash-project", lambda c: (["compare", "--wandb", "mtrain", "--runs", "abc123"],
+                                                          ["--wandb mtrain", "ENTITY/PROJECT"], 2)),
+    ("wandb-without-run-ids", lambda c: (["compare", "--wandb", "team/mtrain"], ["--wandb team/mtrain", "--runs"], 2)),
+    ("wandb-log-foreign", lambda c: (["compare", str(c.folder("offline-run-x", {"run-x.wandb": "not a log"}))],
+                                     ["run-x.wandb", "not a wandb run log"], 2)),
+    ("wandb-log-header-only", lambda c: (["compare", str(c.file("offline-run-y/run-y.wandb", b":W&B\xe1\xbe\x00").parent)],
+                                         ["offline-run-y", "no training steps"], 2)),
 ]
 
 CATALOGUE = [pytest.param(stage, setup, id=f"{stage}:{name}") for stage, cases in

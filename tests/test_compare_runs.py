@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 
+import pytest
 import yaml
 
 from mtrain.compare import format_eval_table, summarize, token_offsets
@@ -51,3 +53,143 @@ def test_eval_scores_side_by_side(tmp_path, capsys):
     assert main(["compare", one, two, twin, "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "eval scores" in out and "tiny-extend-dense" in out and plot.stat().st_size > 0
+
+
+def _no_network(monkeypatch):
+    """Any attempt to open a network connection fails the test."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args[1:] if args else kwargs}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def _offline_wandb_run(run_dir, rows, config):
+    """What `logging.wandb: offline` leaves in RUN_DIR/wandb: written by wandb itself in offline mode."""
+    import wandb
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(mode="offline", dir=str(run_dir), project="mtrain", name=run_dir.name, id="cafe0001",
+                     config=config, settings=wandb.Settings(silent=True, console="off"))
+    for row in rows:
+        run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+    run.finish()
+    # wandb's service may still be flushing the log when finish() returns: wait for every step to be there
+    from mtrain.compare import read_wandb_records
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        logs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+        if logs and sum(r.WhichOneof("record_type") == "history" for r in read_wandb_records(logs[0])) == len(rows):
+            return run_dir
+        time.sleep(0.1)
+    raise AssertionError(f"wandb wrote no complete offline log under {run_dir} in 30 s")
+
+
+def test_local_and_offline_wandb_runs_without_network(tmp_path, capsys, monkeypatch):
+    import csv
+
+    from mtrain.cli import main
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    local = _run(tmp_path, "tiny", 5000)
+    rows = [{"step": s, "tokens": s * 4096, "loss": 4.0 / s, "tokens_per_s": 50.0 * s, "tflops": 0.01 * s,
+             "attention_density": 0.25, "attention_true_recall": 0.9 + 0.01 * s, "imbalance_worker": 1.5,
+             "imbalance_step": 2.0, "peak_mem_gb": 1.0 + s} for s in (1, 2, 3)]
+    config = {"train": {"output_dir": "x"}, "model": {"path": str(tmp_path / "tiny" / "final")},
+              "attention": {"kind": "mtraining"}}
+    wb = _offline_wandb_run(tmp_path / "sparse", rows, config)
+    (wb / "eval").mkdir()
+    (wb / "eval" / "results.json").write_text(json.dumps({"niah": {"1024": {"0.0": 80.0, "50.0": 100.0}}}))
+    offline = next((wb / "wandb").glob("offline-run-*"))
+    _no_network(monkeypatch)
+
+    summary = summarize(offline)  # the offline-run folder itself; RUN_DIR (no metrics.jsonl) reads the same
+    assert [r["loss"] for r in summary["rows"]] == [4.0, 2.0, 4.0 / 3]
+    assert summary["run"] == "sparse" and summary["config"]["attention.kind"] == "mtraining"
+    assert summary["tokens_per_s"] == 125.0 and summary["peak_mem_gb"] == 4.0
+    assert summary["true_recall"] == pytest.approx(0.92) and summary["eval"]["niah"]
+    assert summarize(wb)["rows"] == summary["rows"]
+
+    out = {name: tmp_path / "out" / name for name in ("cmp-loss.png", "table.csv", "table.md")}
+    assert main(["compare", local, str(offline), "--plot", str(out["cmp-loss.png"]), "--csv", str(out["table.csv"]),
+                 "--markdown", str(out["table.md"])]) == 0
+    printed = capsys.readouterr().out
+    for header in ("final loss", "best loss", "tokens/s", "TFLOP/s", "peak mem GB", "attn density", "true recall",
+                   "imbalance w/s", "loss @10,000 tok", "NIAH 1K"):
+        assert header in printed
+    line = next(line for line in printed.splitlines() if line.startswith("sparse"))
+    assert line.split()[3:6] == ["1.3333", "1.3333", "2.0000"]  # final, best, at 10,000 tokens (step 2: 8,192)
+    assert out["cmp-loss.png"].stat().st_size > 1000
+    assert (tmp_path / "out" / "cmp-throughput.png").stat().st_size > 1000
+    table = list(csv.DictReader(out["table.csv"].open()))
+    assert [r["run"] for r in table] == ["tiny", "sparse"]
+    assert float(table[1]["final_loss"]) == pytest.approx(4.0 / 3) and table[1]["niah_1024"] == "90.0"
+    assert table[1]["imbalance_step"] == "2.0" and table[0]["tflops"] == ""
+    assert table[1]["source"] == "wandb offline cafe0001"
+    markdown = out["table.md"].read_text().splitlines()
+    assert markdown[0].startswith("| run | steps |") and markdown[3].startswith("| sparse |")
+    assert not list((tmp_path / "out").glob(".*tmp"))  # written atomically: no temporary left
+
+
+class _FakeRun:
+    def __init__(self, run_id, delay=0.0):
+        self.name, self.config, self.delay = f"api-{run_id}", {"attention": {"kind": "dense"}, "_wandb": {}}, delay
+
+    def scan_history(self):
+        time.sleep(self.delay)
+        return [{"_step": s, "tokens": 100 * s, "loss": 3.0 / s, "tokens_per_s": 10.0} for s in (1, 2)]
+
+
+def _fake_api(monkeypatch, delay=0.0):
+    import wandb
+
+    calls = []
+
+    class Api:
+        def __init__(self, timeout=None, **kwargs):
+            calls.append(("Api", timeout))
+
+        def run(self, path):
+            calls.append(("run", path))
+            return _FakeRun(path.rsplit("/", 1)[-1], delay)
+
+    monkeypatch.setattr(wandb, "Api", Api)
+    return calls
+
+
+def test_wandb_api_runs_join_local_ones(tmp_path, capsys, monkeypatch):
+    from mtrain.cli import main
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    calls = _fake_api(monkeypatch)
+    local = _run(tmp_path, "tiny", 1000)
+    assert main(["compare", local, "--wandb", "team/mtrain", "--runs", "ab12, cd34", "--wandb-timeout", "5",
+                 "--plot", str(tmp_path / "c.png"), "--csv", str(tmp_path / "c.csv")]) == 0
+    assert ("run", "team/mtrain/ab12") in calls and ("run", "team/mtrain/cd34") in calls and ("Api", 5) in calls
+    printed = capsys.readouterr().out
+    assert "api-ab12" in printed and "api-cd34" in printed and "wandb:team/mtrain/cd34" in (tmp_path / "c.csv").read_text()
+    assert (tmp_path / "c-throughput.png").stat().st_size > 1000
+
+
+def test_wandb_api_never_hangs_and_stays_off_when_offline(tmp_path, capsys, monkeypatch):
+    from mtrain.cli import main
+
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    calls = _fake_api(monkeypatch, delay=30)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    argv = ["compare", "--wandb", "team/mtrain", "--runs", "ab12", "--plot", str(tmp_path / "c.png")]
+    assert main(argv) == 2 and not calls  # WANDB_MODE=offline: the API is never built
+    err = capsys.readouterr().err
+    assert "WANDB_MODE=offline" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.delenv("WANDB_MODE")
+    start = time.monotonic()
+    assert main(argv + ["--wandb-timeout", "0.5"]) == 2
+    assert time.monotonic() - start < 5
+    err = capsys.readouterr().err
+    assert "no answer from the wandb API within 0.5 s" in err and "--wandb-timeout" in err
+    assert not (tmp_path / "c.png").exists()
