@@ -200,15 +200,23 @@ def _json(text: str):
 
 # ---- the wandb public API (only with --wandb, online) -------------------------------------------------------
 
+def _have_wandb_key() -> bool:
+    """WANDB_API_KEY or a `wandb login` entry in ~/.netrc (what `logging.wandb: online` needs too)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return "api.wandb.ai" in Path(os.environ.get("NETRC", Path.home() / ".netrc")).read_text()
+    except OSError:
+        return False
+
+
 def fetch_wandb_runs(project: str, ids: list[str], timeout: float) -> list[dict]:
     """Runs ENTITY/PROJECT/ID through `wandb.Api`, all within `timeout` seconds (a thread under a deadline:
     a stalled connection is abandoned, never waited on)."""
     if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
         raise MtrainError(f"--wandb {project}: WANDB_MODE={os.environ['WANDB_MODE']} forbids the network; unset "
                           "it, or compare the offline run folders (RUN_DIR/wandb/offline-run-*) instead")
-    from mtrain.train.metrics import usable_wandb_mode
-
-    if usable_wandb_mode("online") != "online":
+    if not _have_wandb_key():
         raise MtrainError(f"--wandb {project}: no wandb API key; set WANDB_API_KEY or run `wandb login`, or compare "
                           "the offline run folders (RUN_DIR/wandb/offline-run-*) instead")
     result: dict = {}

@@ -187,9 +187,49 @@ def test_wandb_api_never_hangs_and_stays_off_when_offline(tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert "WANDB_MODE=offline" in err and len(err.strip().splitlines()) == 1
     monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    assert main(argv) == 2 and not calls  # no API key: refused before any request
+    err = capsys.readouterr().err
+    assert "no wandb API key" in err and "WANDB_API_KEY" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     start = time.monotonic()
     assert main(argv + ["--wandb-timeout", "0.5"]) == 2
     assert time.monotonic() - start < 5
     err = capsys.readouterr().err
     assert "no answer from the wandb API within 0.5 s" in err and "--wandb-timeout" in err
     assert not (tmp_path / "c.png").exists()
+
+
+def test_a_trained_offline_wandb_run_reads_as_its_metrics_jsonl(tmp_path, monkeypatch):
+    """A real `mtrain train` with logging.wandb: offline (2 steps of the tiny model): its wandb log, read offline,
+    gives the same steps and figures as its metrics.jsonl."""
+    from mtrain.cli import main
+    from mtrain.data import pack
+    from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
+    from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    write_jsonl(tmp_path / "docs.jsonl", generate(CorpusSpec(num_docs=20, max_sentences=20, seed=5)))
+    pack([f"{tmp_path / 'docs.jsonl'}:jsonl"], str(TOKENIZER_DIR), 128, tmp_path / "packed", progress=False, workers=1)
+    out = tmp_path / "run"
+    recipe = {"model": {"config": str(MODEL_CONFIG), "tokenizer": str(TOKENIZER_DIR)},
+              "data": {"path": str(tmp_path / "packed"), "seq_len": 128}, "logging": {"wandb": "offline"},
+              "train": {"output_dir": str(out), "max_steps": 2, "save_every": 0, "micro_batch_size": 1,
+                        "export": False}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["train", str(tmp_path / "r.yaml")]) == 0
+    logs = list(out.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 1
+    from mtrain.compare import read_wandb_records
+
+    deadline = time.monotonic() + 30  # wandb's service may still be flushing
+    while sum(r.WhichOneof("record_type") == "history" for r in read_wandb_records(logs[0])) < 2:
+        assert time.monotonic() < deadline, "wandb wrote no complete offline log in 30 s"
+        time.sleep(0.1)
+    _no_network(monkeypatch)
+    local, offline = summarize(out), summarize(logs[0].parent)
+    assert offline["source"].startswith("wandb offline") and local["source"] == "metrics.jsonl"
+    for key in ("steps", "tokens", "final_loss", "best_loss", "tokens_per_s", "tflops"):
+        assert offline[key] == pytest.approx(local[key]), key
+    assert offline["config"]["data.seq_len"] == 128 and offline["run"] == local["run"] == "run"
