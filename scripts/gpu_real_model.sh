@@ -42,17 +42,19 @@ case "${1:-}" in
       python scripts/bench_cost.py --fit "$RESULTS/cost_estimate.jsonl" --write-table /root/cost_table.json
       cp /root/cost_table.json "$RESULTS/"
     fi ;;
-  run)
-    shift
+  convert)  # call 2's first half (also used by scripts/gpu_train_real.sh): the checkpoint in MODEL_DIR
     if [ ! -f "$MODEL_DIR/config.json" ]; then
       cat /root/parts/part.aa .carry/p2/part.ab > /root/smollm2.gguf
       echo "$(cat .carry/p2/sha)  /root/smollm2.gguf" | sha256sum -c
       pip install -q --no-deps --target /root/pylib .carry/p2/gguf-*.whl
       python -c "from mtrain.models.convert import convert_gguf; convert_gguf('/root/smollm2.gguf', '$MODEL_DIR', 'bfloat16')"
-    fi
+    fi ;;
+  run)
+    shift
+    "$0" convert
     mkdir -p "$RESULTS"
     if [ -f /root/cost_table.json ]; then export MTRAIN_COST_TABLE=/root/cost_table.json; fi
     python scripts/bench_attention.py --model "$MODEL_DIR" --seq-len "${@:-32768}" --out "$RESULTS" ${BENCH_ARGS:-} ;;
   *)
-    echo "usage: $0 split | stage | run [SEQ_LEN ...]" >&2; exit 2 ;;
+    echo "usage: $0 split | stage | convert | run [SEQ_LEN ...]" >&2; exit 2 ;;
 esac

@@ -70,3 +70,56 @@ def prose_tokens(tokenizer, n_tokens: int, *, bos: bool = True) -> list[int]:
     if len(out) < n_tokens:
         raise ValueError(f"this Python's files hold only {len(out)} tokens of prose; asked for {n_tokens}")
     return out
+
+
+def split_prose(train_jsonl: str, heldout_dir: str, *, books: int = 2, doc_chars: int = 20000) -> tuple[int, int]:
+    """Write this Python's prose as a training corpus and a held-out set that shares no text with it: the
+    standard-library docstrings as `train_jsonl` (field 'text', documents of about `doc_chars` characters), and
+    the reference documentation (`pydoc_data.topics`) as `books` .txt files in `heldout_dir` (the layout the
+    eval's pg19 task reads). Both written atomically. Returns (training documents, held-out characters)."""
+    import json
+
+    os.makedirs(heldout_dir, exist_ok=True)
+    topics = "".join(_topics())
+    size = -(-len(topics) // books)
+    for i in range(books):
+        path = os.path.join(heldout_dir, f"pydoc-topics-{i}.txt")
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            fh.write(topics[i * size:(i + 1) * size])
+        os.replace(path + ".tmp", path)
+    docs, part = [], []
+    for piece in _docstrings():
+        part.append(piece)
+        if sum(map(len, part)) >= doc_chars:
+            docs.append("".join(part))
+            part = []
+    if part:
+        docs.append("".join(part))
+    os.makedirs(os.path.dirname(os.path.abspath(train_jsonl)), exist_ok=True)
+    with open(train_jsonl + ".tmp", "w", encoding="utf-8") as fh:
+        for doc in docs:
+            fh.write(json.dumps({"text": doc}) + "\n")
+    os.replace(train_jsonl + ".tmp", train_jsonl)
+    return len(docs), len(topics)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write this Python's own prose as a training corpus (stdlib "
+                                 "docstrings, jsonl) and a held-out set (the reference documentation, .txt books "
+                                 "for the eval's pg19 task). No download.")
+    ap.add_argument("--train", required=True, help="output .jsonl of training documents")
+    ap.add_argument("--heldout", required=True, help="output folder of held-out .txt books")
+    ap.add_argument("--books", type=int, default=2, help="held-out books (default 2)")
+    args = ap.parse_args(argv)
+    if args.books < 1:
+        ap.error("--books must be >= 1")
+    n, chars = split_prose(args.train, args.heldout, books=args.books)
+    print(f"{n} training documents -> {args.train}; {chars} held-out characters in {args.books} books -> "
+          f"{args.heldout}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The fidelity study (issue #14) on a GPU machine that reaches no registry: continue pretraining SmolLM2-135M
+# from 8K to 32K twice on the same packed tokens (recipes/smollm2-32k-mtraining.yaml and its dense twin), then
+# evaluate the base model (YaRN x4 written into its config) and both results with eval/smollm2-32k.yaml, and
+# compare. The GGUF travels in two parts as for the real-attention benchmark (scripts/gpu_real_model.sh):
+#
+#   scripts/gpu_real_model.sh split          # here, once: .carry/p1, .carry/p2
+#   scripts/gpu_train_real.sh stage          # call 1, carry .carry/p1
+#   scripts/gpu_train_real.sh run            # call 2 (and more), carry .carry/p2: everything else
+#
+# Every stage skips what is done (the checkpoint, the packed data, a finished run's final/, eval predictions
+# cached per sample) and a killed training resumes from its last checkpoint: when a call runs out of time,
+# call `run` again while the machine is still warm (about 30 s after a call; after that it starts bare).
+# Results (metrics, eval results, the compare table and loss plot) are copied to OUT as they appear.
+#
+# Environment: MODEL_DIR (/root/smollm2), STEPS (200 training steps per run), SEQ (32768), OUT (results),
+# STAGES (default "data train eval compare": any subset, in that order), TRAIN_ARGS / EVAL_ARGS (extra `mtrain
+# train` / `mtrain eval` arguments, e.g. EVAL_ARGS="--lengths 4096,8192" for a shorter pass). A CPU smoke run of
+# the whole chain: MODEL_DIR=models/smollm2-135m SEQ=2048 STEPS=2 TRAIN_ARGS="--set model.dtype=float32
+# --set model.gradient_checkpointing=false" EVAL_ARGS="--lengths 2048 --samples 1 --tasks niah"
+# scripts/gpu_train_real.sh run
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL_DIR=${MODEL_DIR:-/root/smollm2}
+STEPS=${STEPS:-200}
+SEQ=${SEQ:-32768}
+RESULTS=${OUT:-runs/fidelity}
+STAGES=${STAGES:-data train eval compare}
+PACKED=data/packed/smollm2-$SEQ
+export PYTHONPATH="/root/pylib:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+MTRAIN="python -m mtrain"
+has() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+keep() { mkdir -p "$RESULTS/$2" && cp "$1" "$RESULTS/$2/" 2>/dev/null || true; }  # a copy back under OUT
+
+case "${1:-}" in
+  stage)
+    CHECK=0 EST=0 scripts/gpu_real_model.sh stage ;;
+  run)
+    mkdir -p "$RESULTS"
+    MODEL_DIR=$MODEL_DIR scripts/gpu_real_model.sh convert
+    if has data; then
+      # synthetic long documents in the eval's needle formats (answered), and this Python's prose: the stdlib
+      # docstrings for training, the reference documentation held out for perplexity (no overlap)
+      [ -f data/synthetic/smollm2-long.jsonl ] || python -m mtrain.data.synthetic --out data/synthetic/smollm2-long.jsonl \
+        --docs 600 --min-sentences 200 --max-sentences 2500 --facts 4 --retrieval 0.7 \
+        --formats niah=0.5,ruler=0.3,passkey=0.2,repeat=0 --seed 3
+      [ -f data/prose/train.jsonl ] || python -m mtrain.data.prose --train data/prose/train.jsonl \
+        --heldout data/eval/prose-heldout
+      [ -f "$PACKED/index.json" ] || $MTRAIN pack --source data/synthetic/smollm2-long.jsonl:jsonl@0.85 \
+        --source data/prose/train.jsonl:jsonl@0.15 --tokenizer "$MODEL_DIR" --seq-len "$SEQ" \
+        --total-tokens $((STEPS * SEQ)) --out "$PACKED" --no-progress
+    fi
+    if has train; then
+      for kind in mtraining dense; do  # the same data order, seed, steps and tokens
+        run=runs/smollm2-32k-$kind
+        [ -d "$run/final" ] || $MTRAIN train recipes/smollm2-32k-$kind.yaml --set model.path="$MODEL_DIR" \
+          --set data.path="$PACKED" --set data.seq_len="$SEQ" --set train.max_steps="$STEPS" ${TRAIN_ARGS:-}
+        keep "$run/metrics.jsonl" "$kind"
+      done
+    fi
+    if has eval; then
+      base=/root/smollm2-yarn4  # the base model at 32K: YaRN x4 in its config, as the trained ones export it
+      if [ ! -f "$base/config.json" ]; then
+        cp -r "$MODEL_DIR" "$base"
+        python - "$base/config.json" <<'PY'
+import json, sys
+path = sys.argv[1]
+cfg = json.load(open(path))
+theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": cfg["max_position_embeddings"]}
+cfg["rope_parameters"] = {**yarn, "rope_theta": theta}  # transformers 5
+cfg["rope_scaling"] = {**yarn, "type": "yarn"}  # older readers
+cfg["max_position_embeddings"] *= 4
+json.dump(cfg, open(path, "w"), indent=1)
+PY
+      fi
+      for pair in "base:$base" "mtraining:runs/smollm2-32k-mtraining/final" "dense:runs/smollm2-32k-dense/final"; do
+        name=${pair%%:*}
+        out=runs/smollm2-32k-eval/$name
+        $MTRAIN eval eval/smollm2-32k.yaml --model "${pair#*:}" --out "$out" ${EVAL_ARGS:-}
+        keep "$out/results.json" "eval-$name"
+      done
+    fi
+    if has compare; then
+      $MTRAIN compare runs/smollm2-32k-mtraining runs/smollm2-32k-dense --plot "$RESULTS/loss.png" \
+        | tee "$RESULTS/compare.txt"
+    fi ;;
+  *)
+    echo "usage: $0 stage | run   (see the header)" >&2; exit 2 ;;
+esac
