@@ -21,6 +21,22 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tile_logits(q, kbase, start, rpos, r_ok, rdoc, docs, S, sks, d, d_ok, scale_log2,
+                 HAS_DOCS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """The row tile's scaled logits (log2 units) against keys start .. start + BLOCK_N - 1, -inf where a row
+    does not see the key (causal, padding, another document); and the key positions and their in-range mask."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    k_ok = kpos < S
+    kt = tl.load(kbase + kpos[None, :] * sks + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+    s = tl.dot(q, kt, input_precision=PREC) * scale_log2
+    vis = (kpos[None, :] <= rpos[:, None]) & k_ok[None, :] & r_ok[:, None]
+    if HAS_DOCS:
+        kdoc = tl.load(docs + kpos, mask=k_ok, other=-2)
+        vis = vis & (kdoc[None, :] == rdoc[:, None])
+    return tl.where(vis, s, float("-inf")), kpos, k_ok
+
+
+@triton.jit
 def _score_kernel(
     Q, K, ROWS, DOCS, LSE, POOLED, VPART,
     n, S, nKB, H, G, D, scale_log2,
@@ -41,6 +57,7 @@ def _score_kernel(
     d_ok = d < D
     q = tl.load(Q + b * sqb + r_idx[:, None] * sqn + h * sqh + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
                 other=0.0)
+    rdoc = rpos  # unused without documents
     if HAS_DOCS:
         rdoc = tl.load(DOCS + b * sdb + tl.maximum(rpos, 0), mask=r_ok, other=-1)
     # rows are sorted: this tile sees keys up to its last row
@@ -50,15 +67,8 @@ def _score_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        k_ok = kpos < S
-        kt = tl.load(kbase + kpos[None, :] * sks + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, kt, input_precision=PREC) * scale_log2
-        vis = (kpos[None, :] <= rpos[:, None]) & k_ok[None, :] & r_ok[:, None]
-        if HAS_DOCS:
-            kdoc = tl.load(DOCS + b * sdb + kpos, mask=k_ok, other=-2)
-            vis = vis & (kdoc[None, :] == rdoc[:, None])
-        s = tl.where(vis, s, float("-inf"))
+        s, kpos, k_ok = _tile_logits(q, kbase, start, rpos, r_ok, rdoc, DOCS + b * sdb, S, sks, d, d_ok, scale_log2,
+                                     HAS_DOCS, BLOCK_N, PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -69,15 +79,9 @@ def _score_kernel(
     prow = POOLED + (bh * n + r_idx) * nKB
     vrow = VPART + (tile * (tl.num_programs(1)) + bh).to(tl.int64) * S
     for start in range(0, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        k_ok = kpos < S
-        kt = tl.load(kbase + kpos[None, :] * sks + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, kt, input_precision=PREC) * scale_log2
-        vis = (kpos[None, :] <= rpos[:, None]) & k_ok[None, :] & r_ok[:, None]
-        if HAS_DOCS:
-            kdoc = tl.load(DOCS + b * sdb + kpos, mask=k_ok, other=-2)
-            vis = vis & (kdoc[None, :] == rdoc[:, None])
-        p = tl.where(vis, tl.exp2(s - m_safe[:, None]) * inv[:, None], 0.0)
+        s, kpos, k_ok = _tile_logits(q, kbase, start, rpos, r_ok, rdoc, DOCS + b * sdb, S, sks, d, d_ok, scale_log2,
+                                     HAS_DOCS, BLOCK_N, PREC)
+        p = tl.exp2(s - m_safe[:, None]) * inv[:, None]  # hidden pairs: exp2(-inf) = 0
         kb = start // BLOCK_N
         tl.store(prow + kb, tl.sum(p, 1), mask=r_ok)
         outside = (rblk[:, None] != kb) & (kb != 0)
