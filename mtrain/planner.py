@@ -394,24 +394,19 @@ def format_plan(p: Plan) -> str:
 # "step" = seconds per training step (1 sequence, no accumulation), "attn" = ms of one attention call (fwd+bwd,
 # no checkpointing, index given: kernels + ring), "mem" = peak GPU GB.
 _SMALL = dict(shape="qwen2.5-0.5b", offload=False, loss_chunk=8192, gpus=1, cp=1, scored_rows=64)
+_3B = dict(shape="qwen2.5-3b", gpus=1, cp=1, verticals=32, loss_chunk=8192, scored_rows=64)
 MEASURED = [
     ("1 GPU 0.5B dense 64K", dict(_SMALL, seq_len=65536, attention="dense"), "step", 2.80),
     ("1 GPU 0.5B dense 128K", dict(_SMALL, seq_len=131072, attention="dense"), "step", 9.36),
     ("1 GPU 0.5B sparse 64K (3.0%)", dict(_SMALL, seq_len=65536, density=0.030, verticals=32), "step", 1.41),
     ("1 GPU 0.5B sparse 128K (1.5%)", dict(_SMALL, seq_len=131072, density=0.015, verticals=32), "step", 2.58),
     ("1 GPU 0.5B dense 128K peak", dict(_SMALL, seq_len=131072, attention="dense"), "mem", 23.4),
-    ("1 GPU 3B offload 128K (3.2%)", dict(shape="qwen2.5-3b", seq_len=131072, gpus=1, cp=1, density=0.032,
-                                          verticals=32, loss_chunk=8192, scored_rows=64), "step", 10.5),
-    ("1 GPU 3B offload 256K (1.6%)", dict(shape="qwen2.5-3b", seq_len=262144, gpus=1, cp=1, density=0.016,
-                                          verticals=32, loss_chunk=8192, scored_rows=64), "step", 19.4),
-    ("1 GPU 3B offload 384K (1.1%)", dict(shape="qwen2.5-3b", seq_len=393216, gpus=1, cp=1, density=0.011,
-                                          verticals=32, loss_chunk=8192, scored_rows=64), "step", 28.6),
-    ("1 GPU 3B offload 128K peak", dict(shape="qwen2.5-3b", seq_len=131072, gpus=1, cp=1, density=0.032,
-                                        verticals=32, loss_chunk=8192, scored_rows=64), "mem", 48.0),
-    ("1 GPU 3B offload 256K peak", dict(shape="qwen2.5-3b", seq_len=262144, gpus=1, cp=1, density=0.016,
-                                        verticals=32, loss_chunk=8192, scored_rows=64), "mem", 88.3),
-    ("1 GPU 3B offload 384K peak", dict(shape="qwen2.5-3b", seq_len=393216, gpus=1, cp=1, density=0.011,
-                                        verticals=32, loss_chunk=8192, scored_rows=64), "mem", 128.6),
+    ("1 GPU 3B offload 128K (3.2%)", dict(_3B, seq_len=131072, density=0.032), "step", 10.5),
+    ("1 GPU 3B offload 256K (1.6%)", dict(_3B, seq_len=262144, density=0.016), "step", 19.4),
+    ("1 GPU 3B offload 384K (1.1%)", dict(_3B, seq_len=393216, density=0.011), "step", 28.6),
+    ("1 GPU 3B offload 128K peak", dict(_3B, seq_len=131072, density=0.032), "mem", 48.0),
+    ("1 GPU 3B offload 256K peak", dict(_3B, seq_len=262144, density=0.016), "mem", 88.3),
+    ("1 GPU 3B offload 384K peak", dict(_3B, seq_len=393216, density=0.011), "mem", 128.6),
     ("2 GPU CP=2 0.5B sparse 128K (1.6%)", dict(_SMALL, seq_len=131072, gpus=2, cp=2, density=0.016, verticals=32),
      "step", 131072 / 62000),
 ]

@@ -225,9 +225,7 @@ def fit(path: str, table_json: str | None = None) -> dict:
     dense, sparse, out = {}, {}, {}
     for D in sorted({r["D"] for r in rows}):
         d = [r for r in rows if r["kind"] == "dense" and r["D"] == D]
-        for mode, key in modes.items():
-            if not d:
-                break
+        for mode, key in modes.items() if d else ():
             c, err = _fit([[1, r["Hq"] * r["S"] ** 2 / 2 * D / 1e12] for r in d], [r[key] for r in d])
             dense.setdefault(D, {})[mode] = tuple(round(float(x), 4) for x in c)
             print(f"# dense D={D} {mode}: worst relative error {err:.2f}")

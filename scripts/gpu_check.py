@@ -107,20 +107,13 @@ def estimator_case(q, k, doc_ids, bs, tag) -> str:
     """The estimator's Triton scorer: its est_recall against the float64 mass of the scored rows inside its own
     index, and its density against the PyTorch scorer's (same rows, float32 probabilities)."""
     from mtrain.ops.estimate import estimate_vertical_slash, scored_rows
+    from mtrain.ops.recall import true_recall
 
     kw = dict(recall=0.9, last_q=64, sample_blocks=4, block_size=bs, doc_ids=doc_ids)
     got = estimate_vertical_slash(q, k, scorer="triton", **kw)
     ref = estimate_vertical_slash(q, k, scorer="torch", **kw)
-    S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
-    rows = scored_rows(S, 64, 4, bs).to(q.device)
-    kk = k.double().repeat_interleave(Hq // k.shape[2], dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double()[:, rows], kk) / math.sqrt(D)
-    pos = torch.arange(S, device=q.device)
-    vis = pos[None, :] <= rows[:, None]
-    if doc_ids is not None:
-        vis = vis & (doc_ids[0, rows, None] == doc_ids[0, None, :])
-    p = torch.softmax(s.masked_fill(~vis, -math.inf), -1)
-    want = (p * got.to_mask()[:, :, rows]).sum(-1).mean(-1)
+    rows = scored_rows(q.shape[1], 64, 4, bs)
+    want = true_recall(q.double(), k.double(), got, doc_ids=doc_ids, rows=rows).double()  # float64 on float64
     err = float((got._cache["est_recall"].double() - want).abs().max())
     d_err = abs(got.density() - ref.density())
     bad = err > 2e-3 or d_err > 0.03 or not math.isfinite(err)

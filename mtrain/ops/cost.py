@@ -233,11 +233,9 @@ def worth_estimating(*, seq_len: int, heads: int, head_dim: int, block_size: int
 
 def index_work(index) -> tuple[int, int]:
     """(listed block entries, listed column entries) of a `SparseIndex`, summed over batch and heads (one
-    device-to-host read of two integers)."""
-    import torch
-
-    counts = torch.stack([index.block_counts.long().sum(), index.col_counts.long().sum()]).tolist()
-    return int(counts[0]), int(counts[1])
+    device-to-host read of two integers; `index.work_tensor()` is the same on the device)."""
+    blocks, columns = index.work_tensor().tolist()
+    return int(blocks), int(columns)
 
 
 @dataclass(frozen=True)

@@ -180,21 +180,27 @@ def uncovered_blocks(probs, rest, rows, k_pos, vertical, seq_len: int, block_siz
     return rest.scatter_add(-1, v_blk[..., None, :].expand(*v.shape[:-1], n, -1), -torch.where(keep, vals, 0.0))
 
 
-def covered_mass(index: SparseIndex, rows, probs, pooled, k_pos) -> torch.Tensor:
+def _in_blocks(index, slot: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    """Mass of each scored row inside its query block's listed key blocks: [B, Hq, n]. slot [n]: the row of the
+    index's lists each scored row reads; pooled [B, Hq, n, nKB]: the rows' mass per key block."""
+    ids = index.block_ids[:, :, slot].long()
+    ok = (torch.arange(ids.shape[-1], device=pooled.device) < index.block_counts[:, :, slot, None].long()) & (ids >= 0)
+    return torch.where(ok, torch.gather(pooled, -1, ids.clamp(min=0)), 0.0).sum(-1)
+
+
+def covered_mass(index, rows, probs, pooled, k_pos, slot=None) -> torch.Tensor:
     """Mass of the scored rows inside `index`, summed over rows, from this rank's keys: [B, Hq]. probs
-    [B, Hq, n, Sk] and pooled [B, Hq, n, nKB] as `residual_parts` gives them (heads flattened)."""
+    [B, Hq, n, Sk] and pooled [B, Hq, n, nKB] as `residual_parts` gives them (heads flattened). slot: the row
+    of the index's lists each scored row reads (default its query block; a rank's RowIndex holds only some)."""
     dev = probs.device
-    qb = rows // index.block_size
-    ids = index.block_ids[:, :, qb].long()
-    ok = (torch.arange(ids.shape[-1], device=dev) < index.block_counts[:, :, qb, None].long()) & (ids >= 0)
-    in_blocks = torch.where(ok, torch.gather(pooled, -1, ids.clamp(min=0)), 0.0).sum(-1)
+    slot = rows // index.block_size if slot is None else slot
     local = torch.full((index.seq_len + 1,), -1, dtype=torch.long, device=dev)
     local[k_pos] = torch.arange(k_pos.numel(), device=dev)
-    cols = index.col_ids[:, :, qb].long()
-    cok = (torch.arange(cols.shape[-1], device=dev) < index.col_counts[:, :, qb, None].long()) & (cols >= 0)
-    slot = local[torch.where(cok, cols, index.seq_len)]
-    in_cols = torch.where(slot >= 0, torch.gather(probs, -1, slot.clamp(min=0)), 0.0).sum(-1)
-    return (in_blocks + in_cols).sum(-1)
+    cols = index.col_ids[:, :, slot].long()
+    cok = (torch.arange(cols.shape[-1], device=dev) < index.col_counts[:, :, slot, None].long()) & (cols >= 0)
+    where = local[torch.where(cok, cols, index.seq_len)]
+    in_cols = torch.where(where >= 0, torch.gather(probs, -1, where.clamp(min=0)), 0.0).sum(-1)
+    return (_in_blocks(index, slot, pooled) + in_cols).sum(-1)
 
 
 # Elements of the largest temporary the q/k recomputations make at once (fp32: 256 MB).
@@ -266,10 +272,7 @@ def covered_mass_qk(index: SparseIndex, plan, pooled, q_rows, k, lse, scale: flo
     dev = pooled.device
     B, n, Hq, _ = q_rows.shape
     rows, blocks, table = plan
-    qb = rows // index.block_size
-    ids = index.block_ids[:, :, qb].long()
-    ok = (torch.arange(ids.shape[-1], device=dev) < index.block_counts[:, :, qb, None].long()) & (ids >= 0)
-    in_blocks = torch.where(ok, torch.gather(pooled, -1, ids.clamp(min=0)), 0.0).sum(-1).sum(-1)
+    in_blocks = _in_blocks(index, rows // index.block_size, pooled).sum(-1)
     if index.col_ids.shape[-1] == 0:
         return in_blocks
     cols = index.col_ids[:, :, blocks].long()  # [B, Hq, U, C]

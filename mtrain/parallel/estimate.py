@@ -224,18 +224,10 @@ def rank_rows(q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def _covered_rows(lists, rows, probs, pooled, k_pos) -> torch.Tensor:
     """`mtrain.ops.estimate.covered_mass` from a RowIndex holding (at least) the scored rows' query blocks."""
-    dev = probs.device
+    from mtrain.ops.estimate import covered_mass
+
     slot = torch.searchsorted(lists.rows, rows // lists.block_size)
-    ids = lists.block_ids[:, :, slot].long()
-    ok = (torch.arange(ids.shape[-1], device=dev) < lists.block_counts[:, :, slot, None].long()) & (ids >= 0)
-    in_blocks = torch.where(ok, torch.gather(pooled, -1, ids.clamp(min=0)), 0.0).sum(-1)
-    local = torch.full((lists.seq_len + 1,), -1, dtype=torch.long, device=dev)
-    local[k_pos] = torch.arange(k_pos.numel(), device=dev)
-    cols = lists.col_ids[:, :, slot].long()
-    cok = (torch.arange(cols.shape[-1], device=dev) < lists.col_counts[:, :, slot, None].long()) & (cols >= 0)
-    where = local[torch.where(cok, cols, lists.seq_len)]
-    in_cols = torch.where(where >= 0, torch.gather(probs, -1, where.clamp(min=0)), 0.0).sum(-1)
-    return (in_blocks + in_cols).sum(-1)
+    return covered_mass(lists, rows, probs, pooled, k_pos, slot=slot)
 
 
 def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
