@@ -531,7 +531,7 @@ def index_breakdown(q, k, recall, bs, Hkv, D, log):
 
     S = q.shape[1]
     rows = scored_rows(S, 64, 16, bs).to(q.device)
-    t_score = timed(lambda: score_rows(q, k, rows, bs, D ** -0.5), 3)
+    t_score = timed(lambda: score_rows(q[:, rows], k, rows, bs, D ** -0.5), 3)
     t_est = {sc: timed(lambda sc=sc: estimate_vertical_slash(q, k, recall=recall, block_size=bs, scorer=sc), 3)
              for sc in ("triton", "torch")}
     index = estimate_vertical_slash(q, k, recall=recall, block_size=bs)

@@ -40,10 +40,9 @@ def test_triton_scorer_gives_the_torch_index(S, Hq, Hkv, D, bs, kw):
     assert torch.allclose(a._cache["est_recall"], b._cache["est_recall"], atol=1e-6)
 
 
-@pytest.mark.parametrize("chunk", [None, 1000])  # 1000: the q/k recomputations run in many small chunks
-def test_triton_scorer_with_documents_matches_and_reaches_recall(chunk, monkeypatch):
-    if chunk is not None:
-        monkeypatch.setattr("mtrain.ops.estimate._CHUNK", chunk)
+@pytest.mark.parametrize("keys_per_program", [4096, 48])  # 48: several key chunks, rounded to the block size
+def test_triton_scorer_with_documents_matches_and_reaches_recall(keys_per_program, monkeypatch):
+    monkeypatch.setattr("mtrain.ops._triton_estimate.KEYS_PER_PROGRAM", keys_per_program)
     q, k = planted(S=256)
     docs = torch.tensor([0] * 70 + [1] * 100 + [2] * 86)[None]
     a, b = both(q, k, recall=0.95, last_q=32, block_size=16, sample_blocks=4, doc_ids=docs)
@@ -61,8 +60,11 @@ def test_triton_scorer_est_recall_against_float64():
     assert torch.allclose(index._cache["est_recall"].double(), want, atol=1e-5)
 
 
-def test_score_rows_sums_against_float64():
+@pytest.mark.parametrize("keys_per_program", [4096, 32])  # 32: the key axis split over three programs
+def test_score_rows_sums_against_float64(keys_per_program, monkeypatch):
     from mtrain.ops._triton_estimate import score_rows
+
+    monkeypatch.setattr("mtrain.ops._triton_estimate.KEYS_PER_PROGRAM", keys_per_program)
 
     gen = torch.Generator().manual_seed(3)
     B, S, Hq, Hkv, D, bs = 2, 96, 4, 2, 16, 16
@@ -70,7 +72,7 @@ def test_score_rows_sums_against_float64():
     k = torch.randn(B, S, Hkv, D, generator=gen)
     docs = torch.tensor([[0] * 40 + [1] * 56, [0] * 96])
     rows = torch.tensor([16, 17, 18, 40, 41, 80, 90, 95])
-    lse, pooled, vert = score_rows(q, k, rows, bs, 0.25, docs)
+    lse, pooled, vert = score_rows(q[:, rows], k, rows, bs, 0.25, docs)
     kk = k.double().repeat_interleave(Hq // Hkv, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q.double()[:, rows], kk) * 0.25
     pos = torch.arange(S)
@@ -83,3 +85,67 @@ def test_score_rows_sums_against_float64():
     assert torch.allclose(pooled.double(), ref_pooled, atol=1e-6)
     outside = ((pos // bs)[None, :] != (rows // bs)[:, None]) & (pos >= bs)[None, :]
     assert torch.allclose(vert.double(), (p * outside).sum(-2), atol=1e-6)
+
+
+@pytest.mark.parametrize("skip_kept,shared", [(False, False), (True, True)])
+def test_group_column_mass_against_float64(skip_kept, shared):
+    """Per query block and column, the scored rows' probabilities summed (causal, same document, and outside
+    block 0 and the row's own block with skip_kept), against float64 softmax over all keys."""
+    from mtrain.ops._triton_estimate import group_column_mass, score_rows
+    from mtrain.ops.estimate import row_groups
+
+    gen = torch.Generator().manual_seed(5)
+    B, S, Hq, Hkv, D, bs = 2, 96, 4, 2, 16, 16
+    q = torch.randn(B, S, Hq, D, generator=gen)
+    k = torch.randn(B, S, Hkv, D, generator=gen)
+    docs = torch.tensor([[0] * 40 + [1] * 56, [0] * 96])
+    rows = torch.tensor([16, 17, 18, 40, 41, 80, 90, 95])
+    blocks, table = row_groups(rows, bs)
+    lse, _, _ = score_rows(q[:, rows], k, rows, bs, 0.25, docs)
+    U = blocks.numel()
+    n_cols = 7
+    cols = torch.randint(0, S, (B, Hq, 1 if shared else U, n_cols), generator=gen)
+    cols[..., -2:] = -1  # padding
+    got = group_column_mass(q[:, rows], k, lse, rows, table, cols, 0.25, bs, docs, skip_kept=skip_kept)
+    kk = k.double().repeat_interleave(Hq // Hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double()[:, rows], kk) * 0.25
+    pos = torch.arange(S)
+    vis = (pos[None, :] <= rows[:, None]) & (docs[:, rows, None] == docs[:, None, :])[:, None]
+    p = torch.softmax(s.masked_fill(~vis, -math.inf), -1)  # [B, Hq, n, S]
+    if skip_kept:
+        kept = ((pos // bs)[None, :] == (rows // bs)[:, None]) | (pos < bs)[None, :]
+        p = p.masked_fill(kept, 0.0)
+    want = torch.zeros(B, Hq, U, n_cols, dtype=torch.float64)
+    for u in range(U):
+        members = table[u][table[u] >= 0]
+        c = cols[:, :, 0 if shared else u]  # [B, Hq, C]
+        vals = torch.gather(p[:, :, members], -1, c.clamp(min=0)[:, :, None].expand(-1, -1, members.numel(), -1))
+        want[:, :, u] = torch.where(c >= 0, vals.sum(-2), 0.0)
+    assert want.abs().sum() > 0.1
+    assert torch.allclose(got.double(), want, atol=1e-6)
+
+
+def test_offset_mass_matches_the_scatter_of_uncovered_blocks():
+    """Mass per block offset from per-block column sums equals subtracting the columns row by row
+    (`uncovered_blocks`, the materialising scorer's way) and pooling by offset."""
+    from mtrain.ops.estimate import (block_slash_mass, kept_split, offset_mass, pool_blocks, row_groups,
+                                     uncovered_blocks)
+
+    gen = torch.Generator().manual_seed(9)
+    B, H, S, bs = 1, 3, 160, 16
+    n_kb = S // bs
+    rows = torch.tensor([32, 33, 47, 96, 100, 150, 159])
+    probs = torch.rand(B, H, rows.numel(), S, generator=gen, dtype=torch.float64)
+    probs = torch.where(torch.arange(S)[None, :] <= rows[:, None], probs, 0.0)
+    _, rest = kept_split(pool_blocks(probs, torch.arange(S), bs, n_kb), rows, bs)
+    vert = torch.sort(torch.randint(-1, S, (B, H, 9), generator=gen), -1).values
+    want = block_slash_mass(rest, rows, bs) - block_slash_mass(
+        uncovered_blocks(probs, rest, rows, torch.arange(S), vert, S, bs), rows, bs)
+    blocks, table = row_groups(rows, bs)
+    outside = ((torch.arange(S) // bs)[None, :] != (rows // bs)[:, None]) & (torch.arange(S) >= bs)[None, :]
+    cut = probs * outside
+    colsum = torch.stack([torch.gather(cut[:, :, table[u][table[u] >= 0]].sum(-2), -1, vert.clamp(min=0))
+                          .where(vert >= 0, 0.0) for u in range(blocks.numel())], 2)
+    got = offset_mass(colsum, vert, blocks, bs, n_kb)
+    assert want.abs().sum() > 0.1
+    assert torch.allclose(got.double(), want, atol=1e-5)

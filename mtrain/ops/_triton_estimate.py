@@ -1,16 +1,20 @@
-"""The GPU scorer of the pattern estimator: the scored query rows against every visible key in two passes of
-one Triton program per (row tile, batch x head), never materialising the [rows x S] probabilities.
+"""The GPU side of the pattern estimator, in Triton: the scored query rows against every visible key, never
+materialising the [rows x S] probabilities, and the mass of chosen columns recomputed from q and k.
 
-Pass 1 takes each row's softmax max and sum over its visible keys (causal, same document). Pass 2
-recomputes the probabilities tile by tile and writes only what the estimator reads: the mass per (row, key
-block) and, per row tile, the mass per key column outside the always-kept blocks (sink block 0 and the
-row's own block). The column partials are summed over row tiles afterwards, in a fixed order, so the
-result does not depend on scheduling.
+`score_rows` runs two kernels over (row tile, batch x head, key chunk) programs; the key axis is split so that
+the ~1K scored rows of a long sequence still fill the GPU. Pass 1 takes each row's softmax max and sum over
+the visible keys of its chunk (causal, same document). Pass 2 combines every chunk's max and sum into the
+row's normaliser, recomputes the probabilities tile by tile and writes only what the estimator reads: the
+mass per (row, key block) and, per row tile, the mass per key column outside the always-kept blocks (sink
+block 0 and the row's own block). Those column partials are summed over row tiles afterwards in a fixed
+order, so the result does not depend on scheduling.
+
+`group_column_mass` gives, per query block of the scored rows, the probabilities of a list of key columns
+summed over the block's rows: what the chosen verticals take from each block offset, and what the final
+index's column lists hold.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -37,22 +41,13 @@ def _tile_logits(q, kbase, start, rpos, r_ok, rdoc, docs, S, sks, d, d_ok, scale
 
 
 @triton.jit
-def _score_kernel(
-    Q, K, ROWS, DOCS, LSE, POOLED, VPART,
-    n, S, nKB, H, G, D, scale_log2,
-    sqb, sqn, sqh, skb, sks, skh, sdb,
-    HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // G
+def _tile_rows(Q, ROWS, DOCS, tile, b, h, n, D, sqb, sqn, sqh, sdb,
+               HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The row tile's indices, validity, positions, own blocks, documents and queries; and the first key
+    position no row of the tile sees (rows are sorted)."""
     r_idx = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     r_ok = r_idx < n
     rpos = tl.load(ROWS + r_idx, mask=r_ok, other=-1)
-    rblk = rpos // BLOCK_N
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q = tl.load(Q + b * sqb + r_idx[:, None] * sqn + h * sqh + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
@@ -60,25 +55,78 @@ def _score_kernel(
     rdoc = rpos  # unused without documents
     if HAS_DOCS:
         rdoc = tl.load(DOCS + b * sdb + tl.maximum(rpos, 0), mask=r_ok, other=-1)
-    # rows are sorted: this tile sees keys up to its last row
-    last = tl.load(ROWS + tl.minimum(tile * BLOCK_M + BLOCK_M, n) - 1)
-    hi = last + 1
-    kbase = K + b * skb + hk * skh
+    end = tl.load(ROWS + tl.minimum(tile * BLOCK_M + BLOCK_M, n) - 1) + 1
+    return r_idx, r_ok, rpos, rpos // BLOCK_N, rdoc, q, d, d_ok, end
+
+
+@triton.jit
+def _score_stats_kernel(
+    Q, K, ROWS, DOCS, MPART, LPART,
+    n, S, H, G, D, scale_log2, chunk,
+    sqb, sqn, sqh, skb, sks, skh, sdb,
+    HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Pass 1, per (row tile, batch x head, key chunk): each row's max and sum (log2 units) over the visible
+    keys of the chunk."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    c = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    r_idx, r_ok, rpos, rblk, rdoc, q, d, d_ok, end = _tile_rows(Q, ROWS, DOCS, tile, b, h, n, D, sqb, sqn, sqh,
+                                                                sdb, HAS_DOCS, BLOCK_M, BLOCK_N, BLOCK_D)
+    kbase = K + b * skb + (h // G) * skh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(c * chunk, tl.minimum(end, c * chunk + chunk), BLOCK_N):
         s, kpos, k_ok = _tile_logits(q, kbase, start, rpos, r_ok, rdoc, DOCS + b * sdb, S, sks, d, d_ok, scale_log2,
                                      HAS_DOCS, BLOCK_N, PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
         m_i = m_new
+    at = (c * tl.num_programs(1) + bh) * n + r_idx
+    tl.store(MPART + at, m_i, mask=r_ok)
+    tl.store(LPART + at, l_i, mask=r_ok)
+
+
+@triton.jit
+def _score_sums_kernel(
+    Q, K, ROWS, DOCS, MPART, LPART, LSE, POOLED, VPART,
+    n, S, nKB, H, G, D, scale_log2, chunk, n_chunks,
+    sqb, sqn, sqh, skb, sks, skh, sdb,
+    HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Pass 2, per (row tile, batch x head, key chunk): the rows' normalisers from every chunk's max and sum
+    (chunk 0 stores them), then the probabilities of the chunk's keys, summed per (row, key block) and, over
+    the tile's rows, per key column outside the always-kept blocks."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    c = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    r_idx, r_ok, rpos, rblk, rdoc, q, d, d_ok, end = _tile_rows(Q, ROWS, DOCS, tile, b, h, n, D, sqb, sqn, sqh,
+                                                                sdb, HAS_DOCS, BLOCK_M, BLOCK_N, BLOCK_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for j in range(0, n_chunks):  # the same order in every program: one normaliser per row
+        at = (j * tl.num_programs(1) + bh) * n + r_idx
+        mj = tl.load(MPART + at, mask=r_ok, other=float("-inf"))
+        lj = tl.load(LPART + at, mask=r_ok, other=0.0)
+        m_new = tl.maximum(m_i, mj)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_safe) + lj * tl.exp2(mj - m_safe)
+        m_i = m_new
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
-    tl.store(LSE + bh * n + r_idx, (m_safe + tl.log2(tl.maximum(l_i, 1e-30))) / 1.4426950408889634, mask=r_ok)
-    prow = POOLED + (bh * n + r_idx) * nKB
+    if c == 0:
+        tl.store(LSE + bh * n + r_idx, (m_safe + tl.log2(tl.maximum(l_i, 1e-30))) / 1.4426950408889634, mask=r_ok)
+    kbase = K + b * skb + (h // G) * skh
+    prow = POOLED + (bh * n + r_idx).to(tl.int64) * nKB
     vrow = VPART + (tile * (tl.num_programs(1)) + bh).to(tl.int64) * S
-    for start in range(0, hi, BLOCK_N):
+    for start in range(c * chunk, tl.minimum(end, c * chunk + chunk), BLOCK_N):
         s, kpos, k_ok = _tile_logits(q, kbase, start, rpos, r_ok, rdoc, DOCS + b * sdb, S, sks, d, d_ok, scale_log2,
                                      HAS_DOCS, BLOCK_N, PREC)
         p = tl.exp2(s - m_safe[:, None]) * inv[:, None]  # hidden pairs: exp2(-inf) = 0
@@ -88,39 +136,133 @@ def _score_kernel(
         tl.store(vrow + kpos, tl.sum(tl.where(outside, p, 0.0), 0), mask=k_ok)
 
 
+# Keys one program of the scorer walks (a multiple of the block size): the key axis is split into chunks so
+# that a few thousand rows still fill the GPU.
+KEYS_PER_PROGRAM = 4096
+
+
 def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size: int, scale: float,
                doc_ids: torch.Tensor | None = None):
-    """q [B, S, Hq, D], k [B, S, Hkv, D]; rows: sorted LongTensor [n] of query positions. Returns fp32
+    """q [B, n, Hq, D]: the queries at positions `rows` (sorted LongTensor [n]); k [B, S, Hkv, D]. Returns fp32
     (lse [B, Hq, n] natural-log softmax normaliser of each row's visible scaled logits, pooled [B, Hq, n, nKB]
     mass per key block, vert [B, Hq, S] column mass summed over rows outside the kept blocks, 0 in block 0)."""
-    B, S, Hq, D = q.shape
-    Hkv = k.shape[2]
-    n = rows.numel()
+    B, n, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
     n_kb = -(-S // block_size)
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"the Triton scorer needs a power-of-two block_size >= 16; got {block_size}")
-    qr = q[:, rows]  # [B, n, Hq, D]
+    if rows.numel() != n:
+        raise ValueError(f"q holds {n} rows but rows lists {rows.numel()}")
+    qr = q if q.stride(-1) == 1 else q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
     tiles = -(-n // _ROWS)
+    chunk = max(block_size, KEYS_PER_PROGRAM // block_size * block_size)
+    n_chunks = -(-S // chunk)
     dev = q.device
     lse = torch.empty(B, Hq, n, device=dev, dtype=torch.float32)
+    mpart = torch.empty(n_chunks, B * Hq, n, device=dev, dtype=torch.float32)
+    lpart = torch.empty_like(mpart)
     pooled = torch.zeros(B, Hq, n, n_kb, device=dev, dtype=torch.float32)
     vpart = torch.zeros(tiles, B * Hq, S, device=dev, dtype=torch.float32)
     rows32 = rows.to(torch.int32).contiguous()
     docs = doc_ids.to(device=dev, dtype=torch.int32).contiguous() if doc_ids is not None else rows32
-    _score_kernel[(tiles, B * Hq)](
-        qr, k, rows32, docs, lse, pooled, vpart,
-        n, S, n_kb, Hq, Hq // Hkv, D, scale * _LOG2E,
-        qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        docs.stride(0) if doc_ids is not None else 0,
-        HAS_DOCS=doc_ids is not None, BLOCK_M=_ROWS, BLOCK_N=block_size,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if block_size <= 64 else 8,
-    )
+    strides = (qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               docs.stride(0) if doc_ids is not None else 0)
+    meta = dict(HAS_DOCS=doc_ids is not None, BLOCK_M=_ROWS, BLOCK_N=block_size,
+                BLOCK_D=max(16, triton.next_power_of_2(D)), PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                num_warps=4 if block_size <= 64 else 8)
+    grid = (tiles, B * Hq, n_chunks)
+    _score_stats_kernel[grid](qr, k, rows32, docs, mpart, lpart, n, S, Hq, Hq // Hkv, D, scale * _LOG2E, chunk,
+                              *strides, **meta)
+    _score_sums_kernel[grid](qr, k, rows32, docs, mpart, lpart, lse, pooled, vpart, n, S, n_kb, Hq, Hq // Hkv, D,
+                             scale * _LOG2E, chunk, n_chunks, *strides, **meta)
     vert = vpart.sum(0).view(B, Hq, S)
     return lse, pooled, vert
 
 
-def default_scale(D: int, softmax_scale: float | None) -> float:
-    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+
+@triton.jit
+def _group_cols_kernel(
+    QR, K, ROWS, TABLE, LSE, COLS, DOCS, OUT,
+    n, P, U, C, H, G, D, scale_log2, block_size,
+    sqb, sqn, sqh, skb, sks, skh, sdb, scb, sch, scu,
+    HAS_DOCS: tl.constexpr, SKIP_KEPT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per (column tile, query block u, batch x head): the tile's columns' probabilities summed over u's rows."""
+    ct = tl.program_id(0)
+    u = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    hk = h // G
+    p = tl.arange(0, BLOCK_P)
+    t = tl.load(TABLE + u * P + p, mask=p < P, other=-1)
+    r_ok = t >= 0
+    tt = tl.maximum(t, 0)
+    rpos = tl.load(ROWS + tt, mask=r_ok, other=-1)
+    lse = tl.load(LSE + bh * n + tt, mask=r_ok, other=0.0) * 1.4426950408889634
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(QR + b * sqb + tt[:, None] * sqn + h * sqh + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    c = ct * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_in = c < C
+    cpos = tl.load(COLS + b * scb + h * sch + u * scu + c, mask=c_in, other=-1)
+    c_ok = cpos >= 0
+    kt = tl.load(K + b * skb + tl.maximum(cpos, 0)[None, :].to(tl.int64) * sks + hk * skh + d[:, None],
+                 mask=c_ok[None, :] & d_ok[:, None], other=0.0)
+    s = tl.dot(q, kt, input_precision=PREC) * scale_log2
+    vis = (cpos[None, :] <= rpos[:, None]) & c_ok[None, :] & r_ok[:, None]
+    if SKIP_KEPT:
+        cblk = cpos // block_size
+        vis = vis & (cblk[None, :] != 0) & (cblk[None, :] != (rpos // block_size)[:, None])
+    if HAS_DOCS:
+        rdoc = tl.load(DOCS + b * sdb + tl.maximum(rpos, 0), mask=r_ok, other=-1)
+        cdoc = tl.load(DOCS + b * sdb + tl.maximum(cpos, 0), mask=c_ok, other=-2)
+        vis = vis & (cdoc[None, :] == rdoc[:, None])
+    pr = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+    tl.store(OUT + (bh * U + u).to(tl.int64) * C + c, tl.sum(pr, 0), mask=c_in)
+
+
+def group_column_mass(q_rows: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor,
+                      table: torch.Tensor, cols: torch.Tensor, scale: float, block_size: int,
+                      doc_ids: torch.Tensor | None = None, skip_kept: bool = False) -> torch.Tensor:
+    """Softmax mass of chosen key columns, summed over the scored rows of each query block.
+
+    q_rows [B, n, Hq, D]: the scored rows' queries (positions `rows` [n], sorted); k [B, S, Hkv, D]; lse
+    [B, Hq, n]: each row's natural-log softmax normaliser (`score_rows`); table [U, P]: the rows of each of U
+    query blocks (indices into rows, -1 padded; `estimate.row_groups`); cols [B, Hq, U or 1, C]: key positions
+    per block (or one set for all), -1 padded. A (row, column) pair counts when the row sees the key (causal,
+    same document) and, with skip_kept, the key lies outside block 0 and the row's own block.
+    Returns fp32 [B, Hq, U, C]: per block and column, the summed probabilities (0 for padding)."""
+    B, n, Hq, D = q_rows.shape
+    Hkv = k.shape[2]
+    U, P = table.shape
+    C = cols.shape[-1]
+    out = torch.empty(B, Hq, U, C, device=q_rows.device, dtype=torch.float32)
+    if C == 0 or U == 0:
+        return out.zero_()
+    cols = cols.to(torch.int32)
+    if cols.stride(-1) != 1:
+        cols = cols.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if q_rows.stride(-1) != 1:
+        q_rows = q_rows.contiguous()
+    rows32 = rows.to(torch.int32).contiguous()
+    table32 = table.to(device=q_rows.device, dtype=torch.int32).contiguous()
+    docs = doc_ids.to(device=q_rows.device, dtype=torch.int32).contiguous() if doc_ids is not None else rows32
+    block_c = 64
+    _group_cols_kernel[(triton.cdiv(C, block_c), U, B * Hq)](
+        q_rows, k, rows32, table32, lse.contiguous(), cols, docs, out,
+        n, P, U, C, Hq, Hq // Hkv, D, scale * _LOG2E, block_size,
+        q_rows.stride(0), q_rows.stride(1), q_rows.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        docs.stride(0) if doc_ids is not None else 0, cols.stride(0), cols.stride(1),
+        cols.stride(2) if cols.shape[2] > 1 else 0,
+        HAS_DOCS=doc_ids is not None, SKIP_KEPT=skip_kept, BLOCK_P=max(16, triton.next_power_of_2(P)),
+        BLOCK_C=block_c, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        PREC="ieee" if q_rows.dtype == torch.float32 else "tf32", num_warps=4,
+    )
+    return out

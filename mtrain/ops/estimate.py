@@ -88,16 +88,19 @@ def _select(scores: torch.Tensor, recall: float, cap: int, minimum: int) -> torc
     return fewest(scores, ids, recall * scores.sum(-1), cap, minimum)
 
 
-def fewest(scores: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, cap: int, minimum: int) -> torch.Tensor:
+def fewest(scores: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, cap: int, minimum: int,
+           trim: bool = True) -> torch.Tensor:
     """The fewest highest-scoring `ids` whose scores sum to `need` [...], kept within [minimum, cap] and only
-    with positive scores: [..., width] -1 padded (padding trimmed). `scores` need only hold the candidates."""
+    with positive scores: [..., width] -1 padded. `scores` need only hold the candidates. trim: cut the
+    padding to the longest selection (reads a count back to the host); else width = min(cap, candidates)."""
     width = max(1, min(cap, scores.shape[-1]))
     top, where = torch.topk(scores, width, dim=-1)
     chosen = torch.gather(ids, -1, where)
     count = _count_to_reach(top, need, width)
     count = count.clamp(min=min(minimum, width), max=width)
     keep = (torch.arange(width, device=scores.device) < count) & (top > 0)
-    width = max(1, int(keep.sum(-1).max()))
+    if trim:
+        width = max(1, int(keep.sum(-1).max()))
     return torch.where(keep, chosen, -1)[..., :width]
 
 
@@ -203,49 +206,6 @@ def covered_mass(index, rows, probs, pooled, k_pos, slot=None) -> torch.Tensor:
     return (_in_blocks(index, slot, pooled) + in_cols).sum(-1)
 
 
-# Elements of the largest temporary the q/k recomputations make at once (fp32: 256 MB).
-_CHUNK = 1 << 26
-
-
-def _heads_k(k: torch.Tensor, pos: torch.Tensor, Hq: int) -> torch.Tensor:
-    """Keys at positions pos [B, Hq, ..., C] (any >= 0) of each query head's KV head: [B, Hq, ..., C, D]."""
-    B, _, Hkv, _ = k.shape
-    b = torch.arange(B, device=k.device).view(B, *([1] * (pos.dim() - 1)))
-    h = (torch.arange(Hq, device=k.device) // (Hq // Hkv)).view(1, Hq, *([1] * (pos.dim() - 2)))
-    return k[b, pos, h]
-
-
-def _visible(rpos: torch.Tensor, cpos: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
-    """Pairs (row at rpos [..., P], column at cpos [..., C], -1 = padding) a causal row sees: [..., P, C]."""
-    r, c = rpos[..., :, None], cpos[..., None, :]
-    vis = (r >= 0) & (c >= 0) & (c <= r)
-    if docs is not None:  # docs [B, S]; rpos / cpos lead with B
-        dr = torch.gather(docs, 1, rpos.clamp(min=0).reshape(docs.shape[0], -1)).view(rpos.shape)
-        dc = torch.gather(docs, 1, cpos.clamp(min=0).reshape(docs.shape[0], -1)).view(cpos.shape)
-        vis = vis & (dr[..., :, None] == dc[..., None, :])
-    return vis
-
-
-def uncovered_blocks_qk(rest, q_rows, k, rows, lse, vertical, block_size: int, scale: float, docs=None):
-    """`uncovered_blocks` from q and k instead of stored probabilities: q_rows [B, n, Hq, D] (the scored rows),
-    k [B, S, Hkv, D], lse [B, Hq, n] each row's softmax normaliser, vertical [B, Hq, Nv] (-1 padded)."""
-    B, n, Hq, _ = q_rows.shape
-    kv = _heads_k(k, vertical.clamp(min=0), Hq).float()  # [B, Hq, Nv, D]
-    qh = q_rows.transpose(1, 2).float()  # [B, Hq, n, D]
-    v_blk = torch.where(vertical >= 0, vertical, 0) // block_size  # [B, Hq, Nv]
-    shape = rest.shape
-    out = rest.reshape(B, Hq, n, shape[-1]).clone()
-    step = max(1, _CHUNK // max(1, B * Hq * vertical.shape[-1]))  # rows per chunk: bounded temporaries
-    for r0 in range(0, n, step):
-        r = rows[r0:r0 + step]
-        logits = torch.matmul(qh[:, :, r0:r0 + step], kv.transpose(-1, -2)).mul_(scale)  # [B, Hq, rows, Nv]
-        vis = _visible(r.expand(B, Hq, -1), vertical, docs)
-        vis &= (v_blk[..., None, :] != 0) & (v_blk[..., None, :] != (r // block_size)[:, None])
-        vals = torch.where(vis, logits.sub_(lse[:, :, r0:r0 + step, None]).exp_(), 0.0)
-        out[:, :, r0:r0 + step].scatter_add_(-1, v_blk[..., None, :].expand(B, Hq, r.numel(), -1), -vals)
-    return out.view(shape)
-
-
 def row_groups(rows: torch.Tensor, block_size: int):
     """Scored rows (sorted, on the host) by query block: (blocks [U], table [U, P] of indices into rows, -1
     padded, P = the most rows of one block)."""
@@ -266,30 +226,21 @@ def _row_plan(seq_len: int, last_q: int, sample_blocks: int, block_size: int, de
     return rows.to(device), blocks.to(device), table.to(device)
 
 
-def covered_mass_qk(index: SparseIndex, plan, pooled, q_rows, k, lse, scale: float, docs=None):
-    """`covered_mass` from q and k: pooled [B, Hq, n, nKB] as `score_rows` gives it, q_rows [B, n, Hq, D], lse
-    [B, Hq, n]. The column part groups the rows by query block (the rows of one block share its columns)."""
-    dev = pooled.device
-    B, n, Hq, _ = q_rows.shape
-    rows, blocks, table = plan
-    in_blocks = _in_blocks(index, rows // index.block_size, pooled).sum(-1)
-    if index.col_ids.shape[-1] == 0:
-        return in_blocks
-    cols = index.col_ids[:, :, blocks].long()  # [B, Hq, U, C]
-    cok = (torch.arange(cols.shape[-1], device=dev) < index.col_counts[:, :, blocks, None].long()) & (cols >= 0)
-    cols = torch.where(cok, cols, -1)
-    U, P = table.shape
-    rpos_all = torch.where(table >= 0, rows[table.clamp(min=0)], -1)
-    in_cols = torch.zeros_like(in_blocks)
-    step = max(1, _CHUNK // max(1, B * Hq * P * cols.shape[-1]))  # query blocks per chunk
-    for u0 in range(0, U, step):
-        c, t = cols[:, :, u0:u0 + step], table[u0:u0 + step].clamp(min=0)
-        kc = _heads_k(k, c.clamp(min=0), Hq).float()  # [B, Hq, u, C, D]
-        qg = q_rows.transpose(1, 2)[:, :, t].float()  # [B, Hq, u, P, D]
-        logits = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale)  # [B, Hq, u, P, C]
-        vis = _visible(rpos_all[u0:u0 + step].expand(B, Hq, -1, -1), c, docs)
-        in_cols += torch.where(vis, logits.sub_(lse[:, :, t][..., None]).exp_(), 0.0).sum((-1, -2, -3))
-    return in_blocks + in_cols
+def offset_mass(colsum: torch.Tensor, cols: torch.Tensor, blocks: torch.Tensor, block_size: int,
+                n_blocks: int) -> torch.Tensor:
+    """Column mass per block offset a = query block - key block: colsum [B, H, U, C] (per query block of the
+    scored rows and column, `_triton_estimate.group_column_mass`), cols [B, H, C] the columns' key positions
+    in ascending order (-1 padding first), blocks [U] the query blocks -> fp32 [B, H, n_blocks]. Segment sums
+    of a float64 prefix sum over the sorted columns, so no scatter: the same sums on every run."""
+    dev = colsum.device
+    cs = torch.nn.functional.pad(colsum.double().cumsum(-1), (1, 0))  # [B, H, U, C + 1]
+    edges = (torch.arange(n_blocks + 1, device=dev) * block_size).expand(*cols.shape[:-1], -1).contiguous()
+    bound = torch.searchsorted(cols.contiguous(), edges)  # [B, H, nKB + 1]: columns before each block's start
+    at = torch.gather(cs, -1, bound[:, :, None].expand(-1, -1, cs.shape[2], -1))
+    per_block = at[..., 1:] - at[..., :-1]  # [B, H, U, nKB]: mass of the columns in key block kb
+    kb = blocks[:, None] - torch.arange(n_blocks, device=dev)[None, :]  # [U, nKB]: key block at offset a
+    got = torch.gather(per_block, -1, kb.clamp(min=0).expand(*per_block.shape[:2], -1, -1))
+    return torch.where(kb >= 0, got, 0.0).sum(-2).float()
 
 
 def block_slash_mass(pooled: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -389,10 +340,14 @@ def estimate_vertical_slash(
         n_blocks = -(-S // block_size)
         k_pos = torch.arange(S, device=q.device)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+        stage = torch.profiler.record_function  # labels for scripts/profile_estimate.py (free when not profiling)
         if scorer == "triton":
-            from mtrain.ops._triton_estimate import score_rows
+            from mtrain.ops._triton_estimate import group_column_mass, score_rows
 
-            lse, pooled, vert = score_rows(q, k, rows, block_size, scale, docs)
+            _, row_blocks, table = plan
+            q_rows = q[:, rows]
+            with stage("est:1 score"):
+                lse, pooled, vert = score_rows(q_rows, k, rows, block_size, scale, docs)
             pooled, vert = pooled.view(B, Hkv, G, n, n_blocks), vert.view(B, Hkv, G, S)
             mandatory, rest = kept_split(pooled, rows, block_size)
             probs = None
@@ -403,36 +358,51 @@ def estimate_vertical_slash(
             probs, pooled, mandatory, vert, rest = residual_parts(logits, rows, k_pos, row_max, row_sum, block_size,
                                                                   n_blocks)
             del logits
-        slash0 = block_slash_mass(rest, rows, block_size)
+        with stage("est:2 verticals"):
+            slash_heads = block_slash_mass(rest, rows, block_size)  # [B, Hkv, G, nKB]
+        slash0 = slash_heads
         total = float(rows.numel())
         if share_kv_group:
-            mandatory, vert, slash0 = (t.sum(2, keepdim=True) for t in (mandatory, vert, slash0))
+            mandatory, vert, slash0 = (t.sum(2, keepdim=True) for t in (mandatory, vert, slash_heads))
             total *= G
         cap_v, cap_s = line_caps(S, block_size, max_vertical, max_slash, cap_fraction)
         v_need = recall * total - mandatory
-        v_idx, v_mass = choose_verticals(vert, k_pos.expand(vert.shape), slash0, v_need, cap_v, min_vertical,
-                                         block_size)
+        with stage("est:2 verticals"):
+            v_idx, v_mass = choose_verticals(vert, k_pos.expand(vert.shape), slash0, v_need, cap_v, min_vertical,
+                                             block_size)
         # the slash stage sees only what the kept blocks and the chosen verticals leave uncovered
-        if probs is None:
-            v_heads = v_idx.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
-            uncovered = uncovered_blocks_qk(rest, q[:, rows], k, rows, lse, v_heads, block_size, scale, docs)
-        else:
-            uncovered = uncovered_blocks(probs, rest, rows, k_pos, v_idx, S, block_size)
-        slash1 = block_slash_mass(uncovered, rows, block_size)
+        with stage("est:3 uncovered"):
+            if probs is None:  # the verticals' mass per block offset, from q and k, less what blocks hold
+                v_sorted = torch.sort(v_idx, dim=-1).values.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
+                colsum = group_column_mass(q_rows, k, lse, rows, table, v_sorted[:, :, None], scale, block_size,
+                                           docs, skip_kept=True)
+                held = offset_mass(colsum, v_sorted, row_blocks, block_size, n_blocks).view(B, Hkv, G, -1)
+                slash1 = (slash_heads - held).clamp_(min=0.0)
+            else:
+                uncovered = uncovered_blocks(probs, rest, rows, k_pos, v_idx, S, block_size)
+                slash1 = block_slash_mass(uncovered, rows, block_size)
         if share_kv_group:
             slash1 = slash1.sum(2, keepdim=True)
         s_target = recall if slash_recall is None else slash_recall
         s_need = s_target * total - mandatory - v_mass
         offsets = torch.arange(n_blocks, device=q.device)
-        s_idx = fewest(slash1[..., 1:], offsets[1:].expand(*slash1.shape[:-1], -1), s_need, cap_s,
-                       -(-min_slash // block_size))
+        with stage("est:4 slashes"):
+            s_idx = fewest(slash1[..., 1:], offsets[1:].expand(*slash1.shape[:-1], -1), s_need, cap_s,
+                           -(-min_slash // block_size), trim=probs is not None)
         s_tok = torch.where(s_idx >= 0, s_idx * block_size, -1)
         v_idx = v_idx.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
         s_tok = s_tok.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
-        index = SparseIndex.from_lines(v_idx, s_tok, S, block_size)
-        if probs is None:
-            covered = covered_mass_qk(index, plan, pooled.view(B, Hq, n, -1), q[:, rows], k, lse, scale, docs)
-        else:
-            covered = covered_mass(index, rows, probs.view(B, Hq, n, S), pooled.view(B, Hq, n, -1), k_pos)
+        with stage("est:5 index"):
+            index = SparseIndex.from_lines(v_idx, s_tok, S, block_size)
+        with stage("est:6 covered"):
+            if probs is None:  # blocks from the pooled sums; columns from q and k, per query block
+                cols = index.col_ids[:, :, row_blocks]  # [B, Hq, U, C]
+                ok = torch.arange(cols.shape[-1], device=q.device) < index.col_counts[:, :, row_blocks, None]
+                colsum = group_column_mass(q_rows, k, lse, rows, table, torch.where(ok, cols, -1), scale,
+                                           block_size, docs)
+                covered = (_in_blocks(index, rows // block_size, pooled.view(B, Hq, n, -1)).sum(-1)
+                           + colsum.sum((-1, -2)))
+            else:
+                covered = covered_mass(index, rows, probs.view(B, Hq, n, S), pooled.view(B, Hq, n, -1), k_pos)
         index._cache["est_recall"] = covered / n
         return index
