@@ -175,6 +175,11 @@ class LayerResult:
     fwd_ms: float
     bwd_ms: float
     """forced-sparse breakdown"""
+    steady_ms: float = float("nan")
+    """mean fwd+bwd of mtrain's attention over dense_hold + 1 training steps in a row (the step counter moving):
+    what a layer costs per step once a layer whose estimate does not pay holds dense between estimates"""
+    held: bool = False
+    """whether the layer's choice held it dense for the following steps (attention.dense_hold_steps)"""
     extra: dict = field(default_factory=dict)
 
 
@@ -185,7 +190,7 @@ def _settings_kwargs(settings) -> dict:
 
 
 def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recall_rows: int | None,
-                  policy: str = "auto") -> LayerResult:
+                  policy: str = "auto", hold: int = 16) -> LayerResult:
     """All measures of one layer's captured q/k/v (see the module docstring)."""
     import functools
 
@@ -217,8 +222,23 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     from mtrain.models.attention import CONTEXT
 
     marks = len(CONTEXT.densities), len(CONTEXT.layers)
-    mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters)
-    path = CONTEXT.layers[-1].path if len(CONTEXT.layers) > marks[1] else "sparse"
+    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.step
+    try:
+        CONTEXT.dense_hold, CONTEXT.dense_until = 0, {}
+        mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters)  # every call estimates
+        path = CONTEXT.layers[-1].path if len(CONTEXT.layers) > marks[1] else "sparse"
+        # steady state in training: hold + 1 steps in a row, one estimate then `hold` held-dense steps when the
+        # estimate did not pay (else every step estimates)
+        CONTEXT.dense_hold = hold
+        step_fn = _fwd_bwd(as_trained, q, k, v, dout)
+        steps = []
+        for step in range(hold + 1):
+            CONTEXT.step = step
+            steps.append(timed(step_fn, 1, warmup=0))
+        held = bool(CONTEXT.dense_until)
+        steady_ms = statistics.mean(steps)
+    finally:
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.step = saved
     del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
 
     # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index
@@ -237,7 +257,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         layer=layer, density=index.density(), est_recall=None if est is None else float(est.float().mean()),
         true_recall=float(per_head.mean()), min_head_recall=float(per_head.min()), path=path,
         dense_ms=dense_ms, mtrain_ms=mtrain_ms, index_ms=max(0.0, total_ms - fwd_ms - bwd_ms), fwd_ms=fwd_ms,
-        bwd_ms=bwd_ms,
+        bwd_ms=bwd_ms, steady_ms=steady_ms, held=held,
     )
 
 
@@ -254,11 +274,14 @@ def _true_recall(q, k, index, scale, rows: int | None) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- the whole run
 def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="auto", device=None, dtype=None,
-        iters: int = 5,
+        iters: int = 5, hold: int | None = None,
         layers: list[int] | None = None, recall_rows: int | None = None, out_dir: str | None = None,
         log=print) -> dict:
     """Benchmark one model at one length; returns (and writes to out_dir/real_<S>.json) the results."""
+    from mtrain.config import AttentionConfig
     from mtrain.parallel import SparseSettings
+
+    hold = AttentionConfig.dense_hold_steps if hold is None else hold
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -285,11 +308,12 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     results = []
     for i in picked:
         q, k, v = qkv[i]
-        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows, policy)
+        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows, policy, hold)
         results.append(r)
         log(f"layer {i:3d}: density {r.density:.3f} est {r.est_recall if r.est_recall is None else round(r.est_recall, 3)} "
             f"true {r.true_recall:.3f} (min head {r.min_head_recall:.3f}) {r.path:6s} | dense {r.dense_ms:7.2f} ms "
-            f"mtrain {r.mtrain_ms:7.2f} ms ({r.dense_ms / r.mtrain_ms:4.2f}x) | sparse index {r.index_ms:6.2f} "
+            f"mtrain {r.mtrain_ms:7.2f} ms ({r.dense_ms / r.mtrain_ms:4.2f}x) steady {r.steady_ms:7.2f} ms "
+            f"({r.dense_ms / r.steady_ms:4.2f}x{', held' if r.held else ''}) | sparse index {r.index_ms:6.2f} "
             f"fwd {r.fwd_ms:6.2f} bwd {r.bwd_ms:6.2f}")
     del qkv
 
@@ -308,6 +332,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     ppl_sparse = ppl[policy]
     dense_total = sum(r.dense_ms for r in results)
     mtrain_total = sum(r.mtrain_ms for r in results)
+    steady_total = sum(r.steady_ms for r in results)
     summary = {
         "model": str(path), "seq_len": seq_len, "yarn_factor": factor, "dtype": str(dtype), "device": device.type,
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
@@ -318,18 +343,23 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "min_layer_true_recall": min(r.true_recall for r in results),
         "dense_ms": dense_total, "mtrain_ms": mtrain_total, "speedup": dense_total / mtrain_total,
         "layers_slower_than_dense": [r.layer for r in results if r.mtrain_ms > r.dense_ms],
+        "steady_ms": steady_total, "steady_speedup": dense_total / steady_total,
+        "layers_slower_than_dense_steady": [r.layer for r in results if r.steady_ms > r.dense_ms],
+        "held_layers": [r.layer for r in results if r.held], "dense_hold_steps": hold,
         "sparse_layers": sum(r.path == "sparse" for r in results),
         "policy": policy, "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
         "ppl_all_sparse": ppl["always"], "ppl_all_sparse_rise": ppl["always"] / ppl_dense - 1,
         "recall_rows": recall_rows,
     }
     log(f"whole model ({len(results)} layers): dense {dense_total:.1f} ms, mtrain {mtrain_total:.1f} ms "
-        f"({summary['speedup']:.2f}x); {summary['sparse_layers']} layers sparse; mean density "
+        f"({summary['speedup']:.2f}x), steady state over {hold + 1} steps {steady_total:.1f} ms "
+        f"({summary['steady_speedup']:.2f}x, held dense {summary['held_layers']}); {summary['sparse_layers']} "
+        f"layers sparse; mean density "
         f"{summary['mean_density']:.3f}; true recall mean {summary['mean_true_recall']:.3f}, worst layer "
         f"{summary['min_layer_true_recall']:.3f}; perplexity dense {ppl_dense:.3f} mtrain {ppl_sparse:.3f} "
         f"({100 * summary['ppl_rise']:+.2f}%), every layer sparse {ppl['always']:.3f} "
         f"({100 * summary['ppl_all_sparse_rise']:+.2f}%); layers slower than dense: "
-        f"{summary['layers_slower_than_dense']}")
+        f"{summary['layers_slower_than_dense']} (steady state: {summary['layers_slower_than_dense_steady']})")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         target = Path(out_dir) / f"real_{seq_len}.json"

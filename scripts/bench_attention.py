@@ -279,7 +279,7 @@ def real_main(args) -> int:
 
         for seq_len in args.seq_len:
             bench_real.run(args.model, seq_len, settings=settings, policy=args.policy, yarn=args.yarn, iters=args.iters,
-                           layers=args.layers, recall_rows=args.recall_rows, out_dir=args.out, log=log)
+                           hold=args.hold, layers=args.layers, recall_rows=args.recall_rows, out_dir=args.out, log=log)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return 0
@@ -289,6 +289,8 @@ def real_main(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--heads", type=int, nargs=3, default=[16, 2, 128], metavar=("HQ", "HKV", "D"),
+                    help="query heads, KV heads and head dim of the synthetic inputs (default: Qwen2.5-3B's)")
     ap.add_argument("--recalls", type=float, nargs="+", default=[0.90, 0.95])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/bench"), help="folder for the log and json")
@@ -317,6 +319,8 @@ def main() -> int:
                                                      "none, or a number")
     real.add_argument("--layers", type=int, nargs="*", help="layers to measure (default: all)")
     real.add_argument("--iters", type=int, default=5, help="timed iterations per variant")
+    real.add_argument("--hold", type=int, help="attention.dense_hold_steps of the steady-state timing (default: the "
+                                               "config default)")
     real.add_argument("--recall-rows", type=int, help="true recall from this many rows spread over the sequence "
                                                       "(default: every row)")
     real.add_argument("--policy", default="auto", choices=("auto", "always", "never"),
@@ -366,7 +370,7 @@ def main() -> int:
     except Exception as e:  # keep the timings even if a check cannot run; the failure is in the log
         log(f"check failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
 
-    Hq, Hkv, D = 16, 2, 128
+    Hq, Hkv, D = args.heads
     rows = []
     for si, S in enumerate(args.seqs):
         q, k, v = make_inputs(S, Hq, Hkv, D, seed=0, device=device)

@@ -150,6 +150,35 @@ def test_a_dense_choice_holds_for_dense_hold_steps_in_training(monkeypatch):
     assert r.path == "sparse" and 4 not in CONTEXT.dense_until, (r.sparse_ms, r.dense_ms, r.est_recall)
 
 
+def test_a_sparse_choice_whose_estimate_does_not_pay_holds_too(monkeypatch):
+    """Sparse is chosen (the kernels beat dense) but the estimate plus the sparse path is predicted above the
+    margin of dense: the call runs sparse (the estimate is paid) and the layer then holds dense; with a free
+    estimate the same call sets no hold."""
+    q, k, v = inputs("local")
+    monkeypatch.setattr(CONTEXT, "dense_hold", 4)
+    monkeypatch.setattr(CONTEXT, "dense_until", {})
+    monkeypatch.setattr(CONTEXT, "step", 0)
+    call(q, k, v, LOCAL, "auto", layer=6)
+    free = CONTEXT.layers[-1]
+    assert free.path == "sparse" and 6 not in CONTEXT.dense_until
+    rows = min(q.shape[1], LOCAL.last_q + LOCAL.sample_blocks * LOCAL.block_size)
+    fixed = cost.worth_estimating(seq_len=q.shape[1], heads=q.shape[2], head_dim=q.shape[3], block_size=BS,
+                                  rows=rows, device="cpu").sparse_ms
+    # an estimate that leaves the floor under the margin but not the floor plus the listed work
+    est = cost.SPARSE_MARGIN * free.dense_ms - (free.sparse_ms + fixed) / 2
+    assert est > 0
+    monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(est, 0.0)))
+    out = call(q, k, v, LOCAL, "auto", layer=6)
+    record = CONTEXT.layers[-1]
+    assert record.path == "sparse" and CONTEXT.dense_until[6] == 5
+    index = estimate_vertical_slash(q, k, recall=LOCAL.recall, block_size=BS, max_vertical=4, max_slash=4,
+                                    min_vertical=0, min_slash=0)
+    assert torch.equal(out, vertical_slash_attention(q, k, v, index))
+    monkeypatch.setattr(CONTEXT, "step", 1)
+    call(q, k, v, LOCAL, "auto", layer=6)
+    assert CONTEXT.layers[-1].path == "dense" and CONTEXT.layers[-1].held
+
+
 def test_dense_hold_steps_is_validated():
     with pytest.raises(MtrainError, match="dense_hold must be an integer >= 0"):
         register_kind("mtraining", sparse_policy="auto", dense_hold=-1)

@@ -119,7 +119,7 @@ class LayerRecord:
 RECALL_SLACK = 0.04
 
 
-def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None):
+def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0):
     """("sparse" | "dense", Prediction or None) for one call with the estimated `index` under `policy`.
 
     Decided from the index's integer work counts and its est_recall (identical on every rank of a CP group,
@@ -127,7 +127,7 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
     when the cost model predicts sparse does not pay, or when `target` (the recall asked for) is given and the
     estimate's mean over heads falls short of it by more than RECALL_SLACK. The index build is already paid; what the
     dense path saves is everything the kernels derive from it (built lazily on the first kernel call) and the
-    kernels.
+    kernels. rows: the query rows the estimate scored (the Prediction then carries its predicted cost).
     """
     if policy == "always":
         return "sparse", None
@@ -146,9 +146,9 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
     doc_lengths = None if doc_ids is None else _document_lengths(doc_ids)
     prediction = cost.predict(blocks, columns, seq_len=index.seq_len, heads=Hq, head_dim=D,
                               block_size=index.block_size, batch=B, backward=training, device=q.device,
-                              world=world, doc_lengths=doc_lengths)
+                              world=world, doc_lengths=doc_lengths, estimate_rows=rows)
     if len(read) == 3 and read[2] < target - RECALL_SLACK:
-        prediction = cost.Prediction(prediction.dense_ms, prediction.sparse_ms, "dense")
+        prediction = dataclasses.replace(prediction, path="dense")
     return prediction.path, prediction
 
 
@@ -167,7 +167,7 @@ def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int =
     S = S_local * world
     doc_lengths = None if doc_ids is None or world > 1 else _document_lengths(doc_ids)
     floor = cost.worth_estimating(seq_len=S, heads=Hq, head_dim=D, block_size=s.block_size,
-                                  rows=s.last_q + s.sample_blocks * s.block_size, batch=B, backward=training,
+                                  rows=_scored_rows(s, S), batch=B, backward=training,
                                   device=q.device, world=world, doc_lengths=doc_lengths)
     if floor.path == "sparse":
         return False
@@ -175,11 +175,19 @@ def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int =
     return True
 
 
-def _hold(layer_idx, path: str, policy: str, training: bool) -> None:
-    """After auto sent a training call dense, skip this layer's estimate for CONTEXT.dense_hold steps: the
-    estimate is paid before the choice, so a layer that keeps choosing dense would pay it every step for nothing
-    (a layer's attention pattern, and so its density, moves slowly during training)."""
-    if path == "dense" and policy == "auto" and training and CONTEXT.dense_hold > 0 and layer_idx is not None:
+def _scored_rows(s, seq_len: int) -> int:
+    """Query rows the estimate scores under SparseSettings `s` (the last rows and the sampled blocks)."""
+    return min(seq_len, s.last_q + s.sample_blocks * s.block_size)
+
+
+def _hold(layer_idx, prediction, policy: str, training: bool) -> None:
+    """After auto decided a training call, skip this layer's estimate for CONTEXT.dense_hold steps (running
+    dense) when estimating did not pay for itself: the layer went dense, or it went sparse but the estimate plus
+    the sparse path is predicted no cheaper than dense (`Prediction.estimate_paid`). The estimate is paid before
+    the choice, so such a layer would pay it every step for nothing or for a loss (a layer's attention
+    pattern, and so its density, moves slowly during training)."""
+    if (policy == "auto" and training and CONTEXT.dense_hold > 0 and layer_idx is not None
+            and prediction is not None and not prediction.estimate_paid):
         CONTEXT.dense_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold
 
 
@@ -220,8 +228,8 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
         index = estimate_vertical_slash(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids)
         path, prediction = _choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
-                                        target=s.recall)
-        _hold(layer_idx, path, policy, training)
+                                        target=s.recall, rows=_scored_rows(s, q.shape[1]))
+        _hold(layer_idx, prediction, policy, training)
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         if path == "sparse":
             return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
@@ -278,8 +286,8 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         index = estimate_rank_index(q.detach(), k.detach(), positions, positions, seq_len, settings, scale,
                                     CONTEXT.group, doc_ids=CONTEXT.doc_ids, rows=rows)
         path, prediction = _choose_path(index, q, policy=policy, training=training, world=world,
-                                        target=settings.recall)
-        _hold(layer_idx, path, policy, training)  # the path, hence the hold, is the same on every rank
+                                        target=settings.recall, rows=_scored_rows(settings, seq_len))
+        _hold(layer_idx, prediction, policy, training)  # the prediction, hence the hold, is the same on every rank
         _record(layer_idx, path, index, prediction)
         if layer_idx == 0 and CONTEXT.sample_imbalance:  # one layer of the logged steps watches the balance
             from mtrain.parallel.imbalance import gathered_imbalance

@@ -245,6 +245,14 @@ class Prediction:
     dense_ms: float
     sparse_ms: float
     path: str
+    estimate_ms: float = 0.0
+    """The online estimate's predicted ms (paid before the choice; 0 when not predicted)."""
+
+    @property
+    def estimate_paid(self) -> bool:
+        """Whether estimating paid for itself: sparse was chosen and the estimate plus the sparse path is still
+        within the margin of dense. A layer where it did not would be better off not estimating at all."""
+        return self.path == "sparse" and choose(self.dense_ms, self.estimate_ms + self.sparse_ms) == "sparse"
 
 
 def choose(dense: float, sparse: float, margin: float = SPARSE_MARGIN) -> str:
@@ -256,16 +264,18 @@ def choose(dense: float, sparse: float, margin: float = SPARSE_MARGIN) -> str:
 
 def predict(blocks: float, columns: float, *, seq_len: int, heads: int, head_dim: int, block_size: int,
             batch: int = 1, backward: bool = True, device="cuda", world: int = 1, doc_lengths=None,
-            margin: float = SPARSE_MARGIN) -> Prediction:
+            margin: float = SPARSE_MARGIN, estimate_rows: int = 0) -> Prediction:
     """Both paths' predicted ms for one rank and the cheaper path (see `choose`).
 
     world: context-parallel group size (dense and sparse kernels split over the ranks; the index is whole on
     every rank; the ring's KV traffic, the same for both paths, is left out). doc_lengths: the documents'
     lengths when the dense path runs one call per document (single device with packed documents).
+    estimate_rows: the query rows the estimate scored (> 0: Prediction.estimate_ms holds its predicted cost).
     """
     table = table_for(device)
     dense = dense_ms(seq_len, heads, head_dim, batch=batch, backward=backward, table=table,
                      doc_lengths=doc_lengths) / world
     sparse = sparse_ms(blocks, columns, seq_len, heads, head_dim, block_size, batch=batch, backward=backward,
                        table=table, world=world)
-    return Prediction(dense, sparse, choose(dense, sparse, margin))
+    est = estimate_ms(seq_len, heads, estimate_rows, batch=batch, table=table, world=world) if estimate_rows else 0.0
+    return Prediction(dense, sparse, choose(dense, sparse, margin), est)
