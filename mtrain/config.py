@@ -376,8 +376,20 @@ def _check_baselines(recipe: RecipeConfig) -> None:
         raise ConfigError(f"attention.moba_chunk_size: {a.moba_chunk_size} is not a multiple of attention.block_size "
                           f"({a.block_size}); use e.g. {max(1, a.moba_chunk_size // a.block_size) * a.block_size}")
     if a.kind == "xattention" and a.block_size % a.xattn_stride:
+        fit = max(d for d in range(1, a.xattn_stride + 1) if a.block_size % d == 0)
         raise ConfigError(f"attention.xattn_stride: {a.xattn_stride} does not divide attention.block_size "
-                          f"({a.block_size}); use a power of two up to it, e.g. 8")
+                          f"({a.block_size}); use a divisor of it, e.g. {fit}")
+    if a.kind in ("moba", "xattention") and p.cp_size > 1 and p.layout in ("contiguous", "zigzag", "stripe", "block-stripe"):
+        from mtrain.parallel.layout import Layout, LayoutError
+        from mtrain.parallel.selection import whole_blocks_problem
+
+        try:
+            problem = whole_blocks_problem(Layout.create(p.layout, p.cp_size, p.granularity), recipe.data.seq_len,
+                                           a.block_size, a.kind)
+        except LayoutError:
+            problem = None  # a length the layout cannot split is refused by the trainer with its own message
+        if problem is not None:
+            raise ConfigError(problem)
     if a.kind == "ulysses" and p.cp_size > 1:
         heads = _model_heads(recipe.model)
         if heads is not None:

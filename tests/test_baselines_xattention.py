@@ -56,7 +56,7 @@ def _load(tmp_path, *overrides):
 def test_xattention_recipe_keys_checked_at_load(tmp_path):
     recipe = _load(tmp_path, "attention.xattn_stride=16", "attention.xattn_threshold=0.95")
     assert (recipe.attention.xattn_stride, recipe.attention.xattn_threshold) == (16, 0.95)
-    with pytest.raises(ConfigError, match=r"attention.xattn_stride: 12 does not divide attention.block_size \(64\)"):
+    with pytest.raises(ConfigError, match=r"attention.xattn_stride: 12 does not divide attention.block_size \(64\); use a divisor of it, e.g. 8"):
         _load(tmp_path, "attention.xattn_stride=12")
     with pytest.raises(ConfigError, match=r"attention.xattn_threshold: must be in \(0, 1\]"):
         _load(tmp_path, "attention.xattn_threshold=1.5")
@@ -72,6 +72,13 @@ def test_xattention_under_cp_needs_whole_query_blocks():
     with pytest.raises(MtrainError, match="parallel.granularity a multiple of 64") as err:
         _check_whole_blocks(Layout.create("block-stripe", world_size=2, granularity=32), 256, 64, "xattention")
     assert "\n" not in str(err.value)
+
+
+def test_xattention_cp_layout_checked_at_load(tmp_path):
+    with pytest.raises(ConfigError, match="needs whole query blocks of attention.block_size=64") as err:
+        _load(tmp_path, "parallel.cp_size=2", "parallel.layout=block-stripe", "parallel.granularity=32")
+    assert "\n" not in str(err.value)
+    assert _load(tmp_path, "parallel.cp_size=2", "parallel.layout=zigzag").parallel.layout == "zigzag"
 
 
 def test_xattention_trains(tmp_path):

@@ -13,13 +13,21 @@ from mtrain.ops.index import RowIndex
 from mtrain.parallel.layout import Layout
 
 
-def _check_whole_blocks(layout: Layout, seq_len: int, block_size: int, kind: str) -> None:
-    if layout.local_block_size(seq_len, block_size) != block_size:
-        raise MtrainError(
-            f"attention.kind {kind} under CP needs whole query blocks of attention.block_size={block_size} tokens "
+def whole_blocks_problem(layout: Layout, seq_len: int, block_size: int, kind: str) -> str | None:
+    """None when every rank of `layout` holds whole query blocks of `block_size` tokens at `seq_len` (what the
+    moba and xattention selections need under CP), else the one-line reason and fix."""
+    if layout.local_block_size(seq_len, block_size) == block_size:
+        return None
+    return (f"attention.kind {kind} under CP needs whole query blocks of attention.block_size={block_size} tokens "
             f"on every rank, which {layout!r} at {seq_len} tokens does not give; use parallel.layout zigzag (with "
             f"seq_len / (2 x cp_size) a multiple of {block_size}) or block-stripe with parallel.granularity a "
             f"multiple of {block_size}")
+
+
+def _check_whole_blocks(layout: Layout, seq_len: int, block_size: int, kind: str) -> None:
+    problem = whole_blocks_problem(layout, seq_len, block_size, kind)
+    if problem is not None:
+        raise MtrainError(problem)
 
 
 def _row_index(ids, counts, rows, seq_len: int, block_size: int, group) -> RowIndex:
