@@ -59,7 +59,7 @@ def antidiagonal_scores(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, *
         sl = slice(r0 * per_block, min(R, r0 + rows_per_step) * per_block)
         logits = torch.matmul(q_r[:, :, :, sl], k_r.transpose(-1, -2)) * (scale / stride)  # [B, Hkv, g, m, nG]
         m = m_all[sl]
-        keep = (keys[None, :] < m[:, None]) & (keys[None, :] < n_groups)
+        keep = (keys[None, :] < m[:, None]) & (keys[None, :] < n_groups) & (m[:, None] < n_groups)  # no padding
         logits = logits.masked_fill(~keep, float("-inf"))
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a group with no earlier key group scores nothing
         probs = probs.reshape(B, Hq, -1, per_block, n, per_block).sum((3, 5))
