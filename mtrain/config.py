@@ -23,7 +23,8 @@ import yaml
 from mtrain.errors import ConfigError
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-ATTENTION_KINDS = ("dense", "mtraining", "zigzag-dense", "zigzag-sparse", "sdpa", "eager")
+ATTENTION_KINDS = ("dense", "mtraining", "zigzag-dense", "zigzag-sparse", "moba", "xattention", "ulysses", "sdpa",
+                   "eager")
 
 
 @dataclass
@@ -61,7 +62,9 @@ class DataConfig:
 @dataclass
 class AttentionConfig:
     kind: str = "dense"
-    """One of: dense, mtraining, zigzag-dense, zigzag-sparse, sdpa, eager."""
+    """One of: dense, mtraining, zigzag-dense, zigzag-sparse, moba, xattention, ulysses, sdpa, eager (moba and
+    xattention: block-sparse baselines chosen from q/k every call, on the recipe's parallel.layout under CP;
+    ulysses: dense, head-parallel all-to-all under CP)."""
     block_size: int = 64
     """Sparse kernel block size (tokens)."""
     recall: float = 0.99
@@ -87,6 +90,15 @@ class AttentionConfig:
     """Under sparse_policy auto, in training: a layer the choice sent dense runs dense without estimating its
     pattern for this many further steps, then estimates again (the estimate is paid before the choice; a
     layer's density moves slowly). 0 = estimate every step."""
+    moba_chunk_size: int = 4096
+    """kind moba: key chunk (tokens), a multiple of block_size; each query block gates the chunks by mean key."""
+    moba_topk: int = 12
+    """kind moba: earlier chunks each query block keeps (best gate scores), besides its own chunk (always kept)."""
+    xattn_stride: int = 8
+    """kind xattention: antidiagonal stride (tokens) of the block scores, a divisor of block_size."""
+    xattn_threshold: float = 0.9
+    """kind xattention: each query block keeps the fewest key blocks (diagonal and first block always) whose
+    normalised antidiagonal scores reach this fraction, in (0, 1]."""
 
 
 @dataclass
@@ -347,8 +359,62 @@ def _check(recipe: RecipeConfig) -> None:
             raise ConfigError(f"model.rope_scaling.factor: required for rope_type '{kind}'")
         if kind == "yarn" and not isinstance(rs.get("original_max_position_embeddings"), int):
             raise ConfigError("model.rope_scaling.original_max_position_embeddings: required for yarn (the pre-extension context length)")
+    _check_baselines(recipe)
     if p.layout not in ("contiguous", "zigzag", "stripe", "block-stripe"):
         raise ConfigError(f"parallel.layout: '{p.layout}' is not one of contiguous, zigzag, stripe, block-stripe{_suggest(p.layout, ('contiguous', 'zigzag', 'stripe', 'block-stripe'))}")
+
+
+def _check_baselines(recipe: RecipeConfig) -> None:
+    """The baseline kinds' keys, and ulysses' head split against the model's config.json (when it is local)."""
+    a, p = recipe.attention, recipe.parallel
+    for key in ("moba_chunk_size", "moba_topk", "xattn_stride"):
+        if getattr(a, key) < (0 if key == "moba_topk" else 1):
+            raise ConfigError(f"attention.{key}: must be {'>= 0' if key == 'moba_topk' else 'positive'}, got {getattr(a, key)}")
+    if not 0.0 < a.xattn_threshold <= 1.0:
+        raise ConfigError(f"attention.xattn_threshold: must be in (0, 1], got {a.xattn_threshold}")
+    if a.kind == "moba" and a.moba_chunk_size % a.block_size:
+        raise ConfigError(f"attention.moba_chunk_size: {a.moba_chunk_size} is not a multiple of attention.block_size "
+                          f"({a.block_size}); use e.g. {max(1, a.moba_chunk_size // a.block_size) * a.block_size}")
+    if a.kind == "xattention" and a.block_size % a.xattn_stride:
+        fit = max(d for d in range(1, a.xattn_stride + 1) if a.block_size % d == 0)
+        raise ConfigError(f"attention.xattn_stride: {a.xattn_stride} does not divide attention.block_size "
+                          f"({a.block_size}); use a divisor of it, e.g. {fit}")
+    if a.kind in ("moba", "xattention") and p.cp_size > 1 and p.layout in ("contiguous", "zigzag", "stripe", "block-stripe"):
+        from mtrain.parallel.layout import Layout, LayoutError
+        from mtrain.parallel.selection import whole_blocks_problem
+
+        try:
+            problem = whole_blocks_problem(Layout.create(p.layout, p.cp_size, p.granularity), recipe.data.seq_len,
+                                           a.block_size, a.kind)
+        except LayoutError:
+            problem = None  # a length the layout cannot split is refused by the trainer with its own message
+        if problem is not None:
+            raise ConfigError(problem)
+    if a.kind == "ulysses" and p.cp_size > 1:
+        heads = _model_heads(recipe.model)
+        if heads is not None:
+            from mtrain.parallel.ulysses import head_split_problem
+
+            problem = head_split_problem(*heads, p.cp_size)
+            if problem is not None:
+                raise ConfigError(problem)
+
+
+def _model_heads(m: ModelConfig) -> tuple[int, int] | None:
+    """(num_attention_heads, num_key_value_heads) from the model's local config.json, or None when not local."""
+    path = Path(m.config) if m.config is not None else Path(m.path) / "config.json" if m.path else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+    hq = cfg.get("num_attention_heads")
+    if not isinstance(hq, int):
+        return None
+    hkv = cfg.get("num_key_value_heads") or hq
+    return hq, hkv
 
 
 # files any HF tokenizer folder holds one of (tokenizer_config.json alone is not a tokenizer)

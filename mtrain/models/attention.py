@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtrain.errors import MtrainError
+from mtrain.models.baselines import BASELINE_KINDS
 
 SPARSE_POLICIES = ("auto", "always", "never")
 """How a sparse kind picks its path per layer: the cost model (`mtrain.ops.cost`), sparse everywhere, or dense."""
@@ -25,6 +26,10 @@ KINDS = {
     "mtraining": (True, "block-stripe"),
     "zigzag-dense": (False, "zigzag"),
     "zigzag-sparse": (True, "zigzag"),
+    # baselines (mtrain.models.baselines; own settings, not the vertical-slash estimate)
+    "moba": (False, None),
+    "xattention": (False, None),
+    "ulysses": (False, None),
 }
 
 
@@ -354,6 +359,8 @@ def register_attention(recipe) -> str:
     # Every recipe key under `attention:` that is also a SparseSettings field reaches the estimator.
     shared = {f.name for f in dataclasses.fields(SparseSettings)}
     a = recipe.attention
+    if a.kind in BASELINE_KINDS:  # they take the recipe's baseline keys and ignore the rest
+        shared = {f.name for f in dataclasses.fields(a)} - {"kind", "sparse_policy", "dense_hold_steps"}
     settings = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name in shared}
     return register_kind(a.kind, sparse_policy=a.sparse_policy, dense_hold=a.dense_hold_steps, **settings)
 
@@ -371,6 +378,10 @@ def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int =
 
     if kind not in KINDS:
         raise MtrainError(f"attention kind '{kind}' has no mtrain implementation; use one of {', '.join(KINDS)}")
+    if kind in BASELINE_KINDS:
+        from mtrain.models.baselines import register_baseline
+
+        return register_baseline(kind, **sparse_settings)
     if sparse_policy not in SPARSE_POLICIES:
         raise MtrainError(f"sparse_policy '{sparse_policy}' is not one of {', '.join(SPARSE_POLICIES)}")
     sparse, _ = KINDS[kind]

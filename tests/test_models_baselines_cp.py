@@ -1,0 +1,23 @@
+"""The baseline kinds inside the HF model (the trainer's path: register_attention + CONTEXT): one step with CP=2/4
+gives the one-rank loss and gradients (fp32, relative 1e-5), moba and xattention really sparse."""
+
+import json
+
+import pytest
+
+from test_models_cp import torchrun
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_baseline_cp_step_matches_single_rank(tmp_path, world):
+    out = tmp_path / "rows.jsonl"
+    proc = torchrun(world, "tests/workers/baselines_cp_step.py", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["kind"], r["layout"], r["documents"]) for r in rows} == {
+        (k, lay, d) for k, lay in (("moba", "zigzag"), ("moba", "block-stripe"), ("xattention", "zigzag"),
+                                   ("xattention", "block-stripe"), ("ulysses", "block-stripe")) for d in (False, True)}
+    for r in rows:
+        assert r["loss_rel"] < 1e-5, r
+        assert r["grad_rel"] < 1e-5, r
+        assert (r["density"] < 0.9) if r["kind"] != "ulysses" else r["density"] == 1.0, r
