@@ -222,13 +222,14 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     from mtrain.models.attention import CONTEXT
 
     marks = len(CONTEXT.densities), len(CONTEXT.layers)
-    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.step
+    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.step
     try:
-        CONTEXT.dense_hold, CONTEXT.dense_until = 0, {}
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = 0, {}, {}
         mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters)  # every call estimates
         path = CONTEXT.layers[-1].path if len(CONTEXT.layers) > marks[1] else "sparse"
         # steady state in training: hold + 1 steps in a row, one estimate then `hold` held-dense steps when the
-        # estimate did not pay (else every step estimates)
+        # estimate did not pay (else every step estimates); later holds double (HOLD_BACKOFF_MAX), so this is
+        # the costliest stretch of a held layer
         CONTEXT.dense_hold = hold
         step_fn = _fwd_bwd(as_trained, q, k, v, dout)
         steps = []
@@ -238,7 +239,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         held = bool(CONTEXT.dense_until)
         steady_ms = statistics.mean(steps)
     finally:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.step = saved
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.step = saved
     del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
 
     # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index

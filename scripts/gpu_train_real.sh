@@ -5,15 +5,20 @@
 # compare. The GGUF travels in two parts as for the real-attention benchmark (scripts/gpu_real_model.sh):
 #
 #   scripts/gpu_real_model.sh split          # here, once: .carry/p1, .carry/p2
-#   scripts/gpu_train_real.sh stage          # call 1, carry .carry/p1
+#   scripts/gpu_train_real.sh stage          # call 1, carry .carry/p1 .whl-study: part 1, the wheels, the texts
 #   scripts/gpu_train_real.sh run            # call 2 (and more), carry .carry/p2: everything else
+#
+# The machine has no mosaicml-streaming (`mtrain pack`), wonderwords (the synthetic needles, RULER) nor wandb:
+# bring the first two as CPython 3.12 wheels in WHEELS (.whl-study: mosaicml-streaming 0.13.0, zstd, python-snappy,
+# cramjam, Brotli, catalogue, wonderwords; `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`),
+# installed once into /root/pylib; without wandb the runs log to metrics.jsonl alone (logging.wandb=disabled).
 #
 # Every stage skips what is done (the checkpoint, the packed data, a finished run's final/, eval predictions
 # cached per sample) and a killed training resumes from its last checkpoint: when a call runs out of time,
 # call `run` again while the machine is still warm (about 30 s after a call; after that it starts bare).
 # Results (metrics, eval results, the compare table and loss plot) are copied to OUT as they appear.
 #
-# Environment: MODEL_DIR (/root/smollm2), STEPS (200 training steps per run), SEQ (32768), OUT (results),
+# Environment: MODEL_DIR (/root/smollm2), WHEELS (.whl-study), STEPS (200 training steps per run), SEQ (32768), OUT (results),
 # STAGES (default "data train eval compare": any subset, in that order), TRAIN_ARGS / EVAL_ARGS (extra `mtrain
 # train` / `mtrain eval` arguments, e.g. EVAL_ARGS="--lengths 4096,8192" for a shorter pass). A CPU smoke run of
 # the whole chain: MODEL_DIR=models/smollm2-135m SEQ=2048 STEPS=2 TRAIN_ARGS="--set model.dtype=float32
@@ -31,24 +36,42 @@ export PYTHONPATH="/root/pylib:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 MTRAIN="python -m mtrain"
 has() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 keep() { mkdir -p "$RESULTS/$2" && cp "$1" "$RESULTS/$2/" 2>/dev/null || true; }  # a copy back under OUT
+mark() { echo "=== $(date +%T) +${SECONDS}s $*"; }  # stage timings in the log
+wheels() {  # the carried wheels, once per machine (they stay in /root/pylib while it is warm)
+  local dir=${WHEELS:-.whl-study}
+  if [ -d "$dir" ] && [ ! -f /root/pylib/.study-wheels ]; then
+    python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/pylib "$dir"/*.whl
+    touch /root/pylib/.study-wheels
+  fi
+}
+texts() {  # the model-free data: synthetic long documents in the eval's needle formats (answered), and this
+  # Python's prose: the stdlib docstrings for training, the reference documentation held out for perplexity
+  [ -f data/synthetic/smollm2-long.jsonl ] || python -m mtrain.data.synthetic --out data/synthetic/smollm2-long.jsonl \
+    --docs 600 --min-sentences 200 --max-sentences 2500 --facts 4 --retrieval 0.7 \
+    --formats niah=0.5,ruler=0.3,passkey=0.2,repeat=0 --seed 3
+  [ -f data/prose/train.jsonl ] || python -m mtrain.data.prose --train data/prose/train.jsonl \
+    --heldout data/eval/prose-heldout
+}
 
 case "${1:-}" in
-  stage)
-    CHECK=0 EST=0 scripts/gpu_real_model.sh stage ;;
+  stage)  # part 1 of the GGUF, the wheels and the texts; no GPU work
+    mkdir -p /root/parts && cp .carry/p1/part.aa /root/parts/
+    wheels
+    texts
+    mark staged ;;
   run)
     mkdir -p "$RESULTS"
+    wheels
     MODEL_DIR=$MODEL_DIR scripts/gpu_real_model.sh convert
+    mark converted
+    # wandb is optional: without it the runs log to metrics.jsonl, which `mtrain compare` reads
+    python -c "import wandb" 2>/dev/null || TRAIN_ARGS="--set logging.wandb=disabled ${TRAIN_ARGS:-}"
     if has data; then
-      # synthetic long documents in the eval's needle formats (answered), and this Python's prose: the stdlib
-      # docstrings for training, the reference documentation held out for perplexity (no overlap)
-      [ -f data/synthetic/smollm2-long.jsonl ] || python -m mtrain.data.synthetic --out data/synthetic/smollm2-long.jsonl \
-        --docs 600 --min-sentences 200 --max-sentences 2500 --facts 4 --retrieval 0.7 \
-        --formats niah=0.5,ruler=0.3,passkey=0.2,repeat=0 --seed 3
-      [ -f data/prose/train.jsonl ] || python -m mtrain.data.prose --train data/prose/train.jsonl \
-        --heldout data/eval/prose-heldout
+      texts
       [ -f "$PACKED/index.json" ] || $MTRAIN pack --source data/synthetic/smollm2-long.jsonl:jsonl@0.85 \
         --source data/prose/train.jsonl:jsonl@0.15 --tokenizer "$MODEL_DIR" --seq-len "$SEQ" \
         --total-tokens $((STEPS * SEQ)) --out "$PACKED" --no-progress
+      mark packed
     fi
     if has train; then
       for kind in mtraining dense; do  # the same data order, seed, steps and tokens
@@ -56,6 +79,7 @@ case "${1:-}" in
         [ -d "$run/final" ] || $MTRAIN train recipes/smollm2-32k-$kind.yaml --set model.path="$MODEL_DIR" \
           --set data.path="$PACKED" --set data.seq_len="$SEQ" --set train.max_steps="$STEPS" ${TRAIN_ARGS:-}
         keep "$run/metrics.jsonl" "$kind"
+        mark "trained $kind"
       done
     fi
     if has eval; then
@@ -79,6 +103,7 @@ PY
         out=runs/smollm2-32k-eval/$name
         $MTRAIN eval eval/smollm2-32k.yaml --model "${pair#*:}" --out "$out" ${EVAL_ARGS:-}
         keep "$out/results.json" "eval-$name"
+        mark "evaluated $name"
       done
     fi
     if has compare; then

@@ -130,6 +130,7 @@ def test_a_dense_choice_holds_for_dense_hold_steps_in_training(monkeypatch):
     monkeypatch.setattr("mtrain.ops.estimate_vertical_slash", lambda *a, **kw: estimates.append(1) or real(*a, **kw))
     monkeypatch.setattr(CONTEXT, "dense_hold", 2)
     monkeypatch.setattr(CONTEXT, "dense_until", {})
+    monkeypatch.setattr(CONTEXT, "hold_streak", {})
     want = dense_kind(q, k, v)
     paths = []
     for step in range(5):
@@ -142,8 +143,14 @@ def test_a_dense_choice_holds_for_dense_hold_steps_in_training(monkeypatch):
     assert paths == [("dense", False), ("dense", True), ("dense", True), ("dense", False), ("dense", True)]
     assert len(estimates) == 2
     assert attention_stats(CONTEXT.layers)["attention_held_layers"] == 1.0
+    assert CONTEXT.dense_until[3] == 3 + 1 + 2 * 2  # the second estimate in a row that did not pay: twice the hold
+    for step, want_until in ((8, 8 + 1 + 2 * 4), (17, 17 + 1 + 2 * 8), (34, 34 + 1 + 2 * 8)):  # doubling, capped
+        monkeypatch.setattr(CONTEXT, "step", step)
+        call(q, k, v, FLAT, "auto", layer=3)
+        assert not CONTEXT.layers[-1].held and CONTEXT.dense_until[3] == want_until
+    assert len(estimates) == 5
     call(q, k, v, FLAT, "auto", layer=3, training=False)  # eval: estimated whatever the hold
-    assert len(estimates) == 3 and not CONTEXT.layers[-1].held
+    assert len(estimates) == 6 and not CONTEXT.layers[-1].held
     CONTEXT.dense_until.clear()
     call(*inputs("local"), LOCAL, "auto", layer=4)  # sparse pays: no hold
     r = CONTEXT.layers[-1]
@@ -157,6 +164,7 @@ def test_a_sparse_choice_whose_estimate_does_not_pay_holds_too(monkeypatch):
     q, k, v = inputs("local")
     monkeypatch.setattr(CONTEXT, "dense_hold", 4)
     monkeypatch.setattr(CONTEXT, "dense_until", {})
+    monkeypatch.setattr(CONTEXT, "hold_streak", {})
     monkeypatch.setattr(CONTEXT, "step", 0)
     call(q, k, v, LOCAL, "auto", layer=6)
     free = CONTEXT.layers[-1]

@@ -1,12 +1,12 @@
 """The one place mtrain imports mosaicml-streaming, plus an MDS folder reader that checks shards.
 
-`import streaming` runs streaming/__init__.py, which imports `streaming.vision` and so torchvision, which
-cannot be installed beside the CPU torch build. The MDS writer and codecs live in `streaming.base`, which
-needs no torchvision: when torchvision is missing, `streaming_base()` registers an empty `streaming`
-package object (with the installed package's `__path__`) so that `streaming.base` imports without running
-the top-level `__init__`. `MDSFolder` reads shards itself (raw ones memory-mapped, compressed ones
-decompressed in memory, which `streaming.LocalDataset` cannot do for zstd) and names a truncated or
-corrupt shard in its error.
+`import streaming` runs streaming/__init__.py, which imports `streaming.vision`, `streaming.text` and
+`streaming.multimodal` and so torchvision, PIL and parts of transformers (torchvision cannot be installed
+beside the CPU torch build). The MDS writer and codecs live in `streaming.base`, which needs none of them:
+`streaming_base()` registers an empty `streaming` package object (with the installed package's `__path__`)
+so that `streaming.base` imports without running the top-level `__init__`, whether or not torchvision is
+there. `MDSFolder` reads shards itself (raw ones memory-mapped, compressed ones decompressed in memory, which
+`streaming.LocalDataset` cannot do for zstd) and names a truncated or corrupt shard in its error.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ OPEN_SHARDS = 4
 @lru_cache(maxsize=None)
 def streaming_base() -> types.ModuleType:
     """Return the `streaming.base` module of mosaicml-streaming, importable without torchvision."""
-    if "streaming" not in sys.modules and importlib.util.find_spec("torchvision") is None:
+    if "streaming" not in sys.modules:
         spec = importlib.util.find_spec("streaming")
         if spec is None or not spec.submodule_search_locations:
             raise MtrainError(

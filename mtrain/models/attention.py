@@ -73,6 +73,9 @@ class AttentionContext:
     for this many further steps (0 = estimate every call). Set from attention.dense_hold_steps."""
     dense_until: dict = field(default_factory=dict)
     """layer index -> the first step at which that layer estimates again (see dense_hold)."""
+    hold_streak: dict = field(default_factory=dict)
+    """layer index -> how many estimates in a row did not pay for themselves (each doubles the next hold, up to
+    HOLD_BACKOFF_MAX x dense_hold)."""
     sample_imbalance: bool = True
     """Whether layer 0 measures the imbalance in this forward (the trainer sets it on the steps it logs): each CP rank
     counts its own rows' work on the CPU and one small all-gather combines them."""
@@ -185,15 +188,27 @@ def _scored_rows(s, seq_len: int) -> int:
     return min(seq_len, s.last_q + s.sample_blocks * s.block_size)
 
 
+# The longest hold, as a multiple of dense_hold: a layer whose estimate keeps not paying is looked at again after
+# dense_hold, 2x, 4x, then every 8x dense_hold steps (16, 32, 64, 128 steps at the default), so the estimates it
+# pays for nothing fall towards none while a layer whose pattern becomes sparse in training is still found.
+HOLD_BACKOFF_MAX = 8
+
+
 def _hold(layer_idx, prediction, policy: str, training: bool) -> None:
-    """After auto decided a training call, skip this layer's estimate for CONTEXT.dense_hold steps (running
-    dense) when estimating did not pay for itself: the layer went dense, or it went sparse but the estimate plus
-    the sparse path is predicted no cheaper than dense (`Prediction.estimate_paid`). The estimate is paid before
-    the choice, so such a layer would pay it every step for nothing or for a loss (a layer's attention
-    pattern, and so its density, moves slowly during training)."""
-    if (policy == "auto" and training and CONTEXT.dense_hold > 0 and layer_idx is not None
-            and prediction is not None and not prediction.estimate_paid):
-        CONTEXT.dense_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold
+    """After auto decided a training call, skip this layer's estimate (running dense) when estimating did not pay
+    for itself: the layer went dense, or it went sparse but the estimate plus the sparse path is predicted no
+    cheaper than dense (`Prediction.estimate_paid`). The estimate is paid before the choice, so such a layer
+    would pay it every step for nothing or for a loss (a layer's attention pattern, and so its density, moves
+    slowly during training). The hold is CONTEXT.dense_hold steps, doubled for each further estimate in a row
+    that did not pay (up to HOLD_BACKOFF_MAX x); an estimate that pays resets it."""
+    if policy != "auto" or not training or CONTEXT.dense_hold <= 0 or layer_idx is None or prediction is None:
+        return
+    if prediction.estimate_paid:
+        CONTEXT.hold_streak.pop(layer_idx, None)
+        return
+    streak = CONTEXT.hold_streak.get(layer_idx, 0)
+    CONTEXT.hold_streak[layer_idx] = streak + 1
+    CONTEXT.dense_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold * min(2 ** streak, HOLD_BACKOFF_MAX)
 
 
 def _record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None) -> None:
@@ -388,7 +403,7 @@ def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int =
     if not isinstance(dense_hold, int) or dense_hold < 0:
         raise MtrainError(f"dense_hold must be an integer >= 0 (steps; 0 = estimate every step), got {dense_hold!r}")
     CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy = kind, sparse, sparse_policy
-    CONTEXT.dense_hold, CONTEXT.dense_until = dense_hold, {}
+    CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = dense_hold, {}, {}
     if sparse:
         try:
             CONTEXT.settings = SparseSettings(**sparse_settings)

@@ -64,6 +64,11 @@ class CostTable:
 # 20.6 ms at 8K / 32K / 64K / 128K x 9 heads (the torch scorer: 23.1 ms at 32K), 16.4-36.0 ms x 16 heads x 128;
 # worst relative error of the fit 42%: a ~10 ms fixed part dominates (not yet profiled). On SmolLM2 at 128K
 # the whole index (estimate + build) took 22.5-24.0 ms per layer (was ~46 ms).
+# estimate re-measured 2026-11-24 (later, same kind) after the split-key scorer, the group_column_mass kernel and
+# the removal of the estimate's host synchronisation (`scripts/gpu_real_model.sh stage`): 3.54 / 3.59 / 3.92 /
+# 5.06 ms at 8K / 32K / 64K / 128K x 9 heads x 64, 4.23-8.66 ms x 16 heads x 128 (the torch scorer: 23.1 ms at
+# 32K x 9); worst relative error of the fit 16%. The fixed part is now the host's launches (~280 kernels, enqueue
+# ~ GPU time); on SmolLM2 the whole index (estimate + build) took 3.5-8.4 ms per layer at 32K-128K.
 H200 = CostTable(
     name="cuda (H200)",
     source="scripts/bench_cost.py on one H200, 2026-11-23",
@@ -74,7 +79,7 @@ H200 = CostTable(
             (128, 64): {"train": (0.8387, 2.5521, 48.8525, 74.734), "eval": (0.2091, 0.2714, 12.017, 19.4613)},
             (128, 128): {"train": (2.0794, 2.2202, 40.1415, 69.7131), "eval": (0.2719, 0.2234, 11.9352, 17.2914)}},
     index=(2.0754, 0.0, 0.0, 0.0186),
-    estimate=(10.9573, 11.5444),
+    estimate=(3.3017, 1.8256),
 )
 
 # The CPU path (fp32; dense = PyTorch SDPA, sparse = mtrain.ops.partial's PyTorch path over the listed blocks,
