@@ -40,9 +40,9 @@ SHAPES = {
 
 def bench_recipe(kind: str, recall: float, max_lines: int, extra: list[str] = ()):
     """A recipe carrying the benchmark's attention settings (model and data fields are placeholders)."""
-    from mtrain.config import load_recipe
+    from mtrain.config import parse_recipe
 
-    return load_recipe(None, [f"attention.kind={kind}", f"attention.recall={recall}",
+    return parse_recipe(None, [f"attention.kind={kind}", f"attention.recall={recall}",
                               f"attention.max_vertical={max_lines}", f"attention.max_slash={max_lines}",
                               "model.config=mtrain/assets/tiny-qwen2/config.json",
                               "model.tokenizer=mtrain/assets/tiny-tokenizer", "data.path=.", *extra])
