@@ -16,10 +16,16 @@
 # Every stage skips what is done (the checkpoint, the packed data, a finished run's final/, eval predictions
 # cached per sample) and a killed training resumes from its last checkpoint: when a call runs out of time,
 # call `run` again while the machine is still warm (about 30 s after a call; after that it starts bare).
-# Results (metrics, eval results, the compare table and loss plot) are copied to OUT as they appear.
+# Results (metrics, eval results, the compare table and loss plot) are copied to OUT as they appear. Wrap each
+# call in `timeout -s TERM N` (N well inside the call's limit): training checkpoints on SIGTERM and stops.
 #
-# Environment: MODEL_DIR (/root/smollm2), WHEELS (.whl-study), STEPS (200 training steps per run), SEQ (32768), OUT (results),
-# STAGES (default "data train eval compare": any subset, in that order), TRAIN_ARGS / EVAL_ARGS (extra `mtrain
+# Measured on one H200 (2026-11-24, BENCHMARKS.md "Fidelity"): convert + pack 80 s; 200 steps at 32K take
+# 5.2 min per run (mtraining and dense alike, ~1.3 s/step); eval at EVAL_ARGS="--samples 3" 4.5 min per model
+# (198 generations, RULER decodes its full max_new_tokens). The whole study is about 25 minutes of machine time:
+# four calls of ~9 min after `stage`, each made within the warm window of the last.
+#
+# Environment: MODEL_DIR (/root/smollm2), WHEELS (.whl-study), STEPS (200 training steps per run), SEQ (32768),
+# OUT (results), STAGES (default "data train eval compare": any subset, in that order), TRAIN_ARGS / EVAL_ARGS (extra `mtrain
 # train` / `mtrain eval` arguments, e.g. EVAL_ARGS="--lengths 4096,8192" for a shorter pass). A CPU smoke run of
 # the whole chain: MODEL_DIR=models/smollm2-135m SEQ=2048 STEPS=2 TRAIN_ARGS="--set model.dtype=float32
 # --set model.gradient_checkpointing=false" EVAL_ARGS="--lengths 2048 --samples 1 --tasks niah"
@@ -68,8 +74,7 @@ case "${1:-}" in
     python -c "import wandb" 2>/dev/null || TRAIN_ARGS="--set logging.wandb=disabled ${TRAIN_ARGS:-}"
     if has data; then
       texts
-      [ -f "$PACKED/index.json" ] || $MTRAIN pack --source data/synthetic/smollm2-long.jsonl:jsonl@0.85 \
-        --source data/prose/train.jsonl:jsonl@0.15 --tokenizer "$MODEL_DIR" --seq-len "$SEQ" \
+      [ -f "$PACKED/index.json" ] || $MTRAIN pack data/smollm2-32k.yaml --tokenizer "$MODEL_DIR" --seq-len "$SEQ" \
         --total-tokens $((STEPS * SEQ)) --out "$PACKED" --no-progress
       mark packed
     fi
@@ -98,7 +103,8 @@ cfg["max_position_embeddings"] *= 4
 json.dump(cfg, open(path, "w"), indent=1)
 PY
       fi
-      for pair in "base:$base" "mtraining:runs/smollm2-32k-mtraining/final" "dense:runs/smollm2-32k-dense/final"; do
+      # the trained pair first (the study's comparison), the base model last
+      for pair in "mtraining:runs/smollm2-32k-mtraining/final" "dense:runs/smollm2-32k-dense/final" "base:$base"; do
         name=${pair%%:*}
         out=runs/smollm2-32k-eval/$name
         $MTRAIN eval eval/smollm2-32k.yaml --model "${pair#*:}" --out "$out" ${EVAL_ARGS:-}
