@@ -21,9 +21,12 @@ import argparse
 import gc
 import os
 import resource
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # mtrain from this checkout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script only
 
