@@ -321,6 +321,21 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                           inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group, doc_ids=CONTEXT.doc_ids)
 
 
+def _hf_inputs(module, query, key, value, scaling, dropout):
+    """What every mtrain kind does first with HF's [B, H, S, D] inputs: refuse dropout in training, move to
+    [B, S, H, D], and answer a KV-cache call (queries continuing cached keys) densely. Returns (q, k, v, out of
+    the cached call or None)."""
+    if dropout and module.training:
+        raise MtrainError("mtrain attention kinds do not implement attention dropout; set attention_dropout=0")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if k.shape[1] == q.shape[1]:
+        return q, k, v, None
+    if CONTEXT.group is not None or CONTEXT.doc_ids is not None:
+        raise MtrainError("a KV cache runs on one device over one document: clear the context-parallel "
+                          "group and doc_ids (mtrain.models.attention.CONTEXT) before generating")
+    return q, k, v, _cached_attention(q, k, v, scaling)
+
+
 def _cached_attention(q, k, v, scaling):
     """Queries that continue a KV cache (generation, chunked prefill): the q_len newest positions of the
     k_len keys, causal from the bottom right. Dense: a decoding step or a later prefill chunk costs
@@ -351,14 +366,9 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     policy = policy or CONTEXT.sparse_policy
     training = bool(getattr(module, "training", True))
     layer_idx = getattr(module, "layer_idx", None)
-    if dropout and module.training:
-        raise MtrainError("mtrain attention kinds do not implement attention dropout; set attention_dropout=0")
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if k.shape[1] != q.shape[1]:
-        if CONTEXT.group is not None or CONTEXT.doc_ids is not None:
-            raise MtrainError("a KV cache runs on one device over one document: clear the context-parallel "
-                              "group and doc_ids (mtrain.models.attention.CONTEXT) before generating")
-        return _cached_attention(q, k, v, scaling), None
+    q, k, v, cached = _hf_inputs(module, query, key, value, scaling, dropout)
+    if cached is not None:
+        return cached, None
     if CONTEXT.group is None:
         out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids, policy=policy, training=training,
                                layer_idx=layer_idx)

@@ -70,16 +70,11 @@ def baseline_attention(module, query, key, value, attention_mask, scaling=None, 
     """HF attention function of the baseline kinds (shapes as `mtrain.models.attention.mtrain_attention`):
     query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE -> (out [B, S_local, Hq, D], None).
     A KV cache (generation) runs dense, as for every mtrain kind."""
-    from mtrain.models.attention import CONTEXT, _cached_attention, _record
+    from mtrain.models.attention import CONTEXT, _hf_inputs, _record
 
-    if dropout and module.training:
-        raise MtrainError("mtrain attention kinds do not implement attention dropout; set attention_dropout=0")
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if k.shape[1] != q.shape[1]:
-        if CONTEXT.group is not None or CONTEXT.doc_ids is not None:
-            raise MtrainError("a KV cache runs on one device over one document: clear the context-parallel "
-                              "group and doc_ids (mtrain.models.attention.CONTEXT) before generating")
-        return _cached_attention(q, k, v, scaling), None
+    q, k, v, cached = _hf_inputs(module, query, key, value, scaling, dropout)
+    if cached is not None:
+        return cached, None
     if kind == "ulysses":
         if CONTEXT.group is None:
             from mtrain.ops import dense_attention

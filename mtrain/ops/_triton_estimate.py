@@ -41,10 +41,16 @@ def _tile_logits(q, kbase, start, rpos, r_ok, rdoc, docs, S, sks, d, d_ok, scale
 
 
 @triton.jit
-def _tile_rows(Q, ROWS, DOCS, tile, b, h, n, D, sqb, sqn, sqh, sdb,
+def _tile_rows(Q, ROWS, DOCS, H, n, D, sqb, sqn, sqh, sdb,
                HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The row tile's indices, validity, positions, own blocks, documents and queries; and the first key
-    position no row of the tile sees (rows are sorted)."""
+    """The program's (row tile, batch x head, key chunk) and batch / head; the tile's row indices, validity,
+    positions, own blocks, documents and queries; and the first key position no row of the tile sees (rows are
+    sorted)."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    c = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
     r_idx = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     r_ok = r_idx < n
     rpos = tl.load(ROWS + r_idx, mask=r_ok, other=-1)
@@ -56,7 +62,7 @@ def _tile_rows(Q, ROWS, DOCS, tile, b, h, n, D, sqb, sqn, sqh, sdb,
     if HAS_DOCS:
         rdoc = tl.load(DOCS + b * sdb + tl.maximum(rpos, 0), mask=r_ok, other=-1)
     end = tl.load(ROWS + tl.minimum(tile * BLOCK_M + BLOCK_M, n) - 1) + 1
-    return r_idx, r_ok, rpos, rpos // BLOCK_N, rdoc, q, d, d_ok, end
+    return tile, bh, c, b, h, r_idx, r_ok, rpos, rpos // BLOCK_N, rdoc, q, d, d_ok, end
 
 
 @triton.jit
@@ -69,13 +75,8 @@ def _score_stats_kernel(
 ):
     """Pass 1, per (row tile, batch x head, key chunk): each row's max and sum (log2 units) over the visible
     keys of the chunk."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    c = tl.program_id(2)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    r_idx, r_ok, rpos, rblk, rdoc, q, d, d_ok, end = _tile_rows(Q, ROWS, DOCS, tile, b, h, n, D, sqb, sqn, sqh,
-                                                                sdb, HAS_DOCS, BLOCK_M, BLOCK_N, BLOCK_D)
+    tile, bh, c, b, h, r_idx, r_ok, rpos, rblk, rdoc, q, d, d_ok, end = _tile_rows(
+        Q, ROWS, DOCS, H, n, D, sqb, sqn, sqh, sdb, HAS_DOCS, BLOCK_M, BLOCK_N, BLOCK_D)
     kbase = K + b * skb + (h // G) * skh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -102,13 +103,8 @@ def _score_sums_kernel(
     """Pass 2, per (row tile, batch x head, key chunk): the rows' normalisers from every chunk's max and sum
     (chunk 0 stores them), then the probabilities of the chunk's keys, summed per (row, key block) and, over
     the tile's rows, per key column outside the always-kept blocks."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    c = tl.program_id(2)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    r_idx, r_ok, rpos, rblk, rdoc, q, d, d_ok, end = _tile_rows(Q, ROWS, DOCS, tile, b, h, n, D, sqb, sqn, sqh,
-                                                                sdb, HAS_DOCS, BLOCK_M, BLOCK_N, BLOCK_D)
+    tile, bh, c, b, h, r_idx, r_ok, rpos, rblk, rdoc, q, d, d_ok, end = _tile_rows(
+        Q, ROWS, DOCS, H, n, D, sqb, sqn, sqh, sdb, HAS_DOCS, BLOCK_M, BLOCK_N, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for j in range(0, n_chunks):  # the same order in every program: one normaliser per row
