@@ -7,13 +7,13 @@ bit, and the worst error of the gathered output against dense attention on one d
 """
 
 import dataclasses
-import json
 import sys
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+from cp_step import finish
 from mtrain.models.attention import CONTEXT, mtrain_attention
 from mtrain.ops import cost
 from mtrain.parallel import Layout, SparseSettings
@@ -70,12 +70,7 @@ def main(out_path: str) -> None:
         rows.append({"pattern": kind, "paths": paths, "density": float(record.density), "same_as_forced": torch.equal(auto, forced),
                      "err_vs_single_dense": float((layout.unshard(shards, dim=1) - single_dense).abs().max()),
                      "dense_ms": record.dense_ms, "sparse_ms": record.sparse_ms})
-    if rank == 0:
-        with open(out_path, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, out_path, rows)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Writes one JSON line per (model, kind, with or without packed documents) with th
 
 import json
 import sys
-
 import tempfile
 from pathlib import Path
 
@@ -37,24 +36,65 @@ def step(model, ids, pos, labels, n_valid):
     return loss_sum.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def batch():
+    """(ids, pos, labels, n_valid, doc_ids) of the one sequence every case trains on; doc_ids for the masked
+    variant: boundaries mid-block and mid-shard, and a one-token document."""
     torch.manual_seed(0)
     ids = torch.randint(0, 700, (1, SEQ))
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
     pos = torch.arange(SEQ)[None]
     n_valid = int((labels != -100).sum())
-    # documents for the masked variant: boundaries mid-block and mid-shard, and a one-token document
     starts = [0, 37, 38, 200, 301, 480]
     doc_ids = torch.zeros(1, SEQ, dtype=torch.long)
     for i, start in enumerate(starts):
         doc_ids[:, start:] = i
-    rows = []
-    # the recipe is loaded only for its attention settings; data.path must still look like a packed folder
-    packed = tempfile.mkdtemp(prefix="cp_step_")
+    return ids, pos, labels, n_valid, doc_ids
+
+
+def packed_folder(prefix: str) -> str:
+    """A folder that passes the recipe's data.path check (the recipe is loaded only for its attention settings)."""
+    packed = tempfile.mkdtemp(prefix=prefix)
     Path(packed, "index.json").write_text("{}")
+    return packed
+
+
+def compare(model, layout, rank: int, data, docs) -> dict:
+    """The step on one rank (whole sequence) and context-parallel over the world under `layout`: the reference
+    loss, the relative errors of the loss and of the worst gradient, and the mean attention density."""
+    ids, pos, labels, n_valid, _ = data
+    CONTEXT.group, CONTEXT.doc_ids, CONTEXT.densities = None, docs, []
+    ref_loss, ref_grads = step(model, ids, pos, labels, n_valid)
+    density = float(sum(CONTEXT.densities)) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
+    CONTEXT.group, CONTEXT.layout = dist.group.WORLD, layout
+    loss, grads = step(model, layout.shard(ids, rank), layout.shard(pos, rank), layout.shard(labels, rank), n_valid)
+    dist.all_reduce(loss)
+    worst = 0.0
+    for key, g in grads.items():
+        dist.all_reduce(g)
+        scale = max(1e-6, float(ref_grads[key].abs().max()))
+        worst = max(worst, float((g - ref_grads[key]).abs().max()) / scale)
+    return {"loss": float(ref_loss), "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+            "grad_rel": worst, "density": density}
+
+
+def finish(rank: int, out_path: str, rows: list) -> None:
+    """Rank 0 writes the rows (one JSON line each); every rank leaves the group."""
+    if rank == 0:
+        with open(out_path, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = batch()
+    doc_ids = data[-1]
+    rows = []
+    packed = packed_folder("cp_step_")
     for model_name, config in configs().items():
         for kind in ("dense", "mtraining", "zigzag-dense", "zigzag-sparse"):
             recipe = load_recipe(None, [f"attention.kind={kind}", "attention.block_size=32", "attention.last_q=32",
@@ -68,27 +108,9 @@ def main(out_path: str) -> None:
             model = ChunkedLossLM(AutoModelForCausalLM.from_config(config, attn_implementation=name), chunk=200)
             layout = Layout.create(layout_name(recipe), world_size=world, granularity=32)
             for docs in (None, doc_ids):
-                CONTEXT.group, CONTEXT.doc_ids, CONTEXT.densities = None, docs, []
-                ref_loss, ref_grads = step(model, ids, pos, labels, n_valid)
-                density = float(sum(CONTEXT.densities)) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
-                CONTEXT.group, CONTEXT.layout = dist.group.WORLD, layout
-                loss, grads = step(model, layout.shard(ids, rank), layout.shard(pos, rank), layout.shard(labels, rank),
-                                   n_valid)
-                dist.all_reduce(loss)
-                worst = 0.0
-                for key, g in grads.items():
-                    dist.all_reduce(g)
-                    scale = max(1e-6, float(ref_grads[key].abs().max()))
-                    worst = max(worst, float((g - ref_grads[key]).abs().max()) / scale)
                 rows.append({"model": model_name, "kind": kind, "world": world, "documents": docs is not None,
-                             "loss": float(ref_loss), "loss_rel": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
-                             "grad_rel": worst, "density": density})
-    if rank == 0:
-        with open(out_path, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+                             **compare(model, layout, rank, data, docs)})
+    finish(rank, out_path, rows)
 
 
 if __name__ == "__main__":
