@@ -238,6 +238,18 @@ def single_device_errors(kind: str, docs: bool, seq: int = SEQ) -> dict:
     return errors
 
 
+def load_kind(kind: str, tmp_path, *overrides: str):
+    """The tiny model's recipe with attention.kind `kind` and `overrides`, loaded (and so checked) as `mtrain
+    train` loads it; data.path is a stand-in packed folder under tmp_path."""
+    from mtrain.config import load_recipe
+
+    (tmp_path / "packed").mkdir(exist_ok=True)
+    (tmp_path / "packed" / "index.json").write_text("{}")
+    return load_recipe(None, ["model.config=mtrain/assets/tiny-qwen2/config.json",
+                              "model.tokenizer=mtrain/assets/tiny-tokenizer", f"data.path={tmp_path / 'packed'}",
+                              f"attention.kind={kind}", *overrides])
+
+
 def train_steps(kind: str, tmp_path, *overrides: str) -> list[dict]:
     """Two optimizer steps of the tiny model with attention.kind `kind` through the trainer (in-process, one rank,
     packed synthetic documents of 256 tokens); returns the metrics rows."""

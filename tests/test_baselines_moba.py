@@ -5,8 +5,8 @@ grads 1e-4; the recipe keys are checked at load; two training steps run through 
 import pytest
 import torch
 
-from baselines_common import CP_CASES, GRAD_TOL, OUT_TOL, check_cp_case, run_cp, single_device_errors, train_steps
-from mtrain.config import load_recipe
+from baselines_common import (CP_CASES, GRAD_TOL, OUT_TOL, check_cp_case, load_kind, run_cp, single_device_errors,
+                              train_steps)
 from mtrain.errors import ConfigError
 
 
@@ -44,23 +44,15 @@ def test_moba_ring_matches_reference(cp_results, case):
     check_cp_case(cp_results, case)
 
 
-def _load(tmp_path, *overrides):
-    (tmp_path / "packed").mkdir(exist_ok=True)
-    (tmp_path / "packed" / "index.json").write_text("{}")
-    return load_recipe(None, ["model.config=mtrain/assets/tiny-qwen2/config.json",
-                              "model.tokenizer=mtrain/assets/tiny-tokenizer", f"data.path={tmp_path / 'packed'}",
-                              "attention.kind=moba", *overrides])
-
-
 def test_moba_recipe_keys_checked_at_load(tmp_path):
-    recipe = _load(tmp_path, "attention.moba_chunk_size=128", "attention.moba_topk=3")
+    recipe = load_kind("moba", tmp_path, "attention.moba_chunk_size=128", "attention.moba_topk=3")
     assert (recipe.attention.moba_chunk_size, recipe.attention.moba_topk) == (128, 3)
     with pytest.raises(ConfigError, match=r"attention.moba_chunk_size: 100 is not a multiple of attention.block_size"):
-        _load(tmp_path, "attention.moba_chunk_size=100")
+        load_kind("moba", tmp_path, "attention.moba_chunk_size=100")
     with pytest.raises(ConfigError, match=r"attention.moba_topk: must be >= 0"):
-        _load(tmp_path, "attention.moba_topk=-1")
+        load_kind("moba", tmp_path, "attention.moba_topk=-1")
     with pytest.raises(ConfigError, match="unknown key 'attention.moba_chunk'"):
-        _load(tmp_path, "attention.moba_chunk=64")
+        load_kind("moba", tmp_path, "attention.moba_chunk=64")
 
 
 def test_moba_trains(tmp_path):

@@ -5,8 +5,8 @@ and without packed documents) against a float64 reference with the XAttention ma
 import pytest
 import torch
 
-from baselines_common import CP_CASES, GRAD_TOL, OUT_TOL, check_cp_case, run_cp, single_device_errors, train_steps
-from mtrain.config import load_recipe
+from baselines_common import (CP_CASES, GRAD_TOL, OUT_TOL, check_cp_case, load_kind, run_cp, single_device_errors,
+                              train_steps)
 from mtrain.errors import ConfigError
 
 
@@ -45,21 +45,13 @@ def test_xattention_ring_matches_reference(cp_results, case):
     check_cp_case(cp_results, case)
 
 
-def _load(tmp_path, *overrides):
-    (tmp_path / "packed").mkdir(exist_ok=True)
-    (tmp_path / "packed" / "index.json").write_text("{}")
-    return load_recipe(None, ["model.config=mtrain/assets/tiny-qwen2/config.json",
-                              "model.tokenizer=mtrain/assets/tiny-tokenizer", f"data.path={tmp_path / 'packed'}",
-                              "attention.kind=xattention", *overrides])
-
-
 def test_xattention_recipe_keys_checked_at_load(tmp_path):
-    recipe = _load(tmp_path, "attention.xattn_stride=16", "attention.xattn_threshold=0.95")
+    recipe = load_kind("xattention", tmp_path, "attention.xattn_stride=16", "attention.xattn_threshold=0.95")
     assert (recipe.attention.xattn_stride, recipe.attention.xattn_threshold) == (16, 0.95)
     with pytest.raises(ConfigError, match=r"attention.xattn_stride: 12 does not divide attention.block_size \(64\); use a divisor of it, e.g. 8"):
-        _load(tmp_path, "attention.xattn_stride=12")
+        load_kind("xattention", tmp_path, "attention.xattn_stride=12")
     with pytest.raises(ConfigError, match=r"attention.xattn_threshold: must be in \(0, 1\]"):
-        _load(tmp_path, "attention.xattn_threshold=1.5")
+        load_kind("xattention", tmp_path, "attention.xattn_threshold=1.5")
 
 
 def test_xattention_under_cp_needs_whole_query_blocks():
@@ -76,9 +68,9 @@ def test_xattention_under_cp_needs_whole_query_blocks():
 
 def test_xattention_cp_layout_checked_at_load(tmp_path):
     with pytest.raises(ConfigError, match="needs whole query blocks of attention.block_size=64") as err:
-        _load(tmp_path, "parallel.cp_size=2", "parallel.layout=block-stripe", "parallel.granularity=32")
+        load_kind("xattention", tmp_path, "parallel.cp_size=2", "parallel.layout=block-stripe", "parallel.granularity=32")
     assert "\n" not in str(err.value)
-    assert _load(tmp_path, "parallel.cp_size=2", "parallel.layout=zigzag").parallel.layout == "zigzag"
+    assert load_kind("xattention", tmp_path, "parallel.cp_size=2", "parallel.layout=zigzag").parallel.layout == "zigzag"
 
 
 def test_xattention_trains(tmp_path):

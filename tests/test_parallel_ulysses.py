@@ -4,8 +4,7 @@ on the whole sequence: out 1e-5, grads 1e-4. An impossible head split is refused
 
 import pytest
 
-from baselines_common import CP_CASES, check_cp_case, run_cp
-from mtrain.config import load_recipe
+from baselines_common import CP_CASES, check_cp_case, load_kind, run_cp
 from mtrain.errors import ConfigError
 
 
@@ -40,13 +39,9 @@ def test_ulysses_head_rule():
 
 
 def test_ulysses_refuses_impossible_head_split_at_load(tmp_path):
-    (tmp_path / "packed").mkdir()
-    (tmp_path / "packed" / "index.json").write_text("{}")
-    base = ["model.config=mtrain/assets/tiny-qwen2/config.json", "model.tokenizer=mtrain/assets/tiny-tokenizer",
-            f"data.path={tmp_path / 'packed'}", "attention.kind=ulysses"]
-    assert load_recipe(None, [*base, "parallel.cp_size=4"]).parallel.cp_size == 4  # 4 q heads, 2 KV heads replicated
+    assert load_kind("ulysses", tmp_path, "parallel.cp_size=4").parallel.cp_size == 4  # 4 q heads, 2 KV replicated
     with pytest.raises(ConfigError) as err:
-        load_recipe(None, [*base, "parallel.cp_size=3"])
+        load_kind("ulysses", tmp_path, "parallel.cp_size=3")
     message = str(err.value)
     assert "\n" not in message
     assert "4 query heads and 2 key/value heads over parallel.cp_size=3" in message
