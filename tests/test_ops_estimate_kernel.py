@@ -60,26 +60,39 @@ def test_triton_scorer_est_recall_against_float64():
     assert torch.allclose(index._cache["est_recall"].double(), want, atol=1e-5)
 
 
+def _scored_case(seed: int):
+    """q [2, 96, 4, 16], k [2, 96, 2, 16], two documents in batch row 0, and 8 scored rows over 16-token blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 96, 4, 16, generator=gen)
+    k = torch.randn(2, 96, 2, 16, generator=gen)
+    docs = torch.tensor([[0] * 40 + [1] * 56, [0] * 96])
+    return q, k, docs, torch.tensor([16, 17, 18, 40, 41, 80, 90, 95]), 16
+
+
+def _f64_softmax(q, k, docs, rows, scale):
+    """Float64 (logsumexp [B, Hq, n], probabilities [B, Hq, n, S]) of the rows over the keys they see (causal, same
+    document)."""
+    S = k.shape[1]
+    kk = k.double().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double()[:, rows], kk) * scale
+    pos = torch.arange(S)
+    vis = (pos[None, :] <= rows[:, None]) & (docs[:, rows, None] == docs[:, None, :])[:, None]
+    s = s.masked_fill(~vis, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    return lse, torch.exp(s - lse[..., None])
+
+
 @pytest.mark.parametrize("keys_per_program", [4096, 32])  # 32: the key axis split over three programs
 def test_score_rows_sums_against_float64(keys_per_program, monkeypatch):
     from mtrain.ops._triton_estimate import score_rows
 
     monkeypatch.setattr("mtrain.ops._triton_estimate.KEYS_PER_PROGRAM", keys_per_program)
 
-    gen = torch.Generator().manual_seed(3)
-    B, S, Hq, Hkv, D, bs = 2, 96, 4, 2, 16, 16
-    q = torch.randn(B, S, Hq, D, generator=gen)
-    k = torch.randn(B, S, Hkv, D, generator=gen)
-    docs = torch.tensor([[0] * 40 + [1] * 56, [0] * 96])
-    rows = torch.tensor([16, 17, 18, 40, 41, 80, 90, 95])
+    q, k, docs, rows, bs = _scored_case(3)
+    B, S, Hq, _ = q.shape
     lse, pooled, vert = score_rows(q[:, rows], k, rows, bs, 0.25, docs)
-    kk = k.double().repeat_interleave(Hq // Hkv, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double()[:, rows], kk) * 0.25
+    ref_lse, p = _f64_softmax(q, k, docs, rows, 0.25)
     pos = torch.arange(S)
-    vis = (pos[None, :] <= rows[:, None]) & (docs[:, rows, None] == docs[:, None, :])[:, None]
-    s = s.masked_fill(~vis, -math.inf)
-    ref_lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - ref_lse[..., None])
     assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
     ref_pooled = p.view(B, Hq, rows.numel(), S // bs, bs).sum(-1)
     assert torch.allclose(pooled.double(), ref_pooled, atol=1e-6)
@@ -94,12 +107,9 @@ def test_group_column_mass_against_float64(skip_kept, shared):
     from mtrain.ops._triton_estimate import group_column_mass, score_rows
     from mtrain.ops.estimate import row_groups
 
-    gen = torch.Generator().manual_seed(5)
-    B, S, Hq, Hkv, D, bs = 2, 96, 4, 2, 16, 16
-    q = torch.randn(B, S, Hq, D, generator=gen)
-    k = torch.randn(B, S, Hkv, D, generator=gen)
-    docs = torch.tensor([[0] * 40 + [1] * 56, [0] * 96])
-    rows = torch.tensor([16, 17, 18, 40, 41, 80, 90, 95])
+    q, k, docs, rows, bs = _scored_case(5)
+    B, S, Hq, _ = q.shape
+    gen = torch.Generator().manual_seed(6)
     blocks, table = row_groups(rows, bs)
     lse, _, _ = score_rows(q[:, rows], k, rows, bs, 0.25, docs)
     U = blocks.numel()
@@ -107,11 +117,8 @@ def test_group_column_mass_against_float64(skip_kept, shared):
     cols = torch.randint(0, S, (B, Hq, 1 if shared else U, n_cols), generator=gen)
     cols[..., -2:] = -1  # padding
     got = group_column_mass(q[:, rows], k, lse, rows, table, cols, 0.25, bs, docs, skip_kept=skip_kept)
-    kk = k.double().repeat_interleave(Hq // Hkv, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double()[:, rows], kk) * 0.25
+    _, p = _f64_softmax(q, k, docs, rows, 0.25)  # [B, Hq, n, S]
     pos = torch.arange(S)
-    vis = (pos[None, :] <= rows[:, None]) & (docs[:, rows, None] == docs[:, None, :])[:, None]
-    p = torch.softmax(s.masked_fill(~vis, -math.inf), -1)  # [B, Hq, n, S]
     if skip_kept:
         kept = ((pos // bs)[None, :] == (rows // bs)[:, None]) | (pos < bs)[None, :]
         p = p.masked_fill(kept, 0.0)
