@@ -109,6 +109,18 @@ def kind_mask(kind: str, q, k, scale: float) -> torch.Tensor:
     return causal_mask(q.shape[0], q.shape[1])
 
 
+def _reference_grads(kind: str, q, k, v, dout, scale, doc_ids):
+    """The kind's reference attention on the whole sequence under its mask (selected on the same fp32 values the
+    method sees; same-document pairs only with doc_ids) and its backward: (out, [q, k, v] holding their grads)."""
+    mask = kind_mask(kind, q.float(), k.float(), scale)
+    if doc_ids is not None:
+        mask &= (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = reference_attention(*full, mask, scale)
+    ref.backward(dout)
+    return ref, full
+
+
 def _max_err(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
@@ -136,13 +148,7 @@ def _cp_case(rank, world, kind, layout_name, docs, results):
         record["density"] = index.density()
         out = ring_attention(*shards[:3], group=None, layout=layout, index=index, doc_ids=doc_ids)
     out.backward(shards[3])
-    # the reference selects on the same fp32 values the ranks hold
-    mask = kind_mask(kind, q.float(), k.float(), scale)
-    if doc_ids is not None:
-        mask &= (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
-    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = reference_attention(*full, mask, scale)
-    ref.backward(dout)
+    ref, full = _reference_grads(kind, q, k, v, dout, scale, doc_ids)
     record["out"] = _max_err(out.detach(), layout.shard(ref.detach(), rank))
     for name, got, want in zip(("dq", "dk", "dv"), shards[:3], full):
         record[name] = _max_err(got.grad, layout.shard(want.grad, rank))
@@ -224,12 +230,7 @@ def single_device_errors(kind: str, docs: bool, seq: int = SEQ) -> dict:
     else:
         out, index = xattention_attention(*ours, block_size=BLOCK, doc_ids=doc_ids, return_index=True, **XATTN)
     out.backward(dout.float())
-    mask = kind_mask(kind, q.float(), k.float(), scale)
-    if doc_ids is not None:
-        mask &= (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
-    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = reference_attention(*full, mask, scale)
-    ref.backward(dout)
+    ref, full = _reference_grads(kind, q, k, v, dout, scale, doc_ids)
     dense = reference_attention(q, k, v, causal_mask(q.shape[0], seq), scale)
     errors = {"out": _max_err(out.detach(), ref.detach()), "density": index.density(),
               "gap_to_dense": _max_err(out.detach(), dense)}
