@@ -21,8 +21,9 @@
 #
 # Measured on one H200 (2026-11-24, BENCHMARKS.md "Fidelity"): convert + pack 80 s; 200 steps at 32K take
 # 5.2 min per run (mtraining and dense alike, ~1.3 s/step); eval at EVAL_ARGS="--samples 3" 4.5 min per model
-# (198 generations, RULER decodes its full max_new_tokens). The whole study is about 25 minutes of machine time:
-# four calls of ~9 min after `stage`, each made within the warm window of the last.
+# (198 generations, RULER decodes its full max_new_tokens), run for the three models side by side. The whole
+# study is about 20 minutes of machine time: calls of up to ~9 min after `stage`, each within the warm window of
+# the last.
 #
 # Environment: MODEL_DIR (/root/smollm2), WHEELS (.whl-study), STEPS (200 training steps per run), SEQ (32768),
 # OUT (results), STAGES (default "data train eval compare": any subset, in that order), TRAIN_ARGS / EVAL_ARGS (extra `mtrain
@@ -103,14 +104,20 @@ cfg["max_position_embeddings"] *= 4
 json.dump(cfg, open(path, "w"), indent=1)
 PY
       fi
-      # the trained pair first (the study's comparison), the base model last
+      # the three evaluations side by side on the one GPU (a 135M model's decoding leaves it mostly idle); each
+      # logs to $RESULTS/eval-NAME.log and keeps its predictions, so a call cut short resumes where it stopped
+      pids=()
       for pair in "mtraining:runs/smollm2-32k-mtraining/final" "dense:runs/smollm2-32k-dense/final" "base:$base"; do
         name=${pair%%:*}
         out=runs/smollm2-32k-eval/$name
-        $MTRAIN eval eval/smollm2-32k.yaml --model "${pair#*:}" --out "$out" ${EVAL_ARGS:-}
-        keep "$out/results.json" "eval-$name"
-        mark "evaluated $name"
+        ( $MTRAIN eval eval/smollm2-32k.yaml --model "${pair#*:}" --out "$out" --no-progress ${EVAL_ARGS:-} \
+            > "$RESULTS/eval-$name.log" 2>&1 && keep "$out/results.json" "eval-$name" && mark "evaluated $name" ) &
+        pids+=($!)
       done
+      failed=0
+      for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+      tail -n 5 "$RESULTS"/eval-*.log
+      [ "$failed" = 0 ] || { echo "an evaluation failed: see $RESULTS/eval-*.log" >&2; exit 1; }
     fi
     if has compare; then
       $MTRAIN compare runs/smollm2-32k-mtraining runs/smollm2-32k-dense --plot "$RESULTS/loss.png" \

@@ -1,6 +1,7 @@
 """The per-layer sparse/dense choice of the sparse attention kinds (attention.sparse_policy) and its logging."""
 
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -282,6 +283,100 @@ def test_model_forward_records_every_layer():
         else:
             assert stats["attention_paths"] == "s" * layers
             assert all(0 < stats[f"attn_density/L{i:02d}"] < 1 for i in range(layers))
+
+
+def _hold_state(monkeypatch, hold=4):
+    monkeypatch.setattr(CONTEXT, "dense_hold", hold)
+    monkeypatch.setattr(CONTEXT, "dense_until", {})
+    monkeypatch.setattr(CONTEXT, "hold_streak", {})
+    monkeypatch.setattr(CONTEXT, "memo", {})
+    monkeypatch.setattr(CONTEXT, "step", 0)
+
+
+def test_checkpointing_replays_the_first_forwards_choice(monkeypatch):
+    """Under non-reentrant gradient checkpointing with `checkpoint_contexts`, the recomputation for the backward
+    rebuilds the index the first forward chose instead of estimating again. The case: auto runs the layer sparse
+    and, as the estimate did not pay, sets a dense hold in that same forward; estimating again in the
+    recomputation would run it held dense and checkpointing would refuse the backward. Checked: one estimate and
+    one record, and grads equal to the same call without checkpointing."""
+    import mtrain.ops
+    from torch.utils.checkpoint import checkpoint
+
+    from mtrain.models.attention import checkpoint_contexts
+
+    q, k, v = inputs("local")
+    _hold_state(monkeypatch)
+    call(q, k, v, LOCAL, "auto", layer=6)
+    free = CONTEXT.layers[-1]
+    rows = min(q.shape[1], LOCAL.last_q + LOCAL.sample_blocks * LOCAL.block_size)
+    fixed = cost.worth_estimating(seq_len=q.shape[1], heads=q.shape[2], head_dim=q.shape[3], block_size=BS,
+                                  rows=rows, device="cpu").sparse_ms
+    # an estimate that sparse still pays for, but not with the estimate on top (as in the test above)
+    monkeypatch.setattr(cost, "CPU", dataclasses.replace(
+        cost.CPU, estimate=(cost.SPARSE_MARGIN * free.dense_ms - (free.sparse_ms + fixed) / 2, 0.0)))
+    estimates = []
+    real = mtrain.ops.estimate_vertical_slash
+    monkeypatch.setattr("mtrain.ops.estimate_vertical_slash", lambda *a, **kw: estimates.append(1) or real(*a, **kw))
+    dout = torch.randn_like(q)
+
+    def grads(checkpointed: bool):
+        _hold_state(monkeypatch)
+        CONTEXT.layers.clear()
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        fn = functools.partial(call, settings=LOCAL, policy="auto", layer=6)
+        if checkpointed:
+            out = checkpoint(fn, qq, kk, vv, use_reentrant=False, context_fn=checkpoint_contexts)
+        else:
+            out = fn(qq, kk, vv)
+        assert [r.path for r in CONTEXT.layers] == ["sparse"] and CONTEXT.dense_until[6] == 5  # sparse, then held
+        out.backward(dout)
+        assert len(CONTEXT.layers) == 1 and not CONTEXT.recomputing
+        return out.detach(), qq.grad, kk.grad, vv.grad
+
+    want = grads(False)
+    assert len(estimates) == 1
+    got = grads(True)
+    assert len(estimates) == 2  # the recomputation did not estimate
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_checkpointing_frees_the_index_between_forward_and_backward():
+    """Everything the sparse backward reads goes through save_for_backward, so under non-reentrant checkpointing
+    a layer's lists are dropped after its forward (and rebuilt for its backward) instead of being held by the
+    autograd graph until then; without checkpointing the graph keeps them."""
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    from mtrain.models.attention import checkpoint_contexts
+
+    q, k, v = inputs("local")
+    index = estimate_vertical_slash(q, k, recall=LOCAL.recall, block_size=BS, max_vertical=4, max_slash=4,
+                                    min_vertical=0, min_slash=0)
+    lines = index._cache["lines"]
+    grads = []
+    for checkpointed in (False, True):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        built = []
+
+        def layer(a, b, c):
+            idx = type(index).from_lines(*lines, q.shape[1], BS)
+            built.append(weakref.ref(idx.col_ids))
+            return vertical_slash_attention(a, b, c, idx)
+
+        if checkpointed:
+            out = checkpoint(layer, qq, kk, vv, use_reentrant=False, context_fn=checkpoint_contexts)
+        else:
+            out = layer(qq, kk, vv)
+        gc.collect()
+        assert (built[0]() is None) == checkpointed
+        out.sum().backward()
+        assert len(built) == 1 + checkpointed  # the recomputation built the lists again
+        grads.append((qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 def test_register_rejects_an_unknown_policy():

@@ -8,6 +8,7 @@ document spans of the packed sample) live in one `AttentionContext` that the tra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass, field
@@ -76,6 +77,13 @@ class AttentionContext:
     hold_streak: dict = field(default_factory=dict)
     """layer index -> how many estimates in a row did not pay for themselves (each doubles the next hold, up to
     HOLD_BACKOFF_MAX x dense_hold)."""
+    recomputing: bool = False
+    """True while non-reentrant gradient checkpointing recomputes a layer's forward for its backward (set through
+    `checkpoint_contexts`): the sparse kinds then replay what that layer's first forward chose (`memo`) instead of
+    estimating again, so the recomputation runs the same path on the same index and logs nothing twice."""
+    memo: dict = field(default_factory=dict)
+    """layer index -> (path, lines) of the layer's last forward in training: "sparse" or "dense", and the lines
+    its index was built from (`index._cache["lines"]`; small next to the lists, which are rebuilt from them)."""
     sample_imbalance: bool = True
     """Whether layer 0 measures the imbalance in this forward (the trainer sets it on the steps it logs): each CP rank
     counts its own rows' work on the CPU and one small all-gather combines them."""
@@ -232,6 +240,42 @@ def _record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, do
     CONTEXT.layers.append(record)
 
 
+@contextlib.contextmanager
+def _recomputing():
+    CONTEXT.recomputing = True
+    try:
+        yield
+    finally:
+        CONTEXT.recomputing = False
+
+
+def checkpoint_contexts():
+    """`context_fn` of torch.utils.checkpoint (non-reentrant) for models with mtrain attention: nothing around the
+    first forward; around the recomputation for the backward, `CONTEXT.recomputing`. A recomputed layer then
+    rebuilds the index its first forward chose from the remembered lines (cheap) rather than estimating again:
+    one estimate per layer and step instead of two, and the same path in both passes whatever the first one
+    changed (a dense hold it set would otherwise send the recomputation dense, which checkpointing refuses)."""
+    return contextlib.nullcontext(), _recomputing()
+
+
+def _replay(layer_idx):
+    """(path, lines) that this layer's first forward chose, while gradient checkpointing recomputes it; else None."""
+    if CONTEXT.recomputing and layer_idx is not None:
+        return CONTEXT.memo.get(layer_idx)
+    return None
+
+
+def _remember(layer_idx, path: str, index, training: bool) -> None:
+    """Keep this training forward's choice for the layer's recomputation (see `checkpoint_contexts`)."""
+    if not training or layer_idx is None or not torch.is_grad_enabled():
+        return
+    lines = None if index is None else index._cache.get("lines")
+    if path == "sparse" and lines is None:
+        CONTEXT.memo.pop(layer_idx, None)  # nothing to rebuild from: the recomputation estimates again
+    else:
+        CONTEXT.memo[layer_idx] = (path, lines)
+
+
 def _no_mask(*args, **kwargs):
     """Mask function for mtrain kinds: attention masking is done inside the kernels."""
     return None
@@ -241,9 +285,16 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
     """One rank holds the whole sequence: dense causal, or online vertical-slash sparse attention with
     SparseSettings `s`, run sparse or dense per `policy` (see `_choose_path`)."""
     from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
+    from mtrain.ops.index import SparseIndex
 
-    if s is not None and policy != "never" and not _skip_estimate(q, s, layer_idx, policy=policy,
-                                                                    training=training, doc_ids=doc_ids):
+    replay = _replay(layer_idx) if s is not None else None
+    if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and index
+        path, lines = replay
+        if path == "sparse":
+            index = SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
+    elif s is not None and policy != "never" and not _skip_estimate(q, s, layer_idx, policy=policy,
+                                                                      training=training, doc_ids=doc_ids):
         # every SparseSettings field is an estimate_vertical_slash keyword of the same name
         fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
         index = estimate_vertical_slash(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids)
@@ -251,8 +302,11 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
                                         target=s.recall, rows=_scored_rows(s, q.shape[1]))
         _hold(layer_idx, prediction, policy, training)
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
+        _remember(layer_idx, path, index, training)
         if path == "sparse":
             return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
+    elif s is not None:
+        _remember(layer_idx, "dense", None, training)
     if doc_ids is None:
         return dense_attention(q, k, v, causal=True, softmax_scale=scaling)
     return _dense_per_document(q, k, v, scaling, doc_ids)
@@ -292,10 +346,18 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     from mtrain.parallel.estimate import estimate_rank_index
     from mtrain.parallel.plan import rank_blocks
 
+    from mtrain.ops.index import rows_from_lines
+
     index = None
     world = dist.get_world_size(CONTEXT.group)
-    if settings is not None and policy != "never" and not _skip_estimate(q, settings, layer_idx, policy=policy,
-                                                                         training=training, world=world):
+    replay = _replay(layer_idx) if settings is not None else None
+    if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and rows
+        path, lines = replay
+        if path == "sparse":
+            vertical, slash, rows = lines
+            index = rows_from_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows, check=False)
+    elif settings is not None and policy != "never" and not _skip_estimate(q, settings, layer_idx, policy=policy,
+                                                                           training=training, world=world):
         # Estimated across the group (no rank does it for the others; the lines are identical on every rank);
         # each rank builds only its own rows of the index, whose whole work and density come from the lines.
         rank = dist.get_rank(CONTEXT.group)
@@ -309,6 +371,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                                         target=settings.recall, rows=_scored_rows(settings, seq_len))
         _hold(layer_idx, prediction, policy, training)  # the prediction, hence the hold, is the same on every rank
         _record(layer_idx, path, index, prediction)
+        _remember(layer_idx, path, index, training)
         if layer_idx == 0 and CONTEXT.sample_imbalance:  # one layer of the logged steps watches the balance
             from mtrain.parallel.imbalance import gathered_imbalance
 
@@ -317,6 +380,8 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
             CONTEXT.imbalances.append((measured["worker"], measured["step"]))
         if path == "dense":
             index = None
+    elif settings is not None:
+        _remember(layer_idx, "dense", None, training)
     return ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, index=index, softmax_scale=scaling,
                           inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group, doc_ids=CONTEXT.doc_ids)
 

@@ -98,7 +98,11 @@ def load_model(model_cfg, attn_implementation: str):
         config._attn_implementation = attn_implementation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     if model_cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from mtrain.models.attention import checkpoint_contexts
+
+        # the recomputation replays each layer's sparse-or-dense choice and index (CONTEXT.recomputing)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
     model.config.use_cache = False
     return model
 

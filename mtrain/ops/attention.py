@@ -3,6 +3,7 @@ kernels (Triton on GPU / interpreter, PyTorch otherwise) with query and key posi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -20,8 +21,53 @@ from mtrain.ops.index import SparseIndex
 AUTO_FLEX_BLOCK_SIZES: frozenset[int] = frozenset()
 
 
+# Entries of an index's cache that are not derived lists (the estimator's own recall figure, the lines it was built
+# from): they stay with the caller and are not handed to the backward.
+_NOT_PLANS = ("est_recall", "lines")
+
+
+def _split(obj, tensors: list):
+    """`obj` (nested dicts, tuples, lists and dataclasses) with every tensor moved to `tensors` and replaced by its
+    slot there (an `_Slot`); `_join` puts them back."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {key: _split(val, tensors) for key, val in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_split(val, tensors) for val in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _split(getattr(obj, f.name), tensors)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def _join(obj, tensors):
+    if isinstance(obj, _Slot):
+        return tensors[obj.at]
+    if isinstance(obj, dict):
+        return {key: _join(val, tensors) for key, val in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_join(val, tensors) for val in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _join(getattr(obj, f.name), tensors)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    at: int
+
+
 class _PartialAttention(torch.autograd.Function):
-    """out, lse = partial attention; backward through `partial.attention_backward` (lse not differentiable)."""
+    """out, lse = partial attention; backward through `partial.attention_backward` (lse not differentiable).
+
+    Every tensor the backward reads (the lists and what the kernels derived from them in `plans`) goes through
+    save_for_backward, none through ctx attributes: under non-reentrant gradient checkpointing the saved tensors
+    of a layer are dropped after its forward and recomputed for its backward, so a model holds one layer's index
+    at a time (ctx attributes would keep every layer's lists until the backward: on SmolLM2 at 32K that was
+    ~18 GB). The backward's own plans go into a fresh dict, dropped with it."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans,
@@ -30,15 +76,19 @@ class _PartialAttention(torch.autograd.Function):
             q, k, v, q_pos=q_pos, k_pos=k_pos, blocks=blocks, columns=columns, block_size=block_size,
             softmax_scale=scale, causal=causal, impl=impl, plans=plans, q_doc=q_doc, k_doc=k_doc,
         )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans, q_doc, k_doc)
+        kept = None if plans is None else {key: val for key, val in plans.items() if key not in _NOT_PLANS}
+        tensors = []
+        ctx.layout = _split((q_pos, k_pos, blocks, columns, kept, q_doc, k_doc), tensors)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.args = (block_size, scale, causal, impl, deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans, q_doc, k_doc = ctx.args
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        q_pos, k_pos, blocks, columns, plans, q_doc, k_doc = _join(ctx.layout, tensors)
+        block_size, scale, causal, impl, deterministic = ctx.args
         dq, dk, dv = partial.attention_backward(
             dout, q, k, v, out, lse, q_pos=q_pos, k_pos=k_pos, blocks=blocks, columns=columns,
             block_size=block_size, softmax_scale=scale, causal=causal, impl=impl,

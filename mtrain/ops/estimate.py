@@ -405,4 +405,5 @@ def estimate_vertical_slash(
             else:
                 covered = covered_mass(index, rows, probs.view(B, Hq, n, S), pooled.view(B, Hq, n, -1), k_pos)
         index._cache["est_recall"] = covered / n
+        index._cache["lines"] = (v_idx, s_tok)  # `SparseIndex.from_lines` arguments (gradient checkpointing)
         return index

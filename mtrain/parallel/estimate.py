@@ -250,4 +250,5 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
         covered = _covered_rows(lists, scored, probs, pooled, k_pos.to(probs.device))
         dist.all_reduce(covered, group=group)
     index._cache["est_recall"] = covered / scored.numel()
+    index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
     return index
