@@ -242,15 +242,21 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.step = saved
     del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
 
-    # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index
+    # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index; the backward
+    # training runs (CONTEXT.deterministic), and the other one beside it
+    det = CONTEXT.deterministic
+
     def all_in(qq, kk, vv):
-        return vertical_slash_attention(qq, kk, vv, estimate(), softmax_scale=scale)
+        return vertical_slash_attention(qq, kk, vv, estimate(), softmax_scale=scale, deterministic=det)
 
     total_ms = timed(_fwd_bwd(all_in, q, k, v, dout), iters)
     fwd_ms = timed(lambda: vertical_slash_attention(q, k, v, index, softmax_scale=scale), iters)
-    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    out = vertical_slash_attention(qq, kk, vv, index, softmax_scale=scale)
-    bwd_ms = timed(lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True), iters)
+    bwd = {}
+    for flag in (det, not det):
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = vertical_slash_attention(qq, kk, vv, index, softmax_scale=scale, deterministic=flag)
+        bwd[flag] = timed(lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True), iters)
+    bwd_ms = bwd[det]
 
     est = index._cache.get("est_recall")
     per_head = _true_recall(q, k, index, scale, recall_rows)
@@ -259,6 +265,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         true_recall=float(per_head.mean()), min_head_recall=float(per_head.min()), path=path,
         dense_ms=dense_ms, mtrain_ms=mtrain_ms, index_ms=max(0.0, total_ms - fwd_ms - bwd_ms), fwd_ms=fwd_ms,
         bwd_ms=bwd_ms, steady_ms=steady_ms, held=held,
+        extra={"bwd_deterministic_ms": bwd[True], "bwd_atomic_ms": bwd[False], "deterministic": det},
     )
 
 
@@ -315,7 +322,8 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
             f"true {r.true_recall:.3f} (min head {r.min_head_recall:.3f}) {r.path:6s} | dense {r.dense_ms:7.2f} ms "
             f"mtrain {r.mtrain_ms:7.2f} ms ({r.dense_ms / r.mtrain_ms:4.2f}x) steady {r.steady_ms:7.2f} ms "
             f"({r.dense_ms / r.steady_ms:4.2f}x{', held' if r.held else ''}) | sparse index {r.index_ms:6.2f} "
-            f"fwd {r.fwd_ms:6.2f} bwd {r.bwd_ms:6.2f}")
+            f"fwd {r.fwd_ms:6.2f} bwd {r.bwd_ms:6.2f} (deterministic {r.extra['bwd_deterministic_ms']:6.2f}, "
+            f"atomic {r.extra['bwd_atomic_ms']:6.2f})")
     del qkv
 
     import functools
@@ -351,6 +359,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "policy": policy, "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
         "ppl_all_sparse": ppl["always"], "ppl_all_sparse_rise": ppl["always"] / ppl_dense - 1,
         "recall_rows": recall_rows,
+        "deterministic_backward": results[0].extra["deterministic"] if results else None,
+        "kernels_ms": {name: sum(r.fwd_ms + r.extra[f"bwd_{name}_ms"] for r in results)
+                       for name in ("deterministic", "atomic")},
     }
     log(f"whole model ({len(results)} layers): dense {dense_total:.1f} ms, mtrain {mtrain_total:.1f} ms "
         f"({summary['speedup']:.2f}x), steady state over {hold + 1} steps {steady_total:.1f} ms "
@@ -360,7 +371,10 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"{summary['min_layer_true_recall']:.3f}; perplexity dense {ppl_dense:.3f} mtrain {ppl_sparse:.3f} "
         f"({100 * summary['ppl_rise']:+.2f}%), every layer sparse {ppl['always']:.3f} "
         f"({100 * summary['ppl_all_sparse_rise']:+.2f}%); layers slower than dense: "
-        f"{summary['layers_slower_than_dense']} (steady state: {summary['layers_slower_than_dense_steady']})")
+        f"{summary['layers_slower_than_dense']} (steady state: {summary['layers_slower_than_dense_steady']}); "
+        f"every layer sparse, kernels only: deterministic backward {summary['kernels_ms']['deterministic']:.1f} ms "
+        f"({dense_total / summary['kernels_ms']['deterministic']:.2f}x), atomic backward "
+        f"{summary['kernels_ms']['atomic']:.1f} ms ({dense_total / summary['kernels_ms']['atomic']:.2f}x)")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         target = Path(out_dir) / f"real_{seq_len}.json"
