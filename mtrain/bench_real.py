@@ -243,8 +243,8 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
 
     # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index; the backward
-    # training runs (CONTEXT.deterministic), and the other one beside it
-    det = CONTEXT.deterministic
+    # training runs (deterministic), and the fused atomic one beside it
+    det = True
 
     def all_in(qq, kk, vv):
         return vertical_slash_attention(qq, kk, vv, estimate(), softmax_scale=scale, deterministic=det)

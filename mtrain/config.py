@@ -152,9 +152,7 @@ class TrainConfig:
     """Checkpoint every N optimizer steps (0: only at the end and on SIGTERM)."""
     seed: int = 0
     deterministic: bool = False
-    """Deterministic algorithms and seeded everything: reruns and resumes give bit-identical losses on CPU. On the
-    GPU it also runs the sparse kernels' backward without atomics (false: the fused backward, whose dQ
-    is added with fp32 atomics and so varies in the last bits between runs)."""
+    """Deterministic algorithms and seeded everything: reruns and resumes give bit-identical losses on CPU."""
     micro_batch_size: int = 1
     """Sequences per rank per forward."""
     grad_accum: int = 1

@@ -195,31 +195,25 @@ def time_ours(q, k, v, dout, pos, recall, bs, it):
 
 
 def time_variants(q, k, v, dout, pos, index, bs, it, ours, ours_res, log):
-    """Our kernels under their switches on the same index, in the same run: every tile masked
-    (FULL_TILES off: the kernels before unmasked full tiles) and the two atomic backwards (fused: dQ by
-    atomics from the dK/dV pass; dkdv: dK/dV by atomics from the dQ pass). Each row's relative difference
-    to the default (deterministic, unmasked full tiles) is logged beside its time."""
+    """Our backward's engines on the same index, in the same run: the two atomic backwards (fused: dQ by
+    atomics from the dK/dV pass; dkdv: dK/dV by atomics from the dQ pass) beside the deterministic default,
+    each with its relative difference to the default's gradients."""
     kw = dict(q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns, block_size=bs, plans=index._cache)
     rows = {}
-    saved = (_triton_attention.FULL_TILES, _triton_attention.ATOMIC_BACKWARD)
-    variants = [("masked tiles", False, "fused", True), ("fused atomic bwd", True, "fused", False),
-                ("dkdv atomic bwd", True, "dkdv", False)]
+    saved = _triton_attention.ATOMIC_BACKWARD
+    out, lse = ours_res[:2]
     try:
-        for name, full, engine, det in variants:
-            _triton_attention.FULL_TILES, _triton_attention.ATOMIC_BACKWARD = full, engine
-            t_fwd = timed(lambda: partial.attention_forward(q, k, v, **kw), it) if not full else ours["fwd"]
-            out, lse = partial.attention_forward(q, k, v, **kw)
-            t_bwd = timed(lambda: partial.attention_backward(dout, q, k, v, out, lse, deterministic=det, **kw), it)
-            grads = partial.attention_backward(dout, q, k, v, out, lse, deterministic=det, **kw)
-            diffs = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads),
-                                                         (ours_res[0], *ours_res[2:]))}
-            rows[name] = dict(fwd=t_fwd, bwd=t_bwd, diffs=diffs)
-            log(f"   variant {name}: fwd {t_fwd:.2f} bwd {t_bwd:.2f} ms (default fwd {ours['fwd']:.2f} bwd "
-                f"{ours['bwd']:.2f}; kernels x{(t_fwd + t_bwd) / (ours['fwd'] + ours['bwd']):.3f}); rel diff "
-                + " ".join(f"{a}={b:.1e}" for a, b in diffs.items()))
-            del out, lse, grads
+        for engine in ("fused", "dkdv"):
+            _triton_attention.ATOMIC_BACKWARD = engine
+            t_bwd = timed(lambda: partial.attention_backward(dout, q, k, v, out, lse, deterministic=False, **kw), it)
+            grads = partial.attention_backward(dout, q, k, v, out, lse, deterministic=False, **kw)
+            diffs = {n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads, ours_res[2:])}
+            rows[engine] = dict(bwd=t_bwd, diffs=diffs)
+            log(f"   {engine} atomic backward: {t_bwd:.2f} ms (deterministic {ours['bwd']:.2f}: "
+                f"x{t_bwd / ours['bwd']:.3f}); rel diff " + " ".join(f"{a}={b:.1e}" for a, b in diffs.items()))
+            del grads
     finally:
-        _triton_attention.FULL_TILES, _triton_attention.ATOMIC_BACKWARD = saved
+        _triton_attention.ATOMIC_BACKWARD = saved
     return rows
 
 
@@ -332,7 +326,7 @@ def main() -> int:
                     help="try sub-tile shapes of our kernels for blocks > 64 at the first size (keeps the fastest)")
     ap.add_argument("--dense", nargs="*", default=["cudnn", "flash"], help="dense SDPA backends to time")
     ap.add_argument("--kernel-variants", action="store_true",
-                    help="also time our kernels with every tile masked and with the two atomic backwards")
+                    help="also time the two atomic backwards on the same index")
     ap.add_argument("--flex-recalls", type=float, nargs="*", help="recalls Flex is timed at (default: the first)")
     ap.add_argument("--profile-index", action="store_true", help="torch.profiler table of index building")
     ap.add_argument("--no-flex64", action="store_true", help="skip Flex at blocks < 128 (needs max_autotune)")

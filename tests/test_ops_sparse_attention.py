@@ -124,36 +124,6 @@ def test_atomic_backward_matches_and_deterministic_backward_repeats_bitwise(engi
         assert torch.equal(a, b)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("shuffled", [False, True])
-def test_unmasked_full_tiles_change_nothing(shuffled, monkeypatch):
-    """Tiles whose pairs are all visible skip the mask (FULL_TILES): out, lse and every backward's gradients
-    are bit for bit those of masking every tile, with positions in order or shuffled (global positions of a
-    ring shard) and documents that cut blocks; and they match float64."""
-    from mtrain.ops import _triton_attention, partial
-
-    gen = torch.Generator().manual_seed(11)
-    S, bs, Hq, Hkv, D = 96, 16, 4, 2, 16
-    pos = torch.randperm(S, generator=gen) if shuffled else torch.arange(S)
-    doc = (pos // 40)[None]  # documents of 40 tokens: some tiles straddle an edge, most do not
-    q, k, v, dout = (torch.randn(1, S, h, D, generator=gen) for h in (Hq, Hkv, Hkv, Hq))
-    kw = dict(q_pos=pos, k_pos=pos, blocks=None, columns=None, block_size=bs, impl="triton", q_doc=doc, k_doc=doc)
-
-    def run(full_tiles, deterministic):
-        monkeypatch.setattr(_triton_attention, "FULL_TILES", full_tiles)
-        out, lse = partial.attention_forward(q, k, v, **kw)
-        grads = partial.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
-        return out, lse, *grads
-
-    mask = (pos[:, None] >= pos[None, :]) & (doc[0][:, None] == doc[0][None, :])
-    want = run_reference(q, k, v, dout, mask)
-    for deterministic in (True, False):
-        fast, masked = run(True, deterministic), run(False, deterministic)
-        for a, b in zip(fast[:2] if not deterministic else fast, masked[:2] if not deterministic else masked):
-            assert torch.equal(a, b)
-        assert_close(fast, want, atol_out=1e-5, atol_grad=1e-4)
-
-
 def test_index_for_other_shapes_is_refused():
     q, k, v, _, gen = make_inputs(1, 32, 2, 1, 16, torch.float32, seed=1)
     index = SparseIndex.from_lines(torch.tensor([[[1], [2]]]), torch.tensor([[[0], [0]]]), 48, 16)

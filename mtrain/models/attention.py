@@ -77,10 +77,6 @@ class AttentionContext:
     hold_streak: dict = field(default_factory=dict)
     """layer index -> how many estimates in a row did not pay for themselves (each doubles the next hold, up to
     HOLD_BACKOFF_MAX x dense_hold)."""
-    deterministic: bool = False
-    """Backward of the sparse kernels: True = without atomics (bit for bit repeatable; the trainer sets it from
-    train.deterministic), False = the fused backward (dQ added with fp32 atomics from the dK/dV pass, one
-    recomputation of the scores instead of two; see mtrain.ops.vertical_slash_attention)."""
     recomputing: bool = False
     """True while non-reentrant gradient checkpointing recomputes a layer's forward for its backward (set through
     `checkpoint_contexts`): the sparse kinds then replay what that layer's first forward chose (`memo`) instead of
@@ -296,8 +292,7 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         path, lines = replay
         if path == "sparse":
             index = SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
-            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids,
-                                            deterministic=CONTEXT.deterministic)
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
     elif s is not None and policy != "never" and not _skip_estimate(q, s, layer_idx, policy=policy,
                                                                       training=training, doc_ids=doc_ids):
         # every SparseSettings field is an estimate_vertical_slash keyword of the same name
@@ -309,8 +304,7 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         _remember(layer_idx, path, index, training)
         if path == "sparse":
-            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids,
-                                            deterministic=CONTEXT.deterministic)
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
     elif s is not None:
         _remember(layer_idx, "dense", None, training)
     if doc_ids is None:

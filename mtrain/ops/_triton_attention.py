@@ -63,18 +63,6 @@ def _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step_full(q, k, v, scale_log2, m_i, l_i, acc, PREC: tl.constexpr):
-    """`_softmax_step` for a tile whose pairs are all visible: no mask, and every row max is finite."""
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _query_tile(pid, bh, H, GROUP, Sq, BS: tl.constexpr, QT: tl.constexpr, NQS: tl.constexpr):
     """Where program (pid, bh) works: query block i, batch b (int64: offsets can pass 2**31 elements),
     head h and its KV head, the QT rows of its sub-tile and which of them are real."""
@@ -100,61 +88,21 @@ def _list_iters(list_base, n_blk, KP, qp, Sk, BS: tl.constexpr, KT: tl.constexpr
 
 
 @triton.jit
-def _kv_load(k_base, v_base, KP, kd_base, ids, valid, sks, svs, D: tl.constexpr, CAUSAL: tl.constexpr,
-             HAS_DOC: tl.constexpr):
-    """K and V rows `ids` (key positions in this shard; `valid` masks padding), their global positions
-    (read only when CAUSAL; padding at _FAR) and document ids (only with HAS_DOC; padding -1)."""
+def _kv_tile(k_base, v_base, KP, KD, ids, valid, row_ok, qp, qd, sks, svs, kd_base,
+             D: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr):
+    """K and V rows `ids` (key positions in this shard; `valid` masks padding) and the [rows, keys] mask
+    of the pairs a query tile may score: real rows and keys, causal by global position, same document."""
     offs_d = tl.arange(0, D)
     k = tl.load(k_base + ids[:, None] * sks + offs_d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(v_base + ids[:, None] * svs + offs_d[None, :], mask=valid[:, None], other=0.0)
-    kp = ids  # read only when CAUSAL
-    if CAUSAL:
-        kp = tl.load(KP + ids, mask=valid, other=_FAR)
-    kd = ids  # read only with HAS_DOC
-    if HAS_DOC:
-        kd = tl.load(kd_base + ids, mask=valid, other=-1)
-    return k, v, kp, kd
-
-
-@triton.jit
-def _pair_mask(kp, kd, valid, row_ok, qp, qd, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr):
-    """[rows, keys] mask of the pairs a query tile may score: real rows and keys, causal by global
-    position, same document."""
     ok = valid[None, :] & row_ok[:, None]
     if CAUSAL:
+        kp = tl.load(KP + ids, mask=valid, other=_FAR)
         ok = ok & (kp[None, :] <= qp[:, None])
     if HAS_DOC:
+        kd = tl.load(kd_base + ids, mask=valid, other=-1)
         ok = ok & (kd[None, :] == qd[:, None])
-    return ok
-
-
-@triton.jit
-def _row_span(row_ok, qp, qd, HAS_DOC: tl.constexpr):
-    """What `_tile_full` needs of a query tile: whether all its rows are real, their smallest position,
-    and their smallest and largest document id."""
-    rows_full = tl.min(row_ok.to(tl.int32), 0) > 0
-    qmin = tl.min(tl.where(row_ok, qp, _FAR), 0)
-    qd_lo = qmin
-    qd_hi = qmin
-    if HAS_DOC:
-        qd_lo = tl.min(tl.where(row_ok, qd, _FAR), 0)
-        qd_hi = tl.max(tl.where(row_ok, qd, -1), 0)
-    return rows_full, qmin, qd_lo, qd_hi
-
-
-@triton.jit
-def _tile_full(kp, kd, valid, rows_full, qmin, qd_lo, qd_hi, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr,
-               FULL_TILES: tl.constexpr):
-    """Whether every pair of a (query tile, key tile) is visible: all rows and keys real, every key at or
-    before every row, one document. Such a tile skips the [rows, keys] mask (most listed tiles are; only
-    the diagonal and document edges are not). False everywhere unless FULL_TILES."""
-    full = rows_full & (tl.min(valid.to(tl.int32), 0) > 0) & FULL_TILES
-    if CAUSAL:
-        full = full & (tl.max(kp, 0) <= qmin)
-    if HAS_DOC:
-        # min(kd) == max(q docs) and max(kd) == min(q docs): every id is the same one
-        full = full & (tl.min(kd, 0) == qd_hi) & (tl.max(kd, 0) == qd_lo)
-    return full
+    return k, v, ok
 
 
 @triton.jit
@@ -166,7 +114,6 @@ def _fwd_kernel(
     Sq, Sk, H, GROUP,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
     D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
-    FULL_TILES: tl.constexpr,
 ):
     """Out and LSE of one query sub-tile (QT rows of query block i) over its block's key list (each key
     block as NKS sub-tiles) and columns."""
@@ -184,28 +131,23 @@ def _fwd_kernel(
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     list_base = BI + b * sbib + h * sbih + i * sbii
-    kd_base = KD + b * skdb
-    rows_full, qmin, qd_lo, qd_hi = _row_span(row_ok, qp, qd, HAS_DOC)
     n_iter = _list_iters(list_base, tl.load(BC + b * sbcb + h * sbch + i), KP, qp, Sk, BS, KT, NKS, CAUSAL)
     for n in range(0, n_iter):
         j = tl.load(list_base + n // NKS)
         kin = (n % NKS) * KT + offs_k
         keys = j * BS + kin
         key_ok = (kin < BS) & (keys < Sk)
-        k, v, kp, kd = _kv_load(k_base, v_base, KP, kd_base, keys, key_ok, sks, svs, D, CAUSAL, HAS_DOC)
-        if _tile_full(kp, kd, key_ok, rows_full, qmin, qd_lo, qd_hi, CAUSAL, HAS_DOC, FULL_TILES):
-            m_i, l_i, acc = _softmax_step_full(q, k, v, scale_log2, m_i, l_i, acc, PREC)
-        else:
-            ok = _pair_mask(kp, kd, key_ok, row_ok, qp, qd, CAUSAL, HAS_DOC)
-            m_i, l_i, acc = _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC)
+        k, v, ok = _kv_tile(k_base, v_base, KP, KD, keys, key_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
+                            D, CAUSAL, HAS_DOC)
+        m_i, l_i, acc = _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC)
     if HAS_COLS:
         n_cols = tl.load(CC + b * sccb + h * scch + i)
         for c0 in range(0, n_cols, KT):
             slot = c0 + offs_k
             c_ok = slot < n_cols
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
-            k, v, kp, kd = _kv_load(k_base, v_base, KP, kd_base, cid, c_ok, sks, svs, D, CAUSAL, HAS_DOC)
-            ok = _pair_mask(kp, kd, c_ok, row_ok, qp, qd, CAUSAL, HAS_DOC)
+            k, v, ok = _kv_tile(k_base, v_base, KP, KD, cid, c_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
+                                D, CAUSAL, HAS_DOC)
             m_i, l_i, acc = _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -216,13 +158,10 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC: tl.constexpr, MASKED: tl.constexpr):
-    """dQ contribution of one key tile (before the softmax scale); also returns P and dS for atomics.
-    MASKED=False: every pair of the tile is visible (`_tile_full`), `ok` is not read."""
+def _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC: tl.constexpr):
+    """dQ contribution of one key tile (before the softmax scale); also returns P and dS for atomics."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-    p = tl.exp2(s - lse2[:, None])
-    if MASKED:
-        p = tl.where(ok, p, 0.0)
+    p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -238,7 +177,7 @@ def _dq_kernel(
     Sq, Sk, H, GROUP,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
     D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
-    HAS_DOC: tl.constexpr, FULL_TILES: tl.constexpr,
+    HAS_DOC: tl.constexpr,
 ):
     """dQ of one query sub-tile; with ATOMIC also adds its dK/dV shares with fp32 atomics."""
     i, b, h, hk, rows, row_ok = _query_tile(tl.program_id(0), tl.program_id(1), H, GROUP, Sq, BS, QT, NQS)
@@ -258,20 +197,15 @@ def _dq_kernel(
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     list_base = BI + b * sbib + h * sbih + i * sbii
-    kd_base = KD + b * skdb
-    rows_full, qmin, qd_lo, qd_hi = _row_span(row_ok, qp, qd, HAS_DOC)
     n_iter = _list_iters(list_base, tl.load(BC + b * sbcb + h * sbch + i), KP, qp, Sk, BS, KT, NKS, CAUSAL)
     for n in range(0, n_iter):
         j = tl.load(list_base + n // NKS)
         kin = (n % NKS) * KT + offs_k
         keys = j * BS + kin
         key_ok = (kin < BS) & (keys < Sk)
-        k, v, kp, kd = _kv_load(k_base, v_base, KP, kd_base, keys, key_ok, sks, svs, D, CAUSAL, HAS_DOC)
-        if _tile_full(kp, kd, key_ok, rows_full, qmin, qd_lo, qd_hi, CAUSAL, HAS_DOC, FULL_TILES):
-            dq, p, ds = _dq_step(q, do, k, v, key_ok, lse2, delta, scale_log2, dq, PREC, False)
-        else:
-            ok = _pair_mask(kp, kd, key_ok, row_ok, qp, qd, CAUSAL, HAS_DOC)
-            dq, p, ds = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC, True)
+        k, v, ok = _kv_tile(k_base, v_base, KP, KD, keys, key_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
+                            D, CAUSAL, HAS_DOC)
+        dq, p, ds = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
         if ATOMIC:
             kv_off = b * skgb + keys[:, None] * skgs + hk * skgh + offs_d[None, :]
             tl.atomic_add(DV + kv_off, tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC),
@@ -284,9 +218,9 @@ def _dq_kernel(
             slot = c0 + offs_k
             c_ok = slot < n_cols
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
-            k, v, kp, kd = _kv_load(k_base, v_base, KP, kd_base, cid, c_ok, sks, svs, D, CAUSAL, HAS_DOC)
-            ok = _pair_mask(kp, kd, c_ok, row_ok, qp, qd, CAUSAL, HAS_DOC)
-            dq, p, ds = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC, True)
+            k, v, ok = _kv_tile(k_base, v_base, KP, KD, cid, c_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
+                                D, CAUSAL, HAS_DOC)
+            dq, p, ds = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
             if ATOMIC:
                 kv_off = b * skgb + cid[:, None] * skgs + hk * skgh + offs_d[None, :]
                 tl.atomic_add(DV + kv_off, tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC),
@@ -300,34 +234,25 @@ def _dq_kernel(
 def _dkdv_step(Q, DO, LSE, DELTA, QP, QD, DQ, k, v, kp, kd, key_ok, dk, dv, b, h, rows, row_ok, scale_log2, scale,
                sqb, sqs, sqh, sdb, sds, sdh, slb, slh, sqdb, sgb, sgs, sgh,
                D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
-               FULL_TILES: tl.constexpr, DQ_ATOMIC: tl.constexpr):
-    """dK/dV contribution of one query tile (rows of head h) to a key tile (key_ok masks its keys); with
-    FULL_TILES a tile whose pairs are all visible (`_tile_full`) skips the mask. DQ_ATOMIC: also add the
-    tile's dQ share to DQ (fp32, [B, Sq, Hq, D] strides sgb/sgs/sgh) with atomics (the fused backward)."""
+               DQ_ATOMIC: tl.constexpr):
+    """dK/dV contribution of one query tile (rows of head h) to a key tile (key_ok masks its keys). DQ_ATOMIC:
+    also add the tile's dQ share to DQ (fp32, [B, Sq, Hq, D] strides sgb/sgs/sgh) with atomics (the fused
+    backward)."""
     offs_d = tl.arange(0, D)
     q = tl.load(Q + b * sqb + rows[:, None] * sqs + h * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b * sdb + rows[:, None] * sds + h * sdh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
-    qp = rows.to(tl.int64)  # read only when CAUSAL
+    st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2
+    ok = key_ok[:, None] & row_ok[None, :]
     if CAUSAL:
         qp = tl.load(QP + rows, mask=row_ok, other=-1)
-    qd = qp  # read only with HAS_DOC
+        ok = ok & (kp[:, None] <= qp[None, :])
     if HAS_DOC:
         qd = tl.load(QD + b * sqdb + rows, mask=row_ok, other=-1)
-    st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2
-    pt = tl.exp2(st - lse2[None, :])
-    rows_full, qmin, qd_lo, qd_hi = _row_span(row_ok, qp, qd, HAS_DOC)
-    if _tile_full(kp, kd, key_ok, rows_full, qmin, qd_lo, qd_hi, CAUSAL, HAS_DOC, FULL_TILES):
-        pass
-    else:
-        ok = key_ok[:, None] & row_ok[None, :]  # [keys, rows]
-        if CAUSAL:
-            ok = ok & (kp[:, None] <= qp[None, :])
-        if HAS_DOC:
-            ok = ok & (kd[:, None] == qd[None, :])
-        pt = tl.where(ok, pt, 0.0)
+        ok = ok & (kd[:, None] == qd[None, :])
+    pt = tl.where(ok, tl.exp2(st - lse2[None, :]), 0.0)
     dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
     dst = pt * (dpt - delta[None, :])
@@ -347,8 +272,7 @@ def _dkdv_kernel(
     stsb, stsh, sqdb, skdb,
     Sq, Sk, HKV, GROUP, n_kblocks,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
-    D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr, FULL_TILES: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
+    D: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     """dK, dV of one key sub-tile (program axis 1) of one work item: a slice of the (head, query block)
     pairs that use its key block, each query block as NQS sub-tiles, summed over the query heads of the
@@ -404,7 +328,7 @@ def _dkdv_kernel(
             row_ok = (rin < BS) & (rows < Sq)
             dk, dv = _dkdv_step(Q, DO, LSE, DELTA, QP, QD, DQ, k, v, kp, kd, key_ok, dk, dv, b, h, rows, row_ok,
                                 scale_log2, scale, sqb, sqs, sqh, sdb, sds, sdh, slb, slh, sqdb, sqgb, sqgs, sqgh,
-                                D, CAUSAL, PREC, HAS_DOC, FULL_TILES, DQ_ATOMIC)
+                                D, CAUSAL, PREC, HAS_DOC, DQ_ATOMIC)
     if slot < 0:
         out_off = b * sgb + keys[:, None] * sgs + hk * sgh + offs_d[None, :]
         tl.store(DK + out_off, dk * scale, mask=key_ok[:, None])
@@ -465,7 +389,7 @@ def _col_dkdv_kernel(
         row_ok = (rin < BS) & (rows < Sq)
         dk, dv = _dkdv_step(Q, DO, LSE, DELTA, QP, QD, DQ, k, v, kp, kd, active & c_ok, dk, dv, b, h, rows, row_ok,
                             scale_log2, scale, sqb, sqs, sqh, sdb, sds, sdh, slb, slh, sqdb, sqgb, sqgs, sqgh,
-                            D, CAUSAL, PREC, HAS_DOC, False, DQ_ATOMIC)
+                            D, CAUSAL, PREC, HAS_DOC, DQ_ATOMIC)
     if item_slot < 0:
         out_off = b * scb + h * sch + slot[:, None] * scu + offs_d[None, :]
         tl.store(DKC + out_off, dk * scale, mask=(slot < u_cap)[:, None])
@@ -636,13 +560,11 @@ def _tile(block_size: int) -> int:
 SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (64, 64)}
 # (num_warps, num_stages) per kernel on CUDA; scripts/bench_attention.py measures the choices.
 CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3)}
-# Tiles whose pairs are all visible (every listed tile but those on the diagonal or a document edge) skip the
-# [rows, keys] mask in the forward, dQ and dK/dV kernels; False runs every tile masked (bench_attention.py
-# --no-full-tiles measures the difference; results are identical).
-FULL_TILES = True
 # The backward without `deterministic`: "fused" = one pass per key tile computing dK/dV in registers (as the
-# deterministic backward does) and adding each tile's dQ share with fp32 atomics (no dQ pass, so each pair's
-# scores are recomputed once instead of twice); "dkdv" = the dQ pass adding dK/dV shares with atomics.
+# deterministic backward does) and adding each tile's dQ share with fp32 atomics (no dQ pass: the scores are
+# recomputed once instead of twice); "dkdv" = the dQ pass adding dK/dV shares with atomics. Measured on the
+# H200 (BENCHMARKS.md, 2026-11-25): fused = the deterministic backward's time at head dim 64 (0.99-1.02x on
+# SmolLM2's 30 layers at 32K-128K), 1.16-1.34x slower at head dim 128; training keeps the deterministic one.
 ATOMIC_BACKWARD = "fused"
 # Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);
 # tests set a small number to force splitting.
@@ -844,7 +766,7 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
         ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
         Sq, Sk, Hq, Hq // Hkv,
         BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=_prec(q),
-        HAS_DOC=q_doc is not None, FULL_TILES=FULL_TILES, **_opts(q, "fwd", max(sub["QT"], sub["KT"])),
+        HAS_DOC=q_doc is not None, **_opts(q, "fwd", max(sub["QT"], sub["KT"])),
     )
     return out, lse
 
@@ -886,8 +808,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
             Sq, Sk, Hq, group,
             BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
-            ATOMIC=not deterministic, HAS_DOC=has_doc, FULL_TILES=FULL_TILES,
-            **_opts(q, "dq", max(sub["QT"], sub["KT"])),
+            ATOMIC=not deterministic, HAS_DOC=has_doc, **_opts(q, "dq", max(sub["QT"], sub["KT"])),
         )
     if not (deterministic or fused):
         return dq, dk, dv  # the dQ pass added dK/dV
@@ -909,7 +830,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         scale * _LOG2E, scale, *common, dk.stride(0), dk.stride(1), dk.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2), ts.stride(0), ts.stride(1), qd.stride(0), kd.stride(0),
         Sq, Sk, Hkv, group, nkb,
-        BS=block_size, **sub, D=D, CAUSAL=causal, PREC=prec, HAS_DOC=has_doc, FULL_TILES=FULL_TILES, DQ_ATOMIC=fused,
+        BS=block_size, **sub, D=D, CAUSAL=causal, PREC=prec, HAS_DOC=has_doc, DQ_ATOMIC=fused,
         **_opts(q, "dkdv", max(sub["QT"], sub["KT"])),
     )
     _reduce(dk, dv, extra_k, extra_v, kv_plan, dk.stride(1), ex_rows, sub["KT"], D)

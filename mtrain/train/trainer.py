@@ -307,7 +307,6 @@ class Trainer:
         CONTEXT.group, CONTEXT.layout = mesh.cp_group, layout
         CONTEXT.inner_group, CONTEXT.outer_group = mesh.inner_group, mesh.outer_group
         CONTEXT.local_world_size = node
-        CONTEXT.deterministic = r.train.deterministic  # the sparse kernels' backward: without atomics
         return mesh, layout
 
     def _micro_batch(self, samples: list[dict]) -> dict:
