@@ -194,27 +194,17 @@ def time_ours(q, k, v, dout, pos, recall, bs, it):
     return index, dict(index=t_idx, fwd=t_fwd, bwd=t_bwd, total=t_idx + t_fwd + t_bwd), (out, lse, *grads)
 
 
-def time_variants(q, k, v, dout, pos, index, bs, it, ours, ours_res, log):
-    """Our backward's engines on the same index, in the same run: the two atomic backwards (fused: dQ by
-    atomics from the dK/dV pass; dkdv: dK/dV by atomics from the dQ pass) beside the deterministic default,
-    each with its relative difference to the default's gradients."""
+def time_fused_backward(q, k, v, dout, pos, index, bs, it, ours, ours_res, log):
+    """The fused atomic backward (deterministic=False: dQ added with atomics from the dK/dV passes) on the
+    same index, in the same run, beside the deterministic default, with its relative difference to it."""
     kw = dict(q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns, block_size=bs, plans=index._cache)
-    rows = {}
-    saved = _triton_attention.ATOMIC_BACKWARD
     out, lse = ours_res[:2]
-    try:
-        for engine in ("fused", "dkdv"):
-            _triton_attention.ATOMIC_BACKWARD = engine
-            t_bwd = timed(lambda: partial.attention_backward(dout, q, k, v, out, lse, deterministic=False, **kw), it)
-            grads = partial.attention_backward(dout, q, k, v, out, lse, deterministic=False, **kw)
-            diffs = {n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads, ours_res[2:])}
-            rows[engine] = dict(bwd=t_bwd, diffs=diffs)
-            log(f"   {engine} atomic backward: {t_bwd:.2f} ms (deterministic {ours['bwd']:.2f}: "
-                f"x{t_bwd / ours['bwd']:.3f}); rel diff " + " ".join(f"{a}={b:.1e}" for a, b in diffs.items()))
-            del grads
-    finally:
-        _triton_attention.ATOMIC_BACKWARD = saved
-    return rows
+    t_bwd = timed(lambda: partial.attention_backward(dout, q, k, v, out, lse, deterministic=False, **kw), it)
+    grads = partial.attention_backward(dout, q, k, v, out, lse, deterministic=False, **kw)
+    diffs = {n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads, ours_res[2:])}
+    log(f"   fused atomic backward: {t_bwd:.2f} ms (deterministic {ours['bwd']:.2f}: x{t_bwd / ours['bwd']:.3f}); "
+        "rel diff " + " ".join(f"{a}={b:.1e}" for a, b in diffs.items()))
+    return dict(bwd=t_bwd, diffs=diffs)
 
 
 def time_flex(q, k, v, dout, recall, bs, it, kernel_options=None):
@@ -325,8 +315,8 @@ def main() -> int:
     ap.add_argument("--tile-sweep", action="store_true",
                     help="try sub-tile shapes of our kernels for blocks > 64 at the first size (keeps the fastest)")
     ap.add_argument("--dense", nargs="*", default=["cudnn", "flash"], help="dense SDPA backends to time")
-    ap.add_argument("--kernel-variants", action="store_true",
-                    help="also time the two atomic backwards on the same index")
+    ap.add_argument("--fused-backward", action="store_true",
+                    help="also time the fused atomic backward (deterministic=False) on the same index")
     ap.add_argument("--flex-recalls", type=float, nargs="*", help="recalls Flex is timed at (default: the first)")
     ap.add_argument("--profile-index", action="store_true", help="torch.profiler table of index building")
     ap.add_argument("--no-flex64", action="store_true", help="skip Flex at blocks < 128 (needs max_autotune)")
@@ -439,8 +429,8 @@ def main() -> int:
                 row = dict(S=S, bs=bs, recall=recall, engine="ours", density=dens, block_density=bdens,
                            cols_per_row=cols, **ours, speedup_vs_dense=best_dense / ours["total"])
                 rows.append(row)
-                if args.kernel_variants:
-                    row["variants"] = time_variants(q, k, v, dout, pos, index, bs, it, ours, ours_res, log)
+                if args.fused_backward:
+                    row["fused_backward"] = time_fused_backward(q, k, v, dout, pos, index, bs, it, ours, ours_res, log)
                 log(f"S={S} bs={bs} p={recall} ours: pairs {dens:.4f} (blocks {bdens:.4f}, {cols:.0f} cols/row) "
                     f"index {ours['index']:.2f} fwd {ours['fwd']:.2f} bwd {ours['bwd']:.2f} total {ours['total']:.2f} "
                     f"ms; x{best_dense / ours['total']:.2f} vs best dense; kernels per 1% pairs "

@@ -159,27 +159,26 @@ def _fwd_kernel(
 
 @triton.jit
 def _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC: tl.constexpr):
-    """dQ contribution of one key tile (before the softmax scale); also returns P and dS for atomics."""
+    """dQ contribution of one key tile (before the softmax scale)."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    return dq, p, ds
+    return dq
 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, QP, KP, BI, BC, CI, CC, QD, KD,
+    Q, K, V, DO, LSE, DELTA, DQ, QP, KP, BI, BC, CI, CC, QD, KD,
     scale_log2, scale,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sgb, sgs, sgh, skgb, skgs, skgh,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sgb, sgs, sgh,
     sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb,
     Sq, Sk, H, GROUP,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
-    D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
-    HAS_DOC: tl.constexpr,
+    D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
 ):
-    """dQ of one query sub-tile; with ATOMIC also adds its dK/dV shares with fp32 atomics."""
+    """dQ of one query sub-tile (the deterministic backward's dQ pass)."""
     i, b, h, hk, rows, row_ok = _query_tile(tl.program_id(0), tl.program_id(1), H, GROUP, Sq, BS, QT, NQS)
     offs_k = tl.arange(0, KT)
     offs_d = tl.arange(0, D)
@@ -205,13 +204,7 @@ def _dq_kernel(
         key_ok = (kin < BS) & (keys < Sk)
         k, v, ok = _kv_tile(k_base, v_base, KP, KD, keys, key_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
                             D, CAUSAL, HAS_DOC)
-        dq, p, ds = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
-        if ATOMIC:
-            kv_off = b * skgb + keys[:, None] * skgs + hk * skgh + offs_d[None, :]
-            tl.atomic_add(DV + kv_off, tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC),
-                          mask=key_ok[:, None])
-            tl.atomic_add(DK + kv_off, tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale,
-                          mask=key_ok[:, None])
+        dq = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
     if HAS_COLS:
         n_cols = tl.load(CC + b * sccb + h * scch + i)
         for c0 in range(0, n_cols, KT):
@@ -220,13 +213,7 @@ def _dq_kernel(
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
             k, v, ok = _kv_tile(k_base, v_base, KP, KD, cid, c_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
                                 D, CAUSAL, HAS_DOC)
-            dq, p, ds = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
-            if ATOMIC:
-                kv_off = b * skgb + cid[:, None] * skgs + hk * skgh + offs_d[None, :]
-                tl.atomic_add(DV + kv_off, tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC),
-                              mask=c_ok[:, None])
-                tl.atomic_add(DK + kv_off, tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale,
-                              mask=c_ok[:, None])
+            dq = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
     tl.store(DQ + b * sgb + rows[:, None] * sgs + h * sgh + offs_d[None, :], dq * scale, mask=row_ok[:, None])
 
 
@@ -560,12 +547,6 @@ def _tile(block_size: int) -> int:
 SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (64, 64)}
 # (num_warps, num_stages) per kernel on CUDA; scripts/bench_attention.py measures the choices.
 CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3)}
-# The backward without `deterministic`: "fused" = one pass per key tile computing dK/dV in registers (as the
-# deterministic backward does) and adding each tile's dQ share with fp32 atomics (no dQ pass: the scores are
-# recomputed once instead of twice); "dkdv" = the dQ pass adding dK/dV shares with atomics. Measured on the
-# H200 (BENCHMARKS.md, 2026-11-25): fused = the deterministic backward's time at head dim 64 (0.99-1.02x on
-# SmolLM2's 30 layers at 32K-128K), 1.16-1.34x slower at head dim 128; training keeps the deterministic one.
-ATOMIC_BACKWARD = "fused"
 # Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);
 # tests set a small number to force splitting.
 ITEM_LIMIT: int | None = None
@@ -785,13 +766,16 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     prec = _prec(q)
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, Sq]
     lse = lse.float().contiguous()
-    # Without `deterministic`: the fused backward (dQ by atomics from the dK/dV passes, one pass over the
-    # pairs) or, with ATOMIC_BACKWARD = "dkdv", the dQ pass adding dK/dV by atomics.
-    fused = not deterministic and ATOMIC_BACKWARD == "fused"
+    # The backward without `deterministic` (fused): the dK/dV passes of the deterministic backward also add each
+    # tile's dQ share with fp32 atomics, so no dQ pass recomputes the scores. Measured on the H200 (BENCHMARKS.md,
+    # 2026-11-25): about as fast as the deterministic backward at head dim 64 (kernels 0.99-1.05x over SmolLM2's 30
+    # layers at 32K-128K), 1.0-1.6x slower at head dim 128 (the dQ atomics); the earlier atomic engine (a dQ pass adding
+    # dK/dV with atomics, contended by every query block and GQA head) was 5.5-9.5x slower and is gone. Training
+    # uses the deterministic backward.
+    fused = not deterministic
     dq = (torch.zeros if fused else torch.empty)(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
-    alloc = torch.zeros if not (deterministic or fused) else torch.empty
-    dk = alloc(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
-    dv = alloc(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
+    dk = torch.empty(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
+    dv = torch.empty(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
     common = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
@@ -801,17 +785,14 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         sub = _subtiles(block_size, "dq")
         _launch(
             _dq_kernel, (nqb * sub["NQS"], B * Hq),
-            q, k, v, dout, lse, delta, dq, dk, dv, qp, kp, bi, bc, ci, cc, qd, kd,
+            q, k, v, dout, lse, delta, dq, qp, kp, bi, bc, ci, cc, qd, kd,
             scale * _LOG2E, scale, *common, dq.stride(0), dq.stride(1), dq.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2),
             bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
             ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
             Sq, Sk, Hq, group,
             BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
-            ATOMIC=not deterministic, HAS_DOC=has_doc, **_opts(q, "dq", max(sub["QT"], sub["KT"])),
+            HAS_DOC=has_doc, **_opts(q, "dq", max(sub["QT"], sub["KT"])),
         )
-    if not (deterministic or fused):
-        return dq, dk, dv  # the dQ pass added dK/dV
     if tr is None:
         if "t" not in plans:
             plans["t"] = transpose_blocks_csr(bi, bc, nkb)

@@ -134,9 +134,8 @@ def vertical_slash_attention(
     deterministic: True (default) = backward without atomics (dQ per query block, dK/dV per key block
     through the transposed index, looping over the GQA group's heads, vertical columns per column
     chunk); False = the fused backward: the same dK/dV passes also add each tile's dQ share with fp32
-    atomics, so no dQ pass recomputes the scores (results vary in the last bits between runs;
-    `_triton_attention.ATOMIC_BACKWARD` = "dkdv" instead runs the dQ pass adding dK/dV with atomics).
-    The torch path is deterministic either way.
+    atomics, so no dQ pass recomputes the scores (dQ varies in the last bits between runs; as fast at
+    head dim 64, slower at 128: BENCHMARKS.md). The torch path is deterministic either way.
     doc_ids: optional integer tensor [B, S] of document ids (packed samples; equal id = same
     document): a query then attends only to keys of its own document, on top of the index.
     Returns out [B, S, Hq, D] in q.dtype, and with return_lse also lse [B, Hq, S] fp32 (no gradient).
