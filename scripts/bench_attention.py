@@ -556,11 +556,23 @@ def index_breakdown(q, k, recall, bs, Hkv, D, log):
     t_est = {sc: timed(lambda sc=sc: estimate_vertical_slash(q, k, recall=recall, block_size=bs, scorer=sc), 3)
              for sc in ("triton", "torch")}
     index = estimate_vertical_slash(q, k, recall=recall, block_size=bs)
+    from mtrain.ops import graphed
+
+    t_graph = timed(lambda: graphed.estimate_graphed(q, k, recall=recall, block_size=bs), 3)  # warm-up captures
+    same = graphed.same_index(graphed.estimate_graphed(q, k, recall=recall, block_size=bs), index)
+    docs = (torch.arange(S, device=q.device) >= S // 3).long()[None]  # two packed documents
+    t_docs = timed(lambda: estimate_vertical_slash(q, k, recall=recall, block_size=bs, doc_ids=docs), 3)
+    t_graph_docs = timed(lambda: graphed.estimate_graphed(q, k, recall=recall, block_size=bs, doc_ids=docs), 3)
+    same_docs = graphed.same_index(graphed.estimate_graphed(q, k, recall=recall, block_size=bs, doc_ids=docs),
+                                   estimate_vertical_slash(q, k, recall=recall, block_size=bs, doc_ids=docs))
+    log(f"   estimate with two documents: eager {t_docs:.2f}, replayed from a CUDA graph {t_graph_docs:.2f} ms (same "
+        f"index as eager: {same_docs})")
     t_t = timed(lambda: transpose_blocks_csr(index.block_ids, index.block_counts, index.n_blocks), 3)
     t_prep = timed(lambda: _triton_attention.prepare_backward(
         SparseIndex(index.block_ids, index.block_counts, index.col_ids, index.col_counts, S, bs), Hkv, D), 3)
     log(f"   index breakdown S={S} bs={bs}: scorer kernel ({rows.numel()} rows) {t_score:.2f}, estimate "
-        f"(triton scorer) {t_est['triton']:.2f}, estimate (torch scorer) {t_est['torch']:.2f}, transpose {t_t:.2f}, "
+        f"(triton scorer) {t_est['triton']:.2f}, estimate replayed from a CUDA graph {t_graph:.2f} (same index as "
+        f"eager: {same}), estimate (torch scorer) {t_est['torch']:.2f}, transpose {t_t:.2f}, "
         f"all backward plans {t_prep:.2f} ms (density {index.density():.3f})")
 
 

@@ -128,7 +128,9 @@ def test_a_dense_choice_holds_for_dense_hold_steps_in_training(monkeypatch):
     q, k, v = inputs("flat")
     estimates = []
     real = mtrain.ops.estimate_vertical_slash
-    monkeypatch.setattr("mtrain.ops.estimate_vertical_slash", lambda *a, **kw: estimates.append(1) or real(*a, **kw))
+    # the model layer estimates through mtrain.ops.graphed (a CUDA graph on GPUs, eager here)
+    monkeypatch.setattr("mtrain.ops.graphed.estimate_vertical_slash",
+                        lambda *a, **kw: estimates.append(1) or real(*a, **kw))
     monkeypatch.setattr(CONTEXT, "dense_hold", 2)
     monkeypatch.setattr(CONTEXT, "dense_until", {})
     monkeypatch.setattr(CONTEXT, "hold_streak", {})
@@ -198,7 +200,7 @@ def test_skips_the_estimate_where_sparse_cannot_pay(monkeypatch):
     slow = dataclasses.replace(cost.CPU, estimate=(1e6, 0.0))  # an estimate slower than any dense call here
     monkeypatch.setattr(cost, "CPU", slow)
     calls = []
-    monkeypatch.setattr("mtrain.ops.estimate_vertical_slash", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr("mtrain.ops.graphed.estimate_vertical_slash", lambda *a, **kw: calls.append(1))
     out = call(q, k, v, LOCAL, "auto", layer=5)
     (record,) = CONTEXT.layers
     assert calls == [] and CONTEXT.densities == []  # never estimated
@@ -316,7 +318,9 @@ def test_checkpointing_replays_the_first_forwards_choice(monkeypatch):
         cost.CPU, estimate=(cost.SPARSE_MARGIN * free.dense_ms - (free.sparse_ms + fixed) / 2, 0.0)))
     estimates = []
     real = mtrain.ops.estimate_vertical_slash
-    monkeypatch.setattr("mtrain.ops.estimate_vertical_slash", lambda *a, **kw: estimates.append(1) or real(*a, **kw))
+    # the model layer estimates through mtrain.ops.graphed (a CUDA graph on GPUs, eager here)
+    monkeypatch.setattr("mtrain.ops.graphed.estimate_vertical_slash",
+                        lambda *a, **kw: estimates.append(1) or real(*a, **kw))
     dout = torch.randn_like(q)
 
     def grads(checkpointed: bool):

@@ -197,3 +197,25 @@ def test_cp_estimator_gives_the_single_device_lines_for_every_setting(tmp_path):
             assert same, f"rank {rank} {case}: the CP index differs from the single-device one"
             assert err < 1e-5, f"rank {rank} {case}: est_recall differs by {err:.2e}"
             assert density < 0.95, f"{case}: density {density:.2f}, the case tests nothing"
+
+
+def test_graphed_estimate_clone_and_comparison():
+    """estimate_graphed off CUDA is the eager estimate; the clone a replay returns owns its tensors (a later
+    replay overwrites the graph's outputs, not an index a layer keeps for its backward); same_index tells a
+    changed list or recall apart."""
+    from mtrain.ops.graphed import _clone, estimate_graphed, same_index
+
+    q, k = planted(512, 4, 2, 32, seed=3)
+    kw = dict(recall=0.95, block_size=64, sample_blocks=2)
+    eager = estimate_vertical_slash(q, k, **kw)
+    got = estimate_graphed(q, k, **kw)
+    assert same_index(got, eager)
+    copy = _clone(eager)
+    assert same_index(copy, eager)
+    assert copy.block_ids.data_ptr() != eager.block_ids.data_ptr()
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(copy._cache["lines"], eager._cache["lines"]))
+    copy.block_ids[0, 0, -1, 0] += 1
+    assert not same_index(copy, eager)
+    other = _clone(eager)
+    other._cache["est_recall"] = other._cache["est_recall"] * 0.5
+    assert not same_index(other, eager)

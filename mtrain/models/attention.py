@@ -284,7 +284,8 @@ def _no_mask(*args, **kwargs):
 def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None):
     """One rank holds the whole sequence: dense causal, or online vertical-slash sparse attention with
     SparseSettings `s`, run sparse or dense per `policy` (see `_choose_path`)."""
-    from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
+    from mtrain.ops import dense_attention, vertical_slash_attention
+    from mtrain.ops.graphed import estimate_graphed
     from mtrain.ops.index import SparseIndex
 
     replay = _replay(layer_idx) if s is not None else None
@@ -297,7 +298,8 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
                                                                       training=training, doc_ids=doc_ids):
         # every SparseSettings field is an estimate_vertical_slash keyword of the same name
         fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
-        index = estimate_vertical_slash(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids)
+        # on CUDA replayed from a graph once the shapes have been seen twice (its ~280 launches are the cost at 32K)
+        index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids)
         path, prediction = _choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
                                         target=s.recall, rows=_scored_rows(s, q.shape[1]))
         _hold(layer_idx, prediction, policy, training)

@@ -1,0 +1,106 @@
+"""The online estimate replayed from a CUDA graph: `estimate_vertical_slash` launches ~280 small kernels per call,
+and at 32K their host launches cost about what their GPU work does. Its shapes depend only on the input shapes
+and settings and it makes no host synchronisation, so one capture per (shapes, settings) serves every layer and
+step of a training run: the inputs are copied into the graph's buffers, the graph is replayed, and the outputs
+are cloned into a fresh `SparseIndex` (each layer keeps its index for the backward)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+from mtrain.ops.estimate import estimate_vertical_slash
+from mtrain.ops.index import SparseIndex
+
+log = logging.getLogger(__name__)
+
+# Set False to always run the estimate eagerly (the graph is also skipped off CUDA).
+GRAPH_ESTIMATE = True
+
+# key -> "warm" (seen once: kernels compiled), "eager" (capture failed or did not match), or a _Graph
+_GRAPHS: dict = {}
+
+
+class _Graph:
+    """One captured estimate: its input buffers and the index its replays write."""
+
+    def __init__(self, q, k, doc_ids, kwargs):
+        self.q, self.k = q.detach().clone(), k.detach().clone()
+        self.doc_ids = None if doc_ids is None else doc_ids.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up on a side stream before capture (lazy allocations, plans)
+            estimate_vertical_slash(self.q, self.k, doc_ids=self.doc_ids, **kwargs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.index = estimate_vertical_slash(self.q, self.k, doc_ids=self.doc_ids, **kwargs)
+
+    def __call__(self, q, k, doc_ids) -> SparseIndex:
+        self.q.copy_(q)
+        self.k.copy_(k)
+        if doc_ids is not None:
+            self.doc_ids.copy_(doc_ids)
+        self.graph.replay()
+        return _clone(self.index)
+
+
+def _clone_value(v):
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, tuple):
+        return tuple(_clone_value(x) for x in v)
+    return v
+
+
+def _clone(index: SparseIndex) -> SparseIndex:
+    out = SparseIndex(index.block_ids.clone(), index.block_counts.clone(), index.col_ids.clone(),
+                      index.col_counts.clone(), index.seq_len, index.block_size)
+    out._cache.update({name: _clone_value(v) for name, v in index._cache.items()})
+    return out
+
+
+def same_index(a: SparseIndex, b: SparseIndex) -> bool:
+    """Whether two indices list the same blocks and columns and estimate the same recall (to fp32 rounding)."""
+    lists = all(torch.equal(x, y) for x, y in ((a.block_ids, b.block_ids), (a.block_counts, b.block_counts),
+                                               (a.col_ids, b.col_ids), (a.col_counts, b.col_counts)))
+    ra, rb = a._cache.get("est_recall"), b._cache.get("est_recall")
+    return lists and (ra is None) == (rb is None) and (ra is None or torch.allclose(ra, rb, rtol=1e-5, atol=1e-6))
+
+
+def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor | None = None, **kwargs) -> SparseIndex:
+    """`estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)`, replayed from a CUDA graph on CUDA.
+
+    The first call with given shapes and settings runs eagerly (it compiles the kernels); the second captures
+    the graph, replays it once and compares the result with an eager run on the same inputs: the graph serves
+    the later calls only if the two indices are equal (else, or if capture fails, that key stays eager, with a
+    warning). Off CUDA, or with GRAPH_ESTIMATE False, this is the eager estimate."""
+    if not (GRAPH_ESTIMATE and q.is_cuda) or torch.cuda.is_current_stream_capturing():
+        return estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, doc_ids is None,
+           None if doc_ids is None else tuple(doc_ids.shape), tuple(sorted(kwargs.items())))
+    entry = _GRAPHS.get(key)
+    if isinstance(entry, _Graph):
+        return entry(q, k, doc_ids)
+    if entry is None or entry == "eager":
+        if entry is None:
+            _GRAPHS[key] = "warm"
+        return estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
+    eager = estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
+    try:
+        graph = _Graph(q, k, doc_ids, kwargs)
+        replayed = graph(q, k, doc_ids)
+    except Exception as exc:  # an op that cannot be captured: this key runs eagerly from now on
+        _GRAPHS[key] = "eager"
+        warnings.warn(f"the pattern estimate could not be captured as a CUDA graph ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:200]}); it runs eagerly")
+        return eager
+    if not same_index(replayed, eager):
+        _GRAPHS[key] = "eager"
+        warnings.warn("the CUDA-graph replay of the pattern estimate differs from the eager estimate; it runs eagerly")
+        return eager
+    _GRAPHS[key] = graph
+    log.info("pattern estimate captured as a CUDA graph for q %s", tuple(q.shape))
+    return eager
