@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections import OrderedDict
 
 import torch
 
@@ -19,8 +20,11 @@ log = logging.getLogger(__name__)
 # Set False to always run the estimate eagerly (the graph is also skipped off CUDA).
 GRAPH_ESTIMATE = True
 
+# Captured graphs kept at once (each holds its own memory pool: ~0.1-0.3 GB at 128K); the least recently used
+# goes first. A training run needs one; an eval over many lengths would otherwise keep one per length.
+MAX_GRAPHS = 4
 # key -> "warm" (seen once: kernels compiled), "eager" (capture failed or did not match), or a _Graph
-_GRAPHS: dict = {}
+_GRAPHS: OrderedDict = OrderedDict()
 
 
 class _Graph:
@@ -83,6 +87,7 @@ def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor 
            None if doc_ids is None else tuple(doc_ids.shape), tuple(sorted(kwargs.items())))
     entry = _GRAPHS.get(key)
     if isinstance(entry, _Graph):
+        _GRAPHS.move_to_end(key)
         return entry(q, k, doc_ids)
     if entry is None or entry == "eager":
         if entry is None:
@@ -102,5 +107,8 @@ def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor 
         warnings.warn("the CUDA-graph replay of the pattern estimate differs from the eager estimate; it runs eagerly")
         return eager
     _GRAPHS[key] = graph
+    graphs = [name for name, value in _GRAPHS.items() if isinstance(value, _Graph)]
+    for name in graphs[:-MAX_GRAPHS]:  # the least recently used beyond MAX_GRAPHS: seen again, they start over
+        del _GRAPHS[name]
     log.info("pattern estimate captured as a CUDA graph for q %s", tuple(q.shape))
     return eager
