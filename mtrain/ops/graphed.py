@@ -39,7 +39,8 @@ class _Graph:
             estimate_vertical_slash(self.q, self.k, doc_ids=self.doc_ids, **kwargs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: CUDA calls of other threads (a data loader pinning memory) stay legal during the capture
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.index = estimate_vertical_slash(self.q, self.k, doc_ids=self.doc_ids, **kwargs)
 
     def __call__(self, q, k, doc_ids) -> SparseIndex:
