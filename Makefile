@@ -76,10 +76,10 @@ data/synthetic/copy-fixed.jsonl: | $(STAMP)
 	$(COPY) 16:16 --copy-tokens 127 --docs 2400 --seed 2 --out $@
 
 data/synthetic/copy.jsonl: | $(STAMP)
-	$(COPY) 8:40 --copy-tokens 127 --docs 9600 --seed 3 --out $@
+	$(COPY) 8:40 --copy-tokens 127 --copy-digits 0.25 --docs 11200 --seed 3 --out $@
 
 data/synthetic/copy-long.jsonl: | $(STAMP)
-	$(COPY) 8:500 --copy-tokens 1023 --copy-prose 0.5 --copy-digits 0.2 --docs 1500 --seed 4 --out $@
+	$(COPY) 8:500 --copy-tokens 1023 --copy-prose 0.5 --copy-digits 0.3 --docs 1800 --seed 4 --out $@
 
 data/synthetic/train.jsonl: | $(STAMP)
 	$(PY) -m mtrain.data.synthetic --out $@ --docs 4000 --min-sentences 1 --max-sentences 90 --facts 1 \
