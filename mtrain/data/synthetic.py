@@ -77,8 +77,8 @@ PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 # a copy drill: needles, then the same needles again (every token of the repeat is predictable by copying)
 REPEAT_JOIN = "\nOnce more, word for word:\n"
-# retrieval document formats and their default shares (the embedded default's stage 1 leans on the copy drill:
-# copying is what a from-scratch model must learn first; its stage 2 on the eval's own prompts)
+# retrieval document formats and their default shares (`make train` passes --formats niah=1: its copying is taught
+# by the --copy-period drills, CopySpec below)
 RETRIEVAL_FORMATS = {"niah": 0.25, "ruler": 0.1, "passkey": 0.05, "repeat": 0.6}
 
 
