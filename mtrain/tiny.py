@@ -56,7 +56,7 @@ def load_tokenizer(path: str | Path = TOKENIZER_DIR):
 
 
 def tiny_config(**overrides):
-    """The tiny Qwen2-architecture config (about 1M parameters), with optional field overrides."""
+    """The tiny Qwen2-architecture config (about 0.5M parameters), with optional field overrides."""
     from transformers import Qwen2Config
 
     fields = json.loads(MODEL_CONFIG.read_text())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -98,3 +99,26 @@ def test_cli_rejects_bad_formats(tmp_path, capsys):
     assert exit_.value.code == 2 and "--formats 'haystack=2'" in capsys.readouterr().err
     assert S.main(["--out", str(tmp_path / "x.jsonl"), "--docs", "3", "--retrieval", "1",
                    "--formats", "passkey=1"]) == 0
+
+
+def test_copy_drills_repeat_one_run_to_the_token_count():
+    """Copy drills: a run of 8..40 tokens (pool words, digits or prose) repeated to exactly `tokens` tokens."""
+    pool, digits, tok = S.copy_pool()
+    spec = S.CopySpec(num_docs=40, tokens=127, min_period=8, max_period=40, digits=0.3, prose=0.3, seed=1)
+    kinds = set()
+    for doc in S.generate_copies(spec):
+        ids = tok.encode(doc)
+        assert len(ids) == 127  # the text encodes back to the drill's own tokens
+        period = next(p for p in range(1, 41) if all(ids[i] == ids[i - p] for i in range(p, 127)))
+        assert period <= 40
+        kinds.add("digits" if set(ids) <= set(digits) else "pool" if set(ids) <= set(pool) else "prose")
+    assert kinds == {"digits", "prose", "pool"}  # prose: filler tokens outside the pool (",", ".", word pieces)
+
+
+def test_copy_drills_cli(tmp_path):
+    out = tmp_path / "copy.jsonl"
+    assert S.main(["--out", str(out), "--copy-period", "16:16", "--copy-tokens", "127", "--docs", "3"]) == 0
+    docs = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert len(docs) == 3 and len(set(docs)) == 3
+    with pytest.raises(SystemExit):
+        S.main(["--out", str(out), "--copy-period", "200:100"])

@@ -408,7 +408,7 @@ def test_trainer_logs_the_choice_per_layer(tmp_path):
     from mtrain.config import load_recipe
     from mtrain.data import pack
     from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
-    from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+    from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR, tiny_config
     from mtrain.train.metrics import read_metrics
     from mtrain.train.trainer import Trainer
 
@@ -424,14 +424,15 @@ def test_trainer_logs_the_choice_per_layer(tmp_path):
         Trainer(recipe).run()
         rows[policy] = read_metrics(tmp_path / policy / "metrics.jsonl")
     first, second = rows["always"]
-    assert first["attention_paths"] == second["attention_paths"] == "ssss"
-    assert all(0 < first[f"attn_density/L{i:02d}"] < 1 for i in range(4))
+    layers = tiny_config().num_hidden_layers
+    assert first["attention_paths"] == second["attention_paths"] == "s" * layers
+    assert all(0 < first[f"attn_density/L{i:02d}"] < 1 for i in range(layers))
     assert "attention_true_recall" not in first  # step 1 is not a recall step
-    assert all(0 < second[f"attn_true_recall/L{i:02d}"] <= 1 for i in range(4))
+    assert all(0 < second[f"attn_true_recall/L{i:02d}"] <= 1 for i in range(layers))
     assert 0 < second["attention_true_recall_min"] <= second["attention_true_recall"] <= 1
     assert second["attention_work"] == pytest.approx(second["attention_density"])
     # auto on a CPU at 256 tokens: dense everywhere (the sparse fixed costs do not pay), so no recall to sample
     for row in rows["auto"]:
-        assert row["attention_paths"] == "dddd" and row["attention_work"] == 1.0
+        assert row["attention_paths"] == "d" * layers and row["attention_work"] == 1.0
         assert row["attention_pred_ms"] == pytest.approx(row["attention_pred_dense_ms"])
         assert "attention_true_recall" not in row

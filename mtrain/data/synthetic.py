@@ -77,8 +77,8 @@ PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 # a copy drill: needles, then the same needles again (every token of the repeat is predictable by copying)
 REPEAT_JOIN = "\nOnce more, word for word:\n"
-# retrieval document formats and their default shares (the embedded default's stage 1 leans on the copy drill:
-# copying is what a from-scratch model must learn first; its stage 2 on the eval's own prompts)
+# retrieval document formats and their default shares (`make train` passes --formats niah=1: its copying is taught
+# by the --copy-period drills, CopySpec below)
 RETRIEVAL_FORMATS = {"niah": 0.25, "ruler": 0.1, "passkey": 0.05, "repeat": 0.6}
 
 
@@ -214,6 +214,61 @@ def make_retrieval_document(rng: random.Random, spec: CorpusSpec) -> str:
     return text + "".join("\n" + follow.format(key=k) + f" {v}." for k, v in rest)
 
 
+@functools.lru_cache(maxsize=4)
+def copy_pool(tokenizer_path: str | None = None) -> tuple[list[int], list[int], object]:
+    """Token ids a copy drill draws from: the tokenizer's single-token whole words (" river"), the ten digits
+    and the lone space, which the eval's needle values use (" 1234567" is the space, then one token a digit).
+
+    Returns (pool, digit ids, tokenizer); a run of these ids decodes to text that encodes back to the same ids.
+    """
+    from mtrain.tiny import TOKENIZER_DIR, load_tokenizer
+
+    tok = load_tokenizer(tokenizer_path or TOKENIZER_DIR)
+    vocab = tok.get_vocab()
+    digits = [vocab[str(d)] for d in range(10)]
+    words = sorted(i for w, i in vocab.items() if w.startswith("\u0120") and w[1:].isalpha())
+    return words + digits + [vocab["\u0120"]], digits, tok
+
+
+@dataclass(frozen=True)
+class CopySpec:
+    """Copy drills (the induction curriculum): a random run of `period` tokens, repeated to `tokens` tokens.
+
+    Every token after the first period is predictable only by finding the same context earlier and copying
+    what followed it, the circuit retrieval needs. A period is drawn uniformly in [min_period, max_period];
+    its run is random pool tokens, or (with these shares) random digits (repeated digits force matching on
+    more than one token, as a 7-digit value needs) or a stretch of filler prose (so copying also works amid
+    the haystack's text).
+    """
+
+    num_docs: int = 1000
+    tokens: int = 127
+    min_period: int = 8
+    max_period: int = 40
+    digits: float = 0.0
+    prose: float = 0.0
+    seed: int = 0
+    tokenizer: str | None = None
+
+
+def copy_document(rng: random.Random, spec: CopySpec) -> str:
+    pool, digits, tok = copy_pool(spec.tokenizer)
+    period = rng.randint(spec.min_period, spec.max_period)
+    draw = rng.random()
+    if draw < spec.digits:
+        run = [rng.choice(digits) for _ in range(period)]
+    elif draw < spec.digits + spec.prose:
+        run = tok.encode(" " + " ".join(filler(rng, period // 6 + 2)))[:period]
+    else:
+        run = [rng.choice(pool) for _ in range(period)]
+    return tok.decode((run * (spec.tokens // period + 1))[:spec.tokens])
+
+
+def generate_copies(spec: CopySpec) -> list[str]:
+    rng = random.Random(spec.seed)
+    return [copy_document(rng, spec) for _ in range(spec.num_docs)]
+
+
 def generate(spec: CorpusSpec) -> list[str]:
     rng = random.Random(spec.seed)
     return [make_retrieval_document(rng, spec) if spec.retrieval and rng.random() < spec.retrieval
@@ -249,7 +304,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights of the retrieval formats, e.g. niah=0.6,ruler=0.2,passkey=0.2,repeat=0 "
                         "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    copy = parser.add_argument_group("copy drills (instead of the corpus above)")
+    copy.add_argument("--copy-period", metavar="LO:HI",
+                      help="write copy drills: a random run of LO..HI tokens repeated to --copy-tokens tokens")
+    copy.add_argument("--copy-tokens", type=int, default=CopySpec.tokens,
+                      help="tokens per drill (seq_len - 1: one drill and its EOS fill a packed sample)")
+    copy.add_argument("--copy-digits", type=float, default=0.0, help="share of drills whose run is digits")
+    copy.add_argument("--copy-prose", type=float, default=0.0, help="share of drills whose run is filler prose")
+    copy.add_argument("--tokenizer", help="tokenizer the drills are counted in (default: the tiny tokenizer)")
     args = parser.parse_args(argv)
+    if args.copy_period:
+        try:
+            lo, hi = (int(v) for v in args.copy_period.split(":"))
+        except ValueError:
+            parser.error(f"--copy-period {args.copy_period!r}: expected LO:HI")
+        if not 0 < lo <= hi or args.copy_tokens <= hi or args.docs <= 0:
+            parser.error("need 0 < LO <= HI < --copy-tokens and --docs > 0")
+        if not (0 <= args.copy_digits and 0 <= args.copy_prose and args.copy_digits + args.copy_prose <= 1):
+            parser.error("need --copy-digits, --copy-prose >= 0 with a sum <= 1")
+        cspec = CopySpec(args.docs, args.copy_tokens, lo, hi, args.copy_digits, args.copy_prose, args.seed,
+                         args.tokenizer)
+        out = write_jsonl(args.out, generate_copies(cspec))
+        print(f"wrote {cspec.num_docs} copy drills to {out}")
+        return 0
     if args.docs <= 0 or args.min_sentences <= 0 or args.max_sentences < args.min_sentences:
         parser.error("need --docs > 0 and 0 < --min-sentences <= --max-sentences")
     if args.facts <= 0 or not 0.0 <= args.retrieval <= 1.0:
