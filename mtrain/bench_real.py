@@ -244,28 +244,25 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
 
     # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index; the backward
     # training runs (deterministic), and the fused atomic one beside it
-    det = True
-
     def all_in(qq, kk, vv):
-        return vertical_slash_attention(qq, kk, vv, estimate(), softmax_scale=scale, deterministic=det)
+        return vertical_slash_attention(qq, kk, vv, estimate(), softmax_scale=scale)
 
     total_ms = timed(_fwd_bwd(all_in, q, k, v, dout), iters)
     fwd_ms = timed(lambda: vertical_slash_attention(q, k, v, index, softmax_scale=scale), iters)
     bwd = {}
-    for flag in (det, not det):
+    for deterministic in (True, False):
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = vertical_slash_attention(qq, kk, vv, index, softmax_scale=scale, deterministic=flag)
-        bwd[flag] = timed(lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True), iters)
-    bwd_ms = bwd[det]
+        out = vertical_slash_attention(qq, kk, vv, index, softmax_scale=scale, deterministic=deterministic)
+        bwd[deterministic] = timed(lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True), iters)
 
     est = index._cache.get("est_recall")
     per_head = _true_recall(q, k, index, scale, recall_rows)
     return LayerResult(
         layer=layer, density=index.density(), est_recall=None if est is None else float(est.float().mean()),
         true_recall=float(per_head.mean()), min_head_recall=float(per_head.min()), path=path,
-        dense_ms=dense_ms, mtrain_ms=mtrain_ms, index_ms=max(0.0, total_ms - fwd_ms - bwd_ms), fwd_ms=fwd_ms,
-        bwd_ms=bwd_ms, steady_ms=steady_ms, held=held,
-        extra={"bwd_deterministic_ms": bwd[True], "bwd_atomic_ms": bwd[False], "deterministic": det},
+        dense_ms=dense_ms, mtrain_ms=mtrain_ms, index_ms=max(0.0, total_ms - fwd_ms - bwd[True]), fwd_ms=fwd_ms,
+        bwd_ms=bwd[True], steady_ms=steady_ms, held=held,
+        extra={"bwd_deterministic_ms": bwd[True], "bwd_atomic_ms": bwd[False]},
     )
 
 
@@ -359,7 +356,6 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "policy": policy, "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
         "ppl_all_sparse": ppl["always"], "ppl_all_sparse_rise": ppl["always"] / ppl_dense - 1,
         "recall_rows": recall_rows,
-        "deterministic_backward": results[0].extra["deterministic"] if results else None,
         "kernels_ms": {name: sum(r.fwd_ms + r.extra[f"bwd_{name}_ms"] for r in results)
                        for name in ("deterministic", "atomic")},
     }
