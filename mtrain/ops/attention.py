@@ -125,10 +125,14 @@ def vertical_slash_attention(
     Computes softmax(scale * q k^T) v over exactly the pairs of `index.to_mask()` (causal: key
     position <= query position), accumulating in fp32. S need not be a multiple of the block size:
     the last block is partial and masked. softmax_scale defaults to 1/sqrt(D).
-    impl: "auto", "triton", "flex" or "torch". "triton": our kernels (GPU, or TRITON_INTERPRET=1 on the
-    CPU). "flex": FlexAttention driven by this index (`mtrain.ops.flex`: an exact BlockMask from
+    impl: "auto", "triton", "flex", "fa4" or "torch". "triton": our kernels (GPU, or TRITON_INTERPRET=1 on
+    the CPU). "flex": FlexAttention driven by this index (`mtrain.ops.flex`: an exact BlockMask from
     `BlockMask.from_kv_blocks`, Flex's own fused forward and backward; CUDA, or forward-only on the CPU;
-    `deterministic` does not apply). "torch": the PyTorch path. "auto": on CUDA the engine measured
+    `deterministic` does not apply). "fa4": FlashAttention-4 as the block engine (`mtrain.ops.fa4`; optional
+    extra `mtrain[fa4]`, CUDA, fp16/bf16, index block_size 128 only, ValueError otherwise): listed blocks in
+    FA4's block-sparse kernels, vertical columns in our Triton column path, merged by LSE; its backward is
+    FA4's (atomic) with deterministic=False and ours (deterministic) with deterministic=True.
+    "torch": the PyTorch path. "auto": on CUDA the engine measured
     fastest for the index's block size (`AUTO_FLEX_BLOCK_SIZES` lists the block sizes that use Flex; see
     there and BENCHMARKS.md), under TRITON_INTERPRET=1 Triton, else PyTorch.
     deterministic: True (default) = backward without atomics (dQ per query block, dK/dV per key block
@@ -148,8 +152,13 @@ def vertical_slash_attention(
         )
     if index.block_ids.device != q.device:
         index = index.to(q.device)
-    if impl not in ("auto", "triton", "flex", "torch"):
-        raise ValueError(f'impl must be "auto", "triton", "flex" or "torch"; got {impl!r}')
+    if impl not in ("auto", "triton", "flex", "fa4", "torch"):
+        raise ValueError(f'impl must be "auto", "triton", "flex", "fa4" or "torch"; got {impl!r}')
+    if impl == "fa4":
+        from mtrain.ops.fa4 import fa4_vertical_slash
+
+        out, lse = fa4_vertical_slash(q, k, v, index, softmax_scale, doc_ids, deterministic)
+        return (out, lse) if return_lse else out
     if impl == "flex" or (impl == "auto" and q.device.type == "cuda" and index.block_size in AUTO_FLEX_BLOCK_SIZES):
         from mtrain.ops.flex import flex_vertical_slash
 

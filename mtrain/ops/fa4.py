@@ -1,0 +1,317 @@
+"""FlashAttention-4 (CuTe DSL) as an optional block engine for vertical-slash attention: the index's key blocks
+run in FA4's block-sparse kernels, the vertical columns in our Triton column path, the two merged by LSE."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from mtrain.ops import partial
+from mtrain.ops.attention import _NOT_PLANS, _join, _split
+from mtrain.ops.index import SparseIndex, transpose_blocks
+
+# The FA4 release this engine was written and checked against (pyproject extra `fa4`). The engine calls FA4's
+# lower-level `_flash_attn_fwd` / `_flash_attn_bwd` (the public `flash_attn_func` cannot run its backward on
+# another out / lse than its own forward's), so the pin is exact. 4.0.0b11 fixed silently wrong SM90
+# block-sparse gradients at head dim 64 (Dao-AILab/flash-attention#2623).
+FA4_VERSION = "4.0.0b36"
+# The only index block size the engine takes: FA4's SM90 backward runs 128-token key tiles and needs the
+# sparse key block to equal its tile (`normalize_block_sparse_config_bwd`); its forward would take 64.
+BLOCK_SIZE = 128
+# Keys of an index's cache the Triton backward fallback does not read.
+_OWN_KEYS = ("fa4", "flex", *_NOT_PLANS)
+
+_MASK_MODS: dict = {}
+
+
+def load_fa4():
+    """FA4's `flash_attn.cute.interface` module; ImportError naming the install when it is missing."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError as exc:
+        raise ImportError(
+            "impl='fa4' needs FlashAttention-4 (the CuTe DSL kernels, module flash_attn.cute), which is not "
+            f"importable here: install it on the GPU machine with pip install 'mtrain[fa4]' (flash-attn-4=="
+            f"{FA4_VERSION}; for CUDA 13 torch also nvidia-cutlass-dsl[cu13]), or use impl='triton'"
+        ) from exc
+    return interface
+
+
+def check_fa4_inputs(q: torch.Tensor, index: SparseIndex) -> None:
+    """ValueError unless q and index suit the FA4 engine (128-token blocks, fp16/bf16, CUDA)."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"impl='fa4' takes float16 or bfloat16 q/k/v, not {q.dtype}; use impl='triton'")
+    if index.block_size != BLOCK_SIZE:
+        raise ValueError(
+            f"impl='fa4' needs an index with block_size={BLOCK_SIZE} (FA4's SM90 backward runs {BLOCK_SIZE}-token "
+            f"key tiles and the sparse key block must equal them); this index has block_size={index.block_size}: "
+            f"build it with block_size={BLOCK_SIZE} (estimate_vertical_slash(..., block_size={BLOCK_SIZE})) or use "
+            "impl='triton'"
+        )
+    if q.device.type != "cuda":
+        raise ValueError(
+            f"impl='fa4' runs on CUDA tensors only (FlashAttention-4 is a GPU kernel library); q is on {q.device}: "
+            "use impl='triton' (TRITON_INTERPRET=1 on the CPU) or impl='torch'"
+        )
+
+
+@dataclasses.dataclass
+class Fa4Lists:
+    """The index's key blocks in FA4's block-sparse format (all int32, entries past a count are 0).
+
+    Forward, per (b, query head h, query block i): full_* = listed key blocks strictly below the diagonal that
+    every query of block i keeps whole (no mask_mod), mask_* = listed blocks where the mask_mod decides pair by
+    pair (the diagonal block: causal; with documents also blocks that cross a document boundary).
+    counts [B, Hq, nQB], ids [B, Hq, nQB, W], ascending. Backward (the same pairs, transposed), per key block j:
+    full_q_* / mask_q_* = the query blocks that list j as full / mask block, [B, Hq, nKB] and [B, Hq, nKB, W'].
+    """
+
+    full_cnt: torch.Tensor
+    full_idx: torch.Tensor
+    mask_cnt: torch.Tensor
+    mask_idx: torch.Tensor
+    full_q_cnt: torch.Tensor
+    full_q_idx: torch.Tensor
+    mask_q_cnt: torch.Tensor
+    mask_q_idx: torch.Tensor
+    block_size: int
+
+
+def _left_pack(ids: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept entries of ids [..., M] moved left, in order, into an int32 [..., width] (rest 0); counts int32."""
+    counts = keep.sum(-1, dtype=torch.int32)
+    slot = torch.where(keep, keep.cumsum(-1) - 1, width)  # dropped entries go to a dump column
+    out = torch.zeros(*ids.shape[:-1], width + 1, dtype=torch.int32, device=ids.device)
+    out.scatter_(-1, slot, torch.where(keep, ids, 0).to(torch.int32))
+    return out[..., :width].contiguous(), counts
+
+
+def _transposed(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key block the query blocks listing it, ascending: (ids int32 [B, H, n, W], 0-padded; counts int32)."""
+    q_ids, q_counts = transpose_blocks(ids, counts, n)
+    return q_ids.clamp(min=0).contiguous(), q_counts.contiguous()
+
+
+def _block_doc_ranges(doc: torch.Tensor, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest and largest document id of each block of bs tokens: [B, n] each (padding tokens ignored)."""
+    pad = n * bs - doc.shape[1]
+    lo = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).max).view(doc.shape[0], n, bs)
+    hi = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).min).view(doc.shape[0], n, bs)
+    return lo.amin(-1), hi.amax(-1)
+
+
+def fa4_block_lists(index: SparseIndex, doc_ids: torch.Tensor | None = None) -> Fa4Lists:
+    """`Fa4Lists` of the index's listed key blocks (not its columns), exact with the causal mask_mod.
+
+    Without documents: blocks below the diagonal are full, the diagonal block is a mask block, blocks above
+    it are dropped (no causal pair). With doc_ids [B, S] (integers, equal = same document): a listed block is
+    dropped when its document-id range cannot meet the query block's, full when both blocks lie in one and the
+    same document and it is below the diagonal, else a mask block (the mask_mod adds the same-document test).
+    Plain tensor code (CPU or GPU); the widths follow the index's lists (no host synchronisation without
+    documents apart from the transposed lists' width).
+    """
+    B, H, n, width = index.block_ids.shape
+    bs, S = index.block_size, index.seq_len
+    dev = index.block_ids.device
+    width = max(1, min(width, n))
+    rows = torch.arange(n, device=dev)[:, None]
+    ids = index.block_ids.long()
+    ok = (torch.arange(ids.shape[-1], device=dev) < index.block_counts[..., None].long()) & (ids >= 0) & (ids < n)
+    below, diag = ok & (ids < rows), ok & (ids == rows)
+    if doc_ids is None:
+        full, mask = below, diag
+    else:
+        if tuple(doc_ids.shape) != (B, S) or doc_ids.is_floating_point() or doc_ids.is_complex():
+            raise ValueError(
+                f"doc_ids must be an integer tensor [B={B}, S={S}]; got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+        lo, hi = _block_doc_ranges(doc_ids.to(device=dev, dtype=torch.int64), bs, n)
+        b = torch.arange(B, device=dev)[:, None, None, None]
+        j = ids.clamp(0, n - 1)
+        q_lo, q_hi = lo[:, None, :, None], hi[:, None, :, None]
+        meets = (lo[b, j] <= q_hi) & (hi[b, j] >= q_lo)
+        one_doc = (q_lo == q_hi) & (lo[b, j] == q_lo) & (hi[b, j] == q_lo)
+        full = below & one_doc
+        mask = (below | diag) & meets & ~full
+    full_idx, full_cnt = _left_pack(ids, full, width)
+    mask_idx, mask_cnt = _left_pack(ids, mask, width)
+    full_q_idx, full_q_cnt = _transposed(full_idx, full_cnt, n)
+    mask_q_idx, mask_q_cnt = _transposed(mask_idx, mask_cnt, n)
+    return Fa4Lists(full_cnt, full_idx, mask_cnt, mask_idx, full_q_cnt, full_q_idx, mask_q_cnt, mask_q_idx, bs)
+
+
+def _no_blocks(index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block lists that list nothing (the `blocks=` of the column-only Triton calls; None would mean dense)."""
+    B, H, n, _ = index.block_ids.shape
+    dev = index.block_ids.device
+    return (torch.full((B, H, n, 1), -1, dtype=torch.int32, device=dev),
+            torch.zeros(B, H, n, dtype=torch.int32, device=dev))
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the engine derives once per index (kept in index._cache["fa4"] when there are no documents)."""
+
+    lists: Fa4Lists
+    has_cols: bool
+    no_blocks: tuple[torch.Tensor, torch.Tensor]
+    col_plans: dict  # the Triton column path's derived data for (no blocks, the index's columns)
+
+
+def _plan(index: SparseIndex, doc_ids, num_kv_heads: int, head_dim: int) -> _Plan:
+    if doc_ids is None and "fa4" in index._cache:
+        return index._cache["fa4"]
+    n = index.n_blocks
+    ids, counts = index.block_ids.long(), index.block_counts.long()
+    last = torch.gather(ids, -1, (counts - 1).clamp(min=0)[..., None])[..., 0]
+    if bool(((counts < 1) | (last != torch.arange(n, device=ids.device))).any()):
+        raise ValueError(
+            "impl='fa4' needs every query block's list to end with its diagonal block (SparseIndex.from_lines and "
+            "estimate_vertical_slash always list it): a row without keys would reach FA4's backward with lse=-inf")
+    plan = _Plan(fa4_block_lists(index, doc_ids), bool(index.col_counts.any()), _no_blocks(index), {})
+    if doc_ids is None:
+        if plan.has_cols and index.block_ids.is_cuda:
+            from mtrain.ops import _triton_attention
+
+            # The column-only backward's transposed lists, column plan and work items, built once per index.
+            col_index = SparseIndex(*plan.no_blocks, index.col_ids, index.col_counts, index.seq_len,
+                                    index.block_size)
+            _triton_attention.prepare_backward(col_index, num_kv_heads, head_dim)
+            plan.col_plans = col_index._cache
+        index._cache["fa4"] = plan
+    return plan
+
+
+def _mask_mods():
+    """(causal, causal_same_document) as CuTe DSL mask_mods, built once (FA4 keys its compile cache on them).
+    The document one reads aux_tensors[0], the doc ids [B, padded S] int32."""
+    if not _MASK_MODS:
+        import cutlass
+        import cutlass.cute as cute
+        from flash_attn.cute.utils import scalar_to_ssa
+
+        @cute.jit
+        def causal(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+            return kv_idx <= q_idx
+
+        @cute.jit
+        def causal_same_document(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+            docs = aux_tensors[0]
+            q_doc = scalar_to_ssa(docs[batch[0], q_idx[0]], cutlass.Int32)
+            kv_doc = scalar_to_ssa(docs[batch[0], kv_idx[0]], cutlass.Int32)
+            return (kv_idx <= q_idx) & (q_doc == kv_doc)
+
+        _MASK_MODS.update(causal=causal, docs=causal_same_document)
+    return _MASK_MODS["causal"], _MASK_MODS["docs"]
+
+
+def _sparse_tensors(cnt, idx, fcnt, fidx, bs):
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    return BlockSparseTensorsTorch(mask_block_cnt=cnt, mask_block_idx=idx, full_block_cnt=fcnt, full_block_idx=fidx,
+                                   block_size=(bs, bs))
+
+
+def _doc_aux(doc_ids, bs: int, n: int):
+    """aux_tensors of the document mask_mod: doc ids [B, n * bs] int32, padded so that no tile reads past them."""
+    if doc_ids is None:
+        return None
+    doc = doc_ids.to(torch.int32)
+    return [torch.nn.functional.pad(doc, (0, n * bs - doc.shape[1]), value=-1).contiguous()]
+
+
+class _Fa4Attention(torch.autograd.Function):
+    """Forward: FA4 block-sparse (blocks) + Triton (columns), merged by LSE. Backward from the merged out / lse:
+    deterministic=False: FA4's block-sparse backward + the Triton column backward, summed; deterministic=True:
+    our deterministic Triton backward over blocks and columns at once (FA4 4.0.0b36 has no deterministic
+    block-sparse backward on SM90). Index-derived tensors go through save_for_backward (see _PartialAttention)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, index, scale, doc_ids, deterministic):
+        fa4 = load_fa4()
+        B, S, Hq, D = q.shape
+        n, bs = index.n_blocks, index.block_size
+        plan = _plan(index, doc_ids, k.shape[2], D)
+        lists = plan.lists
+        causal_mod, doc_mod = _mask_mods()
+        mask_mod = causal_mod if doc_ids is None else doc_mod
+        aux = _doc_aux(doc_ids, bs, n)
+        fwd_sparse = _sparse_tensors(lists.mask_cnt, lists.mask_idx, lists.full_cnt, lists.full_idx, bs)
+        out, lse = fa4._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=False, mask_mod=mask_mod,
+                                       aux_tensors=aux, block_sparse_tensors=fwd_sparse, return_lse=True)[:2]
+        pos = torch.arange(S, device=q.device)
+        col_plans = plan.col_plans if doc_ids is None else {}
+        col_kw = dict(q_pos=pos, k_pos=pos, blocks=plan.no_blocks, columns=index.columns, block_size=bs,
+                      softmax_scale=scale, causal=True, impl="triton", q_doc=doc_ids, k_doc=doc_ids)
+        if plan.has_cols:
+            out_c, lse_c = partial.attention_forward(q, k, v, plans=col_plans, **col_kw)
+            out, lse = partial.merge_partial(out, lse, out_c, lse_c)
+            out = out.to(q.dtype)
+        triton_plans = None
+        if deterministic:
+            triton_plans = {key: val for key, val in index._cache.items() if key not in _OWN_KEYS}
+            if doc_ids is not None:
+                triton_plans = {}
+        tensors = []
+        ctx.layout = _split((lists, aux, col_kw, col_plans, index.blocks, triton_plans), tensors)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.args = (scale, deterministic, plan.has_cols, bs)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        lists, aux, col_kw, col_plans, blocks, triton_plans = _join(ctx.layout, tensors)
+        scale, deterministic, has_cols, bs = ctx.args
+        dout = dout.contiguous()
+        if deterministic:
+            kw = dict(col_kw, blocks=blocks)
+            dq, dk, dv = partial.attention_backward(dout, q, k, v, out, lse, deterministic=True, plans=triton_plans,
+                                                    **kw)
+        else:
+            fa4 = load_fa4()
+            causal_mod, doc_mod = _mask_mods()
+            bwd_sparse = _sparse_tensors(lists.mask_q_cnt, lists.mask_q_idx, lists.full_q_cnt,
+                                         lists.full_q_idx, bs)
+            dq, dk, dv = fa4._flash_attn_bwd(q, k, v, out, dout, lse, scale, False,
+                                             mask_mod=causal_mod if aux is None else doc_mod, aux_tensors=aux,
+                                             block_sparse_tensors=bwd_sparse, deterministic=False)[:3]
+            if has_cols:
+                grads = partial.attention_backward(dout, q, k, v, out, lse, deterministic=False, plans=col_plans,
+                                                   **col_kw)
+                dq, dk, dv = (a.float() + b for a, b in zip((dq, dk, dv), grads))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def fa4_vertical_slash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: SparseIndex,
+    softmax_scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
+    deterministic: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertical-slash attention on exactly the pairs of `index` (and documents), blocks through FlashAttention-4.
+
+    q [B, S, Hq, D], k/v [B, S, Hkv, D] (GQA), CUDA, fp16/bf16, `index.block_size` == 128 (ValueError
+    otherwise, naming the fix). The listed key blocks below the diagonal run as FA4 full blocks, the diagonal
+    block as a mask block with a causal mask_mod; the vertical columns run in our Triton column path
+    (`partial.attention_forward` with no blocks); the two are merged by LSE in fp32. Documents are supported:
+    doc_ids [B, S] reach FA4's mask_mod as an aux tensor (same-document test in mask blocks; blocks inside one
+    document stay full) and the column path filters by document as usual.
+    Backward from the merged out and lse (exact: each disjoint pair set's softmax backward uses the global
+    O / LSE): deterministic=False runs FA4's block-sparse backward (fp32 atomics for dQ) plus our column
+    backward and sums dq/dk/dv; deterministic=True (default) runs our deterministic Triton backward over blocks
+    and columns, since FA4 4.0.0b36 has no deterministic block-sparse backward on SM90.
+    Returns (out [B, S, Hq, D] in q.dtype, differentiable; lse [B, Hq, S] fp32, no gradient).
+    ImportError (naming the install) when flash_attn.cute is missing.
+    """
+    check_fa4_inputs(q, index)
+    load_fa4()
+    if doc_ids is not None:
+        doc_ids = doc_ids.to(q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _Fa4Attention.apply(q, k, v, index, scale, doc_ids, deterministic)
