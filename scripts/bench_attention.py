@@ -1,5 +1,6 @@
-"""Benchmark of vertical-slash sparse attention against dense SDPA (cuDNN, flash) and FlexAttention on the
-same block mask: checks correctness at a small size first, then times every variant in one run (GPU)."""
+"""Benchmark of vertical-slash sparse attention against dense SDPA (cuDNN, flash), FlashAttention-4 dense causal,
+and FlexAttention and FlashAttention-4 as block engines on the same index: checks correctness at a small size first,
+then times every variant in one run (GPU). FA4 rows appear when flash_attn.cute imports (mtrain[fa4])."""
 
 from __future__ import annotations
 
@@ -238,6 +239,72 @@ def time_flex(q, k, v, dout, recall, bs, it, kernel_options=None):
                 flex_block_density=blocks), (out.detach(), lse, *grads)
 
 
+def fa4_available() -> bool:
+    try:
+        from mtrain.ops.fa4 import load_fa4
+
+        load_fa4()
+        return True
+    except ImportError:
+        return False
+
+
+def fa4_dense_fn(q, k, v, bwd, dout):
+    """FlashAttention-4's dense causal attention (its public flash_attn_func, GQA native), fwd or fwd+bwd."""
+    from flash_attn.cute import flash_attn_func
+
+    qg, kg, vg = (t.detach().requires_grad_(bwd) for t in (q, k, v))
+
+    def run():
+        out = flash_attn_func(qg, kg, vg, causal=True)[0]
+        if bwd:
+            torch.autograd.grad(out, (qg, kg, vg), dout)
+        return out
+
+    return run
+
+
+def time_fa4(q, k, v, dout, recall, bs, it):
+    """FlashAttention-4 as the block engine on our index (mtrain.ops.fa4): index (estimate + FA4's lists + the
+    column path's plans), forward (FA4 blocks + Triton columns, merged), backward with FA4's block-sparse backward
+    (deterministic=False) and with our deterministic one behind FA4's forward (fwd_det/bwd_det; its index adds
+    our backward plans); and FA4 on the blocks alone (the same index without its columns)."""
+    from mtrain.ops import fa4 as fa4_engine
+
+    Hkv, D = k.shape[2], k.shape[3]
+
+    def est():
+        idx = estimate_vertical_slash(q, k, recall=recall, block_size=bs)
+        fa4_engine.prepare_fa4(idx, Hkv, D)
+        return idx
+
+    index = est()
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+    def fwd_bwd(idx, det):
+        out, lse = fa4_engine.fa4_vertical_slash(qg, kg, vg, idx, deterministic=det)
+        t_f = timed(lambda: fa4_engine.fa4_vertical_slash(qg, kg, vg, idx, deterministic=det), it)
+        t_b = timed(lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True), it)
+        return t_f, t_b, (out.detach(), lse, *torch.autograd.grad(out, (qg, kg, vg), dout))
+
+    t0 = time.time()
+    fwd_bwd(index, False)  # compiles FA4's forward and backward for this shape
+    torch.cuda.synchronize()
+    t_compile = time.time() - t0
+    t_idx = timed(est, it)
+    t_fwd, t_bwd, res = fwd_bwd(index, False)
+    _triton_attention.prepare_backward(index, Hkv, D)
+    _, t_bwd_det, res_det = fwd_bwd(index, True)
+    no_cols = SparseIndex(index.block_ids, index.block_counts, index.col_ids[..., :1].clone().fill_(-1),
+                          torch.zeros_like(index.col_counts), index.seq_len, bs)
+    fa4_engine.prepare_fa4(no_cols, Hkv, D)
+    b_fwd, b_bwd, _ = fwd_bwd(no_cols, False)
+    det_diffs = {n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), res_det[2:], res[2:])}
+    return index, dict(index=t_idx, fwd=t_fwd, bwd=t_bwd, total=t_idx + t_fwd + t_bwd, bwd_det=t_bwd_det,
+                       blocks_fwd=b_fwd, blocks_bwd=b_bwd, blocks_density=no_cols.density(), compile_s=t_compile,
+                       det_vs_atomic=det_diffs), res
+
+
 def tile_sweep(q, k, v, dout, pos, bs, log):
     """Time our kernels at one block size under a few sub-tile shapes (query rows, keys) per kernel."""
     index = estimate_vertical_slash(q, k, recall=0.90, block_size=bs)
@@ -308,13 +375,17 @@ def main() -> int:
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/bench"), help="folder for the log and json")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--no-fa4", action="store_true", help="skip the FlashAttention-4 rows (dense and block engine)")
+    ap.add_argument("--fa4-recalls", type=float, nargs="*", help="recalls the FA4 engine is timed at (default: the "
+                                                                 "first); 128-token blocks only")
     ap.add_argument("--time-budget", type=float, default=480.0, help="skip the remaining variants after this many s")
     ap.add_argument("--check-dtypes", nargs="*", default=["float32", "bfloat16"])
     ap.add_argument("--check-seq", type=int, default=4096 + 40, help="sequence length of the correctness check")
     ap.add_argument("--sweep", action="store_true", help="try launch configs of our kernels at the first size")
     ap.add_argument("--tile-sweep", action="store_true",
                     help="try sub-tile shapes of our kernels for blocks > 64 at the first size (keeps the fastest)")
-    ap.add_argument("--dense", nargs="*", default=["cudnn", "flash"], help="dense SDPA backends to time")
+    ap.add_argument("--dense", nargs="*", default=["cudnn", "flash", "fa4"],
+                    help="dense backends to time: SDPA's cudnn and flash, FlashAttention-4's fa4")
     ap.add_argument("--fused-backward", action="store_true",
                     help="also time the fused atomic backward (deterministic=False) on the same index")
     ap.add_argument("--flex-recalls", type=float, nargs="*", help="recalls Flex is timed at (default: the first)")
@@ -408,6 +479,20 @@ def main() -> int:
             except RuntimeError as e:
                 log(f"S={S} dense {name}: unavailable ({str(e).splitlines()[0][:120]})")
             torch.cuda.empty_cache()
+        use_fa4 = not args.no_fa4 and device == "cuda" and fa4_available()
+        if use_fa4 and "fa4" in args.dense:
+            try:
+                t_f = timed(fa4_dense_fn(q, k, v, False, dout), it)
+                t_a = timed(fa4_dense_fn(q, k, v, True, dout), it)
+                dense["fa4"] = (t_f, t_a)
+                log(f"S={S} dense fa4 (FlashAttention-4 causal): fwd {t_f:.2f} ms fwd+bwd {t_a:.2f} ms "
+                    f"({causal_flops(S, Hq, D, True) / t_a / 1e9:.0f} TFLOP/s)")
+                rows.append(dict(S=S, variant="fa4-dense", fwd=t_f, bwd=t_a - t_f, total=t_a))
+            except Exception as e:  # report and keep benchmarking the other variants
+                log(f"S={S} dense fa4 failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            torch.cuda.empty_cache()
+        elif not args.no_fa4 and "fa4" in args.dense:
+            log(f"S={S} fa4: skipped (flash_attn.cute not importable or no GPU)")
         best_dense = min((t[1] for t in dense.values()), default=float("nan"))
 
         for bs in args.block_sizes:
@@ -435,6 +520,37 @@ def main() -> int:
                     f"index {ours['index']:.2f} fwd {ours['fwd']:.2f} bwd {ours['bwd']:.2f} total {ours['total']:.2f} "
                     f"ms; x{best_dense / ours['total']:.2f} vs best dense; kernels per 1% pairs "
                     f"{(ours['fwd'] + ours['bwd']) / (100 * dens):.2f} ms")
+                fa4_recalls = args.fa4_recalls or args.recalls[:1]
+                if use_fa4 and bs == 128 and recall in fa4_recalls and time.time() - t_start <= args.time_budget:
+                    try:
+                        _, f4, f4_res = time_fa4(q, k, v, dout, recall, bs, it)
+                        diffs = {n: rel(a, b) for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), f4_res, ours_res)}
+                        per = (f4["fwd"] + f4["bwd"]) / (100 * dens)
+                        rows.append(dict(S=S, bs=bs, recall=recall, engine="fa4", density=dens, block_density=bdens,
+                                         **f4, per_pct=per, speedup_vs_dense=best_dense / f4["total"], vs_ours=diffs))
+                        rows.append(dict(S=S, bs=bs, recall=recall, engine="fa4-det-bwd", density=dens,
+                                         block_density=bdens, index=f4["index"], fwd=f4["fwd"], bwd=f4["bwd_det"],
+                                         total=f4["index"] + f4["fwd"] + f4["bwd_det"],
+                                         per_pct=(f4["fwd"] + f4["bwd_det"]) / (100 * dens),
+                                         speedup_vs_dense=best_dense / (f4["index"] + f4["fwd"] + f4["bwd_det"])))
+                        bd = f4["blocks_density"]
+                        rows.append(dict(S=S, bs=bs, recall=recall, engine="fa4-blocks-only", density=bd,
+                                         block_density=bdens, index=float("nan"), fwd=f4["blocks_fwd"],
+                                         bwd=f4["blocks_bwd"], total=f4["blocks_fwd"] + f4["blocks_bwd"],
+                                         per_pct=(f4["blocks_fwd"] + f4["blocks_bwd"]) / (100 * bd),
+                                         speedup_vs_dense=float("nan")))
+                        log(f"S={S} bs={bs} p={recall} fa4 engine: index {f4['index']:.2f} fwd {f4['fwd']:.2f} bwd "
+                            f"{f4['bwd']:.2f} (our deterministic bwd behind it {f4['bwd_det']:.2f}) total "
+                            f"{f4['total']:.2f} ms (compile {f4['compile_s']:.0f}s); x{best_dense / f4['total']:.2f} vs "
+                            f"best dense; kernels per 1% pairs {per:.2f} ms (ours {(ours['fwd'] + ours['bwd']) / (100 * dens):.2f}); "
+                            f"FA4 on the blocks alone ({bd:.4f} of pairs) fwd {f4['blocks_fwd']:.2f} bwd "
+                            f"{f4['blocks_bwd']:.2f} ms = {(f4['blocks_fwd'] + f4['blocks_bwd']) / (100 * bd):.2f} ms "
+                            f"per 1%; rel diff vs ours " + " ".join(f"{a}={b:.1e}" for a, b in diffs.items()) +
+                            "; det vs atomic bwd " + " ".join(f"{a}={b:.1e}" for a, b in f4["det_vs_atomic"].items()))
+                        del f4_res
+                    except Exception as e:  # report and keep benchmarking the other variants
+                        log(f"S={S} bs={bs} p={recall} fa4 failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                    torch.cuda.empty_cache()
                 flex_recalls = args.flex_recalls or args.recalls[:1]
                 if args.no_flex or (bs < 128 and args.no_flex64) or recall not in flex_recalls:
                     continue
@@ -465,15 +581,18 @@ def main() -> int:
     results["subtile"] = dict(_triton_attention.SUBTILE)
     with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
-    log("\n| S | variant | pairs / blocks | index ms | fwd ms | bwd ms | total ms | vs best dense |")
-    log("|---|---|---|---|---|---|---|---|")
+    log("\n| S | variant | pairs / blocks | index ms | fwd ms | bwd ms | total ms | kernels ms per 1% pairs | "
+        "vs best dense |")
+    log("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "variant" in r:
-            log(f"| {r['S']} | {r['variant']} | 1 | - | {r['fwd']:.1f} | {r['bwd']:.1f} | {r['total']:.1f} | - |")
+            log(f"| {r['S']} | {r['variant']} | 1 | - | {r['fwd']:.1f} | {r['bwd']:.1f} | {r['total']:.1f} | "
+                f"{r['total'] / 100:.2f} | - |")
         else:
             dens = f"{r['density']:.3f} / {r.get('block_density', r.get('flex_block_density', 0)):.3f}"
+            per = r.get("per_pct", (r["fwd"] + r["bwd"]) / (100 * r["density"]))
             log(f"| {r['S']} | {r['engine']} bs={r['bs']} p={r['recall']} | {dens} | {r['index']:.1f} | "
-                f"{r['fwd']:.1f} | {r['bwd']:.1f} | {r['total']:.1f} | x{r['speedup_vs_dense']:.1f} |")
+                f"{r['fwd']:.1f} | {r['bwd']:.1f} | {r['total']:.1f} | {per:.2f} | x{r['speedup_vs_dense']:.1f} |")
     return 0
 
 

@@ -8,6 +8,10 @@ Engines: mtrain's Triton kernels with the deterministic and the atomic backward,
 index (CUDA only), the ring's partial entry point on a shard with global positions (block-stripe: the query shard
 of rank 1 of 2 against rank 0's keys), and dense attention (the fastest backend; with documents, our kernels).
 Flex runs at 128-token blocks only (its 64-token backward lowers only under max_autotune, minutes per shape).
+FlashAttention-4 as the block engine (impl="fa4", CUDA, fp16/bf16, 128-token blocks, when flash_attn.cute is
+importable; otherwise one "skip" line): "fa4" with FA4's own block-sparse backward (deterministic=False), "fa4-det"
+with our deterministic backward behind FA4's forward, and "fa4-nocols" on the same slashes without verticals (no
+column path, FA4 alone).
 Tolerances are relative Frobenius errors against float64, per dtype (TOL below), on out and dq/dk/dv.
 The pattern estimator's Triton scorer is checked in each case too: its est_recall against the float64 mass of
 the scored rows inside its index, its density against the PyTorch scorer's.
@@ -38,11 +42,13 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def make_case(S, Hq, Hkv, D, bs, dtype, docs: bool, device, seed):
+def make_case(S, Hq, Hkv, D, bs, dtype, docs: bool, device, seed, columns: bool = True):
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = (torch.randn(1, S, h, D, generator=g) for h in (Hq, Hkv, Hkv))
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     vertical = torch.randint(0, S, (1, Hq, 6), generator=g).to(device)
+    if not columns:  # same slashes (drawn after the verticals), no vertical columns
+        vertical = vertical[..., :0]
     slash = torch.cat([torch.zeros(1, Hq, 1, dtype=torch.long), torch.randint(1, S, (1, Hq, 3), generator=g)], -1)
     index = SparseIndex.from_lines(vertical, slash.to(device), S, bs)
     doc_ids = None
@@ -66,7 +72,28 @@ def engine_grads(fn, q, k, v, dout):
     return out.detach(), qq.grad, kk.grad, vv.grad
 
 
-def engines(device, index, doc_ids, S):
+_FA4: dict = {}
+
+
+def fa4_importable() -> bool:
+    """Whether FlashAttention-4's CuTe kernels import here (once per process)."""
+    if "ok" not in _FA4:
+        try:
+            from mtrain.ops.fa4 import load_fa4
+
+            load_fa4()
+            _FA4["ok"] = True
+        except ImportError:
+            _FA4["ok"] = False
+    return _FA4["ok"]
+
+
+def fa4_eligible(device, index, dtype) -> bool:
+    return (device.type == "cuda" and index.block_size == 128 and dtype in (torch.float16, torch.bfloat16)
+            and fa4_importable())
+
+
+def engines(device, index, doc_ids, S, dtype=None):
     out = {
         "triton-det": lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="triton", doc_ids=doc_ids),
         "triton-atomic": lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="triton", deterministic=False,
@@ -75,6 +102,10 @@ def engines(device, index, doc_ids, S):
     }
     if device.type == "cuda" and index.block_size >= 128:  # Flex lowers 64-blocks only under max_autotune
         out["flex"] = lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="flex", doc_ids=doc_ids)
+    if fa4_eligible(device, index, dtype):
+        out["fa4"] = lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="fa4", deterministic=False,
+                                                              doc_ids=doc_ids)
+        out["fa4-det"] = lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="fa4", doc_ids=doc_ids)
     return out
 
 
@@ -123,7 +154,7 @@ def estimator_case(q, k, doc_ids, bs, tag) -> str:
 
 def run_case(case) -> tuple[list[str], list[str]]:
     """One (block size, dtype, heads, documents) case: every engine against float64; (lines, failures)."""
-    bs, dtype_name, (Hq, Hkv, D), doc, S, device_name, seed = case
+    bs, dtype_name, (Hq, Hkv, D), doc, S, device_name, seed, only = case
     dtype, device = getattr(torch, dtype_name), torch.device(device_name)
     lines, failures = [], []
     q, k, v, index, doc_ids = make_case(S, Hq, Hkv, D, bs, dtype, doc, device, seed=seed)
@@ -149,25 +180,42 @@ def run_case(case) -> tuple[list[str], list[str]]:
         lines.append(line)
         failures.append(line)
 
-    for name, fn in engines(device, index, doc_ids, S).items():
+    def wanted(name):
+        return not only or name in only
+
+    todo = {name: fn for name, fn in engines(device, index, doc_ids, S, dtype).items() if wanted(name)}
+    for name, fn in todo.items():
         try:
             got = engine_grads(fn, q, k, v, dout)
         except Exception as exc:  # noqa: BLE001 - a gate reports every engine's failure and goes on
             raised(name, exc)
             continue
         report(name, [rel(a, b) for a, b in zip(got, want_dense if name == "dense" else want)])
-    try:
-        line = estimator_case(q, k, doc_ids, bs, tag)
-        lines.append(line)
-        if line.startswith("FAIL"):
-            failures.append(line)
-    except Exception as exc:  # noqa: BLE001
-        raised("estimator", exc)
-    try:
-        want_step, got_step = ring_step_case(q, k, v, index, doc_ids, bs, dout)
-        report("ring-step", [rel(a, b) for a, b in zip(got_step, want_step)])
-    except Exception as exc:  # noqa: BLE001
-        raised("ring-step", exc)
+    if wanted("fa4-nocols") and fa4_eligible(device, index, dtype):
+        try:  # FA4 alone: the same slashes without verticals, so the column path does not run
+            _, _, _, index_nc, _ = make_case(S, Hq, Hkv, D, bs, dtype, doc, device, seed=seed, columns=False)
+            mask_nc = index_nc.to_mask() if same_doc is None else index_nc.to_mask() & same_doc
+            want_nc = reference_grads(q, k, v, mask_nc, dout)
+            got = engine_grads(lambda a, b, c: vertical_slash_attention(a, b, c, index_nc, impl="fa4",
+                                                                        deterministic=False, doc_ids=doc_ids),
+                               q, k, v, dout)
+            report("fa4-nocols", [rel(a, b) for a, b in zip(got, want_nc)])
+        except Exception as exc:  # noqa: BLE001
+            raised("fa4-nocols", exc)
+    if wanted("estimator"):
+        try:
+            line = estimator_case(q, k, doc_ids, bs, tag)
+            lines.append(line)
+            if line.startswith("FAIL"):
+                failures.append(line)
+        except Exception as exc:  # noqa: BLE001
+            raised("estimator", exc)
+    if wanted("ring-step"):
+        try:
+            want_step, got_step = ring_step_case(q, k, v, index, doc_ids, bs, dout)
+            report("ring-step", [rel(a, b) for a, b in zip(got_step, want_step)])
+        except Exception as exc:  # noqa: BLE001
+            raised("ring-step", exc)
     return lines, failures
 
 
@@ -181,15 +229,27 @@ def main() -> int:
                     help="cases run in this many processes at once (default: every case at once, up to twice the "
                          "host's cores; the Triton compiles dominate and run in parallel on the host's cores, "
                          "sharing the GPU: 8 processes took 269 s for the 24 cases on a 16-core H200 host)")
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--heads", nargs="+", metavar="HQxHKVxD",
+                    help="head shapes (default 4x4x64 8x2x128; --quick: 4x2x64)")
+    ap.add_argument("--engines", nargs="+", metavar="NAME",
+                    help="check only these (triton-det triton-atomic dense flex fa4 fa4-det fa4-nocols estimator "
+                         "ring-step); default all that apply")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("on the CPU the Triton kernels need TRITON_INTERPRET=1")
     dtypes = args.dtypes or (["float32", "float16"] + (["bfloat16"] if device.type == "cuda" else []))
     heads = [(4, 4, 64), (8, 2, 128)] if not args.quick else [(4, 2, 64)]
+    if args.heads:
+        heads = [tuple(int(x) for x in h.split("x")) for h in args.heads]
     S = args.seq if not args.quick else 200
-    cases = [(bs, dt, h, doc, S, args.device, i) for i, (bs, dt, h, doc) in
-             enumerate(itertools.product([64, 128], dtypes, heads, [False, True]))]
+    only = tuple(args.engines or ())
+    cases = [(bs, dt, h, doc, S, args.device, i, only) for i, (bs, dt, h, doc) in
+             enumerate(itertools.product(args.block_sizes, dtypes, heads, [False, True]))]
+    if device.type == "cuda" and 128 in args.block_sizes and (not only or any("fa4" in e for e in only)):
+        if not fa4_importable():
+            print("skip fa4 fa4-det fa4-nocols: flash_attn.cute (FlashAttention-4) is not importable here")
     jobs = args.jobs or min(len(cases), 2 * (os.cpu_count() or 1))
     t0 = time.time()
     failures = []

@@ -183,6 +183,12 @@ def _plan(index: SparseIndex, doc_ids, num_kv_heads: int, head_dim: int) -> _Pla
     return plan
 
 
+def prepare_fa4(index: SparseIndex, num_kv_heads: int, head_dim: int) -> None:
+    """Build, and cache in `index._cache`, all the engine derives from an index without documents (FA4's lists,
+    the column path's backward plans), so that it can be timed with the index."""
+    _plan(index, None, num_kv_heads, head_dim)
+
+
 def _mask_mods():
     """(causal, causal_same_document) as CuTe DSL mask_mods, built once (FA4 keys its compile cache on them).
     The document one reads aux_tensors[0], the doc ids [B, padded S] int32."""
