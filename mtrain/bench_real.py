@@ -190,8 +190,9 @@ def _settings_kwargs(settings) -> dict:
 
 
 def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recall_rows: int | None,
-                  policy: str = "auto", hold: int = 16) -> LayerResult:
-    """All measures of one layer's captured q/k/v (see the module docstring)."""
+                  policy: str = "auto", hold: int = 16, engine: str = "auto") -> LayerResult:
+    """All measures of one layer's captured q/k/v (see the module docstring); engine: the sparse path's block
+    engine (`vertical_slash_attention`'s impl)."""
     import functools
 
     from mtrain.models.attention import mtrain_attention
@@ -216,7 +217,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
 
     def as_trained(qq, kk, vv):
         out, _ = mtrain_attention(_Layer, qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), None,
-                                  scaling=scale, settings=settings, policy=policy)
+                                  scaling=scale, settings=settings, policy=policy, engine=engine)
         return out
 
     from mtrain.models.attention import CONTEXT
@@ -245,14 +246,15 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index; the backward
     # training runs (deterministic), and the fused atomic one beside it
     def all_in(qq, kk, vv):
-        return vertical_slash_attention(qq, kk, vv, estimate(), softmax_scale=scale)
+        return vertical_slash_attention(qq, kk, vv, estimate(), softmax_scale=scale, impl=engine)
 
     total_ms = timed(_fwd_bwd(all_in, q, k, v, dout), iters)
-    fwd_ms = timed(lambda: vertical_slash_attention(q, k, v, index, softmax_scale=scale), iters)
+    fwd_ms = timed(lambda: vertical_slash_attention(q, k, v, index, softmax_scale=scale, impl=engine), iters)
     bwd = {}
     for deterministic in (True, False):
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = vertical_slash_attention(qq, kk, vv, index, softmax_scale=scale, deterministic=deterministic)
+        out = vertical_slash_attention(qq, kk, vv, index, softmax_scale=scale, deterministic=deterministic,
+                                       impl=engine)
         bwd[deterministic] = timed(lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True), iters)
 
     est = index._cache.get("est_recall")
@@ -279,7 +281,7 @@ def _true_recall(q, k, index, scale, rows: int | None) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- the whole run
 def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="auto", device=None, dtype=None,
-        iters: int = 5, hold: int | None = None,
+        iters: int = 5, hold: int | None = None, engine: str = "auto",
         layers: list[int] | None = None, recall_rows: int | None = None, out_dir: str | None = None,
         log=print) -> dict:
     """Benchmark one model at one length; returns (and writes to out_dir/real_<S>.json) the results."""
@@ -304,7 +306,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     scale = head_dim ** -0.5
     log(f"model {path.name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
         f"{cfg.num_key_value_heads} kv heads x {head_dim}; S={seq_len}, YaRN factor {factor:g}, {dtype}, "
-        f"{device.type}; settings {settings}")
+        f"{device.type}; engine {engine}; settings {settings}")
 
     t0 = time.perf_counter()
     qkv = capture_qkv(net, ids)
@@ -313,7 +315,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     results = []
     for i in picked:
         q, k, v = qkv[i]
-        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows, policy, hold)
+        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows, policy, hold, engine)
         results.append(r)
         log(f"layer {i:3d}: density {r.density:.3f} est {r.est_recall if r.est_recall is None else round(r.est_recall, 3)} "
             f"true {r.true_recall:.3f} (min head {r.min_head_recall:.3f}) {r.path:6s} | dense {r.dense_ms:7.2f} ms "
@@ -331,7 +333,8 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     ppl = {}
     try:
         for name in dict.fromkeys((policy, "always")):  # as configured, and sparse on every layer
-            register_bench_attention(functools.partial(mtrain_attention, settings=settings, policy=name))
+            register_bench_attention(functools.partial(mtrain_attention, settings=settings, policy=name,
+                                                       engine=engine))
             ppl[name] = perplexity(net, ids)
     finally:
         register_bench_attention(None)
@@ -353,7 +356,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "layers_slower_than_dense_steady": [r.layer for r in results if r.steady_ms > r.dense_ms],
         "held_layers": [r.layer for r in results if r.held], "dense_hold_steps": hold,
         "sparse_layers": sum(r.path == "sparse" for r in results),
-        "policy": policy, "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
+        "policy": policy, "engine": engine, "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
         "ppl_all_sparse": ppl["always"], "ppl_all_sparse_rise": ppl["always"] / ppl_dense - 1,
         "recall_rows": recall_rows,
         "kernels_ms": {name: sum(r.fwd_ms + r.extra[f"bwd_{name}_ms"] for r in results)

@@ -86,6 +86,12 @@ class AttentionConfig:
     sparse_policy: Literal["auto", "always", "never"] = "auto"
     """Sparse kinds, per layer: auto = run dense where the cost model (mtrain.ops.cost) predicts sparse would
     not pay; always = sparse on every layer; never = dense on every layer (the pattern is not estimated)."""
+    engine: Literal["auto", "triton", "flex", "fa4"] = "auto"
+    """Sparse kinds on one device: the block kernels of the sparse path. auto = the engine measured fastest for
+    the GPU and block size (our Triton kernels unless vertical_slash_attention says otherwise); triton = ours;
+    flex = FlexAttention driven by the index; fa4 = FlashAttention-4's block-sparse kernels (the `fa4` extra,
+    Hopper or newer GPUs) for the listed blocks plus our column kernels. Under context parallelism the ring's
+    partial steps run our Triton kernels, so there only auto and triton are accepted."""
     dense_hold_steps: int = 16
     """Under sparse_policy auto, in training: a layer the choice sent dense runs dense without estimating its
     pattern for this many further steps, then estimates again (the estimate is paid before the choice; a
@@ -344,6 +350,9 @@ def _check(recipe: RecipeConfig) -> None:
     if isinstance(a.dense_hold_steps, bool) or not isinstance(a.dense_hold_steps, int) or a.dense_hold_steps < 0:
         raise ConfigError(f"attention.dense_hold_steps: must be an integer >= 0 (0 = estimate every step), "
                           f"got {a.dense_hold_steps!r}")
+    if p.cp_size > 1 and a.engine not in ("auto", "triton"):
+        raise ConfigError(f"attention.engine: '{a.engine}' runs on one device only; with parallel.cp_size "
+                          f"{p.cp_size} the ring's partial steps run the Triton kernels: set attention.engine: auto")
     if recipe.logging.recall_every < 0:
         raise ConfigError(f"logging.recall_every: must be >= 0 (0 = never), got {recipe.logging.recall_every}")
     if not 0.0 < a.recall <= 1.0:

@@ -358,8 +358,9 @@ def real_main(args) -> int:
             logf.flush()
 
         for seq_len in args.seq_len:
-            bench_real.run(args.model, seq_len, settings=settings, policy=args.policy, yarn=args.yarn, iters=args.iters,
-                           hold=args.hold, layers=args.layers, recall_rows=args.recall_rows, out_dir=args.out, log=log)
+            bench_real.run(args.model, seq_len, settings=settings, policy=args.policy, engine=args.engine,
+                           yarn=args.yarn, iters=args.iters, hold=args.hold, layers=args.layers,
+                           recall_rows=args.recall_rows, out_dir=args.out, log=log)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return 0
@@ -409,6 +410,8 @@ def main() -> int:
                                                "config default)")
     real.add_argument("--recall-rows", type=int, help="true recall from this many rows spread over the sequence "
                                                       "(default: every row)")
+    real.add_argument("--engine", default="auto", choices=("auto", "triton", "flex", "fa4"),
+                      help="--model: block engine of the sparse path (vertical_slash_attention's impl)")
     real.add_argument("--policy", default="auto", choices=("auto", "always", "never"),
                       help="attention.sparse_policy of the mtrain timings and perplexity (default auto)")
     real.add_argument("--sparse", action="append", default=[], metavar="KEY=VALUE",

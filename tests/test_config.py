@@ -66,11 +66,18 @@ def test_unknown_key_named_with_suggestion(recipe_file):
         ("model.rope_theta=-5", r"model\.rope_theta: must be positive"),
         ("train.output_dir=cfg.json", r"train\.output_dir: 'cfg.json' is a file"),
         ("model.config=tok", r"model\.config: 'tok' is not a file"),
+        ("attention.engine=cudnn", r"attention\.engine: 'cudnn' is not one of 'auto', 'triton', 'flex', 'fa4'"),
     ],
 )
 def test_bad_values_name_the_key(recipe_file, override, message):
     with pytest.raises(ConfigError, match=message):
         load_recipe(recipe_file, [override])
+
+
+def test_one_device_engines_are_refused_under_context_parallelism(recipe_file):
+    assert load_recipe(recipe_file, ["attention.engine=fa4"]).attention.engine == "fa4"
+    with pytest.raises(ConfigError, match=r"attention\.engine: 'fa4' runs on one device only.*set attention\.engine: auto"):
+        load_recipe(recipe_file, ["attention.engine=fa4", "parallel.cp_size=2"])
 
 
 def test_resolved_config_round_trips(recipe_file, tmp_path):

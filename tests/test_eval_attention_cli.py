@@ -24,6 +24,7 @@ def test_attention_kinds_map_to_backend_options():
     # without --attention, --sparse refines the suite's own sparse settings; with it, it starts afresh
     assert attention_options(None, ["recall=0.95"], SUITE_SPARSE) == {"sparse": {"recall": 0.95, "last_q": 32}}
     assert attention_options("mtraining", ["recall=0.95"], SUITE_SPARSE)["sparse"] == {"recall": 0.95}
+    assert attention_options("mtraining", ["engine=flex"], {})["sparse"] == {"engine": "flex"}
 
 
 @pytest.mark.parametrize("kind, items, message", [
@@ -36,6 +37,7 @@ def test_attention_kinds_map_to_backend_options():
     ("mtraining", ["recall=1.5"], "--sparse: sparse.recall must be in (0, 1]"),
     ("mtraining", ["block_size=0"], "--sparse: sparse.block_size must be >= 1"),
     ("mtraining", ["sparse_policy=sometimes"], "sparse_policy='sometimes': choose one of auto, always, never"),
+    ("mtraining", ["engine=cudnn"], "--sparse engine='cudnn': choose one of auto, triton, flex, fa4"),
 ])
 def test_bad_attention_flags_name_the_problem(kind, items, message):
     with pytest.raises(MtrainError) as err:

@@ -386,6 +386,34 @@ def test_checkpointing_frees_the_index_between_forward_and_backward():
 def test_register_rejects_an_unknown_policy():
     with pytest.raises(MtrainError, match="sparse_policy 'sometimes'.*auto, always, never"):
         register_kind("mtraining", sparse_policy="sometimes")
+    with pytest.raises(MtrainError, match="engine 'cudnn' is not one of auto, triton, flex, fa4"):
+        register_kind("mtraining", engine="cudnn")
+
+
+@pytest.mark.parametrize("given, registered", [(None, "flex"), ("triton", "flex")])
+def test_the_engine_reaches_the_sparse_kernels(monkeypatch, given, registered):
+    """The registered engine (attention.engine) is the impl of every sparse call of the kind; a call's own
+    engine argument wins. The spy records the impl and runs the real attention."""
+    import mtrain.ops
+
+    seen = []
+    real = mtrain.ops.vertical_slash_attention
+
+    def spy(*args, impl="auto", **kwargs):
+        seen.append(impl)
+        return real(*args, impl="torch", **kwargs)  # the CPU path whatever was asked: the test checks the routing
+
+    monkeypatch.setattr(mtrain.ops, "vertical_slash_attention", spy)
+    saved = CONTEXT.engine
+    try:
+        register_kind("mtraining", engine=registered, **dataclasses.asdict(LOCAL))
+        q, k, v = inputs("local")
+        module = SimpleNamespace(training=True, layer_idx=0)
+        mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, settings=LOCAL,
+                         policy="always", engine=given)
+    finally:
+        CONTEXT.engine = saved
+    assert seen == [given or registered]
 
 
 def test_cp2_ranks_agree_on_the_choice(tmp_path):

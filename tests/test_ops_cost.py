@@ -112,6 +112,19 @@ def test_unmeasured_shapes_take_the_nearest_measured_rates():
     assert cost.table_for("cuda") is cost.H200
 
 
+def test_an_engine_uses_its_own_rates_at_its_block_sizes():
+    """CostTable.engines: an engine's measured rates replace the Triton ones only at the block sizes it was
+    measured at; other engines and block sizes keep the Triton figures."""
+    twice = {key: {mode: tuple(2 * c for c in coeffs) for mode, coeffs in modes.items()}
+             for key, modes in cost.H200.sparse.items() if key[1] == 128}
+    table = dataclasses.replace(cost.H200, engines={"fa4": twice})
+    args = (200_000, 3_000, 65536, 9, 64)
+    base = cost.sparse_ms(*args, 128, table=table, with_index=False)
+    assert cost.sparse_ms(*args, 128, table=table, engine="fa4", with_index=False) == pytest.approx(2 * base)
+    assert cost.sparse_ms(*args, 128, table=table, engine="triton", with_index=False) == base
+    assert cost.sparse_ms(*args, 64, table=table, engine="fa4") == cost.sparse_ms(*args, 64, table=table)
+
+
 def test_index_work_counts_the_listed_entries():
     S, bs, H = 1024, 64, 3
     dense_index = blocks_for_causal_dense(S, bs, 2, H)

@@ -43,8 +43,9 @@ def register(subparsers) -> None:
                         help="attention the hf backend runs: mtrain's dense, mtraining, zigzag-dense, zigzag-sparse, or "
                         "transformers' sdpa, eager (default: the suite's backend.attn_implementation, else sdpa)")
     parser.add_argument("--sparse", dest="sparse", action="append", default=[], metavar="KEY=VALUE",
-                        help="setting of a sparse --attention (mtrain.parallel.SparseSettings fields, or sparse_policy), "
-                        "e.g. --sparse recall=0.95 --sparse block_size=64 (repeatable; VALUE is YAML)")
+                        help="setting of a sparse --attention (mtrain.parallel.SparseSettings fields, sparse_policy, or "
+                        "engine: auto, triton, flex, fa4), e.g. --sparse recall=0.95 --sparse block_size=64 "
+                        "(repeatable; VALUE is YAML)")
     parser.add_argument("--tasks", help="comma-separated task names or patterns, e.g. niah,ruler/*,pg19")
     parser.add_argument("--lengths", type=_int_list,
                         help="comma-separated lengths replacing the suite's, e.g. 4096,8192")
@@ -119,7 +120,7 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
     """hf backend options from `--attention KIND` and `--sparse KEY=VALUE` items, validated (one line naming the
     bad kind or key). Without --attention, --sparse applies to the suite's `attn_implementation`."""
     from mtrain.config import _parse_override_value
-    from mtrain.models.attention import KINDS, SPARSE_POLICIES
+    from mtrain.models.attention import ENGINES, KINDS, SPARSE_POLICIES
     from mtrain.parallel import SparseSettings
 
     if kind is None and not sparse_items:
@@ -140,7 +141,7 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
         if sparse_kind not in KINDS or not KINDS[sparse_kind][0]:
             raise MtrainError(f"--sparse needs a sparse attention kind (--attention mtraining or zigzag-sparse), "
                               f"not {implementation!r}")
-        valid = [*SparseSettings.__dataclass_fields__, "sparse_policy"]
+        valid = [*SparseSettings.__dataclass_fields__, "sparse_policy", "engine"]
         settings = dict(suite_backend.get("sparse") or {}) if kind is None else {}
         for item in sparse_items:
             key, sep, text = item.partition("=")
@@ -152,8 +153,10 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
         if settings.get("sparse_policy", "always") not in SPARSE_POLICIES:
             raise MtrainError(f"--sparse sparse_policy={settings['sparse_policy']!r}: choose one of "
                               f"{', '.join(SPARSE_POLICIES)}")
+        if settings.get("engine", "auto") not in ENGINES:
+            raise MtrainError(f"--sparse engine={settings['engine']!r}: choose one of {', '.join(ENGINES)}")
         try:  # values checked here, before any model is loaded
-            SparseSettings(**{k: v for k, v in settings.items() if k != "sparse_policy"})
+            SparseSettings(**{k: v for k, v in settings.items() if k not in ("sparse_policy", "engine")})
         except (TypeError, ValueError, MtrainError) as err:
             raise MtrainError(f"--sparse: {' '.join(str(err).split())}") from None
         options["sparse"] = settings

@@ -44,6 +44,8 @@ class AttentionContext:
     """mtrain.parallel.SparseSettings for sparse kinds."""
     sparse_policy: str = "always"
     """One of SPARSE_POLICIES: per layer, "auto" runs dense where the cost model predicts sparse would not pay."""
+    engine: str = "auto"
+    """One of ENGINES: which kernels run a one-device sparse layer (`vertical_slash_attention`'s impl)."""
     group: object = None
     """The CP process group (None when cp_size == 1)."""
     layout: object = None
@@ -91,6 +93,10 @@ class AttentionContext:
 
 CONTEXT = AttentionContext()
 
+# Sparse block engines a recipe may name (attention.engine): `vertical_slash_attention`'s impl on one device.
+# "auto": the engine measured fastest for the device and block size (see vertical_slash_attention).
+ENGINES = ("auto", "triton", "flex", "fa4")
+
 
 @dataclass
 class LayerRecord:
@@ -135,7 +141,8 @@ class LayerRecord:
 RECALL_SLACK = 0.04
 
 
-def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0):
+def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0,
+                 engine: str = "auto"):
     """("sparse" | "dense", Prediction or None) for one call with the estimated `index` under `policy`.
 
     Decided from the index's integer work counts and its est_recall (identical on every rank of a CP group,
@@ -143,7 +150,8 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
     when the cost model predicts sparse does not pay, or when `target` (the recall asked for) is given and the
     estimate's mean over heads falls short of it by more than RECALL_SLACK. The index build is already paid; what the
     dense path saves is everything the kernels derive from it (built lazily on the first kernel call) and the
-    kernels. rows: the query rows the estimate scored (the Prediction then carries its predicted cost).
+    kernels. rows: the query rows the estimate scored (the Prediction then carries its predicted cost). engine: the
+    block engine that would run the sparse path (its measured rates, where the cost table has them).
     """
     if policy == "always":
         return "sparse", None
@@ -162,13 +170,14 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
     doc_lengths = None if doc_ids is None else _document_lengths(doc_ids)
     prediction = cost.predict(blocks, columns, seq_len=index.seq_len, heads=Hq, head_dim=D,
                               block_size=index.block_size, batch=B, backward=training, device=q.device,
-                              world=world, doc_lengths=doc_lengths, estimate_rows=rows)
+                              world=world, doc_lengths=doc_lengths, estimate_rows=rows, engine=engine)
     if len(read) == 3 and read[2] < target - RECALL_SLACK:
         prediction = dataclasses.replace(prediction, path="dense")
     return prediction.path, prediction
 
 
-def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 1, doc_ids=None) -> bool:
+def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 1, doc_ids=None,
+                   engine: str = "auto") -> bool:
     """Under "auto": True when sparse cannot pay even with no work listed (the estimate and the fixed costs
     alone exceed dense; `mtrain.ops.cost.worth_estimating`). The call then runs dense without estimating and
     records the floor. Decided from shapes and settings every rank shares."""
@@ -184,7 +193,7 @@ def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int =
     doc_lengths = None if doc_ids is None or world > 1 else _document_lengths(doc_ids)
     floor = cost.worth_estimating(seq_len=S, heads=Hq, head_dim=D, block_size=s.block_size,
                                   rows=_scored_rows(s, S), batch=B, backward=training,
-                                  device=q.device, world=world, doc_lengths=doc_lengths)
+                                  device=q.device, world=world, doc_lengths=doc_lengths, engine=engine)
     if floor.path == "sparse":
         return False
     CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, floor.dense_ms, floor.sparse_ms))
@@ -281,9 +290,10 @@ def _no_mask(*args, **kwargs):
     return None
 
 
-def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None):
+def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None,
+                     engine="auto"):
     """One rank holds the whole sequence: dense causal, or online vertical-slash sparse attention with
-    SparseSettings `s`, run sparse or dense per `policy` (see `_choose_path`)."""
+    SparseSettings `s` on block engine `engine` (ENGINES), run sparse or dense per `policy` (see `_choose_path`)."""
     from mtrain.ops import dense_attention, vertical_slash_attention
     from mtrain.ops.graphed import estimate_graphed
     from mtrain.ops.index import SparseIndex
@@ -293,20 +303,21 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         path, lines = replay
         if path == "sparse":
             index = SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
-            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine)
     elif s is not None and policy != "never" and not _skip_estimate(q, s, layer_idx, policy=policy,
-                                                                      training=training, doc_ids=doc_ids):
+                                                                      training=training, doc_ids=doc_ids,
+                                                                      engine=engine):
         # every SparseSettings field is an estimate_vertical_slash keyword of the same name
         fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
         # on CUDA replayed from a graph once the shapes have been seen twice (its ~280 launches are the cost at 32K)
         index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids)
         path, prediction = _choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
-                                        target=s.recall, rows=_scored_rows(s, q.shape[1]))
+                                        target=s.recall, rows=_scored_rows(s, q.shape[1]), engine=engine)
         _hold(layer_idx, prediction, policy, training)
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         _remember(layer_idx, path, index, training)
         if path == "sparse":
-            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids)
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine)
     elif s is not None:
         _remember(layer_idx, "dense", None, training)
     if doc_ids is None:
@@ -419,18 +430,21 @@ def _cached_attention(q, k, v, scaling):
 
 
 def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, settings=False,
-                     policy=None, **kwargs):
+                     policy=None, engine=None, **kwargs):
     """HF attention function: query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE
     (with a KV cache, key/value hold the cached positions too: then see `_cached_attention`).
     settings: SparseSettings (sparse), None (dense); left out = the last registered kind's (CONTEXT).
     policy: one of SPARSE_POLICIES for sparse settings; None = CONTEXT.sparse_policy. Under "auto" the cost
     model is that of a training call (forward + backward) when the module is in training mode, else forward only.
+    engine: one of ENGINES for the sparse path on one device; None = CONTEXT.engine (a CP ring runs its own
+    partial-step kernels).
 
     Returns (out [B, S_local, Hq, D], None).
     """
     if settings is False:
         settings = CONTEXT.settings if CONTEXT.sparse else None
     policy = policy or CONTEXT.sparse_policy
+    engine = engine or CONTEXT.engine
     training = bool(getattr(module, "training", True))
     layer_idx = getattr(module, "layer_idx", None)
     q, k, v, cached = _hf_inputs(module, query, key, value, scaling, dropout)
@@ -438,7 +452,7 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
         return cached, None
     if CONTEXT.group is None:
         out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids, policy=policy, training=training,
-                               layer_idx=layer_idx)
+                               layer_idx=layer_idx, engine=engine)
     else:
         out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training)
     return out, None
@@ -452,16 +466,19 @@ def register_attention(recipe) -> str:
     shared = {f.name for f in dataclasses.fields(SparseSettings)}
     a = recipe.attention
     if a.kind in BASELINE_KINDS:  # they take the recipe's baseline keys and ignore the rest
-        shared = {f.name for f in dataclasses.fields(a)} - {"kind", "sparse_policy", "dense_hold_steps"}
+        shared = {f.name for f in dataclasses.fields(a)} - {"kind", "sparse_policy", "dense_hold_steps", "engine"}
     settings = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name in shared}
-    return register_kind(a.kind, sparse_policy=a.sparse_policy, dense_hold=a.dense_hold_steps, **settings)
+    return register_kind(a.kind, sparse_policy=a.sparse_policy, dense_hold=a.dense_hold_steps, engine=a.engine,
+                         **settings)
 
 
-def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, **sparse_settings) -> str:
+def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
+                  **sparse_settings) -> str:
     """Register attention kind `kind` (see KINDS) as `mtrain-<kind>`; sparse kinds take
     `mtrain.parallel.SparseSettings` fields as keywords, and `sparse_policy` (SPARSE_POLICIES; the recipe's
     attention.sparse_policy, default "auto", reaches it through `register_attention`; called directly a
-    sparse kind runs sparse on every layer unless told otherwise). Returns the `attn_implementation` name.
+    sparse kind runs sparse on every layer unless told otherwise) and `engine` (ENGINES: the block kernels of the
+    sparse path on one device). Returns the `attn_implementation` name.
     Each name carries its own settings; registering a name again replaces them for every model using it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -476,10 +493,12 @@ def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int =
         return register_baseline(kind, **sparse_settings)
     if sparse_policy not in SPARSE_POLICIES:
         raise MtrainError(f"sparse_policy '{sparse_policy}' is not one of {', '.join(SPARSE_POLICIES)}")
+    if engine not in ENGINES:
+        raise MtrainError(f"engine '{engine}' is not one of {', '.join(ENGINES)}")
     sparse, _ = KINDS[kind]
     if not isinstance(dense_hold, int) or dense_hold < 0:
         raise MtrainError(f"dense_hold must be an integer >= 0 (steps; 0 = estimate every step), got {dense_hold!r}")
-    CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy = kind, sparse, sparse_policy
+    CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy, CONTEXT.engine = kind, sparse, sparse_policy, engine
     CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = dense_hold, {}, {}
     if sparse:
         try:
@@ -492,7 +511,7 @@ def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int =
     name = f"mtrain-{kind}"
     # The function carries its own settings: models loaded under other mtrain names keep theirs.
     AttentionInterface.register(name, functools.partial(mtrain_attention, settings=CONTEXT.settings,
-                                                        policy=sparse_policy))
+                                                        policy=sparse_policy, engine=engine))
     AttentionMaskInterface.register(name, _no_mask)
     return name
 

@@ -38,6 +38,8 @@ class CostTable:
         SparseIndex from the lines and everything the backward derives from it (transposed lists, column plan).
     estimate = (ms0, ms per 1e9 of B * Hq * scored rows * S): the online estimate (`estimate_vertical_slash`:
         scoring the sampled query rows against all keys, selecting lines), paid before any choice is possible.
+    engines[name] = a `sparse` dict of another block engine (`vertical_slash_attention`'s impl, e.g. "fa4"), for
+        the block sizes it runs; an engine or block size it lacks uses `sparse` (our Triton kernels).
     A head dim or block size that was not measured takes the nearest measured one (its rate per unit).
     """
 
@@ -47,6 +49,7 @@ class CostTable:
     sparse: dict
     index: tuple
     estimate: tuple = (0.0, 0.0)
+    engines: dict = dataclasses.field(default_factory=dict)
 
 
 # One NVIDIA H200, torch 2.11, triton 3.6, bf16; measured 2026-11-23 by `python scripts/bench_cost.py`
@@ -196,13 +199,18 @@ def dense_ms(seq_len: int, heads: int, head_dim: int, *, batch: int = 1, backwar
 
 def sparse_ms(blocks: float, columns: float, seq_len: int, heads: int, head_dim: int, block_size: int, *,
               batch: int = 1, backward: bool = True, table: CostTable = H200, world: int = 1,
-              with_index: bool = True) -> float:
+              with_index: bool = True, engine: str = "auto") -> float:
     """Predicted ms of vertical-slash sparse attention given the index's work: `blocks` listed (query block,
     key block) entries and `columns` listed (query block, vertical column) entries, summed over batch and
     heads. world > 1: one rank of a context-parallel group, whose kernels do 1/world of the work while every
-    rank builds the whole index. with_index: add the index-building time."""
-    key = _nearest(table.sparse, (head_dim, block_size))
-    ms0, per_row, per_block, per_col = table.sparse[key][_mode(backward)]
+    rank builds the whole index. with_index: add the index-building time. engine: the block engine's own rates
+    where the table has them for this block size (CostTable.engines), else our Triton kernels'."""
+    rates = table.sparse
+    own = table.engines.get(engine, {})
+    if any(bs == block_size for _, bs in own):
+        rates = own
+    key = _nearest(rates, (head_dim, block_size))
+    ms0, per_row, per_block, per_col = rates[key][_mode(backward)]
     rows = batch * heads * seq_len / 1e6
     kernels = (ms0 + per_row * rows + per_block * blocks * block_size ** 2 * head_dim / 1e12
                + per_col * columns * block_size * head_dim / 1e12)
@@ -223,7 +231,7 @@ def estimate_ms(seq_len: int, heads: int, rows: int, *, batch: int = 1, table: C
 
 def worth_estimating(*, seq_len: int, heads: int, head_dim: int, block_size: int, rows: int, batch: int = 1,
                      backward: bool = True, device="cuda", world: int = 1, doc_lengths=None,
-                     margin: float = SPARSE_MARGIN) -> Prediction:
+                     margin: float = SPARSE_MARGIN, engine: str = "auto") -> Prediction:
     """Whether sparse attention can pay at all, before estimating: its floor (the estimate + the index's and
     kernels' fixed costs with no listed work) against dense. Prediction.path "dense" = it cannot: run dense
     and skip the estimate; sparse_ms holds the floor."""
@@ -232,7 +240,7 @@ def worth_estimating(*, seq_len: int, heads: int, head_dim: int, block_size: int
                      doc_lengths=doc_lengths) / world
     floor = (estimate_ms(seq_len, heads, rows, batch=batch, table=table, world=world)
              + sparse_ms(0, 0, seq_len, heads, head_dim, block_size, batch=batch, backward=backward, table=table,
-                         world=world))
+                         world=world, engine=engine))
     return Prediction(dense, floor, choose(dense, floor, margin))
 
 
@@ -269,18 +277,19 @@ def choose(dense: float, sparse: float, margin: float = SPARSE_MARGIN) -> str:
 
 def predict(blocks: float, columns: float, *, seq_len: int, heads: int, head_dim: int, block_size: int,
             batch: int = 1, backward: bool = True, device="cuda", world: int = 1, doc_lengths=None,
-            margin: float = SPARSE_MARGIN, estimate_rows: int = 0) -> Prediction:
+            margin: float = SPARSE_MARGIN, estimate_rows: int = 0, engine: str = "auto") -> Prediction:
     """Both paths' predicted ms for one rank and the cheaper path (see `choose`).
 
     world: context-parallel group size (dense and sparse kernels split over the ranks; the index is whole on
     every rank; the ring's KV traffic, the same for both paths, is left out). doc_lengths: the documents'
     lengths when the dense path runs one call per document (single device with packed documents).
     estimate_rows: the query rows the estimate scored (> 0: Prediction.estimate_ms holds its predicted cost).
+    engine: the block engine of the sparse path (see `sparse_ms`).
     """
     table = table_for(device)
     dense = dense_ms(seq_len, heads, head_dim, batch=batch, backward=backward, table=table,
                      doc_lengths=doc_lengths) / world
     sparse = sparse_ms(blocks, columns, seq_len, heads, head_dim, block_size, batch=batch, backward=backward,
-                       table=table, world=world)
+                       table=table, world=world, engine=engine)
     est = estimate_ms(seq_len, heads, estimate_rows, batch=batch, table=table, world=world) if estimate_rows else 0.0
     return Prediction(dense, sparse, choose(dense, sparse, margin), est)

@@ -1,0 +1,143 @@
+"""Our Triton sparse kernels under launch-time variants, side by side in one process: each variant sets module
+attributes of `mtrain.ops._triton_attention` (e.g. TMA_LOADS, CUDA_LAUNCH, SUBTILE), and every variant is checked
+against the first one (same index, same inputs) before it is timed, next to cuDNN dense causal attention.
+
+    python scripts/bench_kernel_variants.py --seqs 32768 --heads 9 3 64 --block-sizes 64 --variants base tma
+
+Variants are named in VARIANTS below. Prints per (S, heads, block size, variant): density, forward / backward ms
+(deterministic backward), ms per 1% of causal pairs, the ratio to dense, and the largest relative difference to
+the first variant's out / dq / dk / dv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_attention import make_inputs, timed  # noqa: E402
+
+from mtrain.ops import _triton_attention as ta  # noqa: E402
+from mtrain.ops import dense_attention, estimate_vertical_slash, partial  # noqa: E402
+
+# name -> {module attribute: value}; values replace the attribute for that variant only.
+VARIANTS = {
+    "base": {},
+    "fwd-w8": {"CUDA_LAUNCH": {**ta.CUDA_LAUNCH, "fwd": (8, 3)}},
+    "fwd-s4": {"CUDA_LAUNCH": {**ta.CUDA_LAUNCH, "fwd": (4, 4)}},
+    "fwd-128x64": {"SUBTILE": {**ta.SUBTILE, "fwd": (128, 64)}},
+    "fwd-64x128": {"SUBTILE": {**ta.SUBTILE, "fwd": (64, 128)}},
+}
+
+
+def run_variant(name, q, k, v, dout, index):
+    saved = {attr: copy.deepcopy(getattr(ta, attr)) for attr in VARIANTS[name]}
+    try:
+        for attr, value in VARIANTS[name].items():
+            setattr(ta, attr, copy.deepcopy(value))
+        S = q.shape[1]
+        pos = torch.arange(S, device=q.device)
+        kw = dict(q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns, block_size=index.block_size,
+                  plans=index._cache)
+        out, lse = partial.attention_forward(q, k, v, **kw)
+        grads = partial.attention_backward(dout, q, k, v, out, lse, **kw)
+        it = 5 if S >= 100_000 else 10
+        t_f = timed(lambda: partial.attention_forward(q, k, v, **kw), it)
+        t_b = timed(lambda: partial.attention_backward(dout, q, k, v, out, lse, **kw), it)
+        return (out, *grads), t_f, t_b
+    finally:
+        for attr, value in saved.items():
+            setattr(ta, attr, value)
+
+
+def band_index(S, Hq, bs, frac, n_vert, device):
+    """A local band of block-aligned slashes covering about `frac` of the causal key blocks plus `n_vert` vertical
+    columns spread over the sequence, the same for every head (what scripts/bench_cost.py times)."""
+    from mtrain.ops.index import SparseIndex
+
+    n = -(-S // bs)
+    width = max(1, int(frac * (n + 1) / 2))
+    slash = (torch.arange(width, device=device) * bs).expand(1, Hq, -1).contiguous()
+    vert = torch.linspace(bs, S - 1, max(n_vert, 1), device=device).long()[:n_vert].expand(1, Hq, -1).contiguous()
+    return SparseIndex.from_lines(vert, slash, S, bs)
+
+
+def profile(name, q, k, v, dout, index):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(2):
+        run_variant(name, q, k, v, dout, index)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_variant(name, q, k, v, dout, index)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[32768])
+    ap.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], metavar=("HQ", "HKV", "D"))
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[64])
+    ap.add_argument("--recall", type=float, default=0.95)
+    ap.add_argument("--variants", nargs="+", default=["base"], choices=sorted(VARIANTS))
+    ap.add_argument("--density", type=float, help="instead of the estimate on planted inputs: a local band of "
+                    "block-aligned slashes plus --verticals spread columns per head, about this fraction of blocks")
+    ap.add_argument("--verticals", type=int, default=512)
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of the first variant's fwd + bwd")
+    args = ap.parse_args()
+    Hq, Hkv, D = args.heads
+    rows = []
+    for S in args.seqs:
+        q, k, v = make_inputs(S, Hq=Hq, Hkv=Hkv, D=D)
+        dout = torch.randn_like(q)
+        qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def dense_step():
+            o = dense_attention(qd, kd, vd, causal=True)
+            torch.autograd.grad(o, (qd, kd, vd), dout)
+
+        t_dense = timed(dense_step, 5 if S >= 100_000 else 10)
+        with torch.no_grad():
+            t_dense_fwd = timed(lambda: dense_attention(q, k, v, causal=True), 5 if S >= 100_000 else 10)
+        print(f"S={S} heads={Hq}/{Hkv}x{D}: dense (cuDNN) fwd {t_dense_fwd:.2f} ms, fwd+bwd {t_dense:.2f} ms", flush=True)
+        for bs in args.block_sizes:
+            if args.density is None:
+                index = estimate_vertical_slash(q, k, recall=args.recall, block_size=bs)
+            else:
+                index = band_index(S, Hq, bs, args.density, args.verticals, q.device)
+            ta.prepare_backward(index, Hkv, D)
+            dens = index.density()
+            ref = None
+            for name in args.variants:
+                res, t_f, t_b = run_variant(name, q, k, v, dout, index)
+                if ref is None:
+                    ref = res
+                    if args.profile:
+                        profile(name, q, k, v, dout, index)
+                diff = max(float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+                           for a, b in zip(res, ref))
+                per = (t_f + t_b) / (100 * dens)
+                rows.append((S, f"{Hq}/{Hkv}x{D}", bs, name, dens, t_f, t_b, per, t_dense / (t_f + t_b), diff))
+                print(f"S={S} heads={Hq}/{Hkv}x{D} bs={bs} {name:12s} density {dens:.3f} fwd {t_f:7.2f} bwd "
+                      f"{t_b:7.2f} ms, {per:.3f} ms per 1%, {t_dense / (t_f + t_b):.2f}x dense ({t_dense:.1f} ms), "
+                      f"max rel diff to {args.variants[0]} {diff:.1e}", flush=True)
+        del q, k, v, dout, qd, kd, vd
+        torch.cuda.empty_cache()
+    print("\n| S | heads | block | variant | density | fwd ms | bwd ms | ms per 1% | x dense | rel diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.3f} | {r[5]:.2f} | {r[6]:.2f} | {r[7]:.3f} | "
+              f"{r[8]:.2f} | {r[9]:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
