@@ -1,5 +1,5 @@
 """Our Triton sparse kernels under launch-time variants, side by side in one process: each variant sets module
-attributes of `mtrain.ops._triton_attention` (e.g. TMA_LOADS, CUDA_LAUNCH, SUBTILE), and every variant is checked
+attributes of `mtrain.ops._triton_attention` (e.g. CUDA_LAUNCH, SUBTILE), and every variant is checked
 against the first one (same index, same inputs) before it is timed, next to cuDNN dense causal attention.
 
     python scripts/bench_kernel_variants.py --seqs 32768 --heads 9 3 64 --block-sizes 64 --variants base tma
@@ -27,19 +27,36 @@ from mtrain.ops import _triton_attention as ta  # noqa: E402
 from mtrain.ops import dense_attention, estimate_vertical_slash, partial  # noqa: E402
 
 # name -> {module attribute: value}; values replace the attribute for that variant only.
+# A variant that sets SUBTILE or CUDA_LAUNCH_WIDE also clears the head-dim-64 overrides (SUBTILE_SMALL_HEADS,
+# CUDA_LAUNCH_WIDE_SMALL_HEADS) unless it sets them, so it times exactly what it names.
 VARIANTS = {
     "base": {},
+    "fwd-64x64": {"SUBTILE": dict(ta.SUBTILE)},
     "fwd-w8": {"CUDA_LAUNCH": {**ta.CUDA_LAUNCH, "fwd": (8, 3)}},
     "fwd-s4": {"CUDA_LAUNCH": {**ta.CUDA_LAUNCH, "fwd": (4, 4)}},
     "fwd-128x64": {"SUBTILE": {**ta.SUBTILE, "fwd": (128, 64)}},
     "fwd-64x128": {"SUBTILE": {**ta.SUBTILE, "fwd": (64, 128)}},
+    # wider sub-tiles with their own launch choices (CUDA_LAUNCH_WIDE), for 128-token blocks
+    "fwd-128x64-w4": {"SUBTILE": {**ta.SUBTILE, "fwd": (128, 64)}, "CUDA_LAUNCH_WIDE": {"fwd": (4, 3)}},
+    "fwd-128x128-w4": {"SUBTILE": {**ta.SUBTILE, "fwd": (128, 128)}, "CUDA_LAUNCH_WIDE": {"fwd": (4, 2)}},
+    "fwd-128x128-w8": {"SUBTILE": {**ta.SUBTILE, "fwd": (128, 128)}, "CUDA_LAUNCH_WIDE": {"fwd": (8, 2)}},
+    "fwd-64x128-w4": {"SUBTILE": {**ta.SUBTILE, "fwd": (64, 128)}, "CUDA_LAUNCH_WIDE": {"fwd": (4, 3)}},
+    "dq-128x64-w4": {"SUBTILE": {**ta.SUBTILE, "dq": (128, 64)}, "CUDA_LAUNCH_WIDE": {"dq": (4, 2)}},
+    "dq-128x64-w8": {"SUBTILE": {**ta.SUBTILE, "dq": (128, 64)}, "CUDA_LAUNCH_WIDE": {"dq": (8, 2)}},
+    "dq-64x128-w4": {"SUBTILE": {**ta.SUBTILE, "dq": (64, 128)}, "CUDA_LAUNCH_WIDE": {"dq": (4, 2)}},
+    "dkdv-64x128-w4": {"CUDA_LAUNCH_WIDE": {"dkdv": (4, 3)}},
+    "dkdv-128x128-w8": {"SUBTILE": {**ta.SUBTILE, "dkdv": (128, 128)}, "CUDA_LAUNCH_WIDE": {"dkdv": (8, 2)}},
 }
 
 
 def run_variant(name, q, k, v, dout, index):
-    saved = {attr: copy.deepcopy(getattr(ta, attr)) for attr in VARIANTS[name]}
+    changes = dict(VARIANTS[name])
+    if "SUBTILE" in changes or "CUDA_LAUNCH_WIDE" in changes:
+        changes.setdefault("SUBTILE_SMALL_HEADS", {})
+        changes.setdefault("CUDA_LAUNCH_WIDE_SMALL_HEADS", {})
+    saved = {attr: copy.deepcopy(getattr(ta, attr)) for attr in changes}
     try:
-        for attr, value in VARIANTS[name].items():
+        for attr, value in changes.items():
             setattr(ta, attr, copy.deepcopy(value))
         S = q.shape[1]
         pos = torch.arange(S, device=q.device)

@@ -19,6 +19,7 @@ def subtiles(monkeypatch):
 
     def set_tiles(qt, kt):
         monkeypatch.setattr(_triton_attention, "SUBTILE", {name: (qt, kt) for name in ("fwd", "dq", "dkdv", "col")})
+        monkeypatch.setattr(_triton_attention, "SUBTILE_SMALL_HEADS", {})  # the tests' head dims are small
         return _triton_attention._subtiles(32, "fwd")
 
     return set_tiles
@@ -30,6 +31,13 @@ def test_subtile_choice():
 
     assert [_subtile(bs, 64) for bs in (16, 48, 64, 96, 100, 128, 192, 256)] == [16, 64, 64, 32, 128, 64, 64, 64]
     assert [_subtile(bs, 128) for bs in (64, 128, 192, 256)] == [64, 128, 64, 128]
+
+    from mtrain.ops._triton_attention import _subtiles
+
+    # head dims <= 64 run the forward of a 128-token block as one 128-row query tile (SUBTILE_SMALL_HEADS)
+    assert _subtiles(128, "fwd", 64) == {"QT": 128, "KT": 64, "NQS": 1, "NKS": 2}
+    assert _subtiles(128, "fwd", 128) == {"QT": 64, "KT": 64, "NQS": 2, "NKS": 2}
+    assert _subtiles(128, "dq", 64) == _subtiles(128, "dq", 128)
 
 
 @pytest.mark.parametrize("qt,kt", [(16, 32), (32, 16)])

@@ -545,6 +545,11 @@ def _tile(block_size: int) -> int:
 # and 128x64 65.3; dQ 64x64 beat 128x64). A block that is not a multiple of the sub-tile runs as one
 # padded tile.
 SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (64, 64)}
+# Head dims <= 64 (less matrix work per tile): the forward runs a 128-token block as one 128-row query tile with
+# 4 warps (H200, SmolLM2's 9 q / 3 KV heads x 64, 128-blocks, 25% / 15% of pairs: 1.91 -> 1.68 ms at 32K, 14.2 ->
+# 12.4 ms at 128K, bit for bit the same; scripts/bench_kernel_variants.py, BENCHMARKS.md). The dQ and dK/dV
+# choices above measured best there too.
+SUBTILE_SMALL_HEADS = {"fwd": (128, 64)}
 # (num_warps, num_stages) per kernel on CUDA; scripts/bench_attention.py measures the choices.
 CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3)}
 # Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);
@@ -563,10 +568,18 @@ def _subtile(block_size: int, want: int) -> int:
     return _tile(block_size)
 
 
-def _subtiles(block_size: int, kernel: str) -> dict:
-    """QT, KT, NQS, NKS for `kernel` on index blocks of `block_size` tokens (see SUBTILE)."""
-    qt, kt = (_subtile(block_size, want) for want in SUBTILE[kernel])
+def _subtiles(block_size: int, kernel: str, head_dim: int = 128) -> dict:
+    """QT, KT, NQS, NKS for `kernel` on index blocks of `block_size` tokens (see SUBTILE, SUBTILE_SMALL_HEADS)."""
+    wants = (SUBTILE_SMALL_HEADS.get(kernel) if head_dim <= 64 else None) or SUBTILE[kernel]
+    qt, kt = (_subtile(block_size, want) for want in wants)
     return {"QT": qt, "KT": kt, "NQS": -(-block_size // qt), "NKS": -(-block_size // kt)}
+
+
+# (num_warps, num_stages) per kernel when a sub-tile side is 128 or more; None = twice CUDA_LAUNCH's warps and one
+# stage less (128x128 tiles with a 128 head dim: registers and shared memory).
+CUDA_LAUNCH_WIDE: dict = {}
+# The same for head dims <= 64 (see SUBTILE_SMALL_HEADS).
+CUDA_LAUNCH_WIDE_SMALL_HEADS = {"fwd": (4, 3)}
 
 
 def _opts(q: torch.Tensor, kernel: str, tile: int = 64) -> dict:
@@ -574,8 +587,8 @@ def _opts(q: torch.Tensor, kernel: str, tile: int = 64) -> dict:
         return {}
     warps, stages = CUDA_LAUNCH[kernel]
     if tile >= 128:
-        # 128x128 tiles with a 128 head dim: twice the warps, one stage less (shared memory).
-        warps, stages = 2 * warps, max(1, stages - 1)
+        small = CUDA_LAUNCH_WIDE_SMALL_HEADS.get(kernel) if q.shape[-1] <= 64 else None
+        warps, stages = CUDA_LAUNCH_WIDE.get(kernel) or small or (2 * warps, max(1, stages - 1))
     return {"num_warps": warps, "num_stages": stages}
 
 
@@ -735,7 +748,7 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
     nqb = -(-Sq // block_size)
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    sub = _subtiles(block_size, "fwd")
+    sub = _subtiles(block_size, "fwd", D)
     _launch(
         _fwd_kernel, (nqb * sub["NQS"], B * Hq),
         q, k, v, out, lse, qp, kp, bi, bc, ci, cc, qd, kd,
@@ -782,7 +795,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         lse.stride(0), lse.stride(1),
     )
     if not fused:
-        sub = _subtiles(block_size, "dq")
+        sub = _subtiles(block_size, "dq", D)
         _launch(
             _dq_kernel, (nqb * sub["NQS"], B * Hq),
             q, k, v, dout, lse, delta, dq, qp, kp, bi, bc, ci, cc, qd, kd,
@@ -799,7 +812,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         tr = plans["t"]
     ti, ts, tc = tr
     kv_plan = _kv_work_plan(tc, B, Hkv, group, nqb, nkb, dk, block_size, plans)
-    sub = _subtiles(block_size, "dkdv")
+    sub = _subtiles(block_size, "dkdv", D)
     ex_rows = sub["NKS"] * sub["KT"]  # rows of one extra slot: a whole (padded) key block
     # Sized by the plan's bound, not its count (reading the count would wait for the GPU).
     extra_k = torch.empty(kv_plan["extra_cap"], ex_rows, D, dtype=torch.float32, device=q.device)
@@ -817,7 +830,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     _reduce(dk, dv, extra_k, extra_v, kv_plan, dk.stride(1), ex_rows, sub["KT"], D)
     if has_cols:
         chunk = min(_tile(block_size), 64)
-        sub = _subtiles(block_size, "col")
+        sub = _subtiles(block_size, "col", D)
         if ("c", chunk) not in plans:
             plans[("c", chunk)] = column_plan(ci, cc, Sk, chunk)
         plan = plans[("c", chunk)]
