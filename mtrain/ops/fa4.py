@@ -10,7 +10,7 @@ import torch
 
 from mtrain.ops import partial
 from mtrain.ops.attention import _NOT_PLANS, _join, _split
-from mtrain.ops.index import SparseIndex, transpose_blocks
+from mtrain.ops.index import SparseIndex, kernel_column_chunk
 
 # The FA4 release this engine was written and checked against (pyproject extra `fa4`). The engine calls FA4's
 # lower-level `_flash_attn_fwd` / `_flash_attn_bwd` (the public `flash_attn_func` cannot run its backward on
@@ -23,7 +23,8 @@ BLOCK_SIZE = 128
 # Keys of an index's cache the Triton backward fallback does not read.
 _OWN_KEYS = ("fa4", "flex", *_NOT_PLANS)
 
-_MASK_MODS: dict = {}
+# Jitted callables built on first use (CuTe mask_mods, Triton kernels): FA4 keys its compile cache on the mask_mods.
+_JIT: dict = {}
 
 
 def load_fa4():
@@ -89,9 +90,17 @@ def _left_pack(ids: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch
 
 
 def _transposed(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per key block the query blocks listing it, ascending: (ids int32 [B, H, n, W], 0-padded; counts int32)."""
-    q_ids, q_counts = transpose_blocks(ids, counts, n)
-    return q_ids.clamp(min=0).contiguous(), q_counts.contiguous()
+    """Per key block the query blocks listing it, ascending: (ids int32 [B, H, n, n], 0-padded; counts int32).
+    Width n without reading the counts back: the sink block is listed by every query block, so the longest
+    transposed list is about n anyway."""
+    B, H, nq, width = ids.shape
+    live = torch.arange(width, device=ids.device) < counts[..., None]
+    flags = torch.zeros(B, H, n, nq + 1, dtype=torch.bool, device=ids.device)  # [b, h, key block, query block]
+    rows = torch.arange(nq, device=ids.device)[:, None].expand(nq, width)
+    flags[torch.arange(B, device=ids.device)[:, None, None, None], torch.arange(H, device=ids.device)[:, None, None],
+          ids.long(), torch.where(live, rows, nq)] = True
+    flags = flags[..., :nq]
+    return _left_pack(torch.arange(nq, device=ids.device).expand_as(flags), flags, nq)
 
 
 def _block_doc_ranges(doc: torch.Tensor, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,9 +183,15 @@ def _plan(index: SparseIndex, doc_ids, num_kv_heads: int, head_dim: int) -> _Pla
         if plan.has_cols and index.block_ids.is_cuda:
             from mtrain.ops import _triton_attention
 
-            # The column-only backward's transposed lists, column plan and work items, built once per index.
+            # The column-only backward's transposed lists (empty), column plan (the index's own, when its builder
+            # made one) and work items, built once per index.
             col_index = SparseIndex(*plan.no_blocks, index.col_ids, index.col_counts, index.seq_len,
                                     index.block_size)
+            counts = plan.no_blocks[1]
+            col_index._cache["t"] = (counts.new_zeros(0), counts.new_zeros(counts.shape, dtype=torch.int64), counts)
+            chunk = ("c", kernel_column_chunk(index.block_size))
+            if chunk in index._cache:
+                col_index._cache[chunk] = index._cache[chunk]
             _triton_attention.prepare_backward(col_index, num_kv_heads, head_dim)
             plan.col_plans = col_index._cache
         index._cache["fa4"] = plan
@@ -192,7 +207,7 @@ def prepare_fa4(index: SparseIndex, num_kv_heads: int, head_dim: int) -> None:
 def _mask_mods():
     """(causal, causal_same_document) as CuTe DSL mask_mods, built once (FA4 keys its compile cache on them).
     The document one reads aux_tensors[0], the doc ids [B, padded S] int32."""
-    if not _MASK_MODS:
+    if "causal" not in _JIT:
         import cutlass
         import cutlass.cute as cute
         from flash_attn.cute.utils import scalar_to_ssa
@@ -208,8 +223,8 @@ def _mask_mods():
             kv_doc = scalar_to_ssa(docs[batch[0], kv_idx[0]], cutlass.Int32)
             return (kv_idx <= q_idx) & (q_doc == kv_doc)
 
-        _MASK_MODS.update(causal=causal, docs=causal_same_document)
-    return _MASK_MODS["causal"], _MASK_MODS["docs"]
+        _JIT.update(causal=causal, docs=causal_same_document)
+    return _JIT["causal"], _JIT["docs"]
 
 
 def _sparse_tensors(cnt, idx, fcnt, fidx, bs):
@@ -225,6 +240,87 @@ def _doc_aux(doc_ids, bs: int, n: int):
         return None
     doc = doc_ids.to(torch.int32)
     return [torch.nn.functional.pad(doc, (0, n * bs - doc.shape[1]), value=-1).contiguous()]
+
+
+def _kernels():
+    """The two elementwise Triton kernels of the engine (defined on first use: Triton is imported lazily)."""
+    if "merge" not in _JIT:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def merge(OA, LA, OB, LB, O, L, n_rows, S, H, soa, sob, so, D: tl.constexpr, DP: tl.constexpr,
+                  ROWS: tl.constexpr):
+            """out, lse of rows (b, s, h) from two partial results over disjoint keys, in one pass (fp32 math).
+            Out tensors [B, S, H, D] with row stride s* (rows = b*S*H + s*H + h, D contiguous); lse [B, H, S]."""
+            r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+            ok = r < n_rows
+            b, s, h = r // (S * H), (r // H) % S, r % H
+            lidx = (b * H + h) * S + s
+            la = tl.load(LA + lidx, mask=ok, other=float("-inf"))
+            lb = tl.load(LB + lidx, mask=ok, other=float("-inf"))
+            m = tl.maximum(la, lb)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            wa, wb = tl.exp(la - m), tl.exp(lb - m)
+            total = wa + wb
+            inv = tl.where(total > 0, 1.0 / total, 0.0)
+            d = tl.arange(0, DP)
+            cell = ok[:, None] & (d[None, :] < D)
+            oa = tl.load(OA + r[:, None].to(tl.int64) * soa + d[None, :], mask=cell, other=0.0).to(tl.float32)
+            ob = tl.load(OB + r[:, None].to(tl.int64) * sob + d[None, :], mask=cell, other=0.0).to(tl.float32)
+            out = (oa * (wa * inv)[:, None] + ob * (wb * inv)[:, None]).to(O.dtype.element_ty)
+            tl.store(O + r[:, None].to(tl.int64) * so + d[None, :], out, mask=cell)
+            tl.store(L + lidx, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=ok)
+
+        @triton.jit
+        def add_cast(A, B, O, n, BLOCK: tl.constexpr):
+            """O = A + B elementwise (flat, contiguous), in fp32, stored in O's dtype."""
+            i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            ok = i < n
+            a = tl.load(A + i, mask=ok, other=0.0).to(tl.float32)
+            b = tl.load(B + i, mask=ok, other=0.0).to(tl.float32)
+            tl.store(O + i, (a + b).to(O.dtype.element_ty), mask=ok)
+
+        _JIT.update(merge=merge, add_cast=add_cast)
+    return _JIT["merge"], _JIT["add_cast"]
+
+
+def _evenly_spaced_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [B, S, H, D], contiguous in D with its (b, s, h) rows one stride apart (copied to that when not)."""
+    B, S, H, D = t.shape
+    if t.stride(3) == 1 and t.stride(1) == H * t.stride(2) and t.stride(0) == S * t.stride(1):
+        return t
+    return t.contiguous()
+
+
+def merge_results(out_a, lse_a, out_b, lse_b):
+    """Merge two partial attention results over disjoint key sets (as `partial.merge_partial`) in one fused pass:
+    out in out_a's dtype, lse fp32 [B, H, S]."""
+    merge, _ = _kernels()
+    B, S, H, D = out_a.shape
+    out_a, out_b = _evenly_spaced_rows(out_a), _evenly_spaced_rows(out_b)
+    out = torch.empty(B, S, H, D, dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=out_a.device)
+    rows = 32
+    merge[(triton_cdiv(B * S * H, rows),)](
+        out_a, lse_a.float().contiguous(), out_b, lse_b.float().contiguous(), out, lse, B * S * H, S, H,
+        out_a.stride(2), out_b.stride(2), out.stride(2), D=D, DP=max(16, 1 << (D - 1).bit_length()),
+        ROWS=rows)
+    return out, lse
+
+
+def add_cast(a: torch.Tensor, b: torch.Tensor, dtype) -> torch.Tensor:
+    """a + b (same shape) summed in fp32, returned contiguous in `dtype`, in one pass."""
+    _, kernel = _kernels()
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty(a.shape, dtype=dtype, device=a.device)
+    block = 4096
+    kernel[(triton_cdiv(a.numel(), block),)](a, b, out, a.numel(), BLOCK=block)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class _Fa4Attention(torch.autograd.Function):
@@ -252,8 +348,7 @@ class _Fa4Attention(torch.autograd.Function):
                       softmax_scale=scale, causal=True, impl="triton", q_doc=doc_ids, k_doc=doc_ids)
         if plan.has_cols:
             out_c, lse_c = partial.attention_forward(q, k, v, plans=col_plans, **col_kw)
-            out, lse = partial.merge_partial(out, lse, out_c, lse_c)
-            out = out.to(q.dtype)
+            out, lse = merge_results(out, lse, out_c, lse_c)
         triton_plans = None
         if deterministic:
             triton_plans = {key: val for key, val in index._cache.items() if key not in _OWN_KEYS}
@@ -284,10 +379,10 @@ class _Fa4Attention(torch.autograd.Function):
             dq, dk, dv = fa4._flash_attn_bwd(q, k, v, out, dout, lse, scale, False,
                                              mask_mod=causal_mod if aux is None else doc_mod, aux_tensors=aux,
                                              block_sparse_tensors=bwd_sparse, deterministic=False)[:3]
-            if has_cols:
-                grads = partial.attention_backward(dout, q, k, v, out, lse, deterministic=False, plans=col_plans,
+            if has_cols:  # the columns' deterministic backward (its atomic one zero-fills and adds a whole fp32 dQ)
+                grads = partial.attention_backward(dout, q, k, v, out, lse, deterministic=True, plans=col_plans,
                                                    **col_kw)
-                dq, dk, dv = (a.float() + b for a, b in zip((dq, dk, dv), grads))
+                dq, dk, dv = (add_cast(a, b, t.dtype) for a, b, t in zip((dq, dk, dv), grads, (q, k, v)))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
