@@ -10,6 +10,7 @@ import torch
 
 from mtrain.ops import partial
 from mtrain.ops.attention import _NOT_PLANS, _join, _split
+from mtrain.ops.flex import _doc_ranges, _left_pack
 from mtrain.ops.index import SparseIndex, kernel_column_chunk
 
 # The FA4 release this engine was written and checked against (pyproject extra `fa4`). The engine calls FA4's
@@ -80,15 +81,6 @@ class Fa4Lists:
     block_size: int
 
 
-def _left_pack(ids: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept entries of ids [..., M] moved left, in order, into an int32 [..., width] (rest 0); counts int32."""
-    counts = keep.sum(-1, dtype=torch.int32)
-    slot = torch.where(keep, keep.cumsum(-1) - 1, width)  # dropped entries go to a dump column
-    out = torch.zeros(*ids.shape[:-1], width + 1, dtype=torch.int32, device=ids.device)
-    out.scatter_(-1, slot, torch.where(keep, ids, 0).to(torch.int32))
-    return out[..., :width].contiguous(), counts
-
-
 def _transposed(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per key block the query blocks listing it, ascending: (ids int32 [B, H, n, n], 0-padded; counts int32).
     Width n without reading the counts back: the sink block is listed by every query block, so the longest
@@ -103,14 +95,6 @@ def _transposed(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.
     return _left_pack(torch.arange(nq, device=ids.device).expand_as(flags), flags, nq)
 
 
-def _block_doc_ranges(doc: torch.Tensor, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Smallest and largest document id of each block of bs tokens: [B, n] each (padding tokens ignored)."""
-    pad = n * bs - doc.shape[1]
-    lo = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).max).view(doc.shape[0], n, bs)
-    hi = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).min).view(doc.shape[0], n, bs)
-    return lo.amin(-1), hi.amax(-1)
-
-
 def fa4_block_lists(index: SparseIndex, doc_ids: torch.Tensor | None = None) -> Fa4Lists:
     """`Fa4Lists` of the index's listed key blocks (not its columns), exact with the causal mask_mod.
 
@@ -118,8 +102,8 @@ def fa4_block_lists(index: SparseIndex, doc_ids: torch.Tensor | None = None) -> 
     it are dropped (no causal pair). With doc_ids [B, S] (integers, equal = same document): a listed block is
     dropped when its document-id range cannot meet the query block's, full when both blocks lie in one and the
     same document and it is below the diagonal, else a mask block (the mask_mod adds the same-document test).
-    Plain tensor code (CPU or GPU); the widths follow the index's lists (no host synchronisation without
-    documents apart from the transposed lists' width).
+    Plain tensor code (CPU or GPU) without host synchronisation: the forward lists keep the index's width, the
+    transposed lists have width nQB (the sink block is listed by every query block anyway).
     """
     B, H, n, width = index.block_ids.shape
     bs, S = index.block_size, index.seq_len
@@ -135,7 +119,7 @@ def fa4_block_lists(index: SparseIndex, doc_ids: torch.Tensor | None = None) -> 
         if tuple(doc_ids.shape) != (B, S) or doc_ids.is_floating_point() or doc_ids.is_complex():
             raise ValueError(
                 f"doc_ids must be an integer tensor [B={B}, S={S}]; got {doc_ids.dtype} {tuple(doc_ids.shape)}")
-        lo, hi = _block_doc_ranges(doc_ids.to(device=dev, dtype=torch.int64), bs, n)
+        lo, hi = _doc_ranges(doc_ids.to(device=dev, dtype=torch.int64), bs, n)
         b = torch.arange(B, device=dev)[:, None, None, None]
         j = ids.clamp(0, n - 1)
         q_lo, q_hi = lo[:, None, :, None], hi[:, None, :, None]
@@ -406,7 +390,9 @@ def fa4_vertical_slash(
     Backward from the merged out and lse (exact: each disjoint pair set's softmax backward uses the global
     O / LSE): deterministic=False runs FA4's block-sparse backward (fp32 atomics for dQ) plus our column
     backward and sums dq/dk/dv; deterministic=True (default) runs our deterministic Triton backward over blocks
-    and columns, since FA4 4.0.0b36 has no deterministic block-sparse backward on SM90.
+    and columns, since FA4 4.0.0b36 has no deterministic block-sparse backward on SM90. On the H200 at 128K
+    (16 q / 2 KV x 128, 5% of pairs) the engine took 52.8 ms all in with FA4's backward, 60.6 with ours, and
+    impl="triton" 60.4 (BENCHMARKS.md, "FlashAttention-4 as the block engine").
     Returns (out [B, S, Hq, D] in q.dtype, differentiable; lse [B, Hq, S] fp32, no gradient).
     ImportError (naming the install) when flash_attn.cute is missing.
     """
