@@ -46,6 +46,9 @@ VARIANTS = {
     "dq-64x128-w4": {"SUBTILE": {**ta.SUBTILE, "dq": (64, 128)}, "CUDA_LAUNCH_WIDE": {"dq": (4, 2)}},
     "dkdv-64x128-w4": {"CUDA_LAUNCH_WIDE": {"dkdv": (4, 3)}},
     "dkdv-128x128-w8": {"SUBTILE": {**ta.SUBTILE, "dkdv": (128, 128)}, "CUDA_LAUNCH_WIDE": {"dkdv": (8, 2)}},
+    # work items of the dK/dV passes: MIN_ITEMS = 0 cuts only lists above 2x the mean (the rule before it)
+    "items-mean-only": {"MIN_ITEMS": 0},
+    "items-8-per-sm": {"MIN_ITEMS": 8 * 132},
 }
 
 
@@ -58,6 +61,8 @@ def run_variant(name, q, k, v, dout, index):
     try:
         for attr, value in changes.items():
             setattr(ta, attr, copy.deepcopy(value))
+        for key in [key for key in index._cache if isinstance(key, tuple) and key[0] in ("kv_items", "col_items")]:
+            del index._cache[key]  # the backward's work items, rebuilt under this variant's settings
         S = q.shape[1]
         pos = torch.arange(S, device=q.device)
         kw = dict(q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns, block_size=index.block_size,

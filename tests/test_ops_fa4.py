@@ -184,3 +184,26 @@ def test_fused_merge_and_add_cast_match_torch():
     # the interpreter rounds fp32 -> bf16 its own way: within one bf16 step of torch's rounding
     torch.testing.assert_close(add_cast(a, b, torch.bfloat16), (a.float() + b).to(torch.bfloat16), atol=0,
                                rtol=2 ** -7)
+
+
+def test_flash_attn_4_alone_is_not_flash_attn_2(tmp_path, monkeypatch):
+    """flash-attn-4 installs a `flash_attn` package holding only `cute`: dense attention must not take it for
+    flash-attn 2 (whose flash_attn_func it would then fail to import)."""
+    import sys
+
+    from mtrain.ops.dense import _has_flash_attn
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("a real flash_attn is installed here")
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert not _has_flash_attn()
+        (tmp_path / "flash_attn" / "flash_attn_interface.py").write_text("def flash_attn_func(*a, **k): pass\n")
+        sys.modules.pop("flash_attn", None)
+        importlib.invalidate_caches()
+        assert _has_flash_attn()
+    finally:  # the stand-in package must not outlive the test
+        sys.modules.pop("flash_attn", None)
+        sys.modules.pop("flash_attn.flash_attn_interface", None)

@@ -258,12 +258,15 @@ def test_triton_built_index_drives_the_kernels_like_the_reference():
         assert torch.equal(got, want)
 
 
-def split_reference(work: torch.Tensor, item_limit):
+def split_reference(work: torch.Tensor, item_limit, min_items=0):
     """The backward's work items written plainly (host loop): per target, ceil(w / L) items (at least 1),
-    L = item_limit or max(256, 2 * total // (targets with work) + 1); extra slots numbered in item order."""
+    L = item_limit or max(256, 2 * total // (targets with work) + 1), or with min_items M > 0
+    max(32, min(2 * total // busy + 1, total // M + 1)); extra slots numbered in item order."""
     w = [int(x) for x in work.flatten()]
     busy = sum(x > 0 for x in w)
-    limit = item_limit or max(256, 2 * sum(w) // max(1, busy) + 1)
+    limit = 2 * sum(w) // max(1, busy) + 1
+    limit = max(32, min(limit, sum(w) // min_items + 1)) if min_items else max(256, limit)
+    limit = item_limit or limit
     items, heavy, n_extra = [], [], 0
     for t, x in enumerate(w):
         n = max(1, -(-x // limit))
@@ -276,23 +279,27 @@ def split_reference(work: torch.Tensor, item_limit):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("item_limit", [None, 3])
-def test_triton_split_work_matches_reference(item_limit, monkeypatch):
+@pytest.mark.parametrize("item_limit, min_items", [(None, 0), (3, 0), (None, 64)])
+def test_triton_split_work_matches_reference(item_limit, min_items, monkeypatch):
     """`_split_work` builds fixed-size tables on the device (padding: target -1, reduce count 0) holding
-    exactly the items and split targets of the plain rule, whatever the empty targets."""
+    exactly the items and split targets of the plain rule, whatever the empty targets; with MIN_ITEMS the few
+    targets split into shorter items (as the column pass on a big GPU)."""
     from mtrain.ops import _triton_attention as ta
 
     monkeypatch.setattr(ta, "ITEM_LIMIT", item_limit)
+    monkeypatch.setattr(ta, "MIN_ITEMS", min_items)
     gen = torch.Generator().manual_seed(5)
     n_inner, n_heads, rows_per, rows_total = 7, 2, 16, 100
     for trial in range(4):
         work = torch.randint(0, 40, (2, n_heads, n_inner), generator=gen, dtype=torch.int32)
         work[work < 10] = 0  # empty targets
+        if min_items:
+            work *= 4  # lists of 40-160 entries: above the short item length M asks for
         if item_limit is None:
             work[0, 0, 0] = 1500 + 700 * trial  # one long list, as the sink block's: split above 256
         rows = (n_inner, n_heads, 1000, 100, 10, rows_per, rows_total)
         plan = ta._split_work(work, int(work.max()), rows)
-        items, heavy, n_extra = split_reference(work, item_limit)
+        items, heavy, n_extra = split_reference(work, item_limit, min_items)
         got = list(zip(*(plan[k].tolist() for k in ("target", "start", "end", "slot"))))
         assert got[: len(items)] == items
         assert all(t == -1 for t, *_ in got[len(items):]) and plan["grid"] >= len(items)
@@ -307,6 +314,8 @@ def test_triton_split_work_matches_reference(item_limit, monkeypatch):
             assert int(plan["nrows"][k]) == min(rows_total - x * rows_per, rows_per)
         if item_limit is None:
             assert heavy  # the long list really split
+        if min_items:
+            assert len(heavy) > 1 and len(items) > work.numel() + 10  # many targets split, not only the long one
 
 
 @needs_interpreter

@@ -128,11 +128,15 @@ def test_index_for_other_shapes_is_refused():
 
 
 @needs_interpreter
-def test_split_work_items_match_reference(monkeypatch):
-    """Long transposed lists are cut into work items whose partial dK/dV are reduced in a fixed order."""
+@pytest.mark.parametrize("item_limit, min_items", [(2, None), (None, 400)])
+def test_split_work_items_match_reference(monkeypatch, item_limit, min_items):
+    """Long transposed lists are cut into work items whose partial dK/dV are reduced in a fixed order (forced
+    by ITEM_LIMIT, or by MIN_ITEMS: few targets cut short to fill a big GPU)."""
     from mtrain.ops import _triton_attention
 
-    monkeypatch.setattr(_triton_attention, "ITEM_LIMIT", 2)
+    monkeypatch.setattr(_triton_attention, "ITEM_LIMIT", item_limit)
+    monkeypatch.setattr(_triton_attention, "MIN_ITEMS", min_items)
+    monkeypatch.setattr(_triton_attention, "MIN_ITEM_LENGTH", 1)  # this test's lists are a few blocks long
     q, k, v, dout, gen = make_inputs(1, 96, 4, 2, 16, torch.float32, seed=9)
     vertical, slash = random_lines(1, 4, 96, 8, 2, gen)
     index = SparseIndex.from_lines(vertical, slash, 96, 16)

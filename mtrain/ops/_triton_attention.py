@@ -416,17 +416,18 @@ def _reduce_kernel(DK, DV, EXK, EXV, OFF, NROWS, ES, EC, rstride, ROWS: tl.const
 
 
 # Shapes and strides are not specialised on: one compile serves every shape (they are read a few times only).
-@triton.jit(do_not_specialize=["N", "CAP", "HCAP", "fixed_limit", "n_inner", "n_heads", "s_batch", "s_head", "s_inner",
-                               "rows_per", "rows_total"])
+@triton.jit(do_not_specialize=["N", "CAP", "HCAP", "fixed_limit", "min_items", "floor", "n_inner", "n_heads", "s_batch",
+                               "s_head", "s_inner", "rows_per", "rows_total"])
 def _split_kernel(
     WORK, IT, IS, IE, ISL, NEXTRA, HS, HC, HOFF, HNR,
-    N, CAP, HCAP, fixed_limit, n_inner, n_heads, s_batch, s_head, s_inner, rows_per, rows_total,
+    N, CAP, HCAP, fixed_limit, min_items, floor, n_inner, n_heads, s_batch, s_head, s_inner, rows_per, rows_total,
     T: tl.constexpr,
 ):
     """The work items of `_split_work` in one program, on the device (no host sync).
 
     Per target t (WORK[t] entries of work): item length `limit` = fixed_limit, or when that is 0
-    max(256, 2 * total // busy + 1) with `busy` the targets that have work; ceil(WORK[t] / limit) items
+    max(floor, 2 * total // busy + 1) with `busy` the targets that have work, capped by total // min_items + 1
+    when min_items > 0 (the floor still applies); ceil(WORK[t] / limit) items
     (at least 1), numbered target by target. Item k: target IT, entries [IS, IE), extra slot ISL (-1 for a
     target's first item, which writes the result; the rest are numbered in item order). Items past the
     last are padding (IT = -1) up to CAP. Per target with extra items ("heavy"), in target order up to
@@ -442,7 +443,10 @@ def _split_kernel(
             w = tl.load(WORK + t0 + offs, mask=t0 + offs < N, other=0).to(tl.int64)
             total += tl.sum(w, 0)
             busy += tl.sum((w > 0).to(tl.int64), 0)
-        limit = tl.maximum(2 * total // tl.maximum(busy, 1) + 1, 256)
+        limit = 2 * total // tl.maximum(busy, 1) + 1
+        if min_items > 0:
+            limit = tl.minimum(limit, total // min_items + 1)
+        limit = tl.maximum(limit, floor)
     base = tl.zeros([], tl.int64)  # items before this tile of targets
     hbase = tl.zeros([], tl.int64)  # heavy targets before it
     for t0 in range(0, N, T):
@@ -555,6 +559,11 @@ CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3)}
 # Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);
 # tests set a small number to force splitting.
 ITEM_LIMIT: int | None = None
+# Items a dK/dV pass is cut into at least, where its targets are too few to fill the GPU (the column pass: one
+# target per head and 64-column chunk, ~30 long lists at 128K for 132 SMs): the item length then falls to
+# total / MIN_ITEMS (not below MIN_ITEM_LENGTH). None = 4 per SM on CUDA, 0 (off) elsewhere; tests set it.
+MIN_ITEMS: int | None = None
+MIN_ITEM_LENGTH = 32
 
 
 def _subtile(block_size: int, want: int) -> int:
@@ -877,25 +886,36 @@ def prepare_backward(index, num_kv_heads: int, head_dim: int) -> None:
 _SPLIT_TILE = 1024
 
 
+def _min_items(device) -> int:
+    if MIN_ITEMS is not None:
+        return MIN_ITEMS
+    if device.type != "cuda":
+        return 0
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _split_work(work: torch.Tensor, max_work: int, rows: tuple) -> dict:
     """Cut per-target work (list lengths) into items of at most ~2x the mean over the targets that have work
     (so one long list, the sink block every query block uses, does not serialize the backward, and targets
-    without work, e.g. a wider column plan's empty chunks, change nothing). Built by `_split_kernel` on the
-    device without a host sync: the tables have a size the host knows, a bound on the count (padding items
-    have target -1 and exit in the kernels; padding reduce entries have no extra slot).
+    without work, e.g. a wider column plan's empty chunks, change nothing), and shorter where the targets are
+    too few to fill the GPU: the item length L = max(MIN_ITEM_LENGTH, min(2 * total // busy + 1,
+    total // M + 1)) with M = `_min_items` (M = 0: L = max(256, 2 * total // busy + 1)). Built by `_split_kernel`
+    on the device without a host sync: the tables have a size the host knows, a bound on the count (padding
+    items have target -1 and exit in the kernels; padding reduce entries have no extra slot).
 
-    The bound: with limit L > 2 * total / busy, items = targets + sum(ceil(w / L) - 1) < targets + busy / 2,
-    and fewer than busy / 2 targets have w > L. With ITEM_LIMIT (tests) every target may split, into at most
+    The bound: L > min(2 * total / busy, total / M), so the extra items sum(ceil(w / L) - 1) < total / L <
+    max(busy / 2, M), and fewer than max(busy / 2, M) targets have w > L. With ITEM_LIMIT (tests) every target may split, into at most
     ceil(max_work / ITEM_LIMIT) items. rows = (n_inner, n_heads, s_batch, s_head, s_inner, rows_per,
     rows_total): where each target's result rows lie (see `_split_kernel`), for the reduce of split targets.
     """
     dev = work.device
     work = work.reshape(-1).to(torch.int32).contiguous()
     n = work.numel()
+    m = _min_items(dev)
     if ITEM_LIMIT:
         cap, heavy_cap = n * max(1, -(-max_work // ITEM_LIMIT)), n
     else:
-        cap, heavy_cap = n + n // 2, max(1, n // 2)
+        cap, heavy_cap = n + max(n // 2, m), max(1, min(n, max(n // 2, m)))
     i32 = dict(dtype=torch.int32, device=dev)
     plan = {
         "grid": cap, "extra_cap": max(1, cap - n), "heavy_cap": heavy_cap,
@@ -906,8 +926,8 @@ def _split_work(work: torch.Tensor, max_work: int, rows: tuple) -> dict:
     }
     _split_kernel[(1,)](
         work, plan["target"], plan["start"], plan["end"], plan["slot"], plan["n_extra"], plan["extra_start"],
-        plan["extra_count"], plan["off"], plan["nrows"], n, cap, heavy_cap, ITEM_LIMIT or 0, *rows,
-        T=_SPLIT_TILE,
+        plan["extra_count"], plan["off"], plan["nrows"], n, cap, heavy_cap, ITEM_LIMIT or 0, m,
+        MIN_ITEM_LENGTH if m else 256, *rows, T=_SPLIT_TILE,
     )
     return plan
 

@@ -13,7 +13,12 @@ from mtrain.ops.reference import _check_qkv
 
 
 def _has_flash_attn() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """Whether flash-attn 2's `flash_attn_func` can be imported: flash-attn-4 alone (the `fa4` extra) also
+    provides a `flash_attn` package (only `flash_attn.cute`), which does not count."""
+    try:
+        return importlib.util.find_spec("flash_attn.flash_attn_interface") is not None
+    except ImportError:  # no `flash_attn` package at all
+        return False
 
 
 def dense_backend(q: torch.Tensor, return_lse: bool = False) -> str:
