@@ -390,18 +390,23 @@ def test_register_rejects_an_unknown_policy():
         register_kind("mtraining", engine="cudnn")
 
 
-@pytest.mark.parametrize("given, registered", [(None, "flex"), ("triton", "flex")])
-def test_the_engine_reaches_the_sparse_kernels(monkeypatch, given, registered):
+@pytest.mark.parametrize("given, registered, strict", [(None, "flex", False), ("triton", "flex", False),
+                                                       (None, "fa4", False), (None, "fa4", True)])
+def test_the_engine_reaches_the_sparse_kernels(monkeypatch, given, registered, strict):
     """The registered engine (attention.engine) is the impl of every sparse call of the kind; a call's own
-    engine argument wins. The spy records the impl and runs the real attention."""
+    engine argument wins. The backward is the deterministic one except on fa4 (FA4 has none on Hopper) when the
+    run did not ask for deterministic algorithms. The spy records the arguments and runs the real attention."""
     import mtrain.ops
 
     seen = []
     real = mtrain.ops.vertical_slash_attention
 
-    def spy(*args, impl="auto", **kwargs):
-        seen.append(impl)
+    def spy(*args, impl="auto", deterministic=True, **kwargs):
+        seen.append((impl, deterministic))
         return real(*args, impl="torch", **kwargs)  # the CPU path whatever was asked: the test checks the routing
+
+    if strict:
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
 
     monkeypatch.setattr(mtrain.ops, "vertical_slash_attention", spy)
     saved = CONTEXT.engine
@@ -413,7 +418,8 @@ def test_the_engine_reaches_the_sparse_kernels(monkeypatch, given, registered):
                          policy="always", engine=given)
     finally:
         CONTEXT.engine = saved
-    assert seen == [given or registered]
+    engine = given or registered
+    assert seen == [(engine, engine != "fa4" or strict)]
 
 
 def test_cp2_ranks_agree_on_the_choice(tmp_path):
@@ -464,3 +470,24 @@ def test_trainer_logs_the_choice_per_layer(tmp_path):
         assert row["attention_paths"] == "d" * layers and row["attention_work"] == 1.0
         assert row["attention_pred_ms"] == pytest.approx(row["attention_pred_dense_ms"])
         assert "attention_true_recall" not in row
+
+
+def test_auto_engine_is_resolved_and_logged_once(caplog):
+    """attention.engine auto: the layer runs the engine `resolve_impl` names for the device and block size (our
+    PyTorch path on a CPU without the Triton interpreter) and says so once in the log."""
+    import logging
+    import os
+
+    from mtrain.models import attention as attn
+    from mtrain.ops.attention import resolve_impl
+
+    cpu = torch.device("cpu")
+    assert resolve_impl("auto", cpu, BS) == ("triton" if os.environ.get("TRITON_INTERPRET") == "1" else "torch")
+    assert resolve_impl("fa4", cpu, BS) == "fa4"
+    attn._ENGINES_SAID.clear()
+    q, k, v = inputs("local")
+    with caplog.at_level(logging.INFO, logger="mtrain.models.attention"):
+        call(q, k, v, LOCAL, "always")
+        call(q, k, v, LOCAL, "always")
+    said = [r.getMessage() for r in caplog.records if "sparse attention engine" in r.getMessage()]
+    assert said == [f"sparse attention engine: {resolve_impl('auto', cpu, BS)} (attention.engine=auto, block {BS}, cpu)"]

@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.baselines import BASELINE_KINDS
+
+log = logging.getLogger(__name__)
 
 SPARSE_POLICIES = ("auto", "always", "never")
 """How a sparse kind picks its path per layer: the cost model (`mtrain.ops.cost`), sparse everywhere, or dense."""
@@ -290,6 +293,30 @@ def _no_mask(*args, **kwargs):
     return None
 
 
+_ENGINES_SAID: set = set()
+
+
+def _say_engine(engine: str, device, block_size: int) -> str:
+    """The engine a sparse layer runs for attention.engine `engine` (`resolve_impl`), logged once per choice."""
+    from mtrain.ops.attention import resolve_impl
+
+    chosen = resolve_impl(engine, device, block_size)
+    key = (engine, chosen, block_size, device.type)
+    if key not in _ENGINES_SAID:
+        _ENGINES_SAID.add(key)
+        log.info("sparse attention engine: %s (attention.engine=%s, block %d, %s)", chosen, engine, block_size,
+                 device.type)
+    return chosen
+
+
+def _deterministic_backward(engine: str) -> bool:
+    """Whether a sparse layer's backward must be bitwise repeatable. Our Triton kernels always run their
+    deterministic backward (as fast as the atomic one at head dim 64, faster at 128: BENCHMARKS.md); FlashAttention-4
+    has none on Hopper, so the fa4 engine runs FA4's own atomic backward (7.4 + 30.2 ms against 37.9 with ours at 128K,
+    16 q / 2 KV x 128, 5% of pairs) unless the run asked for deterministic algorithms (train.deterministic)."""
+    return engine != "fa4" or torch.are_deterministic_algorithms_enabled()
+
+
 def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None,
                      engine="auto"):
     """One rank holds the whole sequence: dense causal, or online vertical-slash sparse attention with
@@ -303,7 +330,9 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         path, lines = replay
         if path == "sparse":
             index = SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
-            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine)
+            engine = _say_engine(engine, q.device, index.block_size)
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
+                                            deterministic=_deterministic_backward(engine))
     elif s is not None and policy != "never" and not _skip_estimate(q, s, layer_idx, policy=policy,
                                                                       training=training, doc_ids=doc_ids,
                                                                       engine=engine):
@@ -317,7 +346,9 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         _remember(layer_idx, path, index, training)
         if path == "sparse":
-            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine)
+            engine = _say_engine(engine, q.device, index.block_size)
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
+                                            deterministic=_deterministic_backward(engine))
     elif s is not None:
         _remember(layer_idx, "dense", None, training)
     if doc_ids is None:

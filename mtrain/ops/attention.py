@@ -97,6 +97,18 @@ class _PartialAttention(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12
 
 
+def resolve_impl(impl: str, device, block_size: int) -> str:
+    """The engine `vertical_slash_attention` runs for `impl` on `device` (a torch.device) at this block size:
+    "auto" becomes "flex" on CUDA at AUTO_FLEX_BLOCK_SIZES, else "triton" on CUDA and under TRITON_INTERPRET=1,
+    else "torch"; other impls are returned as they are. (FA4 is never chosen by auto: with our deterministic
+    backward it is no faster than our kernels, BENCHMARKS.md "FlashAttention-4 as the block engine".)"""
+    if impl != "auto":
+        return impl
+    if device.type == "cuda":
+        return "flex" if block_size in AUTO_FLEX_BLOCK_SIZES else "triton"
+    return "triton" if partial._use_triton("auto", device) else "torch"
+
+
 def partial_attention(q, k, v, *, q_pos, k_pos, blocks=None, columns=None, block_size=64, softmax_scale=None,
                       causal=True, impl="auto", deterministic=True, plans=None, q_doc=None, k_doc=None):
     """Differentiable `partial.attention_forward` (same arguments, document ids q_doc [B, Sq] / k_doc
@@ -154,12 +166,13 @@ def vertical_slash_attention(
         index = index.to(q.device)
     if impl not in ("auto", "triton", "flex", "fa4", "torch"):
         raise ValueError(f'impl must be "auto", "triton", "flex", "fa4" or "torch"; got {impl!r}')
+    impl = resolve_impl(impl, q.device, index.block_size)
     if impl == "fa4":
         from mtrain.ops.fa4 import fa4_vertical_slash
 
         out, lse = fa4_vertical_slash(q, k, v, index, softmax_scale, doc_ids, deterministic)
         return (out, lse) if return_lse else out
-    if impl == "flex" or (impl == "auto" and q.device.type == "cuda" and index.block_size in AUTO_FLEX_BLOCK_SIZES):
+    if impl == "flex":
         from mtrain.ops.flex import flex_vertical_slash
 
         out, lse = flex_vertical_slash(q, k, v, index, softmax_scale, doc_ids)
