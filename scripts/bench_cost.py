@@ -64,12 +64,16 @@ def lines(S, Hq, bs, frac, n_vert, device):
     return vert, slash
 
 
-def build_index(vert, slash, S, bs, Hkv, D, device):
+def build_index(vert, slash, S, bs, Hkv, D, device, engine="auto"):
     index = SparseIndex.from_lines(vert, slash, S, bs)
     if device == "cuda":
         from mtrain.ops import _triton_attention
 
         _triton_attention.prepare_backward(index, Hkv, D)
+        if engine == "fa4":
+            from mtrain.ops.fa4 import prepare_fa4
+
+            prepare_fa4(index, Hkv, D)
     return index
 
 
@@ -92,25 +96,28 @@ def bench_dense(S, Hq, Hkv, D, device, dtype, it):
     return dict(kind="dense", S=S, Hq=Hq, Hkv=Hkv, D=D, ms_fwd=timed(fwd, it), ms_fwd_bwd=timed(fwd_bwd, it))
 
 
-def bench_sparse(S, Hq, Hkv, D, bs, frac, n_vert, device, dtype, it):
+def bench_sparse(S, Hq, Hkv, D, bs, frac, n_vert, device, dtype, it, engine="auto"):
+    """One sparse row; engine: vertical_slash_attention's impl, with the backward a training layer runs for it
+    (fa4: FA4's own, see mtrain.models.attention._deterministic_backward)."""
     q, k, v = qkv(S, Hq, Hkv, D, device, dtype, True)
     dout = torch.randn_like(q)
     vert, slash = lines(S, Hq, bs, frac, n_vert, device)
-    index = build_index(vert, slash, S, bs, Hkv, D, device)
+    index = build_index(vert, slash, S, bs, Hkv, D, device, engine)
     blocks, cols = work(index)
+    kw = dict(impl=engine, deterministic=engine != "fa4")
 
     def fwd():
         with torch.no_grad():
-            vertical_slash_attention(q, k, v, index)
+            vertical_slash_attention(q, k, v, index, **kw)
 
     def fwd_bwd():
-        out = vertical_slash_attention(q, k, v, index)
+        out = vertical_slash_attention(q, k, v, index, **kw)
         torch.autograd.grad(out, (q, k, v), dout)
 
     row = dict(kind="sparse", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, n_vert=n_vert, blocks=blocks, cols=cols,
-               block_frac=blocks / (Hq * (S // bs) * (S // bs + 1) / 2), density=index.density(),
+               block_frac=blocks / (Hq * (S // bs) * (S // bs + 1) / 2), density=index.density(), engine=engine,
                ms_fwd=timed(fwd, it), ms_fwd_bwd=timed(fwd_bwd, it),
-               ms_index=timed(lambda: build_index(vert, slash, S, bs, Hkv, D, device), it))
+               ms_index=timed(lambda: build_index(vert, slash, S, bs, Hkv, D, device, engine), it))
     return row
 
 
@@ -127,8 +134,15 @@ def bench_estimate(S, Hq, Hkv, D, bs, device, dtype, it, scorer="auto"):
                 ms_estimate=timed(lambda: estimate_vertical_slash(q, k, block_size=bs, scorer=scorer), it))
 
 
-def gpu_plan():
+def gpu_plan(engine="auto"):
     heads = {64: (9, 3), 128: (16, 2)}
+    if engine == "fa4":  # the engine's sparse rows only, at the block size it runs (128)
+        for D, (Hq, Hkv) in heads.items():
+            for S in (32768, 131072):
+                for frac in (0.01, 0.05, 0.15, 0.3):
+                    yield ("sparse", S, Hq, Hkv, D, 128, frac, 0)
+                yield ("sparse", S, Hq, Hkv, D, 128, 0.05, 2048)
+        return
     for D, (Hq, Hkv) in heads.items():
         for S in (4096, 16384, 32768, 65536, 131072):
             yield ("dense", S, Hq, Hkv, D)
@@ -275,6 +289,9 @@ def main() -> int:
                     "override file (read through MTRAIN_COST_TABLE)")
     ap.add_argument("--only", nargs="+", choices=("dense", "sparse", "estimate"),
                     help="measure only these kinds (e.g. --only estimate after an estimator change)")
+    ap.add_argument("--engine", default="auto", choices=("auto", "triton", "fa4"),
+                    help="block engine of the sparse rows (fa4: its sparse rows at block 128 only; fit them into "
+                    "mtrain.ops.cost's CostTable.engines)")
     args = ap.parse_args()
     if args.fit:
         fit(args.fit, args.write_table)
@@ -288,14 +305,14 @@ def main() -> int:
     if args.validate:
         validate(device, dtype, args.iters, out)
         return 0
-    for spec in cpu_plan() if args.cpu else gpu_plan():
+    for spec in cpu_plan() if args.cpu else gpu_plan(args.engine):
         if args.only and spec[0] not in args.only:
             continue
         t0 = time.perf_counter()
         if spec[0] == "dense":
             row = bench_dense(*spec[1:], device, dtype, args.iters)
         elif spec[0] == "sparse":
-            row = bench_sparse(*spec[1:], device, dtype, args.iters)
+            row = bench_sparse(*spec[1:], device, dtype, args.iters, args.engine)
         else:
             row = bench_estimate(*spec[1:6], device, dtype, args.iters, *spec[6:])
         row["wall_s"] = round(time.perf_counter() - t0, 2)

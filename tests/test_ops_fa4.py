@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtrain.ops import SparseIndex, partial, reference, vertical_slash_attention
-from mtrain.ops.fa4 import BLOCK_SIZE, fa4_block_lists, load_fa4
+from mtrain.ops.fa4 import BLOCK_SIZE, fa4_block_lists, fa4_block_lists_general, load_fa4
 from test_ops_sparse_attention import make_inputs, random_lines
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -90,6 +90,14 @@ def test_fa4_lists_rebuild_the_index_mask(S, bs, nv, ns, docs):
     if doc is None:  # without documents every block below the diagonal is full, only the diagonal masked
         assert (lists.mask_cnt == 1).all()
         assert torch.equal(lists.mask_idx[..., 0], torch.arange(index.n_blocks).expand(B, H, -1).int())
+        # the lists read off the index's own lists and transposed index equal the general masking path's
+        general = fa4_block_lists_general(index, None)
+        for name in ("full", "mask", "full_q", "mask_q"):
+            cnt, idx = getattr(lists, f"{name}_cnt"), getattr(lists, f"{name}_idx")
+            g_cnt, g_idx = getattr(general, f"{name}_cnt"), getattr(general, f"{name}_idx")
+            assert torch.equal(cnt, g_cnt)
+            w = min(idx.shape[-1], g_idx.shape[-1])
+            assert torch.equal(idx[..., :w], g_idx[..., :w]) and not idx[..., w:].any() and not g_idx[..., w:].any()
 
 
 def test_fa4_lists_refuse_bad_document_ids():

@@ -23,7 +23,7 @@ AUTO_FLEX_BLOCK_SIZES: frozenset[int] = frozenset()
 
 # Entries of an index's cache that are not derived lists (the estimator's own recall figure, the lines it was built
 # from): they stay with the caller and are not handed to the backward.
-_NOT_PLANS = ("est_recall", "lines")
+_NOT_PLANS = ("est_recall", "lines", "diagonal_listed")
 
 
 def _split(obj, tensors: list):

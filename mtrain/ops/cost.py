@@ -83,6 +83,13 @@ H200 = CostTable(
             (128, 128): {"train": (2.0794, 2.2202, 40.1415, 69.7131), "eval": (0.2719, 0.2234, 11.9352, 17.2914)}},
     index=(2.0754, 0.0, 0.0, 0.0186),
     estimate=(3.3017, 1.8256),
+    # FlashAttention-4 for the listed blocks + our column kernels (impl="fa4", FA4's own backward as training runs
+    # it), block 128: `python scripts/bench_cost.py --engine fa4 --only sparse` then `--fit` on one H200,
+    # 2026-11-25 (flash-attn-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1, torch 2.11, triton 3.6; 32K and 128K, 1.2-28% of
+    # blocks, 9/3 x 64 and 16/2 x 128); worst relative error 8-18%. Per listed block ~2.4x (64) / 2.0x (128)
+    # cheaper than our kernels; examples: 128K x 16 heads x 128 at 5% of blocks 24.7 ms fwd+bwd (ours ~50 ms).
+    engines={"fa4": {(64, 128): {"train": (0.8134, 2.4678, 23.2355, 110.831), "eval": (0.2598, 0.1517, 8.2985, 30.9084)},
+                     (128, 128): {"train": (0.6512, 3.072, 20.0972, 90.4516), "eval": (0.1785, 0.3228, 5.4266, 24.8306)}}},
 )
 
 # The CPU path (fp32; dense = PyTorch SDPA, sparse = mtrain.ops.partial's PyTorch path over the listed blocks,

@@ -95,6 +95,32 @@ def _transposed(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.
     return _left_pack(torch.arange(nq, device=ids.device).expand_as(flags), flags, nq)
 
 
+def _lists_without_documents(index: SparseIndex) -> Fa4Lists:
+    """`fa4_block_lists` without documents, from what the index already holds: each row's list is its full
+    blocks followed by its diagonal block (ascending, the diagonal last), so the full lists are the rows' lists
+    less their last entry and the mask lists the diagonal alone; per key block j the transposed index
+    (`SparseIndex.transposed_csr`, which the GPU builder makes with the index) lists j itself first, then the
+    later query blocks listing j, so the full transposed lists are those entries past the first. A few gathers,
+    no [B, H, n, n] flag tensor, no packing."""
+    B, H, n, width = index.block_ids.shape
+    dev = index.block_ids.device
+    width = max(1, min(width, n))
+    counts = index.block_counts[..., :n]
+    slot = torch.arange(width, device=dev)
+    full_cnt = (counts - 1).clamp(min=0).to(torch.int32)
+    full_idx = torch.where(slot < full_cnt[..., None], index.block_ids[..., :width], 0).to(torch.int32).contiguous()
+    diag = torch.arange(n, device=dev, dtype=torch.int32)
+    mask_idx = diag.view(1, 1, n, 1).expand(B, H, n, 1).contiguous()
+    ones = torch.ones(B, H, n, dtype=torch.int32, device=dev)
+    q_ids, starts, t_counts = index.transposed_csr()
+    full_q_cnt = (t_counts.to(torch.int32) - 1).clamp(min=0)
+    col = torch.arange(n, device=dev)
+    where = (starts[..., None] + 1 + col).clamp(max=max(q_ids.numel() - 1, 0))
+    got = q_ids[where] if q_ids.numel() else torch.zeros_like(where)
+    full_q_idx = torch.where(col < full_q_cnt[..., None], got, 0).to(torch.int32).contiguous()
+    return Fa4Lists(full_cnt, full_idx, ones, mask_idx, full_q_cnt, full_q_idx, ones, mask_idx, index.block_size)
+
+
 def fa4_block_lists(index: SparseIndex, doc_ids: torch.Tensor | None = None) -> Fa4Lists:
     """`Fa4Lists` of the index's listed key blocks (not its columns), exact with the causal mask_mod.
 
@@ -103,8 +129,17 @@ def fa4_block_lists(index: SparseIndex, doc_ids: torch.Tensor | None = None) -> 
     dropped when its document-id range cannot meet the query block's, full when both blocks lie in one and the
     same document and it is below the diagonal, else a mask block (the mask_mod adds the same-document test).
     Plain tensor code (CPU or GPU) without host synchronisation: the forward lists keep the index's width, the
-    transposed lists have width nQB (the sink block is listed by every query block anyway).
+    transposed lists have width nQB (the sink block is listed by every query block anyway). Without documents
+    the lists come from the index's own lists and transposed index (`_lists_without_documents`, the same lists);
+    `fa4_block_lists_general` is the general path.
     """
+    if doc_ids is None:
+        return _lists_without_documents(index)
+    return fa4_block_lists_general(index, doc_ids)
+
+
+def fa4_block_lists_general(index: SparseIndex, doc_ids: torch.Tensor | None = None) -> Fa4Lists:
+    """`fa4_block_lists` by masking and packing the index's lists (documents or not)."""
     B, H, n, width = index.block_ids.shape
     bs, S = index.block_size, index.seq_len
     dev = index.block_ids.device
@@ -158,7 +193,9 @@ def _plan(index: SparseIndex, doc_ids, num_kv_heads: int, head_dim: int) -> _Pla
     n = index.n_blocks
     ids, counts = index.block_ids.long(), index.block_counts.long()
     last = torch.gather(ids, -1, (counts - 1).clamp(min=0)[..., None])[..., 0]
-    if bool(((counts < 1) | (last != torch.arange(n, device=ids.device))).any()):
+    # from_lines (and so the estimate) guarantees it; other indices are checked (a host read)
+    listed = index._cache.get("diagonal_listed")
+    if not listed and bool(((counts < 1) | (last != torch.arange(n, device=ids.device))).any()):
         raise ValueError(
             "impl='fa4' needs every query block's list to end with its diagonal block (SparseIndex.from_lines and "
             "estimate_vertical_slash always list it): a row without keys would reach FA4's backward with lse=-inf")

@@ -291,7 +291,14 @@ class SparseIndex:
         if impl not in ("auto", "torch", "triton"):
             raise ValueError(f"impl must be 'auto', 'torch' or 'triton'; got {impl!r}")
         if impl == "triton" or (impl == "auto" and vertical.is_cuda):
-            return cls._from_lines_triton(vertical, slash, seq_len, block_size)
+            index = cls._from_lines_triton(vertical, slash, seq_len, block_size)
+        else:
+            index = cls._from_lines_torch(vertical, slash, seq_len, block_size)
+        index._cache["diagonal_listed"] = True  # every row's list ends with its diagonal block (engines rely on it)
+        return index
+
+    @classmethod
+    def _from_lines_torch(cls, vertical, slash, seq_len: int, block_size: int) -> "SparseIndex":
         B, H, _ = vertical.shape
         dev = vertical.device
         n = -(-seq_len // block_size)
