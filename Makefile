@@ -70,7 +70,7 @@ $(VLLM_VENV)/.setup-done: constraints-cpu.txt Makefile
 # ---- the embedded default -------------------------------------------------------------------------
 # stage 1 in four short runs (README "What it learns today"): copy drills of one period, then of mixed periods
 # (128-token samples), then at 1K (periods up to 500, runs of prose and digits), then the eval's NIAH prompts at
-# up to 1K mixed with those drills; stage 2 (8K): the NIAH prompts up to 8K and the same drills
+# up to 2K mixed with those drills (2K rows); stage 2 (8K): the NIAH prompts up to 8K and the same drills
 COPY := $(PY) -m mtrain.data.synthetic --copy-period
 data/synthetic/copy-fixed.jsonl: | $(STAMP)
 	$(COPY) 16:16 --copy-tokens 127 --docs 2400 --seed 2 --out $@
@@ -82,7 +82,7 @@ data/synthetic/copy-long.jsonl: | $(STAMP)
 	$(COPY) 8:500 --copy-tokens 1023 --copy-prose 0.5 --copy-digits 0.3 --docs 1800 --seed 4 --out $@
 
 data/synthetic/train.jsonl: | $(STAMP)
-	$(PY) -m mtrain.data.synthetic --out $@ --docs 4000 --min-sentences 1 --max-sentences 90 --facts 1 \
+	$(PY) -m mtrain.data.synthetic --out $@ --docs 3000 --min-sentences 1 --max-sentences 180 --facts 1 \
 		--retrieval 1 --formats niah=1 --seed 0
 
 data/synthetic/long.jsonl: | $(STAMP)
@@ -97,7 +97,7 @@ data: $(STAMP) $(SYNTHETIC)
 	$(PACK) --source data/synthetic/copy.jsonl:jsonl --seq-len 128 --out data/packed/tiny-copy
 	$(PACK) --source data/synthetic/copy-long.jsonl:jsonl --seq-len 1024 --out data/packed/tiny-copy-long
 	$(PACK) --source data/synthetic/train.jsonl:jsonl@0.6 --source data/synthetic/copy-long.jsonl:jsonl@0.4 \
-		--seq-len 1024 --out data/packed/tiny-1k
+		--seq-len 2048 --out data/packed/tiny-2k
 	$(PACK) --source data/synthetic/long.jsonl:jsonl@0.7 --source data/synthetic/copy-long.jsonl:jsonl@0.3 \
 		--seq-len 8192 --out data/packed/tiny-8k
 
