@@ -80,6 +80,9 @@ class AttentionConfig:
     counts as block_size diagonals)."""
     sample_blocks: int = 16
     """Query blocks spread evenly over the sequence that the estimate scores besides the last_q queries."""
+    sample_rows: Optional[int] = None
+    """Rows the estimate scores per sampled query block (its first ones, at most block_size); None = the whole
+    block. Fewer rows make the estimate cheaper (its cost is linear in the scored rows) and its pattern coarser."""
     cap_fraction: Optional[float] = None
     """Also cap verticals at this fraction of the sequence's tokens and slashes at this fraction of its
     blocks (caps that grow with the sequence); None = only max_vertical / max_slash."""
@@ -350,6 +353,10 @@ def _check(recipe: RecipeConfig) -> None:
     if isinstance(a.dense_hold_steps, bool) or not isinstance(a.dense_hold_steps, int) or a.dense_hold_steps < 0:
         raise ConfigError(f"attention.dense_hold_steps: must be an integer >= 0 (0 = estimate every step), "
                           f"got {a.dense_hold_steps!r}")
+    if a.sample_rows is not None and (isinstance(a.sample_rows, bool) or not isinstance(a.sample_rows, int)
+                                      or a.sample_rows < 1):
+        raise ConfigError(f"attention.sample_rows: must be a positive integer or null (= the whole block), "
+                          f"got {a.sample_rows!r}")
     if p.cp_size > 1 and a.engine not in ("auto", "triton"):
         raise ConfigError(f"attention.engine: '{a.engine}' runs on one device only; with parallel.cp_size "
                           f"{p.cp_size} the ring's partial steps run the Triton kernels: set attention.engine: auto")

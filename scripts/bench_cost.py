@@ -127,7 +127,9 @@ def bench_estimate(S, Hq, Hkv, D, bs, device, dtype, it, scorer="auto"):
     q, k, _ = qkv(S, Hq, Hkv, D, device, dtype, False)
     defaults = inspect.signature(estimate_vertical_slash).parameters
     last_q = defaults["last_q"].default
-    sampled = defaults["sample_blocks"].default * bs if "sample_blocks" in defaults else 0
+    from mtrain.ops.estimate import sample_height
+
+    sampled = defaults["sample_blocks"].default * sample_height(bs, None) if "sample_blocks" in defaults else 0
     index = estimate_vertical_slash(q, k, block_size=bs, scorer=scorer)
     return dict(kind="estimate", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, rows=min(S, last_q + sampled), scorer=scorer,
                 density=index.density(),

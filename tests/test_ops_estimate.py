@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mtrain.ops import dense_attention, dense_backend, estimate_vertical_slash, reference
-from mtrain.ops.estimate import _select, scored_rows, slash_scores
+from mtrain.ops.estimate import _select, scored_row_count, scored_rows, slash_scores
 
 
 def planted(S=256, Hq=4, Hkv=2, D=32, offset=9, outlier=100, seed=0):
@@ -36,12 +36,14 @@ def rows_recall(q, k, index, rows):
     return (p[..., rows, :] * mask[..., rows, :]).sum(dim=-1).mean(-1)
 
 
-@pytest.mark.parametrize("recall,sample_blocks", [(0.9, 0), (0.95, 4)])
-def test_recall_reached_and_planted_lines_found(recall, sample_blocks):
+@pytest.mark.parametrize("recall,sample_blocks,sample_rows", [(0.9, 0, None), (0.95, 4, None), (0.95, 6, 5)])
+def test_recall_reached_and_planted_lines_found(recall, sample_blocks, sample_rows):
     q, k = planted()
-    index = estimate_vertical_slash(q, k, recall=recall, last_q=32, block_size=16, sample_blocks=sample_blocks)
-    rows = scored_rows(q.shape[1], 32, sample_blocks, 16)
-    assert rows.numel() == 32 + 16 * sample_blocks
+    index = estimate_vertical_slash(q, k, recall=recall, last_q=32, block_size=16, sample_blocks=sample_blocks,
+                                    sample_rows=sample_rows)
+    rows = scored_rows(q.shape[1], 32, sample_blocks, 16, sample_rows=sample_rows)
+    assert rows.numel() == 32 + (sample_rows or 16) * sample_blocks == scored_row_count(q.shape[1], 32, sample_blocks,
+                                                                                        16, sample_rows)
     want = rows_recall(q, k, index, rows)
     assert (want >= recall - 1e-5).all()
     assert torch.allclose(index._cache["est_recall"].double(), want, atol=1e-5)  # fp32 scores vs float64
@@ -51,6 +53,19 @@ def test_recall_reached_and_planted_lines_found(recall, sample_blocks):
     assert mask[:, :, rows, rows - 9].all()  # the planted slash
     assert mask[:, :, 100:, 100].all()  # the planted vertical
     assert index.density() < 0.8
+
+
+def test_sampled_rows_per_block():
+    """sample_rows scores the first rows of each sampled block; by default the whole block."""
+    rows = scored_rows(8192, 64, 4, 128, sample_rows=64)
+    assert rows.numel() == 64 + 4 * 64 == scored_row_count(8192, 64, 4, 128, 64)
+    starts = rows[:-64].view(4, 64)[:, 0]
+    assert (starts % 128 == 0).all() and torch.equal(rows[:-64].view(4, 64) - starts[:, None],
+                                                     torch.arange(64).expand(4, -1))
+    assert scored_rows(8192, 64, 4, 128).numel() == 64 + 4 * 128 == scored_row_count(8192, 64, 4, 128)
+    assert torch.equal(scored_rows(8192, 64, 4, 32), scored_rows(8192, 64, 4, 32, sample_rows=500))
+    with pytest.raises(ValueError, match="sample_rows must be >= 1"):
+        estimate_vertical_slash(torch.randn(1, 64, 2, 16), torch.randn(1, 64, 1, 16), sample_rows=0)
 
 
 def test_diagonal_and_sink_always_present_and_caps_hold():
@@ -149,6 +164,7 @@ CP_SETTINGS = {  # every estimator setting the CP twin must reproduce
     "capped": {"cap_fraction": 0.05, "recall": 1.0},  # the caps bind
     "last-only": {"sample_blocks": 0, "last_q": 24, "slash_recall": 0.8},
     "docs": {"recall": 0.95, "sample_blocks": 5},
+    "short-samples": {"recall": 0.95, "sample_blocks": 6, "sample_rows": 8},  # part of each sampled block
 }
 
 

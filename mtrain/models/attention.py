@@ -205,7 +205,9 @@ def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int =
 
 def _scored_rows(s, seq_len: int) -> int:
     """Query rows the estimate scores under SparseSettings `s` (the last rows and the sampled blocks)."""
-    return min(seq_len, s.last_q + s.sample_blocks * s.block_size)
+    from mtrain.ops.estimate import scored_row_count
+
+    return scored_row_count(seq_len, s.last_q, s.sample_blocks, s.block_size, s.sample_rows)
 
 
 # The longest hold, as a multiple of dense_hold: a layer whose estimate keeps not paying is looked at again after

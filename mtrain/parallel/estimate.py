@@ -39,7 +39,9 @@ class SparseSettings:
     slash_recall: float | None = None
     """Target the slashes complete the coverage to (after the kept blocks and verticals); None = `recall`."""
     sample_blocks: int = 16
-    """Query blocks (of block_size rows) spread evenly over the sequence that are scored besides the last_q rows."""
+    """Query blocks spread evenly over the sequence whose first sample_rows rows are scored besides the last_q rows."""
+    sample_rows: int | None = None
+    """Rows scored per sampled query block (at most block_size); None = the whole block."""
     cap_fraction: float | None = None
     """Also cap verticals at this fraction of the sequence's tokens and slashes at this fraction of its blocks."""
 
@@ -53,6 +55,8 @@ class SparseSettings:
                 raise MtrainError(f"sparse.{name} must be >= 1; got {getattr(self, name)}")
         if self.cap_fraction is not None and not 0.0 < self.cap_fraction <= 1.0:
             raise MtrainError(f"sparse.cap_fraction must be in (0, 1] or None; got {self.cap_fraction}")
+        if self.sample_rows is not None and self.sample_rows < 1:
+            raise MtrainError(f"sparse.sample_rows must be >= 1 or None; got {self.sample_rows}")
         for name in ("min_vertical", "min_slash", "sample_blocks"):
             if getattr(self, name) < 0:
                 raise MtrainError(f"sparse.{name} must be >= 0; got {getattr(self, name)}")
@@ -73,7 +77,7 @@ def _estimate(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale:
     n_blocks = -(-seq_len // bs)
     dev = q.device
     with torch.no_grad():
-        rows = scored_rows(seq_len, settings.last_q, settings.sample_blocks, bs, dev)
+        rows = scored_rows(seq_len, settings.last_q, settings.sample_blocks, bs, dev, settings.sample_rows)
         n = rows.numel()
         # the scored rows, wherever the layout put them, on every rank (one small all-reduce)
         slot = torch.full((seq_len,), -1, dtype=torch.long, device=dev)

@@ -65,7 +65,7 @@ def layer_traffic(*, world: int, seq_len: int, q_heads: int, kv_heads: int, head
 
     columns: U, the sink tokens plus the distinct vertical columns of the layer's index (all heads);
     per_rank: the most of them one rank owns (default `expected_per_rank`). scored_rows / vertical_cap /
-    share_kv_group: the estimator's settings (last_q + sample_blocks x block_size rows; max_vertical).
+    share_kv_group: the estimator's settings (last_q + sample_blocks x sample rows; max_vertical).
     sparse=False: a dense ring (no columns, no estimate)."""
     for name, value in (("world", world), ("seq_len", seq_len), ("q_heads", q_heads), ("kv_heads", kv_heads),
                         ("head_dim", head_dim), ("batch", batch), ("bytes_per_elem", bytes_per_elem),
