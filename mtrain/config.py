@@ -91,7 +91,8 @@ class AttentionConfig:
     not pay; always = sparse on every layer; never = dense on every layer (the pattern is not estimated)."""
     engine: Literal["auto", "triton", "flex", "fa4"] = "auto"
     """Sparse kinds on one device: the block kernels of the sparse path. auto = the engine measured fastest for
-    the GPU and block size (our Triton kernels unless vertical_slash_attention says otherwise); triton = ours;
+    the GPU and block size (fa4 at block_size 128 where FlashAttention-4 is installed on a Hopper-or-newer GPU,
+    else our Triton kernels; `mtrain.ops.attention.resolve_impl`); triton = ours;
     flex = FlexAttention driven by the index; fa4 = FlashAttention-4's block-sparse kernels (the `fa4` extra,
     Hopper or newer GPUs) for the listed blocks plus our column kernels. Under context parallelism the ring's
     partial steps run our Triton kernels, so there only auto and triton are accepted."""

@@ -215,3 +215,21 @@ def test_flash_attn_4_alone_is_not_flash_attn_2(tmp_path, monkeypatch):
     finally:  # the stand-in package must not outlive the test
         sys.modules.pop("flash_attn", None)
         sys.modules.pop("flash_attn.flash_attn_interface", None)
+
+
+def test_auto_picks_fa4_where_it_was_measured_faster(monkeypatch):
+    """impl="auto" on CUDA: the fa4 engine at AUTO_FA4_BLOCK_SIZES (128) for 16-bit inputs where FA4 can run, our
+    Triton kernels otherwise (other block sizes, fp32, FA4 missing or a pre-Hopper GPU); other impls as asked."""
+    from mtrain.ops import attention
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "_fa4_usable", lambda device_type, device_index: True)
+    assert attention.resolve_impl("auto", cuda, 128, torch.bfloat16) == "fa4"
+    assert attention.resolve_impl("auto", cuda, 128) == "fa4"
+    assert attention.resolve_impl("auto", cuda, 128, torch.float32) == "triton"
+    assert attention.resolve_impl("auto", cuda, 64, torch.bfloat16) == "triton"
+    assert attention.resolve_impl("triton", cuda, 128, torch.bfloat16) == "triton"
+    monkeypatch.setattr(attention, "_fa4_usable", lambda device_type, device_index: False)
+    assert attention.resolve_impl("auto", cuda, 128, torch.bfloat16) == "triton"
+    monkeypatch.undo()
+    assert attention._fa4_usable("cpu", None) is False  # no GPU: never fa4, whatever is installed

@@ -298,11 +298,12 @@ def _no_mask(*args, **kwargs):
 _ENGINES_SAID: set = set()
 
 
-def _say_engine(engine: str, device, block_size: int) -> str:
+def _say_engine(engine: str, q, block_size: int) -> str:
     """The engine a sparse layer runs for attention.engine `engine` (`resolve_impl`), logged once per choice."""
     from mtrain.ops.attention import resolve_impl
 
-    chosen = resolve_impl(engine, device, block_size)
+    device = q.device
+    chosen = resolve_impl(engine, device, block_size, q.dtype)
     key = (engine, chosen, block_size, device.type)
     if key not in _ENGINES_SAID:
         _ENGINES_SAID.add(key)
@@ -327,12 +328,13 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
     from mtrain.ops.graphed import estimate_graphed
     from mtrain.ops.index import SparseIndex
 
+    if s is not None:  # the concrete engine (auto resolved): what runs, what the cost model prices, what is logged
+        engine = _say_engine(engine, q, s.block_size)
     replay = _replay(layer_idx) if s is not None else None
     if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and index
         path, lines = replay
         if path == "sparse":
             index = SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
-            engine = _say_engine(engine, q.device, index.block_size)
             return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
                                             deterministic=_deterministic_backward(engine))
     elif s is not None and policy != "never" and not _skip_estimate(q, s, layer_idx, policy=policy,
@@ -348,7 +350,6 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         _remember(layer_idx, path, index, training)
         if path == "sparse":
-            engine = _say_engine(engine, q.device, index.block_size)
             return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
                                             deterministic=_deterministic_backward(engine))
     elif s is not None:

@@ -4,6 +4,8 @@ kernels (Triton on GPU / interpreter, PyTorch otherwise) with query and key posi
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import math
 
 import torch
@@ -19,6 +21,24 @@ from mtrain.ops.index import SparseIndex
 # its default configurations (under max_autotune it had not finished compiling after ~220 s), while ours
 # run them (50.4 ms all in). scripts/bench_attention.py; BENCHMARKS.md "Sparse attention kernel".
 AUTO_FLEX_BLOCK_SIZES: frozenset[int] = frozenset()
+# Index block sizes for which impl="auto" runs the fa4 engine (FlashAttention-4 for the listed blocks) where FA4 is
+# installed, on a GPU of compute capability >= 9, with 16-bit inputs. Measured on the H200 (BENCHMARKS.md, 2026-11-25):
+# 128K, 16 q / 2 KV x 128, 5.2% of pairs, 48.7 ms all in with FA4's backward and 56.5 with ours against 58.1 for our
+# kernels (16% of pairs: 92.6 vs 142.3); SmolLM2 (9 / 3 x 64) whole model every step 1.16x / 2.21x / 3.48x cuDNN at
+# 32K / 64K / 128K against 0.94x / 1.53x / 2.32x with our kernels at 64-token blocks. FA4's SM90 backward runs only
+# 128-token key blocks.
+AUTO_FA4_BLOCK_SIZES: frozenset[int] = frozenset({128})
+
+
+@functools.lru_cache(maxsize=8)
+def _fa4_usable(device_type: str, device_index) -> bool:
+    """Whether the fa4 engine can run here: a CUDA GPU of compute capability >= 9 with flash_attn.cute importable."""
+    if device_type != "cuda" or torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # no flash_attn package at all
+        return False
 
 
 # Entries of an index's cache that are not derived lists (the estimator's own recall figure, the lines it was built
@@ -97,14 +117,17 @@ class _PartialAttention(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12
 
 
-def resolve_impl(impl: str, device, block_size: int) -> str:
-    """The engine `vertical_slash_attention` runs for `impl` on `device` (a torch.device) at this block size:
-    "auto" becomes "flex" on CUDA at AUTO_FLEX_BLOCK_SIZES, else "triton" on CUDA and under TRITON_INTERPRET=1,
-    else "torch"; other impls are returned as they are. (FA4 is never chosen by auto: with our deterministic
-    backward it is no faster than our kernels, BENCHMARKS.md "FlashAttention-4 as the block engine".)"""
+def resolve_impl(impl: str, device, block_size: int, dtype=None) -> str:
+    """The engine `vertical_slash_attention` runs for `impl` on `device` (a torch.device) at this block size and
+    input dtype: "auto" becomes "fa4" on CUDA at AUTO_FA4_BLOCK_SIZES where FA4 can run (`_fa4_usable`; fp16/bf16
+    inputs, or dtype None), "flex" at AUTO_FLEX_BLOCK_SIZES, else "triton" on CUDA and under TRITON_INTERPRET=1,
+    else "torch"; other impls are returned as they are."""
     if impl != "auto":
         return impl
     if device.type == "cuda":
+        if (block_size in AUTO_FA4_BLOCK_SIZES and dtype in (None, torch.float16, torch.bfloat16)
+                and _fa4_usable(device.type, device.index)):
+            return "fa4"
         return "flex" if block_size in AUTO_FLEX_BLOCK_SIZES else "triton"
     return "triton" if partial._use_triton("auto", device) else "torch"
 
@@ -144,9 +167,10 @@ def vertical_slash_attention(
     extra `mtrain[fa4]`, CUDA, fp16/bf16, index block_size 128 only, ValueError otherwise): listed blocks in
     FA4's block-sparse kernels, vertical columns in our Triton column path, merged by LSE; its backward is
     FA4's (atomic) with deterministic=False and ours (deterministic) with deterministic=True.
-    "torch": the PyTorch path. "auto": on CUDA the engine measured
-    fastest for the index's block size (`AUTO_FLEX_BLOCK_SIZES` lists the block sizes that use Flex; see
-    there and BENCHMARKS.md), under TRITON_INTERPRET=1 Triton, else PyTorch.
+    "torch": the PyTorch path. "auto" (`resolve_impl`): on CUDA the engine measured fastest for the index's
+    block size (fa4 at AUTO_FA4_BLOCK_SIZES where FA4 is installed on a Hopper-or-newer GPU and the inputs
+    are 16-bit, flex at AUTO_FLEX_BLOCK_SIZES, else triton; see there and BENCHMARKS.md), under
+    TRITON_INTERPRET=1 Triton, else PyTorch.
     deterministic: True (default) = backward without atomics (dQ per query block, dK/dV per key block
     through the transposed index, looping over the GQA group's heads, vertical columns per column
     chunk); False = the fused backward: the same dK/dV passes also add each tile's dQ share with fp32
@@ -166,7 +190,7 @@ def vertical_slash_attention(
         index = index.to(q.device)
     if impl not in ("auto", "triton", "flex", "fa4", "torch"):
         raise ValueError(f'impl must be "auto", "triton", "flex", "fa4" or "torch"; got {impl!r}')
-    impl = resolve_impl(impl, q.device, index.block_size)
+    impl = resolve_impl(impl, q.device, index.block_size, q.dtype)
     if impl == "fa4":
         from mtrain.ops.fa4 import fa4_vertical_slash
 
