@@ -96,7 +96,7 @@ def bench_dense(S, Hq, Hkv, D, device, dtype, it):
     return dict(kind="dense", S=S, Hq=Hq, Hkv=Hkv, D=D, ms_fwd=timed(fwd, it), ms_fwd_bwd=timed(fwd_bwd, it))
 
 
-def bench_sparse(S, Hq, Hkv, D, bs, frac, n_vert, device, dtype, it, engine="auto"):
+def bench_sparse(S, Hq, Hkv, D, bs, frac, n_vert, device, dtype, it, engine="triton"):
     """One sparse row; engine: vertical_slash_attention's impl, with the backward a training layer runs for it
     (fa4: FA4's own, see mtrain.models.attention._deterministic_backward)."""
     q, k, v = qkv(S, Hq, Hkv, D, device, dtype, True)
@@ -136,7 +136,7 @@ def bench_estimate(S, Hq, Hkv, D, bs, device, dtype, it, scorer="auto"):
                 ms_estimate=timed(lambda: estimate_vertical_slash(q, k, block_size=bs, scorer=scorer), it))
 
 
-def gpu_plan(engine="auto"):
+def gpu_plan(engine="triton"):
     heads = {64: (9, 3), 128: (16, 2)}
     if engine == "fa4":  # the engine's sparse rows only, at the block size it runs (128)
         for D, (Hq, Hkv) in heads.items():
@@ -291,7 +291,7 @@ def main() -> int:
                     "override file (read through MTRAIN_COST_TABLE)")
     ap.add_argument("--only", nargs="+", choices=("dense", "sparse", "estimate"),
                     help="measure only these kinds (e.g. --only estimate after an estimator change)")
-    ap.add_argument("--engine", default="auto", choices=("auto", "triton", "fa4"),
+    ap.add_argument("--engine", default="triton", choices=("triton", "fa4"),
                     help="block engine of the sparse rows (fa4: its sparse rows at block 128 only; fit them into "
                     "mtrain.ops.cost's CostTable.engines)")
     args = ap.parse_args()
