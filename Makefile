@@ -70,7 +70,8 @@ $(VLLM_VENV)/.setup-done: constraints-cpu.txt Makefile
 # ---- the embedded default -------------------------------------------------------------------------
 # stage 1 in four short runs (README "What it learns today"): copy drills of one period, then of mixed periods
 # (128-token samples), then at 1K (periods up to 500, runs of prose and digits), then the eval's NIAH prompts at
-# up to 2K mixed with those drills (2K rows); stage 2 (8K): the NIAH prompts up to 8K and the same drills
+# up to 2K mixed with those drills (2K rows); stage 2 (8K): NIAH prompts of exactly 8K, 4K and 2K tokens and the
+# same drills
 COPY := $(PY) -m mtrain.data.synthetic --copy-period
 data/synthetic/copy-fixed.jsonl: | $(STAMP)
 	$(COPY) 16:16 --copy-tokens 127 --docs 2400 --seed 2 --out $@
@@ -81,25 +82,33 @@ data/synthetic/copy.jsonl: | $(STAMP)
 data/synthetic/copy-long.jsonl: | $(STAMP)
 	$(COPY) 8:500 --copy-tokens 1023 --copy-prose 0.5 --copy-digits 0.3 --docs 1800 --seed 4 --out $@
 
+# NIAH prompts under 1K tokens (log-uniform lengths), and prompts that fill exactly 2K or 1K tokens with their EOS
+# (--fit-tokens: the question where the eval's 2K and 1K prompts ask it); packed longest first (--order length),
+# every fitted prompt lies whole in one sample
 data/synthetic/train.jsonl: | $(STAMP)
-	$(PY) -m mtrain.data.synthetic --out $@ --docs 3000 --min-sentences 1 --max-sentences 180 --facts 1 \
+	$(PY) -m mtrain.data.synthetic --out $@ --docs 3000 --min-sentences 1 --max-sentences 80 --facts 1 \
 		--retrieval 1 --formats niah=1 --seed 0
 
+data/synthetic/train-fit.jsonl: | $(STAMP)
+	$(PY) -m mtrain.data.synthetic --out $@ --docs 600 --fit-tokens 2048,1024 --facts 1 \
+		--retrieval 1 --formats niah=1 --seed 5
+
+# stage 2: prompts that fill exactly 8K (half of them), 4K or 2K tokens
 data/synthetic/long.jsonl: | $(STAMP)
-	$(PY) -m mtrain.data.synthetic --out $@ --docs 150 --min-sentences 100 --max-sentences 850 --facts 1 \
+	$(PY) -m mtrain.data.synthetic --out $@ --docs 150 --fit-tokens 8192,8192,4096,2048 --facts 1 \
 		--retrieval 1 --formats niah=1 --seed 1
 
-SYNTHETIC := $(addprefix data/synthetic/,copy-fixed.jsonl copy.jsonl copy-long.jsonl train.jsonl long.jsonl)
+SYNTHETIC := $(addprefix data/synthetic/,copy-fixed.jsonl copy.jsonl copy-long.jsonl train.jsonl train-fit.jsonl long.jsonl)
 PACK := $(MTRAIN) pack --tokenizer mtrain/assets/tiny-tokenizer
 
 data: $(STAMP) $(SYNTHETIC)
 	$(PACK) --source data/synthetic/copy-fixed.jsonl:jsonl --seq-len 128 --out data/packed/tiny-copy-fixed
 	$(PACK) --source data/synthetic/copy.jsonl:jsonl --seq-len 128 --out data/packed/tiny-copy
 	$(PACK) --source data/synthetic/copy-long.jsonl:jsonl --seq-len 1024 --out data/packed/tiny-copy-long
-	$(PACK) --source data/synthetic/train.jsonl:jsonl@0.6 --source data/synthetic/copy-long.jsonl:jsonl@0.4 \
-		--seq-len 2048 --out data/packed/tiny-2k
+	$(PACK) --source data/synthetic/train-fit.jsonl:jsonl@0.3 --source data/synthetic/train.jsonl:jsonl@0.3 \
+		--source data/synthetic/copy-long.jsonl:jsonl@0.4 --order length --seq-len 2048 --out data/packed/tiny-2k
 	$(PACK) --source data/synthetic/long.jsonl:jsonl@0.7 --source data/synthetic/copy-long.jsonl:jsonl@0.3 \
-		--seq-len 8192 --out data/packed/tiny-8k
+		--order length --seq-len 8192 --out data/packed/tiny-8k
 
 # stage 2 twice from the same stage-1 model: MTraining sparse attention and its dense twin
 STAGE2 := runs/tiny-extend runs/tiny-extend-dense

@@ -122,3 +122,37 @@ def test_copy_drills_cli(tmp_path):
     assert len(docs) == 3 and len(set(docs)) == 3
     with pytest.raises(SystemExit):
         S.main(["--out", str(out), "--copy-period", "200:100"])
+
+
+def test_fitted_documents_fill_their_token_count_and_pack_whole(tmp_path):
+    """--fit-tokens: each niah/ruler document plus its EOS is exactly one of the counts, answers its own needle,
+    and `mtrain pack --order length` keeps every one whole in one sample (no question cut from its needle)."""
+    import numpy as np
+
+    from mtrain.data.mds import MDSFolder
+    from mtrain.data.packer import pack
+    from mtrain.tiny import TOKENIZER_DIR
+
+    _, _, tok = S.copy_pool()
+    docs = _docs("niah", n=12, fit_tokens=(512, 256)) + _docs("ruler", n=4, fit_tokens=(256,))
+    assert sorted({len(tok.encode(d)) + 1 for d in docs}) == [256, 512]
+    for doc in docs:
+        value = re.search(r"is:? (\d{7})\.", doc).group(1)
+        assert doc.endswith(f" {value}.") and doc.count(value) == 2  # the needle and the answer
+    S.write_jsonl(tmp_path / "fit.jsonl", docs)
+    drills = S.generate_copies(S.CopySpec(num_docs=8, tokens=127, seed=1))
+    S.write_jsonl(tmp_path / "drills.jsonl", drills)
+    pack([f"{tmp_path / 'fit.jsonl'}:jsonl", f"{tmp_path / 'drills.jsonl'}:jsonl"], TOKENIZER_DIR, 512,
+         tmp_path / "packed", order="length", progress=False, workers=1)
+    folder = MDSFolder(str(tmp_path / "packed"))
+    whole = 0
+    for k in range(len(folder)):
+        sample = folder[k]
+        for a, b in sample["indices"].reshape(-1, 2):
+            text = tok.decode(np.asarray(sample["input_ids"][a:b]).tolist())
+            if "magic number" in text:
+                whole += 1
+                assert text.startswith(("Some special", "A special")) and re.search(r"is \d{7}\.", text)
+    assert whole == len(docs)
+    with pytest.raises(SystemExit):
+        S.main(["--out", str(tmp_path / "x.jsonl"), "--fit-tokens", "8192,x"])

@@ -112,6 +112,14 @@ class CorpusSpec:
     """Share of documents that are retrieval prompts in the eval's formats (the rest are facts documents)."""
     formats: tuple = tuple(RETRIEVAL_FORMATS.items())
     """(format, weight) pairs the retrieval documents are drawn from: niah, ruler, passkey, repeat."""
+    fit_tokens: tuple = ()
+    """Token counts (EOS included) niah and ruler retrieval documents are fitted to exactly, one drawn per document
+    (repeat a count to draw it more often); empty: lengths from min/max_sentences. A document that fills 8192 tokens
+    asks its question where the eval's 8K prompt does, and with `mtrain pack --order length` counts that divide the
+    sample length keep every document whole in one sample (a document cut by a sample boundary loses its needle
+    or its question)."""
+    tokenizer: str | None = None
+    """Tokenizer fit_tokens counts in (default: the tiny tokenizer)."""
 
 
 def _key(rng: random.Random) -> str:
@@ -189,6 +197,8 @@ def make_retrieval_document(rng: random.Random, spec: CorpusSpec) -> str:
     lo, hi = spec.min_sentences, spec.max_sentences
     n = int(round(lo * (hi / lo) ** rng.random()))
     fmt = rng.choices([f for f, _ in spec.formats], [w for _, w in spec.formats])[0]
+    if spec.fit_tokens and fmt in ("niah", "ruler"):
+        return fitted_retrieval_document(rng, spec, fmt, rng.choice(spec.fit_tokens))
     if fmt == "repeat":  # random words (one token each: whole-token matches teach copying fastest) and a needle
         words = [rng.choice(_WORDS) for _ in range(rng.randint(8, 8 + 2 * n))]
         words.insert(rng.randint(0, len(words)), NIAH_NEEDLE.format(key=needle_key(rng), value=_number(rng, 7)))
@@ -212,6 +222,73 @@ def make_retrieval_document(rng: random.Random, spec: CorpusSpec) -> str:
         text = RULER_TEMPLATE.format(context=context, query=key) + f" {value}."
         follow = RULER_QUESTION.replace("{query}", "{key}")
     return text + "".join("\n" + follow.format(key=k) + f" {v}." for k, v in rest)
+
+
+def fitted_retrieval_document(rng: random.Random, spec: CorpusSpec, fmt: str, tokens: int) -> str:
+    """A niah or ruler prompt over filler, answered, of exactly `tokens - 1` tokens (its EOS makes `tokens`).
+
+    The haystack is the most whole filler sentences that fit, then words of one more (the eval's haystacks end
+    mid-sentence too) until the count is exact; one needle at a uniform depth, one question."""
+    _, _, tok = copy_pool(spec.tokenizer)
+    target = tokens - 1
+    key, value = needle_key(rng), _number(rng, 7)
+    if fmt == "niah":
+        needle = NIAH_NEEDLE.format(key=key, value=value)
+        wrap = NIAH_TEMPLATE.replace("{key}", key) + NIAH_ANSWER_PREFIX.format(key=key) + f" {value}."
+    else:
+        needle = RULER_NEEDLE.format(key=key, value=value)
+        wrap = RULER_TEMPLATE.replace("{query}", key) + f" {value}."
+    count = lambda items: len(tok.encode(wrap.replace("{context}", " ".join(items))))  # noqa: E731
+    fixed = count([needle])
+    if fixed > target:
+        raise ValueError(f"fit_tokens {tokens}: the prompt alone takes {fixed + 1} tokens")
+    pool = filler(rng, max(1, (target - fixed) // 6 + 8))
+    depth = rng.random()
+    place = lambda n: _insert(pool[:n], needle, depth)  # noqa: E731
+    # a space-joined sentence adds its own tokens (the byte-level pre-tokenizer splits at spaces), so the
+    # counts add up; each guess below is checked with one exact count
+    sizes = [len(tok.encode(" " + s)) for s in pool]
+    room, lo = target - fixed, 0
+    while lo < len(pool) and sizes[lo] <= room:
+        room -= sizes[lo]
+        lo += 1
+    while lo > 0 and count(place(lo)) > target:
+        lo -= 1
+    items = place(lo)
+    words = pool[lo].rstrip(".").split() if lo < len(pool) else []
+    candidates = words + list(_SINGLE_TOKEN_FILL) * 8
+    tail: list[str] = []
+    have = count(items)
+    for word in candidates:  # additive guess first, then exact
+        extra = len(tok.encode(" " + word))
+        if have + extra <= target:
+            tail.append(word)
+            have += extra
+        if have == target:
+            break
+    text = wrap.replace("{context}", " ".join(items + ([" ".join(tail)] if tail else [])))
+    if len(tok.encode(text)) != target:  # the guess was off: add words one exact count at a time
+        tail = []
+        for word in candidates:
+            n = count(items + [" ".join(tail + [word])])
+            if n <= target:  # a word that overshoots is skipped; a later shorter one may still fit
+                tail.append(word)
+            if n == target:
+                break
+        text = wrap.replace("{context}", " ".join(items + ([" ".join(tail)] if tail else [])))
+    if len(tok.encode(text)) != target:
+        raise ValueError(f"fit_tokens {tokens}: could not fit a document exactly ({len(tok.encode(text))} tokens)")
+    return text
+
+
+# words the fitting above ends a haystack with when the cut sentence's own words overshoot (one token each)
+_SINGLE_TOKEN_FILL = ("the", "a", "and")
+
+
+def _insert(items: list[str], needle: str, depth: float) -> list[str]:
+    out = list(items)
+    out.insert(int(round(depth * len(out))), needle)
+    return out
 
 
 @functools.lru_cache(maxsize=4)
@@ -311,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="tokens per drill (seq_len - 1: one drill and its EOS fill a packed sample)")
     copy.add_argument("--copy-digits", type=float, default=0.0, help="share of drills whose run is digits")
     copy.add_argument("--copy-prose", type=float, default=0.0, help="share of drills whose run is filler prose")
-    copy.add_argument("--tokenizer", help="tokenizer the drills are counted in (default: the tiny tokenizer)")
+    parser.add_argument("--fit-tokens", default="",
+                        help="comma-separated token counts, EOS included (e.g. 8192,4096): each niah/ruler document is "
+                        "fitted to exactly one of them, drawn uniformly (repeat one to weight it); with `mtrain pack "
+                        "--order length` and counts that divide --seq-len, no document is cut")
+    copy.add_argument("--tokenizer", help="tokenizer the drills (and --fit-tokens) are counted in "
+                      "(default: the tiny tokenizer)")
     args = parser.parse_args(argv)
     if args.copy_period:
         try:
@@ -342,8 +424,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--formats {item!r}: formats are {', '.join(RETRIEVAL_FORMATS)} with weights >= 0")
     if not sum(w for _, w in formats) > 0:
         parser.error("--formats: give at least one format a positive weight")
+    try:
+        fit = tuple(int(v) for v in args.fit_tokens.split(",") if v.strip())
+    except ValueError:
+        parser.error(f"--fit-tokens {args.fit_tokens!r}: expected comma-separated integers")
+    if any(v < 2 for v in fit):
+        parser.error("--fit-tokens: counts must be at least 2")
     spec = CorpusSpec(args.docs, args.min_sentences, args.max_sentences, args.facts, args.seed, args.retrieval,
-                      tuple(formats))
+                      tuple(formats), fit, args.tokenizer)
     out = write_jsonl(args.out, generate(spec))
     print(f"wrote {spec.num_docs} documents to {out}")
     return 0
