@@ -34,10 +34,15 @@ def kernels_only_cpu_costs(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def single_device():
-    saved = (CONTEXT.group, CONTEXT.doc_ids, CONTEXT.sample_recall)
-    CONTEXT.group, CONTEXT.doc_ids, CONTEXT.layers, CONTEXT.densities, CONTEXT.sample_recall = None, None, [], [], False
+    """Every test starts from a fresh attention context (one device, no holds, no memo), whatever an earlier test in
+    the process (a training run) left in the module's CONTEXT, and leaves it as it found it."""
+    from mtrain.models.attention import AttentionContext
+
+    saved = dict(vars(CONTEXT))
+    vars(CONTEXT).update(vars(AttentionContext()))
     yield
-    CONTEXT.group, CONTEXT.doc_ids, CONTEXT.sample_recall = saved
+    vars(CONTEXT).clear()
+    vars(CONTEXT).update(saved)
 
 
 def call(q, k, v, settings, policy, training=True, layer=0):
