@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from mtrain.ops import SparseIndex, partial, reference, vertical_slash_attention
+from mtrain.ops.dense import importable
 from mtrain.ops.fa4 import BLOCK_SIZE, fa4_block_lists, fa4_block_lists_general, load_fa4
 from test_ops_sparse_attention import make_inputs, random_lines
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_FA4 = importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute")
+HAS_FA4 = importable("flash_attn.cute")
 
 
 def rebuild(cnt, idx, kind, S, bs, doc, transposed):

@@ -330,13 +330,17 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
 
     if s is not None:  # the concrete engine (auto resolved): what runs, what the cost model prices, what is logged
         engine = _say_engine(engine, q, s.block_size)
+
+    def sparse(index):
+        return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
+                                        deterministic=_deterministic_backward(engine))
+
     replay = _replay(layer_idx) if s is not None else None
     if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and index
         path, lines = replay
         if path == "sparse":
             index = SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
-            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
-                                            deterministic=_deterministic_backward(engine))
+            return sparse(index)
     elif s is not None and policy != "never" and not _skip_estimate(q, s, layer_idx, policy=policy,
                                                                       training=training, doc_ids=doc_ids,
                                                                       engine=engine):
@@ -350,8 +354,7 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         _remember(layer_idx, path, index, training)
         if path == "sparse":
-            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
-                                            deterministic=_deterministic_backward(engine))
+            return sparse(index)
     elif s is not None:
         _remember(layer_idx, "dense", None, training)
     if doc_ids is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 
 import torch
@@ -33,12 +32,10 @@ AUTO_FA4_BLOCK_SIZES: frozenset[int] = frozenset({128})
 @functools.lru_cache(maxsize=8)
 def _fa4_usable(device_type: str, device_index) -> bool:
     """Whether the fa4 engine can run here: a CUDA GPU of compute capability >= 9 with flash_attn.cute importable."""
-    if device_type != "cuda" or torch.cuda.get_device_capability(device_index)[0] < 9:
-        return False
-    try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except ImportError:  # no flash_attn package at all
-        return False
+    from mtrain.ops.dense import importable
+
+    return device_type == "cuda" and torch.cuda.get_device_capability(device_index)[0] >= 9 and importable(
+        "flash_attn.cute")
 
 
 # Entries of an index's cache that are not derived lists (the estimator's own recall figure, the lines it was built

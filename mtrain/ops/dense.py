@@ -12,13 +12,18 @@ import torch.nn.functional as F
 from mtrain.ops.reference import _check_qkv
 
 
+def importable(module: str) -> bool:
+    """Whether `module` (dotted) is installed, without importing it (a missing parent package is no error)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # the parent package is missing
+        return False
+
+
 def _has_flash_attn() -> bool:
     """Whether flash-attn 2's `flash_attn_func` can be imported: flash-attn-4 alone (the `fa4` extra) also
     provides a `flash_attn` package (only `flash_attn.cute`), which does not count."""
-    try:
-        return importlib.util.find_spec("flash_attn.flash_attn_interface") is not None
-    except ImportError:  # no `flash_attn` package at all
-        return False
+    return importable("flash_attn.flash_attn_interface")
 
 
 def dense_backend(q: torch.Tensor, return_lse: bool = False) -> str:

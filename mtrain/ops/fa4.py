@@ -190,15 +190,13 @@ class _Plan:
 def _plan(index: SparseIndex, doc_ids, num_kv_heads: int, head_dim: int) -> _Plan:
     if doc_ids is None and "fa4" in index._cache:
         return index._cache["fa4"]
-    n = index.n_blocks
-    ids, counts = index.block_ids.long(), index.block_counts.long()
-    last = torch.gather(ids, -1, (counts - 1).clamp(min=0)[..., None])[..., 0]
-    # from_lines (and so the estimate) guarantees it; other indices are checked (a host read)
-    listed = index._cache.get("diagonal_listed")
-    if not listed and bool(((counts < 1) | (last != torch.arange(n, device=ids.device))).any()):
-        raise ValueError(
-            "impl='fa4' needs every query block's list to end with its diagonal block (SparseIndex.from_lines and "
-            "estimate_vertical_slash always list it): a row without keys would reach FA4's backward with lse=-inf")
+    if not index._cache.get("diagonal_listed"):  # from_lines (and so the estimate) guarantees it; else a host read
+        ids, counts = index.block_ids.long(), index.block_counts.long()
+        last = torch.gather(ids, -1, (counts - 1).clamp(min=0)[..., None])[..., 0]
+        if bool(((counts < 1) | (last != torch.arange(index.n_blocks, device=ids.device))).any()):
+            raise ValueError(
+                "impl='fa4' needs every query block's list to end with its diagonal block (SparseIndex.from_lines and "
+                "estimate_vertical_slash always list it): a row without keys would reach FA4's backward with lse=-inf")
     plan = _Plan(fa4_block_lists(index, doc_ids), bool(index.col_counts.any()), _no_blocks(index), {})
     if doc_ids is None:
         if plan.has_cols and index.block_ids.is_cuda:
