@@ -257,6 +257,15 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
                                        impl=engine)
         bwd[deterministic] = timed(lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True), iters)
 
+    # the index as model layers build it on CUDA: replayed from a CUDA graph with the engine's plans (graphed.py)
+    graph_ms = float("nan")
+    if q.is_cuda:
+        from mtrain.models.attention import _prepare_spec, _say_engine
+        from mtrain.ops.graphed import estimate_graphed
+
+        prepare = _prepare_spec(q, k, _say_engine(engine, q, settings.block_size), None)
+        with torch.no_grad():
+            graph_ms = timed(lambda: estimate_graphed(q, k, **sparse_kw, prepare=prepare), iters, warmup=2)
     est = index._cache.get("est_recall")
     per_head = _true_recall(q, k, index, scale, recall_rows)
     return LayerResult(
@@ -264,7 +273,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         true_recall=float(per_head.mean()), min_head_recall=float(per_head.min()), path=path,
         dense_ms=dense_ms, mtrain_ms=mtrain_ms, index_ms=max(0.0, total_ms - fwd_ms - bwd[True]), fwd_ms=fwd_ms,
         bwd_ms=bwd[True], steady_ms=steady_ms, held=held,
-        extra={"bwd_deterministic_ms": bwd[True], "bwd_atomic_ms": bwd[False]},
+        extra={"bwd_deterministic_ms": bwd[True], "bwd_atomic_ms": bwd[False], "index_graph_ms": graph_ms},
     )
 
 
@@ -321,6 +330,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
             f"true {r.true_recall:.3f} (min head {r.min_head_recall:.3f}) {r.path:6s} | dense {r.dense_ms:7.2f} ms "
             f"mtrain {r.mtrain_ms:7.2f} ms ({r.dense_ms / r.mtrain_ms:4.2f}x) steady {r.steady_ms:7.2f} ms "
             f"({r.dense_ms / r.steady_ms:4.2f}x{', held' if r.held else ''}) | sparse index {r.index_ms:6.2f} "
+            f"(graph {r.extra['index_graph_ms']:5.2f}) "
             f"fwd {r.fwd_ms:6.2f} bwd {r.bwd_ms:6.2f} (deterministic {r.extra['bwd_deterministic_ms']:6.2f}, "
             f"atomic {r.extra['bwd_atomic_ms']:6.2f})")
     del qkv
@@ -359,6 +369,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "policy": policy, "engine": engine, "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
         "ppl_all_sparse": ppl["always"], "ppl_all_sparse_rise": ppl["always"] / ppl_dense - 1,
         "recall_rows": recall_rows,
+        "index_ms_range": [min(r.index_ms for r in results), max(r.index_ms for r in results)],
+        "index_graph_ms_range": [min(r.extra["index_graph_ms"] for r in results),
+                                 max(r.extra["index_graph_ms"] for r in results)],
         "kernels_ms": {name: sum(r.fwd_ms + r.extra[f"bwd_{name}_ms"] for r in results)
                        for name in ("deterministic", "atomic")},
     }
@@ -373,7 +386,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"{summary['layers_slower_than_dense']} (steady state: {summary['layers_slower_than_dense_steady']}); "
         f"every layer sparse, kernels only: deterministic backward {summary['kernels_ms']['deterministic']:.1f} ms "
         f"({dense_total / summary['kernels_ms']['deterministic']:.2f}x), atomic backward "
-        f"{summary['kernels_ms']['atomic']:.1f} ms ({dense_total / summary['kernels_ms']['atomic']:.2f}x)")
+        f"{summary['kernels_ms']['atomic']:.1f} ms ({dense_total / summary['kernels_ms']['atomic']:.2f}x); index per "
+        f"layer {summary['index_ms_range'][0]:.2f}-{summary['index_ms_range'][1]:.2f} ms eager, "
+        f"{summary['index_graph_ms_range'][0]:.2f}-{summary['index_graph_ms_range'][1]:.2f} ms from the CUDA graph")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         target = Path(out_dir) / f"real_{seq_len}.json"

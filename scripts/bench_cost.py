@@ -136,6 +136,23 @@ def bench_estimate(S, Hq, Hkv, D, bs, device, dtype, it, scorer="auto"):
                 ms_estimate=timed(lambda: estimate_vertical_slash(q, k, block_size=bs, scorer=scorer), it))
 
 
+def bench_graphed(S, Hq, Hkv, D, bs, device, dtype, it, engine="triton"):
+    """The estimate as model layers run it on CUDA: replayed from a CUDA graph that also builds the index and the
+    engine's plans (`estimate_graphed` with prepare=), the copy of its outputs included."""
+    from mtrain.ops.estimate import scored_row_count
+    from mtrain.ops.graphed import estimate_graphed
+
+    q, k, _ = qkv(S, Hq, Hkv, D, device, dtype, False)
+
+    def run():
+        return estimate_graphed(q, k, block_size=bs, prepare=(engine, Hkv, D))
+
+    for _ in range(3):  # compile, capture (and check against the eager estimate), replay
+        index = run()
+    return dict(kind="graphed", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, engine=engine,
+                rows=scored_row_count(S, 64, 16, bs), density=index.density(), ms_estimate=timed(run, it))
+
+
 def gpu_plan(engine="triton"):
     heads = {64: (9, 3), 128: (16, 2)}
     if engine == "fa4":  # the engine's sparse rows only, at the block size it runs (128)
@@ -158,6 +175,10 @@ def gpu_plan(engine="triton"):
         for S in (8192, 32768, 65536, 131072):
             yield ("estimate", S, Hq, Hkv, D, 64, "triton")
         yield ("estimate", 32768, Hq, Hkv, D, 64, "torch")  # the materialising scorer, for comparison
+    for D, (Hq, Hkv) in heads.items():  # the graphed estimate with each engine's plans at its block size
+        for S in (8192, 32768, 65536, 131072):
+            yield ("graphed", S, Hq, Hkv, D, 64, "triton")
+            yield ("graphed", S, Hq, Hkv, D, 128, "fa4")
     for S in (8192, 65536):  # the length term of the sparse fixed cost
         yield ("sparse", S, 9, 3, 64, 64, 0.05, 0)
         yield ("sparse", S, 9, 3, 64, 64, 0.3, 0)
@@ -265,12 +286,13 @@ def fit(path: str, table_json: str | None = None) -> dict:
         print(f"# index: worst relative error {err:.2f}")
         out["index"] = tuple(round(float(x), 4) for x in c)
         print(f"index={out['index']}")
-    e = [r for r in rows if r["kind"] == "estimate" and "rows" in r and r.get("scorer", "auto") != "torch"]
-    if e:
-        ce, err = _fit([[1, r["Hq"] * r["rows"] * r["S"] / 1e9] for r in e], [r["ms_estimate"] for r in e])
-        out["estimate"] = tuple(round(float(x), 4) for x in ce)
-        print(f"# estimate: worst relative error {err:.2f}")
-        print(f"estimate={out['estimate']}")
+    for kind in ("estimate", "graphed"):
+        e = [r for r in rows if r["kind"] == kind and "rows" in r and r.get("scorer", "auto") != "torch"]
+        if e:
+            ce, err = _fit([[1, r["Hq"] * r["rows"] * r["S"] / 1e9] for r in e], [r["ms_estimate"] for r in e])
+            out[kind] = tuple(round(float(x), 4) for x in ce)
+            print(f"# {kind}: worst relative error {err:.2f}")
+            print(f"{kind}={out[kind]}")
     if table_json:
         from mtrain.ops.cost import write_override
 
@@ -289,7 +311,7 @@ def main() -> int:
                     "the cost model's choice and its regret (GPU)")
     ap.add_argument("--write-table", metavar="JSON", help="with --fit: also write the fitted figures as a cost-table "
                     "override file (read through MTRAIN_COST_TABLE)")
-    ap.add_argument("--only", nargs="+", choices=("dense", "sparse", "estimate"),
+    ap.add_argument("--only", nargs="+", choices=("dense", "sparse", "estimate", "graphed"),
                     help="measure only these kinds (e.g. --only estimate after an estimator change)")
     ap.add_argument("--engine", default="triton", choices=("triton", "fa4"),
                     help="block engine of the sparse rows (fa4: its sparse rows at block 128 only; fit them into "
@@ -315,6 +337,8 @@ def main() -> int:
             row = bench_dense(*spec[1:], device, dtype, args.iters)
         elif spec[0] == "sparse":
             row = bench_sparse(*spec[1:], device, dtype, args.iters, args.engine)
+        elif spec[0] == "graphed":
+            row = bench_graphed(*spec[1:6], device, dtype, args.iters, *spec[6:])
         else:
             row = bench_estimate(*spec[1:6], device, dtype, args.iters, *spec[6:])
         row["wall_s"] = round(time.perf_counter() - t0, 2)

@@ -13,7 +13,7 @@
 #
 # Environment: MODEL_DIR (where the converted checkpoint goes; reused while the machine stays warm),
 # BENCH_ARGS (extra arguments for bench_attention.py), CHECK=0 skips the gate, CHECK_ARGS (for gpu_check.py),
-# EST=0 skips the estimator's cost fit, PROFILE=0 its profile, OUT (results folder). The machine stays warm only ~30 s between calls:
+# EST=0 skips the estimator's cost fit (eager and replayed from a CUDA graph), PROFILE=0 its profile, OUT (results folder). The machine stays warm only ~30 s between calls:
 # start call 2 as soon as call 1 returns.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,10 +38,11 @@ case "${1:-}" in
       python scripts/gpu_check.py ${CHECK_ARGS:-} 2>&1 | grep -v "^ \|Warning\|warn\|AUTOTUNE\|Autotune\|strides\|dtypes\|^{" | tee "$RESULTS/gpu_check.txt"
     fi
     if [ "${PROFILE:-1}" = 1 ]; then  # the estimator's stages, kernels and host synchronisations
-      python scripts/profile_estimate.py --seqs 32768 131072 --rows 20 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate.txt" | grep "^===\|^host\|^  est\|launched\|^ *[0-9]*x "
+      python scripts/profile_estimate.py --seqs 32768 131072 --rows 20 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate.txt" | grep "^===\|^CUDA\|^host\|^  est\|launched\|^ *[0-9]*x "
+      python scripts/profile_estimate.py --seqs 32768 131072 --rows 20 --block-size 128 --engine fa4 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate_128.txt" | grep "^===\|^CUDA\|^host\|^  est\|launched\|^ *[0-9]*x "
     fi
     if [ "${EST:-1}" = 1 ]; then
-      python scripts/bench_cost.py --only estimate --out "$RESULTS/cost_estimate.jsonl" | tail -12
+      python scripts/bench_cost.py --only estimate graphed --out "$RESULTS/cost_estimate.jsonl" | tail -28
       python scripts/bench_cost.py --fit "$RESULTS/cost_estimate.jsonl" --write-table /root/cost_table.json
       cp /root/cost_table.json "$RESULTS/"
     fi ;;

@@ -2,7 +2,10 @@
 `estimate_vertical_slash`), per kernel, the host-side enqueue time against the GPU time, and every host
 synchronisation (with the line that caused it).
 
-    python scripts/profile_estimate.py --seqs 32768 131072 [--heads 9 3 64] [--model-like]
+    python scripts/profile_estimate.py --seqs 32768 131072 [--heads 9 3 64] [--block-size 128] [--engine fa4]
+
+It also times the estimate as model layers run it: replayed from a CUDA graph (`estimate_graphed`), alone and with
+the engine's plans built in the same graph (`prepare=`), copies of the outputs included.
 
 A run whose enqueue time is close to its GPU time is launch-bound: fewer, larger kernels help; a run whose
 GPU time dominates needs faster kernels. Inputs: the benchmark's planted vertical-slash q/k (bench_attention).
@@ -26,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import make_inputs  # noqa: E402
 
 from mtrain.ops import estimate_vertical_slash  # noqa: E402
+from mtrain.ops.graphed import estimate_graphed, prepare_engine  # noqa: E402
 from mtrain.ops.index import SparseIndex  # noqa: E402
 
 
@@ -69,6 +73,8 @@ def main() -> int:
     ap.add_argument("--recall", type=float, default=0.99)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--rows", type=int, default=30, help="rows of the kernel table")
+    ap.add_argument("--engine", choices=("triton", "fa4"), default="triton",
+                    help="whose plans are built after the estimate (fa4: FA4's lists and the column path's plans)")
     args = ap.parse_args()
     Hq, Hkv, D = args.heads
     for S in args.seqs:
@@ -77,19 +83,31 @@ def main() -> int:
         def est():
             return estimate_vertical_slash(q, k, recall=args.recall, block_size=args.block_size)
 
+        prep = (args.engine, Hkv, D)
+
         def est_build():
             idx = est()
-            from mtrain.ops import _triton_attention
-
-            _triton_attention.prepare_backward(idx, Hkv, D)
+            with torch.profiler.record_function("est:7 prepare"):
+                prepare_engine(idx, prep)
             return idx
+
+        def graphed(prepare):
+            return lambda: estimate_graphed(q, k, recall=args.recall, block_size=args.block_size, prepare=prepare)
 
         idx = est()
         g, e = gpu_ms(est)
         g2, e2 = gpu_ms(est_build)
         print(f"\n=== S={S} Hq={Hq} Hkv={Hkv} D={D} bs={args.block_size}: density {idx.density():.3f}, "
               f"verticals {int((idx.col_counts > 0).sum())} rows with columns; estimate GPU {g:.2f} ms "
-              f"(enqueue {e:.2f} ms on the host); with backward plans GPU {g2:.2f} ms (enqueue {e2:.2f})", flush=True)
+              f"(enqueue {e:.2f} ms on the host); with the {args.engine} plans GPU {g2:.2f} ms (enqueue {e2:.2f})",
+              flush=True)
+        for prepare in (None, prep):
+            fn = graphed(prepare)
+            for _ in range(3):  # warm, capture + check, replay
+                fn()
+            gg, ee = gpu_ms(fn)
+            print(f"CUDA graph replay{'' if prepare is None else ' with the ' + args.engine + ' plans'}: "
+                  f"GPU {gg:.2f} ms (enqueue {ee:.2f} ms)", flush=True)
         found = syncs(est_build)
         print(f"host synchronisations per call: {sum(found.values())}")
         for (where, msg), c in found.most_common():

@@ -182,3 +182,29 @@ def test_cost_table_override_from_measured_rows(tmp_path, monkeypatch):
     table.write_text('{"estimate": [1.0]}')
     with pytest.raises(MtrainError, match="MTRAIN_COST_TABLE=.*estimate needs 2 numbers"):
         cost.table_for("cuda")
+
+
+def test_graphed_estimate_carries_the_index_term(monkeypatch):
+    """CostTable.graphed (the estimate replayed from a CUDA graph that also builds the index and the engine's plans):
+    where measured, a graphed prediction charges the estimate those figures and the sparse path no index term; where
+    not measured (0, 0), graphed changes nothing."""
+    args = dict(seq_len=32768, heads=9, head_dim=64, block_size=128, engine="fa4")
+    work = (300_000, 20_000)
+    unmeasured = dataclasses.replace(cost.H200, graphed=(0.0, 0.0))
+    monkeypatch.setattr(cost, "H200", unmeasured)
+    assert cost.predict(*work, **args, estimate_rows=2112, graphed=True) == cost.predict(*work, **args,
+                                                                                         estimate_rows=2112)
+    assert (cost.worth_estimating(**args, rows=2112, graphed=True)
+            == cost.worth_estimating(**args, rows=2112))
+    measured = dataclasses.replace(cost.H200, graphed=(1.0, 2.0))
+    monkeypatch.setattr(cost, "H200", measured)
+    p = cost.predict(*work, **args, estimate_rows=2112, graphed=True)
+    assert p.estimate_ms == pytest.approx(1.0 + 2.0 * 9 * 2112 * 32768 / 1e9)
+    kernels = cost.sparse_ms(*work, 32768, 9, 64, 128, engine="fa4", with_index=False, table=measured)
+    assert p.sparse_ms == pytest.approx(kernels)
+    eager = cost.predict(*work, **args, estimate_rows=2112)
+    assert eager.sparse_ms > p.sparse_ms and eager.estimate_ms == pytest.approx(
+        cost.estimate_ms(32768, 9, 2112, table=measured))
+    floor = cost.worth_estimating(**args, rows=2112, graphed=True).sparse_ms
+    assert floor == pytest.approx(p.estimate_ms + cost.sparse_ms(0, 0, 32768, 9, 64, 128, engine="fa4",
+                                                                  with_index=False, table=measured))

@@ -235,3 +235,30 @@ def test_graphed_estimate_clone_and_comparison():
     other = _clone(eager)
     other._cache["est_recall"] = other._cache["est_recall"] * 0.5
     assert not same_index(other, eager)
+
+
+def test_graphed_clone_copies_engine_plans():
+    """What prepare_engine adds to an index's cache (here FA4's lists, buildable on the CPU) is deep-copied by the
+    clone a replay returns: equal values, the same types, no storage shared with the original, and tensors shared
+    between entries still shared in the copy."""
+    from mtrain.ops.fa4 import Fa4Lists
+    from mtrain.ops.graphed import _clone, prepare_engine
+
+    q, k = planted(1024, 4, 2, 32, seed=5)
+    index = estimate_vertical_slash(q, k, recall=0.95, block_size=128, sample_blocks=2)
+    prepare_engine(index, ("fa4", 2, 32))
+    plan = index._cache["fa4"]
+    copy = _clone(index)
+    got = copy._cache["fa4"]
+    assert type(got) is type(plan) and isinstance(got.lists, Fa4Lists) and got.has_cols == plan.has_cols
+    for name in ("full_cnt", "full_idx", "mask_cnt", "mask_idx", "full_q_cnt", "full_q_idx", "mask_q_cnt",
+                 "mask_q_idx"):
+        a, b = getattr(plan.lists, name), getattr(got.lists, name)
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), name
+    # the forward's mask counts and the backward's are one tensor (all ones): one tensor in the copy too
+    assert plan.lists.mask_cnt is plan.lists.mask_q_cnt
+    assert got.lists.mask_cnt is got.lists.mask_q_cnt
+    t_a, t_b = index._cache["t"], copy._cache["t"]
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(t_a, t_b))
+    with pytest.raises(ValueError, match="engine must be"):
+        prepare_engine(index, ("flex", 2, 32))

@@ -145,7 +145,7 @@ RECALL_SLACK = 0.04
 
 
 def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0,
-                 engine: str = "auto"):
+                 engine: str = "auto", graphed: bool = False):
     """("sparse" | "dense", Prediction or None) for one call with the estimated `index` under `policy`.
 
     Decided from the index's integer work counts and its est_recall (identical on every rank of a CP group,
@@ -154,7 +154,8 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
     estimate's mean over heads falls short of it by more than RECALL_SLACK. The index build is already paid; what the
     dense path saves is everything the kernels derive from it (built lazily on the first kernel call) and the
     kernels. rows: the query rows the estimate scored (the Prediction then carries its predicted cost). engine: the
-    block engine that would run the sparse path (its measured rates, where the cost table has them).
+    block engine that would run the sparse path (its measured rates, where the cost table has them). graphed: the
+    estimate ran from a CUDA graph that also built the engine's plans (`cost.predict`).
     """
     if policy == "always":
         return "sparse", None
@@ -173,14 +174,15 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
     doc_lengths = None if doc_ids is None else _document_lengths(doc_ids)
     prediction = cost.predict(blocks, columns, seq_len=index.seq_len, heads=Hq, head_dim=D,
                               block_size=index.block_size, batch=B, backward=training, device=q.device,
-                              world=world, doc_lengths=doc_lengths, estimate_rows=rows, engine=engine)
+                              world=world, doc_lengths=doc_lengths, estimate_rows=rows, engine=engine,
+                              graphed=graphed)
     if len(read) == 3 and read[2] < target - RECALL_SLACK:
         prediction = dataclasses.replace(prediction, path="dense")
     return prediction.path, prediction
 
 
 def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 1, doc_ids=None,
-                   engine: str = "auto") -> bool:
+                   engine: str = "auto", graphed: bool = False) -> bool:
     """Under "auto": True when sparse cannot pay even with no work listed (the estimate and the fixed costs
     alone exceed dense; `mtrain.ops.cost.worth_estimating`). The call then runs dense without estimating and
     records the floor. Decided from shapes and settings every rank shares."""
@@ -196,7 +198,8 @@ def _skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int =
     doc_lengths = None if doc_ids is None or world > 1 else _document_lengths(doc_ids)
     floor = cost.worth_estimating(seq_len=S, heads=Hq, head_dim=D, block_size=s.block_size,
                                   rows=_scored_rows(s, S), batch=B, backward=training,
-                                  device=q.device, world=world, doc_lengths=doc_lengths, engine=engine)
+                                  device=q.device, world=world, doc_lengths=doc_lengths, engine=engine,
+                                  graphed=graphed)
     if floor.path == "sparse":
         return False
     CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, floor.dense_ms, floor.sparse_ms))
@@ -320,6 +323,20 @@ def _deterministic_backward(engine: str) -> bool:
     return engine != "fa4" or torch.are_deterministic_algorithms_enabled()
 
 
+def _prepare_spec(q, k, engine: str, doc_ids):
+    """`estimate_graphed`'s prepare= for a layer: (engine, KV heads, head dim) where the engine's plans can be built
+    with the index (our Triton kernels or fa4, no documents: with documents the engines derive them per call)."""
+    return (engine, k.shape[2], q.shape[-1]) if engine in ("triton", "fa4") and doc_ids is None else None
+
+
+def _graphed(q, k, engine: str, doc_ids) -> bool:
+    """Whether this layer's estimate runs from a CUDA graph that also builds the engine's plans (what the cost
+    model then charges the estimate: CostTable.graphed)."""
+    from mtrain.ops import graphed
+
+    return graphed.GRAPH_ESTIMATE and q.is_cuda and _prepare_spec(q, k, engine, doc_ids) is not None
+
+
 def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None,
                      engine="auto"):
     """One rank holds the whole sequence: dense causal, or online vertical-slash sparse attention with
@@ -343,13 +360,17 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
             return sparse(index)
     elif s is not None and policy != "never" and not _skip_estimate(q, s, layer_idx, policy=policy,
                                                                       training=training, doc_ids=doc_ids,
-                                                                      engine=engine):
+                                                                      engine=engine,
+                                                                      graphed=_graphed(q, k, engine, doc_ids)):
         # every SparseSettings field is an estimate_vertical_slash keyword of the same name
         fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
-        # on CUDA replayed from a graph once the shapes have been seen twice (its ~280 launches are the cost at 32K)
-        index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids)
+        # on CUDA replayed from a graph once the shapes have been seen twice (its ~280 launches are the cost at 32K),
+        # with what the engine derives from the index (another ~100 launches) built in the same graph
+        index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids,
+                                 prepare=_prepare_spec(q, k, engine, doc_ids))
         path, prediction = _choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
-                                        target=s.recall, rows=_scored_rows(s, q.shape[1]), engine=engine)
+                                        target=s.recall, rows=_scored_rows(s, q.shape[1]), engine=engine,
+                                        graphed=_graphed(q, k, engine, doc_ids))
         _hold(layer_idx, prediction, policy, training)
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         _remember(layer_idx, path, index, training)

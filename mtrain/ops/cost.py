@@ -38,6 +38,10 @@ class CostTable:
         SparseIndex from the lines and everything the backward derives from it (transposed lists, column plan).
     estimate = (ms0, ms per 1e9 of B * Hq * scored rows * S): the online estimate (`estimate_vertical_slash`:
         scoring the sampled query rows against all keys, selecting lines), paid before any choice is possible.
+    graphed = (ms0, ms per 1e9 of B * Hq * scored rows * S): the estimate as model layers run it on CUDA without
+        documents: replayed from a CUDA graph that also builds the index and everything the engine derives from it
+        (`mtrain.ops.graphed.estimate_graphed` with prepare=); the index term is then already paid. (0, 0): not
+        measured; `estimate` + `index` are used instead.
     engines[name] = a `sparse` dict of another block engine (`vertical_slash_attention`'s impl, e.g. "fa4"), for
         the block sizes it runs; an engine or block size it lacks uses `sparse` (our Triton kernels).
     A head dim or block size that was not measured takes the nearest measured one (its rate per unit).
@@ -49,6 +53,7 @@ class CostTable:
     sparse: dict
     index: tuple
     estimate: tuple = (0.0, 0.0)
+    graphed: tuple = (0.0, 0.0)
     engines: dict = dataclasses.field(default_factory=dict)
 
 
@@ -122,7 +127,7 @@ def table_for(device) -> CostTable:
     return H200 if kind == "cuda" else CPU
 
 
-_FIELDS = ("dense", "sparse", "index", "estimate")
+_FIELDS = ("dense", "sparse", "index", "estimate", "graphed")
 
 
 def write_override(path: str, figures: dict, source: str) -> None:
@@ -228,26 +233,33 @@ def sparse_ms(blocks: float, columns: float, seq_len: int, heads: int, head_dim:
     return total
 
 
+def _graphed(table: CostTable, graphed: bool) -> bool:
+    """Whether the graphed-estimate figures apply: asked for, and measured for this table."""
+    return graphed and any(table.graphed)
+
+
 def estimate_ms(seq_len: int, heads: int, rows: int, *, batch: int = 1, table: CostTable = H200,
-                world: int = 1) -> float:
+                world: int = 1, graphed: bool = False) -> float:
     """Predicted ms of the online estimate scoring `rows` query rows against `seq_len` keys (world > 1: each
-    rank scores against its 1/world of the keys)."""
-    ms0, per_unit = table.estimate
+    rank scores against its 1/world of the keys). graphed: the estimate replayed from a CUDA graph with the index
+    and the engine's plans built in it (CostTable.graphed, where measured)."""
+    ms0, per_unit = table.graphed if _graphed(table, graphed) else table.estimate
     return ms0 + per_unit * batch * heads * min(rows, seq_len) * seq_len / 1e9 / world
 
 
 def worth_estimating(*, seq_len: int, heads: int, head_dim: int, block_size: int, rows: int, batch: int = 1,
                      backward: bool = True, device="cuda", world: int = 1, doc_lengths=None,
-                     margin: float = SPARSE_MARGIN, engine: str = "auto") -> Prediction:
+                     margin: float = SPARSE_MARGIN, engine: str = "auto", graphed: bool = False) -> Prediction:
     """Whether sparse attention can pay at all, before estimating: its floor (the estimate + the index's and
     kernels' fixed costs with no listed work) against dense. Prediction.path "dense" = it cannot: run dense
-    and skip the estimate; sparse_ms holds the floor."""
+    and skip the estimate; sparse_ms holds the floor. graphed: as in `predict`."""
     table = table_for(device)
     dense = dense_ms(seq_len, heads, head_dim, batch=batch, backward=backward, table=table,
                      doc_lengths=doc_lengths) / world
-    floor = (estimate_ms(seq_len, heads, rows, batch=batch, table=table, world=world)
+    g = _graphed(table, graphed)
+    floor = (estimate_ms(seq_len, heads, rows, batch=batch, table=table, world=world, graphed=g)
              + sparse_ms(0, 0, seq_len, heads, head_dim, block_size, batch=batch, backward=backward, table=table,
-                         world=world, engine=engine))
+                         world=world, engine=engine, with_index=not g))
     return Prediction(dense, floor, choose(dense, floor, margin))
 
 
@@ -284,19 +296,24 @@ def choose(dense: float, sparse: float, margin: float = SPARSE_MARGIN) -> str:
 
 def predict(blocks: float, columns: float, *, seq_len: int, heads: int, head_dim: int, block_size: int,
             batch: int = 1, backward: bool = True, device="cuda", world: int = 1, doc_lengths=None,
-            margin: float = SPARSE_MARGIN, estimate_rows: int = 0, engine: str = "auto") -> Prediction:
+            margin: float = SPARSE_MARGIN, estimate_rows: int = 0, engine: str = "auto",
+            graphed: bool = False) -> Prediction:
     """Both paths' predicted ms for one rank and the cheaper path (see `choose`).
 
     world: context-parallel group size (dense and sparse kernels split over the ranks; the index is whole on
     every rank; the ring's KV traffic, the same for both paths, is left out). doc_lengths: the documents'
     lengths when the dense path runs one call per document (single device with packed documents).
     estimate_rows: the query rows the estimate scored (> 0: Prediction.estimate_ms holds its predicted cost).
-    engine: the block engine of the sparse path (see `sparse_ms`).
+    engine: the block engine of the sparse path (see `sparse_ms`). graphed: the estimate ran from a CUDA graph that
+    also built the index and the engine's plans (CostTable.graphed, where measured): the sparse path then no longer
+    pays the index term, and the estimate's predicted cost includes it.
     """
     table = table_for(device)
     dense = dense_ms(seq_len, heads, head_dim, batch=batch, backward=backward, table=table,
                      doc_lengths=doc_lengths) / world
+    g = _graphed(table, graphed)
     sparse = sparse_ms(blocks, columns, seq_len, heads, head_dim, block_size, batch=batch, backward=backward,
-                       table=table, world=world, engine=engine)
-    est = estimate_ms(seq_len, heads, estimate_rows, batch=batch, table=table, world=world) if estimate_rows else 0.0
+                       table=table, world=world, engine=engine, with_index=not g)
+    est = (estimate_ms(seq_len, heads, estimate_rows, batch=batch, table=table, world=world, graphed=g)
+           if estimate_rows else 0.0)
     return Prediction(dense, sparse, choose(dense, sparse, margin), est)

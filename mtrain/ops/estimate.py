@@ -268,6 +268,22 @@ def block_slash_mass(pooled: torch.Tensor, rows: torch.Tensor, block_size: int) 
     return torch.where(key_blk >= 0, got, 0.0).sum(-2)
 
 
+def kept_mass(mandatory, vert, v_idx, slash1, s_idx) -> torch.Tensor:
+    """Mass of the scored rows inside the index the lines build, summed over rows, per query head, from what the
+    estimate already holds (no second pass over q and k): the always-kept blocks, plus the chosen verticals'
+    mass outside them, plus the chosen block offsets' mass that neither covers. Exact, because the index lists
+    for query block i exactly blocks 0 and i, blocks i - a for the chosen offsets a (block-aligned slashes), and
+    the verticals as columns where their key block is not listed; `slash1` is each offset's mass less the
+    verticals inside it, so nothing is counted twice. Per head: mandatory [B, Hkv, G], vert [B, Hkv, G, S] (column
+    mass outside the kept blocks), slash1 [B, Hkv, G, nKB]; v_idx / s_idx [B, Hkv, G or 1, N], -1 padded (the
+    columns; the block offsets) -> [B, Hkv, G]."""
+    def picked(values, ids):
+        ids = ids.expand(*values.shape[:-1], -1)
+        return torch.where(ids >= 0, torch.gather(values, -1, ids.clamp(min=0)), 0.0).sum(-1)
+
+    return mandatory + picked(vert, v_idx) + picked(slash1, s_idx)
+
+
 def choose_verticals(cand_mass, cand_ids, slash_mass, need, cap_v: int, min_v: int, block_size: int):
     """Cost-aware split of the budget: candidate columns (mass per column, [..., C]) and block offsets
     (slash_mass [..., nKB], offset 0 = the kept diagonal) are ranked together by mass per key a query block
@@ -332,7 +348,8 @@ def estimate_vertical_slash(
     "triton" on a GPU at a power-of-two block_size >= 16, else "torch". Both give the same index up to float
     summation order.
     The returned index carries `index._cache["est_recall"]` (fp32 [B, Hq]): the exact mean mass of the scored
-    rows inside the final index (blocks after expansion, sink and diagonal included, and columns).
+    rows inside the final index (blocks after expansion, sink and diagonal included, and columns), summed from
+    the per-block, per-column and per-offset masses the steps above computed (`kept_mass`).
     """
     if not 0.0 < recall <= 1.0:
         raise ValueError(f"recall must be in (0, 1]; got {recall}")
@@ -382,6 +399,7 @@ def estimate_vertical_slash(
             slash_heads = block_slash_mass(rest, rows, block_size)  # [B, Hkv, G, nKB]
         slash0 = slash_heads
         total = float(rows.numel())
+        mandatory_heads, vert_heads = mandatory, vert
         if share_kv_group:
             mandatory, vert, slash0 = (t.sum(2, keepdim=True) for t in (mandatory, vert, slash_heads))
             total *= G
@@ -401,6 +419,7 @@ def estimate_vertical_slash(
             else:
                 uncovered = uncovered_blocks(probs, rest, rows, k_pos, v_idx, S, block_size)
                 slash1 = block_slash_mass(uncovered, rows, block_size)
+        slash1_heads = slash1
         if share_kv_group:
             slash1 = slash1.sum(2, keepdim=True)
         s_target = recall if slash_recall is None else slash_recall
@@ -410,20 +429,12 @@ def estimate_vertical_slash(
             s_idx = fewest(slash1[..., 1:], offsets[1:].expand(*slash1.shape[:-1], -1), s_need, cap_s,
                            -(-min_slash // block_size), trim=probs is not None)
         s_tok = torch.where(s_idx >= 0, s_idx * block_size, -1)
+        with stage("est:6 covered"):
+            covered = kept_mass(mandatory_heads, vert_heads, v_idx, slash1_heads, s_idx)
         v_idx = v_idx.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
         s_tok = s_tok.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
         with stage("est:5 index"):
             index = SparseIndex.from_lines(v_idx, s_tok, S, block_size)
-        with stage("est:6 covered"):
-            if probs is None:  # blocks from the pooled sums; columns from q and k, per query block
-                cols = index.col_ids[:, :, row_blocks]  # [B, Hq, U, C]
-                ok = torch.arange(cols.shape[-1], device=q.device) < index.col_counts[:, :, row_blocks, None]
-                colsum = group_column_mass(q_rows, k, lse, rows, table, torch.where(ok, cols, -1), scale,
-                                           block_size, docs)
-                covered = (_in_blocks(index, rows // block_size, pooled.view(B, Hq, n, -1)).sum(-1)
-                           + colsum.sum((-1, -2)))
-            else:
-                covered = covered_mass(index, rows, probs.view(B, Hq, n, S), pooled.view(B, Hq, n, -1), k_pos)
-        index._cache["est_recall"] = covered / n
+        index._cache["est_recall"] = covered.reshape(B, Hq) / n
         index._cache["lines"] = (v_idx, s_tok)  # `SparseIndex.from_lines` arguments (gradient checkpointing)
         return index

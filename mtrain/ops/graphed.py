@@ -2,10 +2,13 @@
 and at 32K their host launches cost about what their GPU work does. Its shapes depend only on the input shapes
 and settings and it makes no host synchronisation, so one capture per (shapes, settings) serves every layer and
 step of a training run: the inputs are copied into the graph's buffers, the graph is replayed, and the outputs
-are cloned into a fresh `SparseIndex` (each layer keeps its index for the backward)."""
+are cloned into a fresh `SparseIndex` (each layer keeps its index for the backward). With `prepare=(engine,
+num_kv_heads, head_dim)` the graph also holds what that block engine derives from the index (the backward's
+transposed lists, column plan and work items; FA4's lists): built eagerly they cost ~100 more launches per layer."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections import OrderedDict
@@ -30,18 +33,18 @@ _GRAPHS: OrderedDict = OrderedDict()
 class _Graph:
     """One captured estimate: its input buffers and the index its replays write."""
 
-    def __init__(self, q, k, doc_ids, kwargs):
+    def __init__(self, q, k, doc_ids, kwargs, prepare=None):
         self.q, self.k = q.detach().clone(), k.detach().clone()
         self.doc_ids = None if doc_ids is None else doc_ids.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # a warm-up on a side stream before capture (lazy allocations, plans)
-            estimate_vertical_slash(self.q, self.k, doc_ids=self.doc_ids, **kwargs)
+            _estimate(self.q, self.k, self.doc_ids, kwargs, prepare)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (a data loader pinning memory) stay legal during the capture
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.index = estimate_vertical_slash(self.q, self.k, doc_ids=self.doc_ids, **kwargs)
+            self.index = _estimate(self.q, self.k, self.doc_ids, kwargs, prepare)
 
     def __call__(self, q, k, doc_ids) -> SparseIndex:
         self.q.copy_(q)
@@ -52,18 +55,38 @@ class _Graph:
         return _clone(self.index)
 
 
-def _clone_value(v):
-    if isinstance(v, torch.Tensor):
-        return v.clone()
-    if isinstance(v, tuple):
-        return tuple(_clone_value(x) for x in v)
-    return v
+def prepare_engine(index: SparseIndex, prepare) -> None:
+    """Build, into `index._cache`, what block engine `engine` derives from the index: prepare = (engine,
+    num_kv_heads, head_dim) with engine "triton" (the deterministic backward's plans) or "fa4" (FA4's lists and the
+    column path's plans; an index without documents), or None (nothing). Device work only: capturable."""
+    if prepare is None:
+        return
+    engine, num_kv_heads, head_dim = prepare
+    if engine == "fa4":
+        from mtrain.ops.fa4 import prepare_fa4
+
+        prepare_fa4(index, num_kv_heads, head_dim)
+    elif engine == "triton":
+        from mtrain.ops._triton_attention import prepare_backward
+
+        prepare_backward(index, num_kv_heads, head_dim)
+    else:
+        raise ValueError(f"prepare: engine must be 'triton' or 'fa4'; got {engine!r}")
+
+
+def _estimate(q, k, doc_ids, kwargs, prepare) -> SparseIndex:
+    index = estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
+    prepare_engine(index, prepare)
+    return index
 
 
 def _clone(index: SparseIndex) -> SparseIndex:
-    out = SparseIndex(index.block_ids.clone(), index.block_counts.clone(), index.col_ids.clone(),
-                      index.col_counts.clone(), index.seq_len, index.block_size)
-    out._cache.update({name: _clone_value(v) for name, v in index._cache.items()})
+    """A copy of the index and of everything in its cache (tensors, and the tuples, dicts and dataclasses that hold
+    them), sharing nothing with the graph's buffers; tensors shared between entries stay shared in the copy."""
+    memo: dict = {}
+    out = SparseIndex(*(copy.deepcopy(t, memo) for t in (index.block_ids, index.block_counts, index.col_ids,
+                                                          index.col_counts)), index.seq_len, index.block_size)
+    out._cache.update(copy.deepcopy(index._cache, memo))
     return out
 
 
@@ -75,8 +98,11 @@ def same_index(a: SparseIndex, b: SparseIndex) -> bool:
     return lists and (ra is None) == (rb is None) and (ra is None or torch.allclose(ra, rb, rtol=1e-5, atol=1e-6))
 
 
-def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor | None = None, **kwargs) -> SparseIndex:
-    """`estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)`, replayed from a CUDA graph on CUDA.
+def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor | None = None, prepare=None,
+                     **kwargs) -> SparseIndex:
+    """`estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)`, replayed from a CUDA graph on CUDA; with
+    `prepare=(engine, num_kv_heads, head_dim)` the graph also builds what that engine derives from the index
+    (`prepare_engine`; eagerly the engine builds it on first use, so nothing is built for a layer that runs dense).
 
     The first call with given shapes and settings runs eagerly (it compiles the kernels); the second captures
     the graph, replays it once and compares the result with an eager run on the same inputs: the graph serves
@@ -85,7 +111,7 @@ def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor 
     if not (GRAPH_ESTIMATE and q.is_cuda) or torch.cuda.is_current_stream_capturing():
         return estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, doc_ids is None,
-           None if doc_ids is None else tuple(doc_ids.shape), tuple(sorted(kwargs.items())))
+           None if doc_ids is None else tuple(doc_ids.shape), tuple(sorted(kwargs.items())), prepare)
     entry = _GRAPHS.get(key)
     if isinstance(entry, _Graph):
         _GRAPHS.move_to_end(key)
@@ -96,7 +122,7 @@ def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor 
         return estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
     eager = estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
     try:
-        graph = _Graph(q, k, doc_ids, kwargs)
+        graph = _Graph(q, k, doc_ids, kwargs, prepare)
         replayed = graph(q, k, doc_ids)
     except Exception as exc:  # an op that cannot be captured: this key runs eagerly from now on
         _GRAPHS[key] = "eager"
