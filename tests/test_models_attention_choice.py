@@ -496,3 +496,26 @@ def test_auto_engine_is_resolved_and_logged_once(caplog):
         call(q, k, v, LOCAL, "always")
     said = [r.getMessage() for r in caplog.records if "sparse attention engine" in r.getMessage()]
     assert said == [f"sparse attention engine: {resolve_impl('auto', cpu, BS)} (attention.engine=auto, block {BS}, cpu)"]
+
+
+def test_auto_decides_from_the_layers_previous_estimate():
+    """LAGGED_CHOICE: a layer's first call decides from its own estimate; later calls of the same layer and shape
+    from the estimate before theirs (read without waiting for the GPU), so a pattern that changes moves the choice
+    one call later; another layer, or LAGGED_CHOICE off, decides from its own estimate."""
+    import mtrain.models.attention as attention
+
+    local, flat = inputs("local"), inputs("flat")
+    call(*local, LOCAL, "auto", training=False)
+    call(*flat, LOCAL, "auto", training=False)  # the flat pattern, decided on the local one's counts
+    call(*flat, LOCAL, "auto", training=False)  # now on the flat one's own
+    call(*flat, LOCAL, "auto", training=False, layer=1)  # a layer's first call: its own counts
+    paths = [r.path for r in CONTEXT.layers]
+    assert paths == ["sparse", "sparse", "dense", "dense"]
+    CONTEXT.layers.clear()
+    attention.LAGGED_CHOICE = False
+    try:
+        call(*local, LOCAL, "auto", training=False, layer=2)
+        call(*flat, LOCAL, "auto", training=False, layer=2)
+    finally:
+        attention.LAGGED_CHOICE = True
+    assert [r.path for r in CONTEXT.layers] == ["sparse", "dense"]

@@ -89,6 +89,9 @@ class AttentionContext:
     memo: dict = field(default_factory=dict)
     """layer index -> (path, lines) of the layer's last forward in training: "sparse" or "dense", and the lines
     its index was built from (`index._cache["lines"]`; small next to the lists, which are rebuilt from them)."""
+    choice_stats: dict = field(default_factory=dict)
+    """(layer index, q shape) -> (host tensor, event or None): the work counts and mean estimated recall of that
+    layer's last estimate, copied to the host without waiting (see LAGGED_CHOICE)."""
     sample_imbalance: bool = True
     """Whether layer 0 measures the imbalance in this forward (the trainer sets it on the steps it logs): each CP rank
     counts its own rows' work on the CPU and one small all-gather combines them."""
@@ -144,8 +147,45 @@ class LayerRecord:
 RECALL_SLACK = 0.04
 
 
+# Under "auto" on one device, a layer's choice reads the work counts and estimated recall of that layer's previous
+# estimate (same shapes; one step old in training), copied to the host without waiting, instead of its own: reading
+# its own makes the host wait for the GPU to finish the estimate before it can queue the attention kernels, and at
+# 32K on SmolLM2 (H200, fa4 engine) the host's work after that wait (the kernels' launches) cost ~2.5 ms per layer
+# against 2.6 ms of estimate and ~4 ms of kernels. A layer's first estimate (per shape) is read directly. The
+# pattern, and so the choice, moves slowly in training (the premise of dense_hold as well). False: read each
+# estimate itself.
+LAGGED_CHOICE = True
+
+
+def _choice_stats(index, q, target, layer_idx) -> list:
+    """[listed block entries, listed column entries(, mean est_recall)] that `_choose_path` decides from: this
+    estimate's, or with LAGGED_CHOICE and a layer index the previous estimate's of this layer and shape (this one's
+    copy starts now, without waiting, for the next call)."""
+    parts = [index.work_tensor()]  # the whole index's work (a CP rank's RowIndex knows it from the lines)
+    est = index._cache.get("est_recall")
+    if target is not None and est is not None:
+        parts.append(est.double().mean().view(1))
+    now = torch.cat(parts)
+    if not LAGGED_CHOICE or layer_idx is None:
+        return now.tolist()  # one device-to-host read
+    key = (layer_idx, tuple(q.shape), len(parts))
+    before = CONTEXT.choice_stats.get(key)
+    if now.is_cuda:
+        host = torch.empty(now.shape, dtype=now.dtype, pin_memory=True)
+        host.copy_(now, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        host, event = now.clone(), None
+    CONTEXT.choice_stats[key] = (host, event)
+    host, event = before if before is not None else (host, event)
+    if event is not None:
+        event.synchronize()  # the previous estimate's copy finished long ago: no wait in practice
+    return host.tolist()
+
+
 def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0,
-                 engine: str = "auto", graphed: bool = False):
+                 engine: str = "auto", graphed: bool = False, layer_idx=None):
     """("sparse" | "dense", Prediction or None) for one call with the estimated `index` under `policy`.
 
     Decided from the index's integer work counts and its est_recall (identical on every rank of a CP group,
@@ -155,7 +195,8 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
     dense path saves is everything the kernels derive from it (built lazily on the first kernel call) and the
     kernels. rows: the query rows the estimate scored (the Prediction then carries its predicted cost). engine: the
     block engine that would run the sparse path (its measured rates, where the cost table has them). graphed: the
-    estimate ran from a CUDA graph that also built the engine's plans (`cost.predict`).
+    estimate ran from a CUDA graph that also built the engine's plans (`cost.predict`). layer_idx: given on one
+    device, the counts come from this layer's previous estimate (LAGGED_CHOICE).
     """
     if policy == "always":
         return "sparse", None
@@ -163,11 +204,7 @@ def _choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_i
         return "dense", None
     from mtrain.ops import cost
 
-    est = index._cache.get("est_recall")
-    parts = [index.work_tensor()]  # the whole index's work (a CP rank's RowIndex knows it from the lines)
-    if target is not None and est is not None:
-        parts.append(est.double().mean().view(1))
-    read = torch.cat(parts).tolist()  # one device-to-host read
+    read = _choice_stats(index, q, target, layer_idx)
     blocks, columns = int(read[0]), int(read[1])
     B, _, Hq, D = q.shape
     # one device with packed documents: the dense path runs one call per document
@@ -370,7 +407,7 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
                                  prepare=_prepare_spec(q, k, engine, doc_ids))
         path, prediction = _choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
                                         target=s.recall, rows=_scored_rows(s, q.shape[1]), engine=engine,
-                                        graphed=_graphed(q, k, engine, doc_ids))
+                                        graphed=_graphed(q, k, engine, doc_ids), layer_idx=layer_idx)
         _hold(layer_idx, prediction, policy, training)
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         _remember(layer_idx, path, index, training)

@@ -87,7 +87,12 @@ H200 = CostTable(
             (128, 64): {"train": (0.8387, 2.5521, 48.8525, 74.734), "eval": (0.2091, 0.2714, 12.017, 19.4613)},
             (128, 128): {"train": (2.0794, 2.2202, 40.1415, 69.7131), "eval": (0.2719, 0.2234, 11.9352, 17.2914)}},
     index=(2.0754, 0.0, 0.0, 0.0186),
-    estimate=(3.3017, 1.8256),
+    # estimate and graphed re-measured 2026-11-25 (`bench_cost.py --only estimate graphed`, random q/k so the caps
+    # bind, 8K-128K, 9/3 x 64 and 16/2 x 128): eager 4.05-8.17 ms (worst relative error of the fit 14%); replayed
+    # from the CUDA graph with the engine's plans (triton at block 64, fa4 at 128) 2.08-11.86 ms (27%), e.g. 2.64 ms
+    # at 32K x 9 heads, block 128 (2112 scored rows), where the eager estimate + index + plans took ~7.7 ms.
+    estimate=(4.3726, 1.8161),
+    graphed=(1.964, 2.0683),
     # FlashAttention-4 for the listed blocks + our column kernels (impl="fa4", FA4's own backward as training runs
     # it), block 128: `python scripts/bench_cost.py --engine fa4 --only sparse` then `--fit` on one H200,
     # 2026-11-25 (flash-attn-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1, torch 2.11, triton 3.6; 32K and 128K, 1.2-28% of
