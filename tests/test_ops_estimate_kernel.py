@@ -100,10 +100,12 @@ def test_score_rows_sums_against_float64(keys_per_program, monkeypatch):
     assert torch.allclose(vert.double(), (p * outside).sum(-2), atol=1e-6)
 
 
-@pytest.mark.parametrize("skip_kept,shared", [(False, False), (True, True)])
-def test_group_column_mass_against_float64(skip_kept, shared):
+@pytest.mark.parametrize("skip_kept,shared,n_cols,lead_pad", [(False, False, 7, 0), (True, True, 7, 0),
+                                                             (True, True, 150, 140)])
+def test_group_column_mass_against_float64(skip_kept, shared, n_cols, lead_pad):
     """Per query block and column, the scored rows' probabilities summed (causal, same document, and outside
-    block 0 and the row's own block with skip_kept), against float64 softmax over all keys."""
+    block 0 and the row's own block with skip_kept), against float64 softmax over all keys. lead_pad: a wide list
+    padded in front (sorted lists put -1 first), so whole 64-column tiles hold padding only (stored as zeros)."""
     from mtrain.ops._triton_estimate import group_column_mass, score_rows
     from mtrain.ops.estimate import row_groups
 
@@ -113,9 +115,9 @@ def test_group_column_mass_against_float64(skip_kept, shared):
     blocks, table = row_groups(rows, bs)
     lse, _, _ = score_rows(q[:, rows], k, rows, bs, 0.25, docs)
     U = blocks.numel()
-    n_cols = 7
     cols = torch.randint(0, S, (B, Hq, 1 if shared else U, n_cols), generator=gen)
     cols[..., -2:] = -1  # padding
+    cols[..., :lead_pad] = -1
     got = group_column_mass(q[:, rows], k, lse, rows, table, cols, 0.25, bs, docs, skip_kept=skip_kept)
     _, p = _f64_softmax(q, k, docs, rows, 0.25)  # [B, Hq, n, S]
     pos = torch.arange(S)

@@ -186,13 +186,20 @@ def _group_cols_kernel(
     HAS_DOCS: tl.constexpr, SKIP_KEPT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per (column tile, query block u, batch x head): the tile's columns' probabilities summed over u's rows."""
+    """Per (column tile, query block u, batch x head): the tile's columns' probabilities summed over u's rows. A tile
+    of padding only (the -1 entries of a wide, mostly empty column list) stores zeros without loading q or k."""
     ct = tl.program_id(0)
     u = tl.program_id(1)
     bh = tl.program_id(2)
     b = (bh // H).to(tl.int64)
     h = bh % H
     hk = h // G
+    c = ct * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_in = c < C
+    cpos = tl.load(COLS + b * scb + h * sch + u * scu + c, mask=c_in, other=-1)
+    if tl.max(cpos, 0) < 0:
+        tl.store(OUT + (bh * U + u).to(tl.int64) * C + c, tl.zeros([BLOCK_C], dtype=tl.float32), mask=c_in)
+        return
     p = tl.arange(0, BLOCK_P)
     t = tl.load(TABLE + u * P + p, mask=p < P, other=-1)
     r_ok = t >= 0
@@ -203,9 +210,6 @@ def _group_cols_kernel(
     d_ok = d < D
     q = tl.load(QR + b * sqb + tt[:, None] * sqn + h * sqh + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
                 other=0.0)
-    c = ct * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_in = c < C
-    cpos = tl.load(COLS + b * scb + h * sch + u * scu + c, mask=c_in, other=-1)
     c_ok = cpos >= 0
     kt = tl.load(K + b * skb + tl.maximum(cpos, 0)[None, :].to(tl.int64) * sks + hk * skh + d[:, None],
                  mask=c_ok[None, :] & d_ok[:, None], other=0.0)
