@@ -261,3 +261,20 @@ def test_graphed_clone_copies_engine_plans():
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(t_a, t_b))
     with pytest.raises(ValueError, match="engine must be"):
         prepare_engine(index, ("flex", 2, 32))
+
+
+def test_scored_rows_of_q_alone_give_the_same_index():
+    """scored_q: q holding only the rows the estimate scores (`estimate_rows`, what the CUDA graph copies in) gives
+    the index and est_recall of the whole q; a q of another row count is refused."""
+    from mtrain.ops.estimate import estimate_rows
+    from mtrain.ops.graphed import same_index
+
+    q, k = planted(1000, 4, 2, 32, seed=7)
+    kw = dict(recall=0.95, block_size=64, sample_blocks=3, last_q=40, softmax_scale=0.2)
+    rows = estimate_rows(1000, **kw)
+    assert torch.equal(rows, scored_rows(1000, 40, 3, 64))
+    assert torch.equal(estimate_rows(4096), scored_rows(4096, 64, 16, 64))  # the estimator's own defaults
+    whole = estimate_vertical_slash(q, k, **kw)
+    assert same_index(estimate_vertical_slash(q[:, rows], k, scored_q=True, **kw), whole)
+    with pytest.raises(ValueError, match="scored rows"):
+        estimate_vertical_slash(q[:, rows[1:]], k, scored_q=True, **kw)

@@ -5,6 +5,7 @@ verticals, then block-level slashes on the mass still uncovered, and build the S
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
@@ -232,6 +233,16 @@ def row_groups(rows: torch.Tensor, block_size: int):
     return blocks, table
 
 
+def estimate_rows(seq_len: int, device=None, **settings) -> torch.Tensor:
+    """The query positions `estimate_vertical_slash(q, k, **settings)` scores in a `seq_len`-token sequence, in the
+    order it scores them (its defaults where `settings` is silent; other keywords are ignored): LongTensor [n]."""
+    given = {name: p.default for name, p in inspect.signature(estimate_vertical_slash).parameters.items()
+             if p.default is not inspect.Parameter.empty}
+    given.update(settings)
+    return _row_plan(seq_len, given["last_q"], given["sample_blocks"], given["block_size"], torch.device(device or "cpu"),
+                     given["sample_rows"])[0]
+
+
 @functools.lru_cache(maxsize=64)
 def _row_plan(seq_len: int, last_q: int, sample_blocks: int, block_size: int, device: torch.device,
               sample_rows: int | None = None):
@@ -324,6 +335,7 @@ def estimate_vertical_slash(
     cap_fraction: float | None = None,
     doc_ids: torch.Tensor | None = None,
     scorer: str = "auto",
+    scored_q: bool = False,
 ) -> SparseIndex:
     """Estimate the vertical-slash pattern of causal attention and return its `SparseIndex`.
 
@@ -347,6 +359,8 @@ def estimate_vertical_slash(
     written) and recomputes the few probabilities the later steps read from q and k; "auto" (default) is
     "triton" on a GPU at a power-of-two block_size >= 16, else "torch". Both give the same index up to float
     summation order.
+    scored_q: q holds only the scored rows, [B, n, Hq, D] in the order `estimate_rows` gives them (the sequence is
+    then k's); the same index as passing the whole q (what the CUDA graph of `graphed.estimate_graphed` copies in).
     The returned index carries `index._cache["est_recall"]` (fp32 [B, Hq]): the exact mean mass of the scored
     rows inside the final index (blocks after expansion, sink and diagonal included, and columns), summed from
     the per-block, per-column and per-offset masses the steps above computed (`kept_mass`).
@@ -356,6 +370,8 @@ def estimate_vertical_slash(
     if sample_rows is not None and sample_rows < 1:
         raise ValueError(f"sample_rows must be >= 1 or None; got {sample_rows}")
     B, S, Hq, D = q.shape
+    if scored_q:
+        S = k.shape[1]
     if k.dim() != 4 or k.shape[0] != B or k.shape[1] != S or Hq % k.shape[2] != 0:
         raise ValueError(f"k must be [B={B}, S={S}, Hkv, D] with Hq % Hkv == 0; got {tuple(k.shape)}")
     Hkv = k.shape[2]
@@ -374,6 +390,10 @@ def estimate_vertical_slash(
         plan = _row_plan(S, last_q, sample_blocks, block_size, q.device, sample_rows)
         rows = plan[0]
         n = rows.numel()
+        if scored_q and q.shape[1] != n:
+            raise ValueError(f"scored_q: q must hold the {n} scored rows of a {S}-token sequence (estimate_rows); "
+                             f"got {q.shape[1]}")
+        q_rows = q if scored_q else q[:, rows]
         n_blocks = -(-S // block_size)
         k_pos = torch.arange(S, device=q.device)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
@@ -382,14 +402,13 @@ def estimate_vertical_slash(
             from mtrain.ops._triton_estimate import group_column_mass, score_rows
 
             _, row_blocks, table = plan
-            q_rows = q[:, rows]
             with stage("est:1 score"):
                 lse, pooled, vert = score_rows(q_rows, k, rows, block_size, scale, docs)
             pooled, vert = pooled.view(B, Hkv, G, n, n_blocks), vert.view(B, Hkv, G, S)
             mandatory, rest = kept_split(pooled, rows, block_size)
             probs = None
         else:
-            logits = row_probs(q[:, rows], k, rows, softmax_scale, docs)  # [B, Hkv, G, n, S]
+            logits = row_probs(q_rows, k, rows, softmax_scale, docs)  # [B, Hkv, G, n, S]
             row_max = logits.amax(-1)
             row_sum = torch.exp(logits - row_max[..., None]).sum(-1)
             probs, pooled, mandatory, vert, rest = residual_parts(logits, rows, k_pos, row_max, row_sum, block_size,
