@@ -70,8 +70,8 @@ $(VLLM_VENV)/.setup-done: constraints-cpu.txt Makefile
 # ---- the embedded default -------------------------------------------------------------------------
 # stage 1 in four short runs (README "What it learns today"): copy drills of one period, then of mixed periods
 # (128-token samples), then at 1K (periods up to 500, runs of prose and digits), then the eval's NIAH prompts at
-# up to 2K mixed with those drills (2K rows); stage 2 (8K): NIAH prompts of exactly 8K, 4K and 2K tokens and the
-# same drills
+# up to 2K mixed with those drills (2K rows); stage 2 (8K): NIAH prompts of exactly 8K, 4K and 2K tokens, 8K copy
+# drills and the 1K drills
 COPY := $(PY) -m mtrain.data.synthetic --copy-period
 data/synthetic/copy-fixed.jsonl: | $(STAMP)
 	$(COPY) 16:16 --copy-tokens 127 --docs 2400 --seed 2 --out $@
@@ -84,21 +84,32 @@ data/synthetic/copy-long.jsonl: | $(STAMP)
 
 # NIAH prompts under 1K tokens (log-uniform lengths), and prompts that fill exactly 2K or 1K tokens with their EOS
 # (--fit-tokens: the question where the eval's 2K and 1K prompts ask it); packed longest first (--order length),
-# every fitted prompt lies whole in one sample
+# every fitted prompt lies whole in one sample. Their needle values have 7 to 20 digits (--value-digits; the eval's
+# have 7): each answer copies more digits, most of them after a digit seen before in the value
 data/synthetic/train.jsonl: | $(STAMP)
 	$(PY) -m mtrain.data.synthetic --out $@ --docs 3000 --min-sentences 1 --max-sentences 80 --facts 1 \
-		--retrieval 1 --formats niah=1 --seed 0
+		--retrieval 1 --formats niah=1 --value-digits 7:20 --seed 0
 
 data/synthetic/train-fit.jsonl: | $(STAMP)
 	$(PY) -m mtrain.data.synthetic --out $@ --docs 600 --fit-tokens 2048,1024 --facts 1 \
-		--retrieval 1 --formats niah=1 --seed 5
+		--retrieval 1 --formats niah=1 --value-digits 7:20 --seed 5
 
-# stage 2: prompts that fill exactly 8K (half of them), 4K or 2K tokens
+# stage 2: prompts that fill exactly 8K (half of them), 4K or 2K tokens, with values of 7 to 20 digits (more digits
+# to copy across the haystack a prompt); 8K copy drills: runs of 500-4000 tokens back to back (copies up to 4K
+# apart), and a run of 64-512 tokens, filler, the run again (--copy-far: one copy ~8K back, a needle's distance
+# at depth 0), half of those runs digits
 data/synthetic/long.jsonl: | $(STAMP)
 	$(PY) -m mtrain.data.synthetic --out $@ --docs 150 --fit-tokens 8192,8192,4096,2048 --facts 1 \
-		--retrieval 1 --formats niah=1 --seed 1
+		--retrieval 1 --formats niah=1 --value-digits 7:20 --seed 1
 
-SYNTHETIC := $(addprefix data/synthetic/,copy-fixed.jsonl copy.jsonl copy-long.jsonl train.jsonl train-fit.jsonl long.jsonl)
+data/synthetic/copy-8k.jsonl: | $(STAMP)
+	$(COPY) 500:4000 --copy-tokens 8191 --copy-digits 0.3 --copy-prose 0.3 --docs 48 --seed 7 --out $@
+
+data/synthetic/copy-far.jsonl: | $(STAMP)
+	$(COPY) 64:512 --copy-tokens 8191 --copy-digits 0.5 --copy-prose 0.25 --copy-far --docs 48 --seed 8 --out $@
+
+SYNTHETIC := $(addprefix data/synthetic/,copy-fixed.jsonl copy.jsonl copy-long.jsonl train.jsonl train-fit.jsonl long.jsonl \
+	copy-8k.jsonl copy-far.jsonl)
 PACK := $(MTRAIN) pack --tokenizer mtrain/assets/tiny-tokenizer
 
 data: $(STAMP) $(SYNTHETIC)
@@ -107,7 +118,8 @@ data: $(STAMP) $(SYNTHETIC)
 	$(PACK) --source data/synthetic/copy-long.jsonl:jsonl --seq-len 1024 --out data/packed/tiny-copy-long
 	$(PACK) --source data/synthetic/train-fit.jsonl:jsonl@0.3 --source data/synthetic/train.jsonl:jsonl@0.3 \
 		--source data/synthetic/copy-long.jsonl:jsonl@0.4 --order length --seq-len 2048 --out data/packed/tiny-2k
-	$(PACK) --source data/synthetic/long.jsonl:jsonl@0.7 --source data/synthetic/copy-long.jsonl:jsonl@0.3 \
+	$(PACK) --source data/synthetic/long.jsonl:jsonl@0.45 --source data/synthetic/copy-8k.jsonl:jsonl@0.1 \
+		--source data/synthetic/copy-far.jsonl:jsonl@0.25 --source data/synthetic/copy-long.jsonl:jsonl@0.2 \
 		--order length --seq-len 8192 --out data/packed/tiny-8k
 
 # stage 2 twice from the same stage-1 model: MTraining sparse attention and its dense twin

@@ -101,6 +101,21 @@ def test_cli_rejects_bad_formats(tmp_path, capsys):
                    "--formats", "passkey=1"]) == 0
 
 
+def test_value_digits_lengthen_the_needle_values():
+    """--value-digits LO:HI: niah values (fitted or not) have LO..HI digits, the answer copies the whole value;
+    the default stays the eval's 7 digits."""
+    qa = re.compile(r"The special magic number for (\S+) mentioned in the provided text is (\d+)\.")
+    lengths = set()
+    for doc in _docs("niah", n=20, value_digits=(9, 12)) + _docs("niah", n=4, fit_tokens=(512,), value_digits=(9, 12)):
+        for key, value in qa.findall(doc):
+            assert 9 <= len(value) <= 12 and S.NIAH_NEEDLE.format(key=key, value=value) in doc
+            lengths.add(len(value))
+    assert len(lengths) > 1
+    assert {len(v) for doc in _docs("niah", n=10) for _, v in qa.findall(doc)} == {7}
+    with pytest.raises(SystemExit):
+        S.main(["--out", "x.jsonl", "--value-digits", "9:7"])
+
+
 def test_copy_drills_repeat_one_run_to_the_token_count():
     """Copy drills: a run of 8..40 tokens (pool words, digits or prose) repeated to exactly `tokens` tokens."""
     pool, digits, tok = S.copy_pool()
@@ -113,6 +128,44 @@ def test_copy_drills_repeat_one_run_to_the_token_count():
         assert period <= 40
         kinds.add("digits" if set(ids) <= set(digits) else "pool" if set(ids) <= set(pool) else "prose")
     assert kinds == {"digits", "prose", "pool"}  # prose: filler tokens outside the pool (",", ".", word pieces)
+
+
+def test_needle_drills_repeat_prose_with_the_evals_needles():
+    """--copy-needles: the run is filler prose with the eval's needle sentences (7-digit values) planted in it,
+    repeated at the drill's period, so each value is copied across the whole period."""
+    _, _, tok = S.copy_pool()
+    spec = S.CopySpec(num_docs=6, tokens=2047, min_period=600, max_period=900, needles=1.0, seed=3)
+    for doc in S.generate_copies(spec):
+        ids = tok.encode(doc)
+        assert len(ids) == 2047
+        period = next(p for p in range(600, 901) if all(ids[i] == ids[i - p] for i in range(p, 2047)))
+        run = tok.decode(ids[:period])
+        values = re.findall(r"The special magic number for [a-z]+-[a-z]+ is: (\d{7})\.", run)
+        assert len(values) >= 2  # ~one sentence in NEEDLE_EVERY, ~27 tokens each
+        assert all(doc.count(v) >= 2 for v in values)  # every value comes again one period later
+    # the shares add up: digits, prose and needle runs all in one corpus
+    mixed = S.CopySpec(num_docs=30, tokens=255, min_period=100, max_period=200, digits=0.3, prose=0.3,
+                       needles=0.3, seed=1)
+    assert any("magic number" in doc for doc in S.generate_copies(mixed))
+    with pytest.raises(SystemExit):
+        S.main(["--out", "x.jsonl", "--copy-period", "8:16", "--copy-digits", "0.5", "--copy-needles", "0.6"])
+
+
+def test_far_drills_copy_the_run_once_across_filler():
+    """--copy-far: the run, filler prose, the run again: exactly `tokens` tokens, one copy `tokens - period` back."""
+    _, digits, tok = S.copy_pool()
+    spec = S.CopySpec(num_docs=12, tokens=1023, min_period=20, max_period=100, digits=0.5, far=True, seed=2)
+    kinds = set()
+    for doc in S.generate_copies(spec):
+        ids = tok.encode(doc)
+        assert len(ids) == 1023
+        period = next(p for p in range(20, 101) if ids[:p] == ids[-p:])  # the run opens and closes the drill
+        gap = tok.decode(ids[period:-period])
+        assert re.fullmatch(r"( [A-Za-z ,]+\.)+( (the|a|and))*", gap), gap[-80:]
+        kinds.add("digits" if set(ids[:period]) <= set(digits) else "other")
+    assert kinds == {"digits", "other"}
+    with pytest.raises(SystemExit):
+        S.main(["--out", "x.jsonl", "--copy-period", "8:600", "--copy-tokens", "1023", "--copy-far"])
 
 
 def test_copy_drills_cli(tmp_path):

@@ -120,6 +120,9 @@ class CorpusSpec:
     or its question)."""
     tokenizer: str | None = None
     """Tokenizer fit_tokens counts in (default: the tiny tokenizer)."""
+    value_digits: tuple = (7, 7)
+    """(lo, hi): niah and ruler needle values have lo..hi digits, drawn uniformly (the eval's have 7). Longer values
+    give each prompt more digits to copy across the haystack, most of them after a digit that came before."""
 
 
 def _key(rng: random.Random) -> str:
@@ -128,6 +131,12 @@ def _key(rng: random.Random) -> str:
 
 def _number(rng: random.Random, digits: int = 5) -> str:
     return str(rng.randrange(10 ** (digits - 1), 10**digits))
+
+
+def _value(rng: random.Random, spec: CorpusSpec) -> str:
+    """A needle value of spec.value_digits digits (no draw of the count when it is fixed)."""
+    lo, hi = spec.value_digits
+    return _number(rng, lo if lo == hi else rng.randint(lo, hi))
 
 
 def make_document(rng: random.Random, spec: CorpusSpec) -> str:
@@ -210,7 +219,7 @@ def make_retrieval_document(rng: random.Random, spec: CorpusSpec) -> str:
         value = _number(rng, 5)
         context = sep.join(_plant(items, [PASSKEY_NEEDLE.format(key=value)], rng))
         return PASSKEY_PROMPT.format(context=context, input=PASSKEY_INPUT) + f" {value}."
-    facts = [(needle_key(rng), _number(rng, 7)) for _ in range(rng.randint(1, max(1, spec.facts_per_doc)))]
+    facts = [(needle_key(rng), _value(rng, spec)) for _ in range(rng.randint(1, max(1, spec.facts_per_doc)))]
     needle = NIAH_NEEDLE if fmt == "niah" else RULER_NEEDLE
     context = sep.join(_plant(items, [needle.format(key=k, value=v) for k, v in facts], rng))
     rng.shuffle(facts)
@@ -231,7 +240,7 @@ def fitted_retrieval_document(rng: random.Random, spec: CorpusSpec, fmt: str, to
     mid-sentence too) until the count is exact; one needle at a uniform depth, one question."""
     _, _, tok = copy_pool(spec.tokenizer)
     target = tokens - 1
-    key, value = needle_key(rng), _number(rng, 7)
+    key, value = needle_key(rng), _value(rng, spec)
     if fmt == "niah":
         needle = NIAH_NEEDLE.format(key=key, value=value)
         wrap = NIAH_TEMPLATE.replace("{key}", key) + NIAH_ANSWER_PREFIX.format(key=key) + f" {value}."
@@ -315,7 +324,9 @@ class CopySpec:
     what followed it, the circuit retrieval needs. A period is drawn uniformly in [min_period, max_period];
     its run is random pool tokens, or (with these shares) random digits (repeated digits force matching on
     more than one token, as a 7-digit value needs) or a stretch of filler prose (so copying also works amid
-    the haystack's text).
+    the haystack's text), or prose with the eval's needle sentences planted in it (`needles`: about one
+    sentence in NEEDLE_EVERY is "The special magic number for KEY is: VALUE.", so a long period copies many
+    7-digit values, most with a repeated digit, across the whole distance, amid the haystack's text).
     """
 
     num_docs: int = 1000
@@ -326,6 +337,20 @@ class CopySpec:
     prose: float = 0.0
     seed: int = 0
     tokenizer: str | None = None
+    needles: float = 0.0
+    far: bool = False
+    """The run once, then filler prose, then the run again, to exactly `tokens` tokens: one copy, across
+    `tokens - period` tokens (the distance of a needle at the start of a haystack from its question)."""
+
+
+# a needle drill's run: one sentence in this many (on average) is a needle
+NEEDLE_EVERY = 8
+
+
+def needle_prose(rng: random.Random, n_sentences: int) -> list[str]:
+    """Filler sentences with the eval's needle sentence (a key and a 7-digit value) as about one in NEEDLE_EVERY."""
+    return [NIAH_NEEDLE.format(key=needle_key(rng), value=_number(rng, 7)) if rng.random() < 1 / NEEDLE_EVERY
+            else filler_sentence(rng) for _ in range(n_sentences)]
 
 
 def copy_document(rng: random.Random, spec: CopySpec) -> str:
@@ -336,8 +361,18 @@ def copy_document(rng: random.Random, spec: CopySpec) -> str:
         run = [rng.choice(digits) for _ in range(period)]
     elif draw < spec.digits + spec.prose:
         run = tok.encode(" " + " ".join(filler(rng, period // 6 + 2)))[:period]
+    elif draw < spec.digits + spec.prose + spec.needles:  # needle sentences take ~27 tokens, filler ~8
+        run = tok.encode(" " + " ".join(needle_prose(rng, period // 9 + 2)))[:period]
     else:
         run = [rng.choice(pool) for _ in range(period)]
+    if spec.far:
+        gap = spec.tokens - 2 * period
+        # whole sentences, then single-token words (as a fitted haystack ends): the ids decode and encode back
+        sentences = tok.encode(" " + " ".join(filler(rng, gap // 6 + 2)))
+        cut = max(i for i in range(gap + 1) if i == 0 or sentences[i - 1] == tok.get_vocab()["."])
+        fill = [tok.get_vocab()["\u0120" + w] for w in _SINGLE_TOKEN_FILL]
+        gap_ids = sentences[:cut] + [rng.choice(fill) for _ in range(gap - cut)]
+        return tok.decode(run + gap_ids + run)
     return tok.decode((run * (spec.tokens // period + 1))[:spec.tokens])
 
 
@@ -388,10 +423,18 @@ def main(argv: list[str] | None = None) -> int:
                       help="tokens per drill (seq_len - 1: one drill and its EOS fill a packed sample)")
     copy.add_argument("--copy-digits", type=float, default=0.0, help="share of drills whose run is digits")
     copy.add_argument("--copy-prose", type=float, default=0.0, help="share of drills whose run is filler prose")
+    copy.add_argument("--copy-needles", type=float, default=0.0,
+                      help="share of drills whose run is filler prose with the eval's needle sentences (7-digit "
+                      f"values) as about one sentence in {NEEDLE_EVERY}")
+    copy.add_argument("--copy-far", action="store_true",
+                      help="the run once, filler prose, the run again (one copy across --copy-tokens minus the "
+                      "period; needs HI <= --copy-tokens / 2) instead of the run repeated back to back")
     parser.add_argument("--fit-tokens", default="",
                         help="comma-separated token counts, EOS included (e.g. 8192,4096): each niah/ruler document is "
                         "fitted to exactly one of them, drawn uniformly (repeat one to weight it); with `mtrain pack "
                         "--order length` and counts that divide --seq-len, no document is cut")
+    parser.add_argument("--value-digits", default="7:7", metavar="LO:HI",
+                        help="digits of niah/ruler needle values, drawn uniformly in LO..HI (default: the eval's 7)")
     copy.add_argument("--tokenizer", help="tokenizer the drills (and --fit-tokens) are counted in "
                       "(default: the tiny tokenizer)")
     args = parser.parse_args(argv)
@@ -402,10 +445,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--copy-period {args.copy_period!r}: expected LO:HI")
         if not 0 < lo <= hi or args.copy_tokens <= hi or args.docs <= 0:
             parser.error("need 0 < LO <= HI < --copy-tokens and --docs > 0")
-        if not (0 <= args.copy_digits and 0 <= args.copy_prose and args.copy_digits + args.copy_prose <= 1):
-            parser.error("need --copy-digits, --copy-prose >= 0 with a sum <= 1")
+        if args.copy_far and 2 * hi > args.copy_tokens:
+            parser.error("--copy-far: need 2 * HI <= --copy-tokens")
+        shares = (args.copy_digits, args.copy_prose, args.copy_needles)
+        if not (min(shares) >= 0 and sum(shares) <= 1):
+            parser.error("need --copy-digits, --copy-prose, --copy-needles >= 0 with a sum <= 1")
         cspec = CopySpec(args.docs, args.copy_tokens, lo, hi, args.copy_digits, args.copy_prose, args.seed,
-                         args.tokenizer)
+                         args.tokenizer, args.copy_needles, args.copy_far)
         out = write_jsonl(args.out, generate_copies(cspec))
         print(f"wrote {cspec.num_docs} copy drills to {out}")
         return 0
@@ -430,8 +476,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--fit-tokens {args.fit_tokens!r}: expected comma-separated integers")
     if any(v < 2 for v in fit):
         parser.error("--fit-tokens: counts must be at least 2")
+    try:
+        digits = tuple(int(v) for v in args.value_digits.split(":"))
+    except ValueError:
+        parser.error(f"--value-digits {args.value_digits!r}: expected LO:HI")
+    if len(digits) != 2 or not 1 <= digits[0] <= digits[1]:
+        parser.error("--value-digits: need 1 <= LO <= HI")
     spec = CorpusSpec(args.docs, args.min_sentences, args.max_sentences, args.facts, args.seed, args.retrieval,
-                      tuple(formats), fit, args.tokenizer)
+                      tuple(formats), fit, args.tokenizer, digits)
     out = write_jsonl(args.out, generate(spec))
     print(f"wrote {spec.num_docs} documents to {out}")
     return 0
