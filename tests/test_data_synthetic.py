@@ -168,6 +168,27 @@ def test_far_drills_copy_the_run_once_across_filler():
         S.main(["--out", "x.jsonl", "--copy-period", "8:600", "--copy-tokens", "1023", "--copy-far"])
 
 
+def test_spread_drills_copy_across_any_distance_and_end_the_drill():
+    """--copy-spread: filler, the run, filler, the run: exactly `tokens` tokens, the second copy last, the
+    distance between the copies drawn over the whole range (not always `tokens - period`)."""
+    _, _, tok = S.copy_pool()
+    spec = S.CopySpec(num_docs=16, tokens=1023, min_period=20, max_period=60, digits=0.5, far=True, spread=True,
+                      seed=3)
+    starts = []
+    for doc in S.generate_copies(spec):
+        ids = tok.encode(doc)
+        assert len(ids) == 1023
+        # the longest closing stretch (up to the longest period) that also occurs earlier: the run, copied
+        start, period = next((i, p) for p in range(60, 19, -1) for i in range(1023 - 2 * p + 1)
+                             if ids[i:i + p] == ids[-p:])
+        prefix = tok.decode(ids[:start])
+        assert re.fullmatch(r"( [A-Za-z ,]+\.)*( (the|a|and))*", prefix), prefix[-80:]
+        starts.append(start)
+    assert min(starts) < 200 and max(starts) > 600  # near and far copies both
+    with pytest.raises(SystemExit):
+        S.main(["--out", "x.jsonl", "--copy-period", "8:16", "--copy-tokens", "1023", "--copy-spread"])
+
+
 def test_copy_drills_cli(tmp_path):
     out = tmp_path / "copy.jsonl"
     assert S.main(["--out", str(out), "--copy-period", "16:16", "--copy-tokens", "127", "--docs", "3"]) == 0

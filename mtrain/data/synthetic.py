@@ -341,6 +341,10 @@ class CopySpec:
     far: bool = False
     """The run once, then filler prose, then the run again, to exactly `tokens` tokens: one copy, across
     `tokens - period` tokens (the distance of a needle at the start of a haystack from its question)."""
+    spread: bool = False
+    """With `far`: the filler between the two runs takes a uniform share of the room (0 to all of it) and
+    filler before the first run takes the rest, so the copy spans any distance from `period` to
+    `tokens - period` and still ends the drill (as a question ends a prompt, its needle at any depth)."""
 
 
 # a needle drill's run: one sentence in this many (on average) is a needle
@@ -366,14 +370,22 @@ def copy_document(rng: random.Random, spec: CopySpec) -> str:
     else:
         run = [rng.choice(pool) for _ in range(period)]
     if spec.far:
-        gap = spec.tokens - 2 * period
-        # whole sentences, then single-token words (as a fitted haystack ends): the ids decode and encode back
-        sentences = tok.encode(" " + " ".join(filler(rng, gap // 6 + 2)))
-        cut = max(i for i in range(gap + 1) if i == 0 or sentences[i - 1] == tok.get_vocab()["."])
-        fill = [tok.get_vocab()["\u0120" + w] for w in _SINGLE_TOKEN_FILL]
-        gap_ids = sentences[:cut] + [rng.choice(fill) for _ in range(gap - cut)]
-        return tok.decode(run + gap_ids + run)
+        room = spec.tokens - 2 * period
+        gap = rng.randint(0, room) if spec.spread else room
+        before = _filler_ids(rng, tok, room - gap)
+        return tok.decode(before + run + _filler_ids(rng, tok, gap) + run)
     return tok.decode((run * (spec.tokens // period + 1))[:spec.tokens])
+
+
+def _filler_ids(rng: random.Random, tok, n: int) -> list[int]:
+    """Exactly n ids of filler: whole sentences, then single-token words (as a fitted haystack ends), ids that
+    decode and encode back."""
+    if n == 0:
+        return []
+    sentences = tok.encode(" " + " ".join(filler(rng, n // 6 + 2)))
+    cut = max(i for i in range(n + 1) if i == 0 or sentences[i - 1] == tok.get_vocab()["."])
+    fill = [tok.get_vocab()["\u0120" + w] for w in _SINGLE_TOKEN_FILL]
+    return sentences[:cut] + [rng.choice(fill) for _ in range(n - cut)]
 
 
 def generate_copies(spec: CopySpec) -> list[str]:
@@ -429,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     copy.add_argument("--copy-far", action="store_true",
                       help="the run once, filler prose, the run again (one copy across --copy-tokens minus the "
                       "period; needs HI <= --copy-tokens / 2) instead of the run repeated back to back")
+    copy.add_argument("--copy-spread", action="store_true",
+                      help="with --copy-far: the copy spans a uniform distance from the period to --copy-tokens minus "
+                      "the period (filler before the first run takes the rest), still ending the drill")
     parser.add_argument("--fit-tokens", default="",
                         help="comma-separated token counts, EOS included (e.g. 8192,4096): each niah/ruler document is "
                         "fitted to exactly one of them, drawn uniformly (repeat one to weight it); with `mtrain pack "
@@ -447,11 +462,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("need 0 < LO <= HI < --copy-tokens and --docs > 0")
         if args.copy_far and 2 * hi > args.copy_tokens:
             parser.error("--copy-far: need 2 * HI <= --copy-tokens")
+        if args.copy_spread and not args.copy_far:
+            parser.error("--copy-spread needs --copy-far")
         shares = (args.copy_digits, args.copy_prose, args.copy_needles)
         if not (min(shares) >= 0 and sum(shares) <= 1):
             parser.error("need --copy-digits, --copy-prose, --copy-needles >= 0 with a sum <= 1")
         cspec = CopySpec(args.docs, args.copy_tokens, lo, hi, args.copy_digits, args.copy_prose, args.seed,
-                         args.tokenizer, args.copy_needles, args.copy_far)
+                         args.tokenizer, args.copy_needles, args.copy_far,
+                         args.copy_spread)
         out = write_jsonl(args.out, generate_copies(cspec))
         print(f"wrote {cspec.num_docs} copy drills to {out}")
         return 0
