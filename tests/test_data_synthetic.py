@@ -189,6 +189,22 @@ def test_spread_drills_copy_across_any_distance_and_end_the_drill():
         S.main(["--out", "x.jsonl", "--copy-period", "8:16", "--copy-tokens", "1023", "--copy-spread"])
 
 
+def test_edge_depths_put_fitted_needles_at_an_end_of_the_haystack():
+    """--edge-depths 1: every fitted needle opens the haystack or is its last whole sentence (the words the fit
+    adds may follow it), as at the eval's depths 0 and 100."""
+    intro = S.NIAH_TEMPLATE.split("{context}")[0]
+    ends = set()
+    for doc in _docs("niah", n=12, fit_tokens=(512,), edge_depths=1.0):
+        context = doc[len(intro):doc.index("\nWhat is")]
+        needle = re.search(r"The special magic number for \S+ is: \d{7}\.", context).group(0)
+        after = context.split(needle)[1]
+        assert context.startswith(needle) or "." not in after, context[:60] + " ... " + context[-60:]
+        ends.add(context.startswith(needle))
+    assert ends == {True, False}
+    with pytest.raises(SystemExit):
+        S.main(["--out", "x.jsonl", "--edge-depths", "1.5"])
+
+
 def test_copy_drills_cli(tmp_path):
     out = tmp_path / "copy.jsonl"
     assert S.main(["--out", str(out), "--copy-period", "16:16", "--copy-tokens", "127", "--docs", "3"]) == 0

@@ -123,6 +123,9 @@ class CorpusSpec:
     value_digits: tuple = (7, 7)
     """(lo, hi): niah and ruler needle values have lo..hi digits, drawn uniformly (the eval's have 7). Longer values
     give each prompt more digits to copy across the haystack, most of them after a digit that came before."""
+    edge_depths: float = 0.0
+    """Share of fitted documents whose needle sits at an end of the haystack (depth 0 or 1, as the eval's first
+    and last depths); the rest at a uniform depth."""
 
 
 def _key(rng: random.Random) -> str:
@@ -253,6 +256,8 @@ def fitted_retrieval_document(rng: random.Random, spec: CorpusSpec, fmt: str, to
         raise ValueError(f"fit_tokens {tokens}: the prompt alone takes {fixed + 1} tokens")
     pool = filler(rng, max(1, (target - fixed) // 6 + 8))
     depth = rng.random()
+    if spec.edge_depths and rng.random() < spec.edge_depths:
+        depth = float(depth < 0.5)
     place = lambda n: _insert(pool[:n], needle, depth)  # noqa: E731
     # a space-joined sentence adds its own tokens (the byte-level pre-tokenizer splits at spaces), so the
     # counts add up; each guess below is checked with one exact count
@@ -450,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--order length` and counts that divide --seq-len, no document is cut")
     parser.add_argument("--value-digits", default="7:7", metavar="LO:HI",
                         help="digits of niah/ruler needle values, drawn uniformly in LO..HI (default: the eval's 7)")
+    parser.add_argument("--edge-depths", type=float, default=0.0, metavar="SHARE",
+                        help="share of --fit-tokens documents with the needle at depth 0 or 1 (an end of the haystack)")
     copy.add_argument("--tokenizer", help="tokenizer the drills (and --fit-tokens) are counted in "
                       "(default: the tiny tokenizer)")
     args = parser.parse_args(argv)
@@ -500,8 +507,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--value-digits {args.value_digits!r}: expected LO:HI")
     if len(digits) != 2 or not 1 <= digits[0] <= digits[1]:
         parser.error("--value-digits: need 1 <= LO <= HI")
+    if not 0.0 <= args.edge_depths <= 1.0:
+        parser.error("--edge-depths: need a share in [0, 1]")
     spec = CorpusSpec(args.docs, args.min_sentences, args.max_sentences, args.facts, args.seed, args.retrieval,
-                      tuple(formats), fit, args.tokenizer, digits)
+                      tuple(formats), fit, args.tokenizer, digits, args.edge_depths)
     out = write_jsonl(args.out, generate(spec))
     print(f"wrote {spec.num_docs} documents to {out}")
     return 0
