@@ -124,6 +124,7 @@ def _clone(index: SparseIndex) -> SparseIndex:
     """A copy of the index and of everything in its cache that shares no memory with it (as a replay returns)."""
     return _Packed(index).unpack()
 
+
 def same_index(a: SparseIndex, b: SparseIndex) -> bool:
     """Whether two indices list the same blocks and columns and estimate the same recall (to fp32 rounding)."""
     lists = all(torch.equal(x, y) for x, y in ((a.block_ids, b.block_ids), (a.block_counts, b.block_counts),
