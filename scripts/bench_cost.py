@@ -122,16 +122,12 @@ def bench_sparse(S, Hq, Hkv, D, bs, frac, n_vert, device, dtype, it, engine="tri
 
 
 def bench_estimate(S, Hq, Hkv, D, bs, device, dtype, it, scorer="auto"):
-    import inspect
+    from mtrain.ops.estimate import estimate_rows
 
     q, k, _ = qkv(S, Hq, Hkv, D, device, dtype, False)
-    defaults = inspect.signature(estimate_vertical_slash).parameters
-    last_q = defaults["last_q"].default
-    from mtrain.ops.estimate import sample_height
-
-    sampled = defaults["sample_blocks"].default * sample_height(bs, None) if "sample_blocks" in defaults else 0
     index = estimate_vertical_slash(q, k, block_size=bs, scorer=scorer)
-    return dict(kind="estimate", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, rows=min(S, last_q + sampled), scorer=scorer,
+    return dict(kind="estimate", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, rows=estimate_rows(S, block_size=bs).numel(),
+                scorer=scorer,
                 density=index.density(),
                 ms_estimate=timed(lambda: estimate_vertical_slash(q, k, block_size=bs, scorer=scorer), it))
 
@@ -139,7 +135,7 @@ def bench_estimate(S, Hq, Hkv, D, bs, device, dtype, it, scorer="auto"):
 def bench_graphed(S, Hq, Hkv, D, bs, device, dtype, it, engine="triton"):
     """The estimate as model layers run it on CUDA: replayed from a CUDA graph that also builds the index and the
     engine's plans (`estimate_graphed` with prepare=), the copy of its outputs included."""
-    from mtrain.ops.estimate import scored_row_count
+    from mtrain.ops.estimate import estimate_rows
     from mtrain.ops.graphed import estimate_graphed
 
     q, k, _ = qkv(S, Hq, Hkv, D, device, dtype, False)
@@ -150,7 +146,7 @@ def bench_graphed(S, Hq, Hkv, D, bs, device, dtype, it, engine="triton"):
     for _ in range(3):  # compile, capture (and check against the eager estimate), replay
         index = run()
     return dict(kind="graphed", S=S, Hq=Hq, Hkv=Hkv, D=D, bs=bs, engine=engine,
-                rows=scored_row_count(S, 64, 16, bs), density=index.density(), ms_estimate=timed(run, it))
+                rows=estimate_rows(S, block_size=bs).numel(), density=index.density(), ms_estimate=timed(run, it))
 
 
 def gpu_plan(engine="triton"):

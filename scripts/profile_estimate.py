@@ -30,7 +30,6 @@ from bench_attention import make_inputs  # noqa: E402
 
 from mtrain.ops import estimate_vertical_slash  # noqa: E402
 from mtrain.ops.graphed import estimate_graphed, prepare_engine  # noqa: E402
-from mtrain.ops.index import SparseIndex  # noqa: E402
 
 
 def gpu_ms(fn, iters=5):

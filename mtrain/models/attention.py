@@ -366,12 +366,12 @@ def _prepare_spec(q, k, engine: str, doc_ids):
     return (engine, k.shape[2], q.shape[-1]) if engine in ("triton", "fa4") and doc_ids is None else None
 
 
-def _graphed(q, k, engine: str, doc_ids) -> bool:
-    """Whether this layer's estimate runs from a CUDA graph that also builds the engine's plans (what the cost
-    model then charges the estimate: CostTable.graphed)."""
+def _graphed(q, prepare) -> bool:
+    """Whether this layer's estimate runs from a CUDA graph that also builds the engine's plans (prepare: the layer's
+    `_prepare_spec`; what the cost model then charges the estimate: CostTable.graphed)."""
     from mtrain.ops import graphed
 
-    return graphed.GRAPH_ESTIMATE and q.is_cuda and _prepare_spec(q, k, engine, doc_ids) is not None
+    return graphed.GRAPH_ESTIMATE and q.is_cuda and prepare is not None
 
 
 def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None,
@@ -384,6 +384,8 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
 
     if s is not None:  # the concrete engine (auto resolved): what runs, what the cost model prices, what is logged
         engine = _say_engine(engine, q, s.block_size)
+    prepare = _prepare_spec(q, k, engine, doc_ids)
+    graphed = _graphed(q, prepare)
 
     def sparse(index):
         return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
@@ -398,16 +400,16 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
     elif s is not None and policy != "never" and not _skip_estimate(q, s, layer_idx, policy=policy,
                                                                       training=training, doc_ids=doc_ids,
                                                                       engine=engine,
-                                                                      graphed=_graphed(q, k, engine, doc_ids)):
+                                                                      graphed=graphed):
         # every SparseSettings field is an estimate_vertical_slash keyword of the same name
         fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
         # on CUDA replayed from a graph once the shapes have been seen twice (its ~280 launches are the cost at 32K),
         # with what the engine derives from the index (another ~100 launches) built in the same graph
         index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids,
-                                 prepare=_prepare_spec(q, k, engine, doc_ids))
+                                 prepare=prepare)
         path, prediction = _choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
                                         target=s.recall, rows=_scored_rows(s, q.shape[1]), engine=engine,
-                                        graphed=_graphed(q, k, engine, doc_ids), layer_idx=layer_idx)
+                                        graphed=graphed, layer_idx=layer_idx)
         _hold(layer_idx, prediction, policy, training)
         _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         _remember(layer_idx, path, index, training)
