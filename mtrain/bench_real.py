@@ -180,6 +180,9 @@ class LayerResult:
     what a layer costs per step once a layer whose estimate does not pay holds dense between estimates"""
     held: bool = False
     """whether the layer's choice held it dense for the following steps (attention.dense_hold_steps)"""
+    long_run_ms: float = float("nan")
+    """steady_ms once the holds have grown to their longest (HOLD_BACKOFF_MAX x dense_hold steps): the measured
+    estimating step and held steps, weighted as a long training run repeats them (= steady_ms when not held)"""
     extra: dict = field(default_factory=dict)
 
 
@@ -239,6 +242,12 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
             steps.append(timed(step_fn, 1, warmup=0))
         held = bool(CONTEXT.dense_until)
         steady_ms = statistics.mean(steps)
+        long_run_ms = steady_ms
+        if held and hold > 0:
+            from mtrain.models.attention import HOLD_BACKOFF_MAX
+
+            period = hold * HOLD_BACKOFF_MAX
+            long_run_ms = (steps[0] + period * statistics.mean(steps[1:])) / (period + 1)
     finally:
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.step = saved
     del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
@@ -272,7 +281,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         layer=layer, density=index.density(), est_recall=None if est is None else float(est.float().mean()),
         true_recall=float(per_head.mean()), min_head_recall=float(per_head.min()), path=path,
         dense_ms=dense_ms, mtrain_ms=mtrain_ms, index_ms=max(0.0, total_ms - fwd_ms - bwd[True]), fwd_ms=fwd_ms,
-        bwd_ms=bwd[True], steady_ms=steady_ms, held=held,
+        bwd_ms=bwd[True], steady_ms=steady_ms, held=held, long_run_ms=long_run_ms,
         extra={"bwd_deterministic_ms": bwd[True], "bwd_atomic_ms": bwd[False], "index_graph_ms": graph_ms},
     )
 
@@ -352,6 +361,12 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     dense_total = sum(r.dense_ms for r in results)
     mtrain_total = sum(r.mtrain_ms for r in results)
     steady_total = sum(r.steady_ms for r in results)
+    long_total = sum(r.long_run_ms for r in results)
+    from mtrain.models.attention import HOLD_BACKOFF_MAX
+
+    def slower(attr):  # layer -> % over dense, for the layers slower than dense
+        return {r.layer: round(100 * (getattr(r, attr) / r.dense_ms - 1), 2) for r in results
+                if getattr(r, attr) > r.dense_ms}
     summary = {
         "model": str(path), "seq_len": seq_len, "yarn_factor": factor, "dtype": str(dtype), "device": device.type,
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
@@ -364,6 +379,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "layers_slower_than_dense": [r.layer for r in results if r.mtrain_ms > r.dense_ms],
         "steady_ms": steady_total, "steady_speedup": dense_total / steady_total,
         "layers_slower_than_dense_steady": [r.layer for r in results if r.steady_ms > r.dense_ms],
+        "long_run_ms": long_total, "long_run_speedup": dense_total / long_total,
+        "percent_over_dense": {"every_step": slower("mtrain_ms"), "steady": slower("steady_ms"),
+                               "long_run": slower("long_run_ms")},
         "held_layers": [r.layer for r in results if r.held], "dense_hold_steps": hold,
         "sparse_layers": sum(r.path == "sparse" for r in results),
         "policy": policy, "engine": engine, "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
@@ -383,7 +401,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"{summary['min_layer_true_recall']:.3f}; perplexity dense {ppl_dense:.3f} mtrain {ppl_sparse:.3f} "
         f"({100 * summary['ppl_rise']:+.2f}%), every layer sparse {ppl['always']:.3f} "
         f"({100 * summary['ppl_all_sparse_rise']:+.2f}%); layers slower than dense: "
-        f"{summary['layers_slower_than_dense']} (steady state: {summary['layers_slower_than_dense_steady']}); "
+        f"{summary['layers_slower_than_dense']} (steady state: {summary['layers_slower_than_dense_steady']}; % over "
+        f"dense {summary['percent_over_dense']}); long run (holds of {hold * HOLD_BACKOFF_MAX} steps) {long_total:.1f} "
+        f"ms ({summary['long_run_speedup']:.2f}x); "
         f"every layer sparse, kernels only: deterministic backward {summary['kernels_ms']['deterministic']:.1f} ms "
         f"({dense_total / summary['kernels_ms']['deterministic']:.2f}x), atomic backward "
         f"{summary['kernels_ms']['atomic']:.1f} ms ({dense_total / summary['kernels_ms']['atomic']:.2f}x); index per "

@@ -152,11 +152,19 @@ def estimator_case(q, k, doc_ids, bs, tag) -> str:
             f"{err:.1e} (tol 2e-3), density vs torch scorer {d_err:.1e} (tol 0.03)")
 
 
-def run_case(case) -> tuple[list[str], list[str]]:
-    """One (block size, dtype, heads, documents) case: every engine against float64; (lines, failures)."""
+def run_case(case) -> tuple[list[str], list[str], dict]:
+    """One (block size, dtype, heads, documents) case: every engine against float64; (lines, failures, seconds per
+    engine: its compiles and its run)."""
     bs, dtype_name, (Hq, Hkv, D), doc, S, device_name, seed, only = case
     dtype, device = getattr(torch, dtype_name), torch.device(device_name)
-    lines, failures = [], []
+    lines, failures, seconds = [], [], {}
+    clock = [time.time()]
+
+    def lap(name):
+        now = time.time()
+        seconds[name] = seconds.get(name, 0.0) + now - clock[0]
+        clock[0] = now
+
     q, k, v, index, doc_ids = make_case(S, Hq, Hkv, D, bs, dtype, doc, device, seed=seed)
     dout = torch.randn_like(q)
     same_doc = None if doc_ids is None else doc_ids[0][:, None] == doc_ids[0][None, :]
@@ -166,6 +174,7 @@ def run_case(case) -> tuple[list[str], list[str]]:
     want_dense = reference_grads(q, k, v, dense_mask if same_doc is None else dense_mask & same_doc, dout)
     tol_out, tol_grad = TOL[dtype]
     tag = f"bs={bs:3d} {dtype_name:8s} H={Hq}/{Hkv}x{D:<3d} docs={int(doc)}"
+    lap("reference")
 
     def report(name, errs):
         bad = errs[0] > tol_out or max(errs[1:]) > tol_grad or not all(math.isfinite(e) for e in errs)
@@ -189,8 +198,10 @@ def run_case(case) -> tuple[list[str], list[str]]:
             got = engine_grads(fn, q, k, v, dout)
         except Exception as exc:  # noqa: BLE001 - a gate reports every engine's failure and goes on
             raised(name, exc)
+            lap(name)
             continue
         report(name, [rel(a, b) for a, b in zip(got, want_dense if name == "dense" else want)])
+        lap(name)
     if wanted("fa4-nocols") and fa4_eligible(device, index, dtype):
         try:  # FA4 alone: the same slashes without verticals, so the column path does not run
             _, _, _, index_nc, _ = make_case(S, Hq, Hkv, D, bs, dtype, doc, device, seed=seed, columns=False)
@@ -202,6 +213,7 @@ def run_case(case) -> tuple[list[str], list[str]]:
             report("fa4-nocols", [rel(a, b) for a, b in zip(got, want_nc)])
         except Exception as exc:  # noqa: BLE001
             raised("fa4-nocols", exc)
+        lap("fa4-nocols")
     if wanted("estimator"):
         try:
             line = estimator_case(q, k, doc_ids, bs, tag)
@@ -210,13 +222,15 @@ def run_case(case) -> tuple[list[str], list[str]]:
                 failures.append(line)
         except Exception as exc:  # noqa: BLE001
             raised("estimator", exc)
+        lap("estimator")
     if wanted("ring-step"):
         try:
             want_step, got_step = ring_step_case(q, k, v, index, doc_ids, bs, dout)
             report("ring-step", [rel(a, b) for a, b in zip(got_step, want_step)])
         except Exception as exc:  # noqa: BLE001
             raised("ring-step", exc)
-    return lines, failures
+        lap("ring-step")
+    return lines, failures, seconds
 
 
 def main() -> int:
@@ -261,10 +275,15 @@ def main() -> int:
 
         pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
         results = pool.map(run_case, cases)
-    for lines, bad in results:
+    seconds = {}
+    for lines, bad, secs in results:
         for line in lines:
             print(line, flush=True)
         failures += bad
+        for name, t in secs.items():
+            seconds[name] = seconds.get(name, 0.0) + t
+    print("seconds per engine, summed over cases (compiles included; cases run side by side): "
+          + ", ".join(f"{name} {t:.0f}" for name, t in sorted(seconds.items(), key=lambda kv: -kv[1])))
     print(f"{len(cases)} cases, {len(failures)} failures, {time.time() - t0:.0f} s "
           f"(tolerances out/grads: " + ", ".join(f"{str(d)[6:]} {a:g}/{b:g}" for d, (a, b) in TOL.items()) + ")")
     for f in failures:

@@ -41,6 +41,29 @@ def _tile_logits(q, kbase, start, rpos, r_ok, rdoc, docs, S, sks, d, d_ok, scale
 
 
 @triton.jit
+def _tile_logits_full(q, kbase, start, sks, d, d_ok, scale_log2, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """`_tile_logits` for keys every row of the tile sees (below the tile's first row's block, no documents): no
+    masks. Rows past the end of the list hold q = 0 (logit 0); the callers weigh them 0."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    kt = tl.load(kbase + kpos[None, :] * sks + d[:, None], mask=d_ok[:, None], other=0.0)
+    return tl.dot(q, kt, input_precision=PREC) * scale_log2, kpos
+
+
+@triton.jit
+def _key_ranges(ROWS, tile, c, chunk, end, HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """(lo, mid, hi): the program's keys lo .. hi - 1, of which lo .. mid - 1 every row of the tile sees (whole key
+    blocks before the block of its first, lowest row; none with documents or without SPLIT)."""
+    lo = c * chunk
+    hi = tl.minimum(end, lo + chunk)
+    mid = lo
+    if SPLIT and not HAS_DOCS:
+        first = tl.load(ROWS + tile * BLOCK_M)
+        mid = tl.maximum(lo, tl.minimum(hi, first // BLOCK_N * BLOCK_N))
+    return lo, mid, hi
+
+
+@triton.jit
 def _tile_rows(Q, ROWS, DOCS, H, n, D, sqb, sqn, sqh, sdb,
                HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The program's (row tile, batch x head, key chunk) and batch / head; the tile's row indices, validity,
@@ -71,7 +94,7 @@ def _score_stats_kernel(
     n, S, H, G, D, scale_log2, chunk,
     sqb, sqn, sqh, skb, sks, skh, sdb,
     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Pass 1, per (row tile, batch x head, key chunk): each row's max and sum (log2 units) over the visible
     keys of the chunk."""
@@ -80,7 +103,13 @@ def _score_stats_kernel(
     kbase = K + b * skb + (h // G) * skh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    for start in range(c * chunk, tl.minimum(end, c * chunk + chunk), BLOCK_N):
+    lo, mid, hi = _key_ranges(ROWS, tile, c, chunk, end, HAS_DOCS, BLOCK_M, BLOCK_N, SPLIT)
+    for start in range(lo, mid, BLOCK_N):  # keys every row sees: no masks, and no -inf to guard
+        s, kpos = _tile_logits_full(q, kbase, start, sks, d, d_ok, scale_log2, BLOCK_N, PREC)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+    for start in range(mid, hi, BLOCK_N):
         s, kpos, k_ok = _tile_logits(q, kbase, start, rpos, r_ok, rdoc, DOCS + b * sdb, S, sks, d, d_ok, scale_log2,
                                      HAS_DOCS, BLOCK_N, PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -98,7 +127,7 @@ def _score_sums_kernel(
     n, S, nKB, H, G, D, scale_log2, chunk, n_chunks,
     sqb, sqn, sqh, skb, sks, skh, sdb,
     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Pass 2, per (row tile, batch x head, key chunk): the rows' normalisers from every chunk's max and sum
     (chunk 0 stores them), then the probabilities of the chunk's keys, summed per (row, key block) and, over
@@ -122,7 +151,15 @@ def _score_sums_kernel(
     kbase = K + b * skb + (h // G) * skh
     prow = POOLED + (bh * n + r_idx).to(tl.int64) * nKB
     vrow = VPART + (tile * (tl.num_programs(1)) + bh).to(tl.int64) * S
-    for start in range(c * chunk, tl.minimum(end, c * chunk + chunk), BLOCK_N):
+    lo, mid, hi = _key_ranges(ROWS, tile, c, chunk, end, HAS_DOCS, BLOCK_M, BLOCK_N, SPLIT)
+    for start in range(lo, mid, BLOCK_N):  # keys every row sees, outside every row's own block
+        s, kpos = _tile_logits_full(q, kbase, start, sks, d, d_ok, scale_log2, BLOCK_N, PREC)
+        p = tl.exp2(s - m_safe[:, None]) * inv[:, None]  # rows past the list: inv = 0
+        kb = start // BLOCK_N
+        tl.store(prow + kb, tl.sum(p, 1), mask=r_ok)
+        if kb != 0:  # block 0 is always kept: its columns stay 0
+            tl.store(vrow + kpos, tl.sum(p, 0))
+    for start in range(mid, hi, BLOCK_N):
         s, kpos, k_ok = _tile_logits(q, kbase, start, rpos, r_ok, rdoc, DOCS + b * sdb, S, sks, d, d_ok, scale_log2,
                                      HAS_DOCS, BLOCK_N, PREC)
         p = tl.exp2(s - m_safe[:, None]) * inv[:, None]  # hidden pairs: exp2(-inf) = 0
@@ -137,11 +174,27 @@ def _score_sums_kernel(
 KEYS_PER_PROGRAM = 4096
 
 
+def scorer_config(block_size: int, head_dim: int) -> dict:
+    """The scorer's launch settings for a block size and head dim: rows per program (`rows`), warps, pipeline
+    stages, whether the keys every row of a program sees run without masks (`split`; the same sums up to float
+    rounding), and the keys one program walks (`keys`, rounded to the block size; None: KEYS_PER_PROGRAM).
+
+    Measured on an H200 (`scripts/bench_scorer.py`, BENCHMARKS.md "The scorer's launch settings"): at 128-token
+    blocks 128 rows and 4 warps beat the 64 rows and 8 warps used before by 22-35% (128K, 16 / 2 heads x 128: 6.82
+    -> 5.26 ms, and 4.88 ms with 2 stages; 9 / 3 x 64: 2.50 -> 1.73 ms; 32K: 0.78 -> 0.56 ms); at 64-token blocks
+    64 rows and 4 warps stay the fastest. Summing a tile's columns on the tensor cores (ones @ p, tf32x3) was
+    slower everywhere (1.3-3.9x) or ran out of shared memory."""
+    if block_size >= 128:
+        return dict(rows=128, warps=4, stages=2 if head_dim > 64 else None, split=True, keys=None)
+    return dict(rows=_ROWS, warps=4, stages=None, split=True, keys=None)
+
+
 def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size: int, scale: float,
-               doc_ids: torch.Tensor | None = None):
+               doc_ids: torch.Tensor | None = None, config: dict | None = None):
     """q [B, n, Hq, D]: the queries at positions `rows` (sorted LongTensor [n]); k [B, S, Hkv, D]. Returns fp32
     (lse [B, Hq, n] natural-log softmax normaliser of each row's visible scaled logits, pooled [B, Hq, n, nKB]
-    mass per key block, vert [B, Hq, S] column mass summed over rows outside the kept blocks, 0 in block 0)."""
+    mass per key block, vert [B, Hq, S] column mass summed over rows outside the kept blocks, 0 in block 0).
+    config: launch settings over `scorer_config`'s (keys rows, warps, stages, split; scripts/bench_scorer.py)."""
     B, n, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     n_kb = -(-S // block_size)
@@ -152,8 +205,12 @@ def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size:
     qr = q if q.stride(-1) == 1 else q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
-    tiles = -(-n // _ROWS)
-    chunk = max(block_size, KEYS_PER_PROGRAM // block_size * block_size)
+    cfg = {**scorer_config(block_size, D), **(config or {})}
+    unknown = set(cfg) - {"rows", "warps", "stages", "split", "keys"}
+    if unknown:
+        raise ValueError(f"unknown scorer config keys {sorted(unknown)}: use rows, warps, stages, split, keys")
+    tiles = -(-n // cfg["rows"])
+    chunk = max(block_size, (cfg["keys"] or KEYS_PER_PROGRAM) // block_size * block_size)
     n_chunks = -(-S // chunk)
     dev = q.device
     lse = torch.empty(B, Hq, n, device=dev, dtype=torch.float32)
@@ -165,9 +222,11 @@ def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size:
     docs = doc_ids.to(device=dev, dtype=torch.int32).contiguous() if doc_ids is not None else rows32
     strides = (qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2),
                docs.stride(0) if doc_ids is not None else 0)
-    meta = dict(HAS_DOCS=doc_ids is not None, BLOCK_M=_ROWS, BLOCK_N=block_size,
+    meta = dict(HAS_DOCS=doc_ids is not None, BLOCK_M=cfg["rows"], BLOCK_N=block_size,
                 BLOCK_D=max(16, triton.next_power_of_2(D)), PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                num_warps=4 if block_size <= 64 else 8)
+                SPLIT=bool(cfg["split"]), num_warps=cfg["warps"])
+    if cfg["stages"] is not None:
+        meta["num_stages"] = cfg["stages"]
     grid = (tiles, B * Hq, n_chunks)
     _score_stats_kernel[grid](qr, k, rows32, docs, mpart, lpart, n, S, Hq, Hq // Hkv, D, scale * _LOG2E, chunk,
                               *strides, **meta)
