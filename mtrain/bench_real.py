@@ -6,7 +6,10 @@ then per layer and for the whole model: the estimated pattern's density, estimat
 exact attention mass of the rows that the index keeps), forward+backward time of dense attention (cuDNN
 on the GPU) and of mtrain's attention as training calls it (estimate, per-layer sparse/dense choice,
 kernels), with the forced-sparse breakdown (index, forward, backward); and the whole-model perplexity of
-the same tokens dense vs mtrain. Works on the CPU at small lengths (slow; for smoke tests).
+the same tokens dense vs mtrain. On the GPU, dense and mtrain's attention as trained (every step, and the
+steady state of a layer held dense between estimates) are timed with their calls queued back to back, as
+training queues them; the forced-sparse breakdown times each call alone. Works on the CPU at small lengths
+(slow; for smoke tests).
 """
 
 from __future__ import annotations
@@ -129,11 +132,22 @@ def perplexity(model, ids: torch.Tensor, chunk: int = 4096) -> float:
 
 
 # ----------------------------------------------------------------------------- timing
-def timed(fn, iters: int, warmup: int = 1) -> float:
-    """Median milliseconds of fn() (CUDA events on the GPU, wall clock on the CPU)."""
+def timed(fn, iters: int, warmup: int = 1, back_to_back: bool = False) -> float:
+    """Median milliseconds of fn() (CUDA events on the GPU, wall clock on the CPU). back_to_back (GPU): the mean of
+    `iters` calls queued one after another, as a training loop runs them with the host ahead of the GPU; per-call
+    timing instead waits for each call, so the GPU idles while the host launches the next and that host time counts."""
     for _ in range(warmup):
         fn()
     cuda = torch.cuda.is_available()
+    if cuda and back_to_back:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / iters
     times = []
     for _ in range(iters):
         if cuda:
@@ -211,7 +225,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     index = estimate()
     dout = torch.randn_like(q)
     dense = functools.partial(dense_attention, causal=True, softmax_scale=scale)
-    dense_ms = timed(_fwd_bwd(dense, q, k, v, dout), iters)
+    dense_ms = timed(_fwd_bwd(dense, q, k, v, dout), iters, back_to_back=True)
 
     # mtrain's attention function exactly as a model layer calls it (HF layout in, [B, S, H, D] out)
     class _Layer:
@@ -229,25 +243,31 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.step
     try:
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = 0, {}, {}
-        mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters)  # every call estimates
+        mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters, back_to_back=True)  # every call estimates
         path = CONTEXT.layers[-1].path if len(CONTEXT.layers) > marks[1] else "sparse"
         # steady state in training: hold + 1 steps in a row, one estimate then `hold` held-dense steps when the
         # estimate did not pay (else every step estimates); later holds double (HOLD_BACKOFF_MAX), so this is
-        # the costliest stretch of a held layer
+        # the costliest stretch of a held layer. Queued back to back, as training steps are.
         CONTEXT.dense_hold = hold
         step_fn = _fwd_bwd(as_trained, q, k, v, dout)
-        steps = []
-        for step in range(hold + 1):
-            CONTEXT.step = step
-            steps.append(timed(step_fn, 1, warmup=0))
+
+        def steps(first: int, count: int):
+            def run():
+                for step in range(first, first + count):
+                    CONTEXT.step = step
+                    step_fn()
+            return run
+
+        steady_ms = timed(steps(0, hold + 1), 1, warmup=0, back_to_back=True) / (hold + 1)
         held = bool(CONTEXT.dense_until)
-        steady_ms = statistics.mean(steps)
         long_run_ms = steady_ms
-        if held and hold > 0:
+        if held and hold > 0:  # the held steps again (still inside the hold), apart from the estimating one
             from mtrain.models.attention import HOLD_BACKOFF_MAX
 
+            held_ms = timed(steps(1, hold), 1, warmup=0, back_to_back=True) / hold
+            estimating_ms = steady_ms * (hold + 1) - held_ms * hold
             period = hold * HOLD_BACKOFF_MAX
-            long_run_ms = (steps[0] + period * statistics.mean(steps[1:])) / (period + 1)
+            long_run_ms = (estimating_ms + period * held_ms) / (period + 1)
     finally:
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.step = saved
     del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
