@@ -166,6 +166,36 @@ def test_rows_without_keys_and_columns_only(impl):
     assert torch.allclose(out.double(), r_out, atol=1e-5)
 
 
+@needs_interpreter
+def test_column_only_backward_skips_the_block_pass():
+    """plans[NO_BLOCKS] (the fa4 engine's column path) gives the gradients of the full column-only backward, against
+    the float64 reference over the columns' pairs."""
+    from mtrain.ops._triton_attention import NO_BLOCKS
+
+    gen = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, D, bs, S = 1, 4, 2, 16, 16, 64
+    q, k, v = (torch.randn(B, S, h, D, generator=gen) for h in (Hq, Hkv, Hkv))
+    pos = torch.arange(S)
+    nqb = S // bs
+    empty = (torch.full((B, Hq, nqb, 1), -1, dtype=torch.int32), torch.zeros(B, Hq, nqb, dtype=torch.int32))
+    cols = torch.tensor([0, 5, 20, 33, 50], dtype=torch.int32).expand(B, Hq, nqb, 5).contiguous()
+    columns = (cols, torch.full((B, Hq, nqb), 5, dtype=torch.int32))
+    kw = dict(q_pos=pos, k_pos=pos, blocks=empty, columns=columns, block_size=bs, impl="triton")
+    out, lse = partial.attention_forward(q, k, v, **kw)
+    dout = torch.randn_like(q)
+    rows = torch.isfinite(lse).transpose(1, 2)[..., None]  # rows that see a column
+    dout = torch.where(rows, dout, 0.0)
+    got = partial.attention_backward(dout, q, k, v, out, lse, plans={NO_BLOCKS: True}, **kw)
+    full = partial.attention_backward(dout, q, k, v, out, lse, plans={}, **kw)
+    mask = loop_mask(pos, pos, B, Hq, empty, columns, bs)
+    qr, kr, vr = (t.double().requires_grad_(True) for t in (q, k, v))
+    r_out, _ = reference.attention(qr, kr, vr, mask)
+    torch.where(rows, r_out, 0.0).backward(dout.double())
+    for a, b, want in zip(got, full, (qr.grad, kr.grad, vr.grad)):
+        assert torch.equal(a, b)
+        assert torch.allclose(a.double(), want, atol=1e-5)
+
+
 def test_merge_partial_handles_empty_sides():
     gen = torch.Generator().manual_seed(4)
     out = torch.randn(1, 3, 2, 4, generator=gen)

@@ -388,6 +388,36 @@ def _col_dkdv_kernel(
 
 
 @triton.jit
+def _delta_kernel(DO, O, DELTA, Sq, H, sdb, sds, sdh, sob, sos, soh, D: tl.constexpr, DP: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d] in fp32, ROWS rows of one (batch, head) per program:
+    the backward's row term, from one read of dout and out (no fp32 copies of either)."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, DP)
+    ok = (r < Sq)[:, None] & (d < D)[None, :]
+    ri = r.to(tl.int64)[:, None]
+    do = tl.load(DO + b * sdb + ri * sds + h * sdh + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    o = tl.load(O + b * sob + ri * sos + h * soh + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * Sq + r, tl.sum(do * o, 1), mask=r < Sq)
+
+
+def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """rowsum(dout * out) in fp32, [B, S, H, D] each (last dim contiguous) -> [B, H, S] contiguous."""
+    B, S, H, D = out.shape
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    delta = torch.empty(B, H, S, dtype=torch.float32, device=out.device)
+    rows = 64
+    _delta_kernel[(triton.cdiv(S, rows), B * H)](
+        dout, out, delta, S, H, dout.stride(0), dout.stride(1), dout.stride(2), out.stride(0), out.stride(1),
+        out.stride(2), D=D, DP=triton.next_power_of_2(D), ROWS=rows, num_warps=4)
+    return delta
+
+
+@triton.jit
 def _reduce_kernel(DK, DV, EXK, EXV, OFF, NROWS, ES, EC, rstride, ROWS: tl.constexpr, SUB: tl.constexpr,
                    D: tl.constexpr):
     """Add the extra slots (ROWS rows each) of one split target to its rows, in slot order
@@ -786,7 +816,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     has_doc = q_doc is not None
     nqb, nkb = -(-Sq // block_size), -(-Sk // block_size)
     prec = _prec(q)
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, Sq]
+    delta = row_delta(dout, out)  # [B, Hq, Sq]
     lse = lse.float().contiguous()
     # The backward without `deterministic` (fused): the dK/dV passes of the deterministic backward also add each
     # tile's dQ share with fp32 atomics, so no dQ pass recomputes the scores. Measured on the H200 (BENCHMARKS.md,
@@ -815,28 +845,12 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
             HAS_DOC=has_doc, **_opts(q, "dq", max(sub["QT"], sub["KT"])),
         )
-    if tr is None:
-        if "t" not in plans:
-            plans["t"] = transpose_blocks_csr(bi, bc, nkb)
-        tr = plans["t"]
-    ti, ts, tc = tr
-    kv_plan = _kv_work_plan(tc, B, Hkv, group, nqb, nkb, dk, block_size, plans)
-    sub = _subtiles(block_size, "dkdv", D)
-    ex_rows = sub["NKS"] * sub["KT"]  # rows of one extra slot: a whole (padded) key block
-    # Sized by the plan's bound, not its count (reading the count would wait for the GPU).
-    extra_k = torch.empty(kv_plan["extra_cap"], ex_rows, D, dtype=torch.float32, device=q.device)
-    extra_v = torch.empty_like(extra_k)
-    _launch(
-        _dkdv_kernel, (kv_plan["grid"], sub["NKS"]),
-        q, k, v, dout, lse, delta, dk, dv, dq, extra_k, extra_v, qp, kp, ti, ts, kv_plan["pre"],
-        kv_plan["target"], kv_plan["start"], kv_plan["end"], kv_plan["slot"], qd, kd,
-        scale * _LOG2E, scale, *common, dk.stride(0), dk.stride(1), dk.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2), ts.stride(0), ts.stride(1), qd.stride(0), kd.stride(0),
-        Sq, Sk, Hkv, group, nkb,
-        BS=block_size, **sub, D=D, CAUSAL=causal, PREC=prec, HAS_DOC=has_doc, DQ_ATOMIC=fused,
-        **_opts(q, "dkdv", max(sub["QT"], sub["KT"])),
-    )
-    _reduce(dk, dv, extra_k, extra_v, kv_plan, dk.stride(1), ex_rows, sub["KT"], D)
+    if plans.get(NO_BLOCKS):  # a column-only call (the fa4 engine's columns): no block adds to dK/dV
+        dk.zero_()
+        dv.zero_()
+    else:
+        _block_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, qp, kp, qd, kd, bi, bc, tr, common, plans, scale, causal,
+                    has_doc, fused, prec, block_size, nqb, nkb, group)
     if has_cols:
         chunk = min(_tile(block_size), 64)
         sub = _subtiles(block_size, "col", D)
@@ -867,6 +881,42 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     return dq, dk, dv
 
 
+def _block_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, qp, kp, qd, kd, bi, bc, tr, common, plans, scale, causal,
+                has_doc, fused, prec, block_size, nqb, nkb, group) -> None:
+    """The listed blocks' dK/dV (and with `fused` their dQ share): work items over the transposed lists, then the
+    reduce of split items."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if tr is None:
+        if "t" not in plans:
+            plans["t"] = transpose_blocks_csr(bi, bc, nkb)
+        tr = plans["t"]
+    ti, ts, tc = tr
+    kv_plan = _kv_work_plan(tc, B, Hkv, group, nqb, nkb, dk, block_size, plans)
+    sub = _subtiles(block_size, "dkdv", D)
+    ex_rows = sub["NKS"] * sub["KT"]  # rows of one extra slot: a whole (padded) key block
+    # Sized by the plan's bound, not its count (reading the count would wait for the GPU).
+    extra_k = torch.empty(kv_plan["extra_cap"], ex_rows, D, dtype=torch.float32, device=q.device)
+    extra_v = torch.empty_like(extra_k)
+    _launch(
+        _dkdv_kernel, (kv_plan["grid"], sub["NKS"]),
+        q, k, v, dout, lse, delta, dk, dv, dq, extra_k, extra_v, qp, kp, ti, ts, kv_plan["pre"],
+        kv_plan["target"], kv_plan["start"], kv_plan["end"], kv_plan["slot"], qd, kd,
+        scale * _LOG2E, scale, *common, dk.stride(0), dk.stride(1), dk.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2), ts.stride(0), ts.stride(1), qd.stride(0), kd.stride(0),
+        Sq, Sk, Hkv, group, nkb,
+        BS=block_size, **sub, D=D, CAUSAL=causal, PREC=prec, HAS_DOC=has_doc, DQ_ATOMIC=fused,
+        **_opts(q, "dkdv", max(sub["QT"], sub["KT"])),
+    )
+    _reduce(dk, dv, extra_k, extra_v, kv_plan, dk.stride(1), ex_rows, sub["KT"], D)
+
+
+# plans[NO_BLOCKS] = True marks a column-only index (every block list empty, known without reading the counts):
+# the backward then skips the block dK/dV pass, whose grid would otherwise run over every key block for nothing
+# (0.25 ms at 128K, 16 / 2 heads x 128, in the fa4 engine's column backward).
+NO_BLOCKS = "no_blocks"
+
+
 def prepare_backward(index, num_kv_heads: int, head_dim: int) -> None:
     """Build, and cache in `index._cache`, all the deterministic backward derives from a SparseIndex:
     the transposed index, the column plan and the work items (so it can be timed with the index). With the
@@ -874,9 +924,10 @@ def prepare_backward(index, num_kv_heads: int, head_dim: int) -> None:
     B, Hq, nqb = index.block_counts.shape
     S, bs, plans = index.seq_len, index.block_size, index._cache
     group = Hq // num_kv_heads
-    _, _, tc = index.transposed_csr()
-    dk = torch.empty(B, S, num_kv_heads, head_dim, device="meta")
-    _kv_work_plan(tc, B, num_kv_heads, group, nqb, nqb, dk, bs, plans)
+    if not plans.get(NO_BLOCKS):
+        _, _, tc = index.transposed_csr()
+        dk = torch.empty(B, S, num_kv_heads, head_dim, device="meta")
+        _kv_work_plan(tc, B, num_kv_heads, group, nqb, nqb, dk, bs, plans)
     chunk = min(_tile(bs), 64)
     plan = index.column_plan(chunk)
     _col_work_plan(plan, nqb, torch.empty(B, Hq, plan.universe.shape[-1], head_dim, device="meta"), plans)

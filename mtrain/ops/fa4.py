@@ -212,6 +212,7 @@ def _plan(index: SparseIndex, doc_ids, num_kv_heads: int, head_dim: int) -> _Pla
                                     index.block_size)
             counts = plan.no_blocks[1]
             col_index._cache["t"] = (counts.new_zeros(0), counts.new_zeros(counts.shape, dtype=torch.int64), counts)
+            col_index._cache[_triton_attention.NO_BLOCKS] = True
             chunk = ("c", kernel_column_chunk(index.block_size))
             if chunk in index._cache:
                 col_index._cache[chunk] = index._cache[chunk]
