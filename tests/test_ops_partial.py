@@ -194,6 +194,59 @@ def test_column_only_backward_skips_the_block_pass():
     for a, b, want in zip(got, full, (qr.grad, kr.grad, vr.grad)):
         assert torch.equal(a, b)
         assert torch.allclose(a.double(), want, atol=1e-5)
+    # another pass's gradients added inside (the fa4 engine adds FA4's): dq in their dtype
+    init = (torch.randn_like(q).to(torch.bfloat16), torch.randn_like(k), torch.randn_like(v))
+    summed = partial.attention_backward(dout, q, k, v, out, lse, plans={NO_BLOCKS: True}, grad_init=init, **kw)
+    assert summed[0].dtype == torch.bfloat16
+    torch.testing.assert_close(summed[0], (got[0] + init[0].float()).to(torch.bfloat16), atol=0, rtol=2 ** -7)
+    for a, b, i in zip(summed[1:], got[1:], init[1:]):
+        torch.testing.assert_close(a, b + i, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_backward_adds_grad_init(impl):
+    """grad_init is added to the gradients of a step with blocks and columns (Triton: dq inside the dQ pass)."""
+    gen = torch.Generator().manual_seed(8)
+    B, Hq, Hkv, D, bs, S = 1, 2, 1, 16, 16, 48
+    q, k, v = (torch.randn(B, S, h, D, generator=gen) for h in (Hq, Hkv, Hkv))
+    pos = torch.arange(S)
+    blocks, columns = random_lists(B, Hq, S // bs, S // bs, bs, S, 0.5, 2, gen)
+    kw = dict(q_pos=pos, k_pos=pos, blocks=blocks, columns=columns, block_size=bs, impl=impl)
+    out, lse = partial.attention_forward(q, k, v, **kw)
+    dout = torch.where(torch.isfinite(lse).transpose(1, 2)[..., None], torch.randn_like(q), 0.0)
+    plain = partial.attention_backward(dout, q, k, v, out, lse, **kw)
+    init = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
+    summed = partial.attention_backward(dout, q, k, v, out, lse, grad_init=init, **kw)
+    for a, b, i in zip(summed, plain, init):
+        torch.testing.assert_close(a, b + i, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="grad_init must hold"):
+        partial.attention_backward(dout, q, k, v, out, lse, grad_init=init[::-1], **kw)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_forward_merges_into_another_result(impl):
+    """merge_into: a step over the columns merged in place into a step over the blocks of the same rows (the fa4
+    engine's forward) gives attention over both, against float64; rows only one side sees keep that side's."""
+    gen = torch.Generator().manual_seed(9)
+    B, Hq, Hkv, D, bs, S = 1, 2, 1, 16, 16, 48
+    q, k, v = (torch.randn(B, S, h, D, generator=gen) for h in (Hq, Hkv, Hkv))
+    pos = torch.arange(S)
+    nqb = S // bs
+    blocks, columns = random_lists(B, Hq, nqb, nqb, bs, S, 0.4, 3, gen)
+    none = (torch.full((B, Hq, nqb, 1), -1, dtype=torch.int32), torch.zeros(B, Hq, nqb, dtype=torch.int32))
+    kw = dict(q_pos=pos, k_pos=pos, block_size=bs, impl=impl)
+    out_a, lse_a = partial.attention_forward(q, k, v, blocks=blocks, **kw)
+    target = (out_a.clone(), lse_a.clone())
+    got_out, got_lse = partial.attention_forward(q, k, v, blocks=none, columns=columns, merge_into=target, **kw)
+    assert got_out.data_ptr() == target[0].data_ptr() and got_lse.data_ptr() == target[1].data_ptr()
+    mask = loop_mask(pos, pos, B, Hq, blocks, columns, bs)
+    want_out, want_lse = reference.attention(q.double(), k.double(), v.double(), mask)
+    assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))
+    seen = torch.isfinite(want_lse)
+    assert torch.allclose(got_lse[seen].double(), want_lse[seen], atol=1e-5)
+    assert torch.allclose(got_out.double(), want_out, atol=1e-5)
+    with pytest.raises(ValueError, match="merge_into must be"):
+        partial.attention_forward(q, k, v, blocks=none, columns=columns, merge_into=(out_a.half(), lse_a), **kw)
 
 
 def test_merge_partial_handles_empty_sides():

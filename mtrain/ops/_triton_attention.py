@@ -114,9 +114,11 @@ def _fwd_kernel(
     Sq, Sk, H, GROUP,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
     D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
+    MERGE: tl.constexpr = False,
 ):
     """Out and LSE of one query sub-tile (QT rows of query block i) over its block's key list (each key
-    block as NKS sub-tiles) and columns."""
+    block as NKS sub-tiles) and columns; with MERGE, merged by LSE into the result O and LSE already hold (the
+    same rows over other keys)."""
     i, b, h, hk, rows, row_ok = _query_tile(tl.program_id(0), tl.program_id(1), H, GROUP, Sq, BS, QT, NQS)
     offs_k = tl.arange(0, KT)
     offs_d = tl.arange(0, D)
@@ -152,9 +154,20 @@ def _fwd_kernel(
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(O + b * sob + rows[:, None] * sos + h * soh + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(LSE + b * slb + h * slh + rows, lse, mask=row_ok)
+    o_at = b * sob + rows[:, None] * sos + h * soh + offs_d[None, :]
+    l_at = b * slb + h * slh + rows
+    if MERGE:  # weights from the larger lse, so nothing overflows; a row neither side saw stays 0 / -inf
+        l_o = tl.load(LSE + l_at, mask=row_ok, other=float("-inf"))
+        o_o = tl.load(O + o_at, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        m = tl.maximum(l_o, lse)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w_o, w = tl.exp(l_o - m), tl.exp(lse - m)
+        total = w_o + w
+        inv = tl.where(total > 0, 1.0 / total, 0.0)
+        out = o_o * (w_o * inv)[:, None] + out * (w * inv)[:, None]
+        lse = tl.where(total > 0, m + tl.log(total), float("-inf"))
+    tl.store(O + o_at, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + l_at, lse, mask=row_ok)
 
 
 @triton.jit
@@ -170,15 +183,17 @@ def _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC: tl.constexpr):
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, QP, KP, BI, BC, CI, CC, QD, KD,
+    Q, K, V, DO, LSE, DELTA, DQ, DQI, QP, KP, BI, BC, CI, CC, QD, KD,
     scale_log2, scale,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sgb, sgs, sgh,
     sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb,
     Sq, Sk, H, GROUP,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
     D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
+    HAS_INIT: tl.constexpr,
 ):
-    """dQ of one query sub-tile (the deterministic backward's dQ pass)."""
+    """dQ of one query sub-tile (the deterministic backward's dQ pass); with HAS_INIT plus DQI's rows (laid out as
+    DQ), stored in DQ's dtype."""
     i, b, h, hk, rows, row_ok = _query_tile(tl.program_id(0), tl.program_id(1), H, GROUP, Sq, BS, QT, NQS)
     offs_k = tl.arange(0, KT)
     offs_d = tl.arange(0, D)
@@ -214,7 +229,11 @@ def _dq_kernel(
             k, v, ok = _kv_tile(k_base, v_base, KP, KD, cid, c_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
                                 D, CAUSAL, HAS_DOC)
             dq = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
-    tl.store(DQ + b * sgb + rows[:, None] * sgs + h * sgh + offs_d[None, :], dq * scale, mask=row_ok[:, None])
+    at = b * sgb + rows[:, None] * sgs + h * sgh + offs_d[None, :]
+    dq = dq * scale
+    if HAS_INIT:
+        dq += tl.load(DQI + at, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    tl.store(DQ + at, dq, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -777,7 +796,7 @@ def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, 
 
 
 def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans=None, *, q_doc=None,
-            k_doc=None):
+            k_doc=None, merge_into=None):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     plans = {} if plans is None else plans
@@ -785,8 +804,11 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
     bi, bc, _, ci, cc, has_cols, qp, kp, qd, kd, plans = _prepare(
         q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, q_doc, k_doc)
     nqb = -(-Sq // block_size)
-    out = torch.empty_like(q)
-    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    if merge_into is None:
+        out = torch.empty_like(q)
+        lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    else:  # merged in place (partial.attention_forward checked shapes, dtypes and contiguity)
+        out, lse = merge_into
     sub = _subtiles(block_size, "fwd", D)
     _launch(
         _fwd_kernel, (nqb * sub["NQS"], B * Hq),
@@ -799,13 +821,13 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
         ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
         Sq, Sk, Hq, Hq // Hkv,
         BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=_prec(q),
-        HAS_DOC=q_doc is not None, **_opts(q, "fwd", max(sub["QT"], sub["KT"])),
+        HAS_DOC=q_doc is not None, MERGE=merge_into is not None, **_opts(q, "fwd", max(sub["QT"], sub["KT"])),
     )
     return out, lse
 
 
 def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
-             deterministic=True, plans=None, q_doc=None, k_doc=None):
+             deterministic=True, plans=None, q_doc=None, k_doc=None, grad_init=None):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -825,7 +847,12 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     # dK/dV with atomics, contended by every query block and GQA head) was 5.5-9.5x slower and is gone. Training
     # uses the deterministic backward.
     fused = not deterministic
-    dq = (torch.zeros if fused else torch.empty)(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
+    dq_init = None
+    if grad_init is not None:  # (partial.attention_backward checked shapes and deterministic)
+        dq_init = grad_init[0].contiguous()
+        dq = torch.empty(B, Sq, Hq, D, dtype=dq_init.dtype, device=q.device)
+    else:
+        dq = (torch.zeros if fused else torch.empty)(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
     dk = torch.empty(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
     dv = torch.empty(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
     common = (
@@ -837,20 +864,27 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         sub = _subtiles(block_size, "dq", D)
         _launch(
             _dq_kernel, (nqb * sub["NQS"], B * Hq),
-            q, k, v, dout, lse, delta, dq, qp, kp, bi, bc, ci, cc, qd, kd,
+            q, k, v, dout, lse, delta, dq, dq if dq_init is None else dq_init, qp, kp, bi, bc, ci, cc, qd, kd,
             scale * _LOG2E, scale, *common, dq.stride(0), dq.stride(1), dq.stride(2),
             bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
             ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
             Sq, Sk, Hq, group,
             BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
-            HAS_DOC=has_doc, **_opts(q, "dq", max(sub["QT"], sub["KT"])),
+            HAS_DOC=has_doc, HAS_INIT=dq_init is not None, **_opts(q, "dq", max(sub["QT"], sub["KT"])),
         )
     if plans.get(NO_BLOCKS):  # a column-only call (the fa4 engine's columns): no block adds to dK/dV
-        dk.zero_()
-        dv.zero_()
+        if grad_init is None:
+            dk.zero_()
+            dv.zero_()
+        else:
+            dk.copy_(grad_init[1])
+            dv.copy_(grad_init[2])
     else:
         _block_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, qp, kp, qd, kd, bi, bc, tr, common, plans, scale, causal,
                     has_doc, fused, prec, block_size, nqb, nkb, group)
+        if grad_init is not None:
+            dk.add_(grad_init[1])
+            dv.add_(grad_init[2])
     if has_cols:
         chunk = min(_tile(block_size), 64)
         sub = _subtiles(block_size, "col", D)

@@ -149,14 +149,14 @@ def _score_sums_kernel(
     if c == 0:
         tl.store(LSE + bh * n + r_idx, (m_safe + tl.log2(tl.maximum(l_i, 1e-30))) / 1.4426950408889634, mask=r_ok)
     kbase = K + b * skb + (h // G) * skh
-    prow = POOLED + (bh * n + r_idx).to(tl.int64) * nKB
+    prow = POOLED + bh.to(tl.int64) * nKB * n + r_idx  # [B * Hq, nKB, n]: a key block's rows side by side
     vrow = VPART + (tile * (tl.num_programs(1)) + bh).to(tl.int64) * S
     lo, mid, hi = _key_ranges(ROWS, tile, c, chunk, end, HAS_DOCS, BLOCK_M, BLOCK_N, SPLIT)
     for start in range(lo, mid, BLOCK_N):  # keys every row sees, outside every row's own block
         s, kpos = _tile_logits_full(q, kbase, start, sks, d, d_ok, scale_log2, BLOCK_N, PREC)
         p = tl.exp2(s - m_safe[:, None]) * inv[:, None]  # rows past the list: inv = 0
         kb = start // BLOCK_N
-        tl.store(prow + kb, tl.sum(p, 1), mask=r_ok)
+        tl.store(prow + kb * n, tl.sum(p, 1), mask=r_ok)
         if kb != 0:  # block 0 is always kept: its columns stay 0
             tl.store(vrow + kpos, tl.sum(p, 0))
     for start in range(mid, hi, BLOCK_N):
@@ -164,7 +164,7 @@ def _score_sums_kernel(
                                      HAS_DOCS, BLOCK_N, PREC)
         p = tl.exp2(s - m_safe[:, None]) * inv[:, None]  # hidden pairs: exp2(-inf) = 0
         kb = start // BLOCK_N
-        tl.store(prow + kb, tl.sum(p, 1), mask=r_ok)
+        tl.store(prow + kb * n, tl.sum(p, 1), mask=r_ok)
         outside = (rblk[:, None] != kb) & (kb != 0)
         tl.store(vrow + kpos, tl.sum(tl.where(outside, p, 0.0), 0), mask=k_ok)
 
@@ -216,7 +216,9 @@ def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size:
     lse = torch.empty(B, Hq, n, device=dev, dtype=torch.float32)
     mpart = torch.empty(n_chunks, B * Hq, n, device=dev, dtype=torch.float32)
     lpart = torch.empty_like(mpart)
-    pooled = torch.zeros(B, Hq, n, n_kb, device=dev, dtype=torch.float32)
+    # written key block by key block, each block's rows side by side (one coalesced store per tile), then turned
+    # to [B, Hq, n, nKB]
+    pooled = torch.zeros(B, Hq, n_kb, n, device=dev, dtype=torch.float32)
     vpart = torch.zeros(tiles, B * Hq, S, device=dev, dtype=torch.float32)
     rows32 = rows.to(torch.int32).contiguous()
     docs = doc_ids.to(device=dev, dtype=torch.int32).contiguous() if doc_ids is not None else rows32
@@ -233,7 +235,7 @@ def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size:
     _score_sums_kernel[grid](qr, k, rows32, docs, mpart, lpart, lse, pooled, vpart, n, S, n_kb, Hq, Hq // Hkv, D,
                              scale * _LOG2E, chunk, n_chunks, *strides, **meta)
     vert = vpart.sum(0).view(B, Hq, S)
-    return lse, pooled, vert
+    return lse, pooled.transpose(-1, -2).contiguous(), vert
 
 
 

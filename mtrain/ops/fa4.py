@@ -266,87 +266,6 @@ def _doc_aux(doc_ids, bs: int, n: int):
     return [torch.nn.functional.pad(doc, (0, n * bs - doc.shape[1]), value=-1).contiguous()]
 
 
-def _kernels():
-    """The two elementwise Triton kernels of the engine (defined on first use: Triton is imported lazily)."""
-    if "merge" not in _JIT:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def merge(OA, LA, OB, LB, O, L, n_rows, S, H, soa, sob, so, D: tl.constexpr, DP: tl.constexpr,
-                  ROWS: tl.constexpr):
-            """out, lse of rows (b, s, h) from two partial results over disjoint keys, in one pass (fp32 math).
-            Out tensors [B, S, H, D] with row stride s* (rows = b*S*H + s*H + h, D contiguous); lse [B, H, S]."""
-            r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-            ok = r < n_rows
-            b, s, h = r // (S * H), (r // H) % S, r % H
-            lidx = (b * H + h) * S + s
-            la = tl.load(LA + lidx, mask=ok, other=float("-inf"))
-            lb = tl.load(LB + lidx, mask=ok, other=float("-inf"))
-            m = tl.maximum(la, lb)
-            m = tl.where(m == float("-inf"), 0.0, m)
-            wa, wb = tl.exp(la - m), tl.exp(lb - m)
-            total = wa + wb
-            inv = tl.where(total > 0, 1.0 / total, 0.0)
-            d = tl.arange(0, DP)
-            cell = ok[:, None] & (d[None, :] < D)
-            oa = tl.load(OA + r[:, None].to(tl.int64) * soa + d[None, :], mask=cell, other=0.0).to(tl.float32)
-            ob = tl.load(OB + r[:, None].to(tl.int64) * sob + d[None, :], mask=cell, other=0.0).to(tl.float32)
-            out = (oa * (wa * inv)[:, None] + ob * (wb * inv)[:, None]).to(O.dtype.element_ty)
-            tl.store(O + r[:, None].to(tl.int64) * so + d[None, :], out, mask=cell)
-            tl.store(L + lidx, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=ok)
-
-        @triton.jit
-        def add_cast(A, B, O, n, BLOCK: tl.constexpr):
-            """O = A + B elementwise (flat, contiguous), in fp32, stored in O's dtype."""
-            i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            ok = i < n
-            a = tl.load(A + i, mask=ok, other=0.0).to(tl.float32)
-            b = tl.load(B + i, mask=ok, other=0.0).to(tl.float32)
-            tl.store(O + i, (a + b).to(O.dtype.element_ty), mask=ok)
-
-        _JIT.update(merge=merge, add_cast=add_cast)
-    return _JIT["merge"], _JIT["add_cast"]
-
-
-def _evenly_spaced_rows(t: torch.Tensor) -> torch.Tensor:
-    """t [B, S, H, D], contiguous in D with its (b, s, h) rows one stride apart (copied to that when not)."""
-    B, S, H, D = t.shape
-    if t.stride(3) == 1 and t.stride(1) == H * t.stride(2) and t.stride(0) == S * t.stride(1):
-        return t
-    return t.contiguous()
-
-
-def merge_results(out_a, lse_a, out_b, lse_b):
-    """Merge two partial attention results over disjoint key sets (as `partial.merge_partial`) in one fused pass:
-    out in out_a's dtype, lse fp32 [B, H, S]."""
-    merge, _ = _kernels()
-    B, S, H, D = out_a.shape
-    out_a, out_b = _evenly_spaced_rows(out_a), _evenly_spaced_rows(out_b)
-    out = torch.empty(B, S, H, D, dtype=out_a.dtype, device=out_a.device)
-    lse = torch.empty(B, H, S, dtype=torch.float32, device=out_a.device)
-    rows = 32
-    merge[(triton_cdiv(B * S * H, rows),)](
-        out_a, lse_a.float().contiguous(), out_b, lse_b.float().contiguous(), out, lse, B * S * H, S, H,
-        out_a.stride(2), out_b.stride(2), out.stride(2), D=D, DP=max(16, 1 << (D - 1).bit_length()),
-        ROWS=rows)
-    return out, lse
-
-
-def add_cast(a: torch.Tensor, b: torch.Tensor, dtype) -> torch.Tensor:
-    """a + b (same shape) summed in fp32, returned contiguous in `dtype`, in one pass."""
-    _, kernel = _kernels()
-    a, b = a.contiguous(), b.contiguous()
-    out = torch.empty(a.shape, dtype=dtype, device=a.device)
-    block = 4096
-    kernel[(triton_cdiv(a.numel(), block),)](a, b, out, a.numel(), BLOCK=block)
-    return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class _Fa4Attention(torch.autograd.Function):
     """Forward: FA4 block-sparse (blocks) + Triton (columns), merged by LSE. Backward from the merged out / lse:
     deterministic=False: FA4's block-sparse backward + the Triton column backward, summed; deterministic=True:
@@ -370,9 +289,10 @@ class _Fa4Attention(torch.autograd.Function):
         col_plans = plan.col_plans if doc_ids is None else {}
         col_kw = dict(q_pos=pos, k_pos=pos, blocks=plan.no_blocks, columns=index.columns, block_size=bs,
                       softmax_scale=scale, causal=True, impl="triton", q_doc=doc_ids, k_doc=doc_ids)
-        if plan.has_cols:
-            out_c, lse_c = partial.attention_forward(q, k, v, plans=col_plans, **col_kw)
-            out, lse = merge_results(out, lse, out_c, lse_c)
+        if plan.has_cols:  # the columns merged by LSE into FA4's out / lse in the column kernel's epilogue
+            out, lse = partial.attention_forward(q, k, v, plans=col_plans, merge_into=(out.contiguous(),
+                                                                                       lse.float().contiguous()),
+                                                 **col_kw)
         triton_plans = None
         if deterministic:
             triton_plans = {key: val for key, val in index._cache.items() if key not in _OWN_KEYS}
@@ -403,10 +323,10 @@ class _Fa4Attention(torch.autograd.Function):
             dq, dk, dv = fa4._flash_attn_bwd(q, k, v, out, dout, lse, scale, False,
                                              mask_mod=causal_mod if aux is None else doc_mod, aux_tensors=aux,
                                              block_sparse_tensors=bwd_sparse, deterministic=False)[:3]
-            if has_cols:  # the columns' deterministic backward (its atomic one zero-fills and adds a whole fp32 dQ)
-                grads = partial.attention_backward(dout, q, k, v, out, lse, deterministic=True, plans=col_plans,
-                                                   **col_kw)
-                dq, dk, dv = (add_cast(a, b, t.dtype) for a, b, t in zip((dq, dk, dv), grads, (q, k, v)))
+            if has_cols:  # the columns' deterministic backward (its atomic one zero-fills and adds a whole fp32 dQ),
+                # FA4's gradients added inside it: dQ in its dQ pass (stored in q's dtype), dK / dV before the columns'
+                dq, dk, dv = partial.attention_backward(dout, q, k, v, out, lse, deterministic=True, plans=col_plans,
+                                                        grad_init=(dq, dk, dv), **col_kw)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

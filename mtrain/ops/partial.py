@@ -395,6 +395,7 @@ def attention_forward(
     plans: dict | None = None,
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
+    merge_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a query shard against one key/value shard; returns (out, lse) for an LSE merge.
 
@@ -421,17 +422,33 @@ def attention_forward(
         samples). The Triton path drops listed key blocks and columns whose doc-id range cannot meet
         the query block's before launching (with increasing ids, as a packer numbers documents, that
         is every block of other documents) and tests the ids pair by pair in the remaining tiles.
+    merge_into: (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] float32), both contiguous: the same rows' result
+        over other keys. This step's result is merged into them in place (by LSE, in fp32; the Triton path in its
+        own epilogue, with no separate pass) and they are returned.
     Returns out [B, Sq, Hq, D] in q.dtype and lse [B, Hq, Sq] float32 (natural log); rows that see
     no key get out = 0 and lse = -inf. Not differentiable itself: use `attention_backward`.
     """
     _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size, q_doc, k_doc)
+    if merge_into is not None:
+        o, l = merge_into
+        B, Sq, Hq, _ = q.shape
+        if (o.shape != q.shape or o.dtype != q.dtype or not o.is_contiguous() or l.shape != (B, Hq, Sq)
+                or l.dtype != torch.float32 or not l.is_contiguous()):
+            raise ValueError(f"merge_into must be (out {tuple(q.shape)} {q.dtype}, lse {(B, Hq, Sq)} float32), both "
+                             f"contiguous; got ({tuple(o.shape)} {o.dtype}, {tuple(l.shape)} {l.dtype})")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if _use_triton(impl, q.device):
         from mtrain.ops import _triton_attention
 
         return _triton_attention.forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans,
-                                         q_doc=q_doc, k_doc=k_doc)
-    return _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc, k_doc)
+                                         q_doc=q_doc, k_doc=k_doc, merge_into=merge_into)
+    out, lse = _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc, k_doc)
+    if merge_into is None:
+        return out, lse
+    merged, merged_lse = merge_partial(merge_into[0], merge_into[1], out, lse)
+    merge_into[0].copy_(merged)
+    merge_into[1].copy_(merged_lse)
+    return merge_into
 
 
 def attention_backward(
@@ -454,6 +471,7 @@ def attention_backward(
     plans: dict | None = None,
     q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None,
+    grad_init: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one partial attention step, given the FINAL (merged) out and lse of the rows.
 
@@ -469,16 +487,28 @@ def attention_backward(
     dQ kernel (no transposed index; slower under GQA, see BENCHMARKS.md). `plans`: as in
     `attention_forward` (also holds the transposed index; `SparseIndex` keeps one per index).
     q_doc, k_doc: document ids as in `attention_forward` (pass the same ones as the forward).
+    grad_init: (dq, dk, dv) of another pass over other pairs of the same rows (shapes of q, k, v), added into the
+    result: the Triton path adds dq inside its dQ pass and returns dq in grad_init's dtype (no fp32 copy of dq
+    and no separate add), with `deterministic` only.
     """
     _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size, q_doc, k_doc)
+    if grad_init is not None and tuple(t.shape for t in grad_init) != (q.shape, k.shape, v.shape):
+        raise ValueError(f"grad_init must hold gradients shaped like q, k, v {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}; got {[tuple(t.shape) for t in grad_init]}")
+    if grad_init is not None and not deterministic:
+        raise ValueError("grad_init needs deterministic=True (the fused backward adds dQ with atomics)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if _use_triton(impl, q.device):
         from mtrain.ops import _triton_attention
 
         return _triton_attention.backward(
             dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
-            deterministic=deterministic, plans=plans, q_doc=q_doc, k_doc=k_doc,
+            deterministic=deterministic, plans=plans, q_doc=q_doc, k_doc=k_doc, grad_init=grad_init,
         )
+    if grad_init is not None:
+        grads = _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
+                                q_doc, k_doc)
+        return tuple(g + i.to(g.dtype) for g, i in zip(grads, grad_init))
     return _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
                            q_doc, k_doc)
 
