@@ -6,8 +6,7 @@ for every shape asked. One process, one shape at a time; the inputs are bench_at
         --variants r64-w8-nosplit r64-w8 r128-w8 r128-w8-s3
 
 A variant names its settings joined by '-': rN rows per program, wN warps, sN pipeline stages, kN keys per program,
-nosplit (every key tile masked; the default runs the keys all rows see without masks), bm / rm (the mass per
-(row, key block) written block-major or row-major). What a variant leaves out takes
+nosplit (every key tile masked; the default runs the keys all rows see without masks). What a variant leaves out takes
 `scorer_config`'s default.
 """
 
@@ -33,12 +32,10 @@ def parse_variant(name: str) -> dict:
     for part in name.split("-"):
         if part == "nosplit":
             cfg["split"] = False
-        elif part in ("bm", "rm"):
-            cfg["block_major"] = part == "bm"
         elif part[:1] in "rwsk" and part[1:].isdigit():
             cfg[{"r": "rows", "w": "warps", "s": "stages", "k": "keys"}[part[0]]] = int(part[1:])
         else:
-            raise SystemExit(f"variant {name!r}: unknown part {part!r} (rN, wN, sN, kN, nosplit, bm or rm)")
+            raise SystemExit(f"variant {name!r}: unknown part {part!r} (rN, wN, sN, kN or nosplit)")
     return cfg
 
 

@@ -124,7 +124,7 @@ def _score_stats_kernel(
 @triton.jit
 def _score_sums_kernel(
     Q, K, ROWS, DOCS, MPART, LPART, LSE, POOLED, VPART,
-    n, S, nKB, H, G, D, scale_log2, chunk, n_chunks, spr, spk,
+    n, S, nKB, H, G, D, scale_log2, chunk, n_chunks,
     sqb, sqn, sqh, skb, sks, skh, sdb,
     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PREC: tl.constexpr, SPLIT: tl.constexpr,
@@ -149,14 +149,14 @@ def _score_sums_kernel(
     if c == 0:
         tl.store(LSE + bh * n + r_idx, (m_safe + tl.log2(tl.maximum(l_i, 1e-30))) / 1.4426950408889634, mask=r_ok)
     kbase = K + b * skb + (h // G) * skh
-    prow = POOLED + bh.to(tl.int64) * nKB * n + r_idx * spr  # (row, key block) at row * spr + block * spk
+    prow = POOLED + (bh * n + r_idx).to(tl.int64) * nKB
     vrow = VPART + (tile * (tl.num_programs(1)) + bh).to(tl.int64) * S
     lo, mid, hi = _key_ranges(ROWS, tile, c, chunk, end, HAS_DOCS, BLOCK_M, BLOCK_N, SPLIT)
     for start in range(lo, mid, BLOCK_N):  # keys every row sees, outside every row's own block
         s, kpos = _tile_logits_full(q, kbase, start, sks, d, d_ok, scale_log2, BLOCK_N, PREC)
         p = tl.exp2(s - m_safe[:, None]) * inv[:, None]  # rows past the list: inv = 0
         kb = start // BLOCK_N
-        tl.store(prow + kb * spk, tl.sum(p, 1), mask=r_ok)
+        tl.store(prow + kb, tl.sum(p, 1), mask=r_ok)
         if kb != 0:  # block 0 is always kept: its columns stay 0
             tl.store(vrow + kpos, tl.sum(p, 0))
     for start in range(mid, hi, BLOCK_N):
@@ -164,7 +164,7 @@ def _score_sums_kernel(
                                      HAS_DOCS, BLOCK_N, PREC)
         p = tl.exp2(s - m_safe[:, None]) * inv[:, None]  # hidden pairs: exp2(-inf) = 0
         kb = start // BLOCK_N
-        tl.store(prow + kb * spk, tl.sum(p, 1), mask=r_ok)
+        tl.store(prow + kb, tl.sum(p, 1), mask=r_ok)
         outside = (rblk[:, None] != kb) & (kb != 0)
         tl.store(vrow + kpos, tl.sum(tl.where(outside, p, 0.0), 0), mask=k_ok)
 
@@ -177,20 +177,18 @@ KEYS_PER_PROGRAM = 4096
 def scorer_config(block_size: int, head_dim: int) -> dict:
     """The scorer's launch settings for a block size and head dim: rows per program (`rows`), warps, pipeline
     stages, whether the keys every row of a program sees run without masks (`split`; the same sums up to float
-    rounding), the keys one program walks (`keys`, rounded to the block size; None: KEYS_PER_PROGRAM), and whether
-    the mass per (row, key block) is written key block by key block, a tile's rows side by side, then transposed
-    (`block_major`; else row by row, a store per row).
+    rounding), and the keys one program walks (`keys`, rounded to the block size; None: KEYS_PER_PROGRAM).
 
     Measured on an H200 (`scripts/bench_scorer.py`, BENCHMARKS.md "The scorer's launch settings"): at 128-token
     blocks 128 rows and 4 warps beat the 64 rows and 8 warps used before by 22-35% (128K, 16 / 2 heads x 128: 6.82
     -> 5.26 ms, and 4.88 ms with 2 stages; 9 / 3 x 64: 2.50 -> 1.73 ms; 32K: 0.78 -> 0.56 ms); at 64-token blocks
     64 rows and 4 warps stay the fastest. Summing a tile's columns on the tensor cores (ones @ p, tf32x3) was
-    slower everywhere (1.3-3.9x) or ran out of shared memory. Writing the per-block mass block-major took the
-    16 / 2 x 128 case from 4.88 to 3.89 ms but 9 / 3 x 64 from 1.73 to 1.98 ms (128K) and 0.56 to 0.69 ms (32K)."""
+    slower everywhere (1.3-3.9x) or ran out of shared memory; writing the mass per (row, key block) block-major
+    (coalesced stores, then a transpose) was no faster in the same run (16 / 2 x 128: 3.81 vs 3.75 ms; 9 / 3 x 64:
+    1.81 vs 1.73 and 0.63 vs 0.61 ms)."""
     if block_size >= 128:
-        return dict(rows=128, warps=4, stages=2 if head_dim > 64 else None, split=True, keys=None,
-                    block_major=head_dim > 64)
-    return dict(rows=_ROWS, warps=4, stages=None, split=True, keys=None, block_major=False)
+        return dict(rows=128, warps=4, stages=2 if head_dim > 64 else None, split=True, keys=None)
+    return dict(rows=_ROWS, warps=4, stages=None, split=True, keys=None)
 
 
 def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size: int, scale: float,
@@ -210,10 +208,9 @@ def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size:
     if k.stride(-1) != 1:
         k = k.contiguous()
     cfg = {**scorer_config(block_size, D), **(config or {})}
-    unknown = set(cfg) - {"rows", "warps", "stages", "split", "keys", "block_major"}
+    unknown = set(cfg) - {"rows", "warps", "stages", "split", "keys"}
     if unknown:
-        raise ValueError(f"unknown scorer config keys {sorted(unknown)}: use rows, warps, stages, split, keys, "
-                         f"block_major")
+        raise ValueError(f"unknown scorer config keys {sorted(unknown)}: use rows, warps, stages, split, keys")
     tiles = -(-n // cfg["rows"])
     chunk = max(block_size, (cfg["keys"] or KEYS_PER_PROGRAM) // block_size * block_size)
     n_chunks = -(-S // chunk)
@@ -221,11 +218,7 @@ def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size:
     lse = torch.empty(B, Hq, n, device=dev, dtype=torch.float32)
     mpart = torch.empty(n_chunks, B * Hq, n, device=dev, dtype=torch.float32)
     lpart = torch.empty_like(mpart)
-    # block_major: written key block by key block, a tile's rows side by side (one coalesced store per tile), then
-    # turned to [B, Hq, n, nKB]
-    block_major = bool(cfg["block_major"])
-    pooled = torch.zeros((B, Hq, n_kb, n) if block_major else (B, Hq, n, n_kb), device=dev, dtype=torch.float32)
-    spr, spk = (1, n) if block_major else (n_kb, 1)
+    pooled = torch.zeros(B, Hq, n, n_kb, device=dev, dtype=torch.float32)
     vpart = torch.zeros(tiles, B * Hq, S, device=dev, dtype=torch.float32)
     rows32 = rows.to(torch.int32).contiguous()
     docs = doc_ids.to(device=dev, dtype=torch.int32).contiguous() if doc_ids is not None else rows32
@@ -240,9 +233,9 @@ def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size:
     _score_stats_kernel[grid](qr, k, rows32, docs, mpart, lpart, n, S, Hq, Hq // Hkv, D, scale * _LOG2E, chunk,
                               *strides, **meta)
     _score_sums_kernel[grid](qr, k, rows32, docs, mpart, lpart, lse, pooled, vpart, n, S, n_kb, Hq, Hq // Hkv, D,
-                             scale * _LOG2E, chunk, n_chunks, spr, spk, *strides, **meta)
+                             scale * _LOG2E, chunk, n_chunks, *strides, **meta)
     vert = vpart.sum(0).view(B, Hq, S)
-    return lse, pooled.transpose(-1, -2).contiguous() if block_major else pooled, vert
+    return lse, pooled, vert
 
 
 
