@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import make_inputs  # noqa: E402
+from bench_attention import make_inputs, timed  # noqa: E402
 
 from mtrain.ops._triton_estimate import score_rows  # noqa: E402
 from mtrain.ops.estimate import estimate_rows  # noqa: E402
@@ -37,20 +37,6 @@ def parse_variant(name: str) -> dict:
         else:
             raise SystemExit(f"variant {name!r}: unknown part {part!r} (rN, wN, sN, kN or nosplit)")
     return cfg
-
-
-def gpu_ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> int:
@@ -82,8 +68,8 @@ def main() -> int:
         for name, cfg in variants:
             try:
                 out = score_rows(q_rows, k, rows, args.block_size, D ** -0.5, config=cfg)
-                ms = gpu_ms(lambda cfg=cfg: score_rows(q_rows, k, rows, args.block_size, D ** -0.5, config=cfg),
-                            args.iters)
+                ms = timed(lambda cfg=cfg: score_rows(q_rows, k, rows, args.block_size, D ** -0.5, config=cfg),
+                           args.iters, warmup=1)
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile is a row of the table
                 print(f"| {name} | failed: {exc!r:.150} | | |", flush=True)
                 continue
