@@ -427,8 +427,9 @@ def _filler_ids(rng: random.Random, tok, n: int) -> list[int]:
     if n == 0:
         return []
     sentences = tok.encode(" " + " ".join(filler(rng, n // 6 + 2)))
-    cut = max(i for i in range(n + 1) if i == 0 or sentences[i - 1] == tok.get_vocab()["."])
-    fill = [tok.get_vocab()["\u0120" + w] for w in _SINGLE_TOKEN_FILL]
+    vocab = tok.get_vocab()  # a fresh dict per call: read once (once per token made --copy-far's 48 drills take a minute)
+    cut = max(i for i in range(n + 1) if i == 0 or sentences[i - 1] == vocab["."])
+    fill = [vocab["\u0120" + w] for w in _SINGLE_TOKEN_FILL]
     return sentences[:cut] + [rng.choice(fill) for _ in range(n - cut)]
 
 
