@@ -70,7 +70,7 @@ $(VLLM_VENV)/.setup-done: constraints-cpu.txt Makefile
 # ---- the embedded default -------------------------------------------------------------------------
 # stage 1 in four short runs (README "What it learns today"): copy drills of one period, then of mixed periods
 # (128-token samples), then at 1K (periods up to 500, runs of prose and digits), then the eval's NIAH prompts at
-# up to 2K mixed with those drills (2K rows); stage 2 (8K): NIAH prompts of exactly 8K, 4K and 2K tokens, 8K copy
+# up to 2K mixed with those drills (2K rows); stage 2 (8K, 48 steps): NIAH prompts of exactly 8K, 4K and 2K tokens, 8K copy
 # drills and the 1K drills
 COPY := $(PY) -m mtrain.data.synthetic --copy-period
 data/synthetic/copy-fixed.jsonl: | $(STAMP)
@@ -95,18 +95,21 @@ data/synthetic/train-fit.jsonl: | $(STAMP)
 		--retrieval 1 --formats niah=1 --value-digits 7:20 --seed 5
 
 # stage 2: prompts that fill exactly 8K (half of them), 4K or 2K tokens, with values of 7 to 20 digits (more digits
-# to copy across the haystack a prompt); 8K copy drills: runs of 500-4000 tokens back to back (copies up to 4K
-# apart), and a run of 64-512 tokens, filler, the run again (--copy-far: one copy ~8K back, a needle's distance
-# at depth 0), half of those runs digits
+# to copy across the haystack a prompt), half of the values full of repeats (--value-repeats: doubled digits,
+# fragments said again, where the 8K answers looped); 8K copy drills: runs of 500-4000 tokens back to back (copies
+# up to 4K apart), and a run of 64-512 tokens, filler, the run again (--copy-far: one copy ~8K back, a needle's
+# distance at depth 0), half of those runs digits, half of the digit runs full of repeats (--copy-repeats)
 data/synthetic/long.jsonl: | $(STAMP)
 	$(PY) -m mtrain.data.synthetic --out $@ --docs 150 --fit-tokens 8192,8192,4096,2048 --facts 1 \
-		--retrieval 1 --formats niah=1 --value-digits 7:20 --seed 1
+		--retrieval 1 --formats niah=1 --value-digits 7:20 --value-repeats 0.5 --seed 1
 
 data/synthetic/copy-8k.jsonl: | $(STAMP)
-	$(COPY) 500:4000 --copy-tokens 8191 --copy-digits 0.3 --copy-prose 0.3 --docs 48 --seed 7 --out $@
+	$(COPY) 500:4000 --copy-tokens 8191 --copy-digits 0.15 --copy-repeats 0.15 --copy-prose 0.3 --docs 48 --seed 7 \
+		--out $@
 
 data/synthetic/copy-far.jsonl: | $(STAMP)
-	$(COPY) 64:512 --copy-tokens 8191 --copy-digits 0.5 --copy-prose 0.25 --copy-far --docs 48 --seed 8 --out $@
+	$(COPY) 64:512 --copy-tokens 8191 --copy-digits 0.25 --copy-repeats 0.25 --copy-prose 0.25 --copy-far --docs 48 \
+		--seed 8 --out $@
 
 SYNTHETIC := $(addprefix data/synthetic/,copy-fixed.jsonl copy.jsonl copy-long.jsonl train.jsonl train-fit.jsonl long.jsonl \
 	copy-8k.jsonl copy-far.jsonl)

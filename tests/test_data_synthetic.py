@@ -205,6 +205,38 @@ def test_edge_depths_put_fitted_needles_at_an_end_of_the_haystack():
         S.main(["--out", "x.jsonl", "--edge-depths", "1.5"])
 
 
+def test_repeat_runs_and_values_repeat_digits_and_fragments(tmp_path):
+    """--copy-repeats: drills whose run is digits full of doubled digits and fragments said again (copied whole one
+    period later); --value-repeats: needle values built the same way (no leading zero, the answer copies the
+    value). Both default to 0, which leaves the corpus as it was (no extra draws)."""
+    _, digits, tok = S.copy_pool()
+    spec = S.CopySpec(num_docs=12, tokens=255, min_period=40, max_period=100, repeats=1.0, seed=4)
+    doubles = fragments = 0
+    for doc in S.generate_copies(spec):
+        ids = tok.encode(doc)
+        assert len(ids) == 255 and set(ids) <= set(digits)
+        period = next(p for p in range(40, 101) if all(ids[i] == ids[i - p] for i in range(p, 255)))
+        run = tok.decode(ids[:period])
+        doubles += sum(a == b for a, b in zip(run, run[1:]))
+        fragments += sum(run.count(run[i:i + 3]) > 1 for i in range(len(run) - 2))
+    assert doubles > 12 * 40 * 0.1 + 20 and fragments > 12 * 40 * 0.3  # random digits: ~10% doubles, few 3-grams
+    mixed = S.CopySpec(num_docs=30, tokens=127, min_period=8, max_period=40, digits=0.3, prose=0.3, seed=1)
+    assert S.generate_copies(mixed) == S.generate_copies(S.CopySpec(**{**mixed.__dict__, "repeats": 0.0}))
+    qa = re.compile(r"The special magic number for (\S+) mentioned in the provided text is (\d+)\.")
+    values = [(k, v, doc) for doc in _docs("niah", n=4, fit_tokens=(512,), value_digits=(12, 20), value_repeats=1.0)
+              for k, v in qa.findall(doc)]
+    assert len(values) == 4
+    for key, value, doc in values:
+        assert 12 <= len(value) <= 20 and value[0] != "0" and S.NIAH_NEEDLE.format(key=key, value=value) in doc
+    assert sum(a == b for _, v, _ in values for a, b in zip(v, v[1:])) >= 4
+    assert _docs("niah", n=6, value_digits=(7, 20)) == _docs("niah", n=6, value_digits=(7, 20), value_repeats=0.0)
+    with pytest.raises(SystemExit):
+        S.main(["--out", str(tmp_path / "x.jsonl"), "--value-repeats", "2"])
+    with pytest.raises(SystemExit):
+        S.main(["--out", str(tmp_path / "x.jsonl"), "--copy-period", "8:16", "--copy-digits", "0.5",
+                "--copy-repeats", "0.6"])
+
+
 def test_copy_drills_cli(tmp_path):
     out = tmp_path / "copy.jsonl"
     assert S.main(["--out", str(out), "--copy-period", "16:16", "--copy-tokens", "127", "--docs", "3"]) == 0

@@ -126,6 +126,9 @@ class CorpusSpec:
     edge_depths: float = 0.0
     """Share of fitted documents whose needle sits at an end of the haystack (depth 0 or 1, as the eval's first
     and last depths); the rest at a uniform depth."""
+    value_repeats: float = 0.0
+    """Share of niah and ruler needle values built of repeats (`repeat_digits`: doubled digits and fragments of the
+    value said again), where a copy that matches on one digit jumps to the wrong place in the value."""
 
 
 def _key(rng: random.Random) -> str:
@@ -137,9 +140,40 @@ def _number(rng: random.Random, digits: int = 5) -> str:
 
 
 def _value(rng: random.Random, spec: CorpusSpec) -> str:
-    """A needle value of spec.value_digits digits (no draw of the count when it is fixed)."""
+    """A needle value of spec.value_digits digits (no draw of the count when it is fixed), a share
+    spec.value_repeats of them built of repeats (no draw for that share when it is 0)."""
     lo, hi = spec.value_digits
-    return _number(rng, lo if lo == hi else rng.randint(lo, hi))
+    n = lo if lo == hi else rng.randint(lo, hi)
+    if spec.value_repeats and rng.random() < spec.value_repeats:
+        first = str(rng.randrange(1, 10))  # no leading zero, as _number's values
+        return first + "".join(repeat_digits(rng, list("0123456789"), n - 1, [first]))
+    return _number(rng, n)
+
+
+# repeat_digits: the chance that the next piece is a fragment of what came before, and that it is a doubled digit
+REPEAT_FRAGMENT, REPEAT_DOUBLE = 0.2, 0.1
+
+
+def repeat_digits(rng: random.Random, alphabet: list, n: int, before: list | None = None) -> list:
+    """n digits (items of `alphabet`) full of repeats: each piece is a fragment of 2-5 of the digits so far
+    (`before` included) said again, or the last digit doubled, or a fresh random digit. Copying such a run right
+    needs more than the current digit's context: after a repeated digit or fragment a copy that matches on one
+    digit alone jumps back to its earlier place (the eval's misses: 15500784333 for 1500784) or skips the double."""
+    seq = list(before or [])
+    out: list = []
+    while len(out) < n:
+        draw = rng.random()
+        if draw < REPEAT_FRAGMENT and len(seq) >= 2:
+            size = rng.randint(2, min(5, len(seq)))
+            start = rng.randrange(len(seq) - size + 1)
+            piece = seq[start:start + size]
+        elif draw < REPEAT_FRAGMENT + REPEAT_DOUBLE and seq:
+            piece = [seq[-1]]
+        else:
+            piece = [rng.choice(alphabet)]
+        seq += piece
+        out += piece
+    return out[:n]
 
 
 def make_document(rng: random.Random, spec: CorpusSpec) -> str:
@@ -350,6 +384,9 @@ class CopySpec:
     """With `far`: the filler between the two runs takes a uniform share of the room (0 to all of it) and
     filler before the first run takes the rest, so the copy spans any distance from `period` to
     `tokens - period` and still ends the drill (as a question ends a prompt, its needle at any depth)."""
+    repeats: float = 0.0
+    """Share of drills whose run is digits full of repeats (`repeat_digits`: doubled digits, fragments said
+    again), which a copy matching on one digit gets wrong."""
 
 
 # a needle drill's run: one sentence in this many (on average) is a needle
@@ -372,6 +409,8 @@ def copy_document(rng: random.Random, spec: CopySpec) -> str:
         run = tok.encode(" " + " ".join(filler(rng, period // 6 + 2)))[:period]
     elif draw < spec.digits + spec.prose + spec.needles:  # needle sentences take ~27 tokens, filler ~8
         run = tok.encode(" " + " ".join(needle_prose(rng, period // 9 + 2)))[:period]
+    elif draw < spec.digits + spec.prose + spec.needles + spec.repeats:
+        run = repeat_digits(rng, digits, period)
     else:
         run = [rng.choice(pool) for _ in range(period)]
     if spec.far:
@@ -388,8 +427,9 @@ def _filler_ids(rng: random.Random, tok, n: int) -> list[int]:
     if n == 0:
         return []
     sentences = tok.encode(" " + " ".join(filler(rng, n // 6 + 2)))
-    cut = max(i for i in range(n + 1) if i == 0 or sentences[i - 1] == tok.get_vocab()["."])
-    fill = [tok.get_vocab()["\u0120" + w] for w in _SINGLE_TOKEN_FILL]
+    vocab = tok.get_vocab()  # a fresh dict per call: read once (once per token made --copy-far's 48 drills take a minute)
+    cut = max(i for i in range(n + 1) if i == 0 or sentences[i - 1] == vocab["."])
+    fill = [vocab["\u0120" + w] for w in _SINGLE_TOKEN_FILL]
     return sentences[:cut] + [rng.choice(fill) for _ in range(n - cut)]
 
 
@@ -443,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     copy.add_argument("--copy-needles", type=float, default=0.0,
                       help="share of drills whose run is filler prose with the eval's needle sentences (7-digit "
                       f"values) as about one sentence in {NEEDLE_EVERY}")
+    copy.add_argument("--copy-repeats", type=float, default=0.0,
+                      help="share of drills whose run is digits full of repeats (doubled digits, fragments of the "
+                      "run said again), which a copy matching on one digit gets wrong")
     copy.add_argument("--copy-far", action="store_true",
                       help="the run once, filler prose, the run again (one copy across --copy-tokens minus the "
                       "period; needs HI <= --copy-tokens / 2) instead of the run repeated back to back")
@@ -457,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="digits of niah/ruler needle values, drawn uniformly in LO..HI (default: the eval's 7)")
     parser.add_argument("--edge-depths", type=float, default=0.0, metavar="SHARE",
                         help="share of --fit-tokens documents with the needle at depth 0 or 1 (an end of the haystack)")
+    parser.add_argument("--value-repeats", type=float, default=0.0, metavar="SHARE",
+                        help="share of niah/ruler needle values built of repeats (doubled digits, fragments of the "
+                        "value said again)")
     copy.add_argument("--tokenizer", help="tokenizer the drills (and --fit-tokens) are counted in "
                       "(default: the tiny tokenizer)")
     args = parser.parse_args(argv)
@@ -471,12 +517,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--copy-far: need 2 * HI <= --copy-tokens")
         if args.copy_spread and not args.copy_far:
             parser.error("--copy-spread needs --copy-far")
-        shares = (args.copy_digits, args.copy_prose, args.copy_needles)
+        shares = (args.copy_digits, args.copy_prose, args.copy_needles, args.copy_repeats)
         if not (min(shares) >= 0 and sum(shares) <= 1):
-            parser.error("need --copy-digits, --copy-prose, --copy-needles >= 0 with a sum <= 1")
+            parser.error("need --copy-digits, --copy-prose, --copy-needles, --copy-repeats >= 0 with a sum <= 1")
         cspec = CopySpec(args.docs, args.copy_tokens, lo, hi, args.copy_digits, args.copy_prose, args.seed,
                          args.tokenizer, args.copy_needles, args.copy_far,
-                         args.copy_spread)
+                         args.copy_spread, args.copy_repeats)
         out = write_jsonl(args.out, generate_copies(cspec))
         print(f"wrote {cspec.num_docs} copy drills to {out}")
         return 0
@@ -509,8 +555,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--value-digits: need 1 <= LO <= HI")
     if not 0.0 <= args.edge_depths <= 1.0:
         parser.error("--edge-depths: need a share in [0, 1]")
+    if not 0.0 <= args.value_repeats <= 1.0:
+        parser.error("--value-repeats: need a share in [0, 1]")
     spec = CorpusSpec(args.docs, args.min_sentences, args.max_sentences, args.facts, args.seed, args.retrieval,
-                      tuple(formats), fit, args.tokenizer, digits, args.edge_depths)
+                      tuple(formats), fit, args.tokenizer, digits, args.edge_depths, args.value_repeats)
     out = write_jsonl(args.out, generate(spec))
     print(f"wrote {spec.num_docs} documents to {out}")
     return 0
