@@ -264,6 +264,12 @@ def fa4_dense_fn(q, k, v, bwd, dout):
     return run
 
 
+def blocks_only(index: SparseIndex) -> SparseIndex:
+    """The same listed blocks without the vertical columns."""
+    return SparseIndex(index.block_ids, index.block_counts, index.col_ids[..., :1].clone().fill_(-1),
+                       torch.zeros_like(index.col_counts), index.seq_len, index.block_size)
+
+
 def time_fa4(q, k, v, dout, recall, bs, it):
     """FlashAttention-4 as the block engine on our index (mtrain.ops.fa4): index (estimate + FA4's lists + the
     column path's plans), forward (FA4 blocks + Triton columns, merged), backward with FA4's block-sparse backward
@@ -295,8 +301,7 @@ def time_fa4(q, k, v, dout, recall, bs, it):
     t_fwd, t_bwd, res = fwd_bwd(index, False)
     _triton_attention.prepare_backward(index, Hkv, D)
     _, t_bwd_det, res_det = fwd_bwd(index, True)
-    no_cols = SparseIndex(index.block_ids, index.block_counts, index.col_ids[..., :1].clone().fill_(-1),
-                          torch.zeros_like(index.col_counts), index.seq_len, bs)
+    no_cols = blocks_only(index)
     fa4_engine.prepare_fa4(no_cols, Hkv, D)
     b_fwd, b_bwd, _ = fwd_bwd(no_cols, False)
     det_diffs = {n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), res_det[2:], res[2:])}

@@ -18,8 +18,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import make_inputs  # noqa: E402
+from bench_attention import blocks_only, make_inputs  # noqa: E402
 
+from mtrain.bench_real import timed  # noqa: E402
 from mtrain.ops import SparseIndex, estimate_vertical_slash, vertical_slash_attention  # noqa: E402
 
 
@@ -28,11 +29,6 @@ def trimmed(index: SparseIndex) -> SparseIndex:
     width = max(1, int(index.col_counts.max()))
     return SparseIndex(index.block_ids, index.block_counts, index.col_ids[..., :width].contiguous(), index.col_counts,
                        index.seq_len, index.block_size)
-
-
-def blocks_only(index: SparseIndex) -> SparseIndex:
-    return SparseIndex(index.block_ids, index.block_counts, index.col_ids[..., :1].clone().fill_(-1),
-                       torch.zeros_like(index.col_counts), index.seq_len, index.block_size)
 
 
 def main() -> int:
@@ -63,16 +59,8 @@ def main() -> int:
 
     for name, idx in (("as estimated", index), ("column lists trimmed", trimmed(index)),
                       ("blocks alone", blocks_only(index))):
-        for _ in range(3):
-            step(idx)
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            step(idx)
-        b.record()
-        torch.cuda.synchronize()
-        print(f"\n=== {name}: forward + backward {a.elapsed_time(b) / 5:.2f} ms (5 calls back to back)", flush=True)
+        ms = timed(lambda idx=idx: step(idx), 5, warmup=3, back_to_back=True)
+        print(f"\n=== {name}: forward + backward {ms:.2f} ms (5 calls back to back)", flush=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step(idx)
             torch.cuda.synchronize()

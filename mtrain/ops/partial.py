@@ -505,12 +505,11 @@ def attention_backward(
             dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
             deterministic=deterministic, plans=plans, q_doc=q_doc, k_doc=k_doc, grad_init=grad_init,
         )
-    if grad_init is not None:
-        grads = _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
-                                q_doc, k_doc)
-        return tuple(g + i.to(g.dtype) for g, i in zip(grads, grad_init))
-    return _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
-                           q_doc, k_doc)
+    grads = _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
+                            q_doc, k_doc)
+    if grad_init is None:
+        return grads
+    return tuple(g + i.to(g.dtype) for g, i in zip(grads, grad_init))
 
 
 def lse_weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
