@@ -152,12 +152,36 @@ def estimator_case(q, k, doc_ids, bs, tag) -> str:
             f"{err:.1e} (tol 2e-3), density vs torch scorer {d_err:.1e} (tol 0.03)")
 
 
-def run_case(case) -> tuple[list[str], list[str], dict]:
+def compile_listener(record: dict):
+    """Register a Triton compilation listener that sums, per kernel name, [compiles, seconds] into `record` (cache
+    hits are not counted). Returns False where this Triton has no listener hook."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    if not hasattr(knobs, "compilation") or not hasattr(knobs.compilation, "listener"):
+        return False
+
+    def listen(*, src, metadata, metadata_group, times, cache_hit):
+        if cache_hit:
+            return
+        name = metadata.get("name") or getattr(getattr(src, "fn", None), "__name__", "?")
+        entry = record.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += times.total / 1e6
+
+    knobs.compilation.listener = listen
+    return True
+
+
+def run_case(case) -> tuple[list[str], list[str], dict, dict]:
     """One (block size, dtype, heads, documents) case: every engine against float64; (lines, failures, seconds per
-    engine: its compiles and its run)."""
+    engine: its compiles and its run, Triton compiles per kernel name: [count, seconds])."""
     bs, dtype_name, (Hq, Hkv, D), doc, S, device_name, seed, only = case
     dtype, device = getattr(torch, dtype_name), torch.device(device_name)
-    lines, failures, seconds = [], [], {}
+    lines, failures, seconds, compiles = [], [], {}, {}
+    if device.type == "cuda":
+        compile_listener(compiles)
     clock = [time.time()]
 
     def lap(name):
@@ -230,7 +254,7 @@ def run_case(case) -> tuple[list[str], list[str], dict]:
         except Exception as exc:  # noqa: BLE001
             raised("ring-step", exc)
         lap("ring-step")
-    return lines, failures, seconds
+    return lines, failures, seconds, compiles
 
 
 def main() -> int:
@@ -244,6 +268,8 @@ def main() -> int:
                          "host's cores; the Triton compiles dominate and run in parallel on the host's cores, "
                          "sharing the GPU: 8 processes took 269 s for the 24 cases on a 16-core H200 host)")
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--compile-rows", type=int, default=20,
+                    help="kernels listed in the Triton compile summary (costliest first)")
     ap.add_argument("--heads", nargs="+", metavar="HQxHKVxD",
                     help="head shapes (default 4x4x64 8x2x128; --quick: 4x2x64)")
     ap.add_argument("--engines", nargs="+", metavar="NAME",
@@ -275,13 +301,26 @@ def main() -> int:
 
         pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
         results = pool.map(run_case, cases)
-    seconds = {}
-    for lines, bad, secs in results:
+    seconds, compiles, per_case = {}, {}, []
+    for case, (lines, bad, secs, comp) in zip(cases, results):
         for line in lines:
             print(line, flush=True)
         failures += bad
+        per_case.append((sum(secs.values()), sum(t for _, t in comp.values()), case))
         for name, t in secs.items():
             seconds[name] = seconds.get(name, 0.0) + t
+        for name, (n, t) in comp.items():
+            entry = compiles.setdefault(name, [0, 0.0])
+            entry[0] += n
+            entry[1] += t
+    if compiles:
+        ranked = sorted(compiles.items(), key=lambda kv: -kv[1][1])
+        print(f"Triton compiles: {sum(n for n, _ in compiles.values())} kernels, "
+              f"{sum(t for _, t in compiles.values()):.0f} s summed over cases; per kernel (compiles, seconds): "
+              + ", ".join(f"{name} {n} {t:.0f}" for name, (n, t) in ranked[:args.compile_rows]))
+    slow = sorted(per_case, key=lambda c: -c[0])[:4]
+    print("slowest cases (seconds in the case / of it Triton compiles): " + ", ".join(
+        f"bs={c[0]} {c[1]} H={'x'.join(map(str, c[2]))} docs={int(c[3])} {t:.0f}/{ct:.0f}" for t, ct, c in slow))
     print("seconds per engine, summed over cases (compiles included; cases run side by side): "
           + ", ".join(f"{name} {t:.0f}" for name, t in sorted(seconds.items(), key=lambda kv: -kv[1])))
     print(f"{len(cases)} cases, {len(failures)} failures, {time.time() - t0:.0f} s "

@@ -194,13 +194,17 @@ def test_column_only_backward_skips_the_block_pass():
     for a, b, want in zip(got, full, (qr.grad, kr.grad, vr.grad)):
         assert torch.equal(a, b)
         assert torch.allclose(a.double(), want, atol=1e-5)
-    # another pass's gradients added inside (the fa4 engine adds FA4's): dq in their dtype
-    init = (torch.randn_like(q).to(torch.bfloat16), torch.randn_like(k), torch.randn_like(v))
+    # another pass's gradients accumulated in place (the fa4 engine adds into FA4's), in their dtypes
+    init = (torch.randn_like(q).to(torch.bfloat16), torch.randn_like(k).to(torch.bfloat16), torch.randn_like(v))
+    before = tuple(t.clone() for t in init)
     summed = partial.attention_backward(dout, q, k, v, out, lse, plans={NO_BLOCKS: True}, grad_init=init, **kw)
-    assert summed[0].dtype == torch.bfloat16
-    torch.testing.assert_close(summed[0], (got[0] + init[0].float()).to(torch.bfloat16), atol=0, rtol=2 ** -7)
-    for a, b, i in zip(summed[1:], got[1:], init[1:]):
-        torch.testing.assert_close(a, b + i, atol=1e-6, rtol=1e-6)
+    for a, b, i, i0 in zip(summed, got, init, before):
+        assert a is i or a.data_ptr() == i.data_ptr()  # in place
+        assert a.dtype == i0.dtype
+        if i0.dtype == torch.bfloat16:  # fp32 sum, rounded once (to within one bf16 step)
+            torch.testing.assert_close(a, (b + i0.float()).to(torch.bfloat16), atol=0, rtol=2 ** -7)
+        else:
+            torch.testing.assert_close(a, b + i0, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -216,11 +220,16 @@ def test_backward_adds_grad_init(impl):
     dout = torch.where(torch.isfinite(lse).transpose(1, 2)[..., None], torch.randn_like(q), 0.0)
     plain = partial.attention_backward(dout, q, k, v, out, lse, **kw)
     init = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
+    before = tuple(t.clone() for t in init)
     summed = partial.attention_backward(dout, q, k, v, out, lse, grad_init=init, **kw)
-    for a, b, i in zip(summed, plain, init):
-        torch.testing.assert_close(a, b + i, atol=1e-6, rtol=1e-6)
+    for a, b, i, i0 in zip(summed, plain, init, before):
+        assert a.data_ptr() == i.data_ptr()  # accumulated in place
+        torch.testing.assert_close(a, b + i0, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="grad_init must hold"):
         partial.attention_backward(dout, q, k, v, out, lse, grad_init=init[::-1], **kw)
+    strided = (torch.randn(B, S, Hq, 2 * D)[..., ::2], init[1], init[2])
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        partial.attention_backward(dout, q, k, v, out, lse, grad_init=strided, **kw)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -533,33 +533,16 @@ def _split_kernel(
     tl.store(NEXTRA, base - N)
 
 
-@triton.jit
-def _universe_slot(UB, keys, u_len, n_steps):
-    """Where each of `keys` sits in a sorted universe UB[:u_len] (-1 padding only after the entries, read as
-    +inf): (slot, found)."""
-    lo = tl.zeros_like(keys)
-    hi = lo + u_len
-    for _ in range(0, n_steps):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        val = tl.load(UB + mid, mask=active, other=0)
-        right = active & ((val >= 0) & (val < keys))
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & ~right, mid, hi)
-    val = tl.load(UB + lo, mask=lo < u_len, other=-1)
-    return lo, (lo < u_len) & (val == keys)
-
-
-@triton.jit(do_not_specialize=["Sk", "HKV", "GROUP", "u_len", "n_steps", "sdb", "sds", "sdh", "scb", "sch", "scu", "sub",
-                               "suh"])
+@triton.jit(do_not_specialize=["Sk", "HKV", "GROUP", "sdb", "sds", "sdh", "scb", "sch", "scu", "smb", "smh"])
 def _column_add_kernel(
-    DK, DV, DKC, DVC, U, Sk, HKV, GROUP, u_len, n_steps,
-    sdb, sds, sdh, scb, sch, scu, sub, suh,
+    DK, DV, DKC, DVC, SLOT, Sk, HKV, GROUP,
+    sdb, sds, sdh, scb, sch, scu, smb, smh,
     KT: tl.constexpr, D: tl.constexpr,
 ):
     """Add the vertical columns' dK/dV (DKC/DVC [B, Hq, U, D], per query head and universe slot) to the rows
-    of KT keys of KV head hk: dK[key] + col(g = 0) + col(g = 1) + ... over the heads of the group in order
-    (a fixed order: deterministic). A key's slot in head h's universe is found by binary search."""
+    of KT keys of KV head hk, in DK/DV's dtype (fp32 arithmetic): dK[key] + col(g = 0) + col(g = 1) + ... over
+    the heads of the group in order (a fixed order: deterministic). SLOT [B, Hq, Sk] holds each key's slot in
+    head h's universe (-1: not a column of h); tiles whose keys are no head's column load nothing."""
     keys = tl.program_id(0) * KT + tl.arange(0, KT)
     bhk = tl.program_id(1)
     b = (bhk // HKV).to(tl.int64)
@@ -568,22 +551,21 @@ def _column_add_kernel(
     offs_d = tl.arange(0, D)
     hit = key_ok & False
     for g in range(0, GROUP):
-        ub = U + b * sub + (hk * GROUP + g) * suh
-        _, found = _universe_slot(ub, keys, u_len, n_steps)
-        hit = hit | (found & key_ok)
+        slot = tl.load(SLOT + b * smb + (hk * GROUP + g) * smh + keys, mask=key_ok, other=-1)
+        hit = hit | (slot >= 0)
     if tl.max(hit.to(tl.int32), 0) > 0:
         ptr = b * sdb + keys[:, None] * sds + hk * sdh + offs_d[None, :]
-        ak = tl.load(DK + ptr, mask=hit[:, None], other=0.0)
-        av = tl.load(DV + ptr, mask=hit[:, None], other=0.0)
+        ak = tl.load(DK + ptr, mask=hit[:, None], other=0.0).to(tl.float32)
+        av = tl.load(DV + ptr, mask=hit[:, None], other=0.0).to(tl.float32)
         for g in range(0, GROUP):
             h = hk * GROUP + g
-            slot, found = _universe_slot(U + b * sub + h * suh, keys, u_len, n_steps)
-            found = found & key_ok
+            slot = tl.load(SLOT + b * smb + h * smh + keys, mask=key_ok, other=-1)
+            found = slot >= 0
             src = b * scb + h * sch + slot[:, None].to(tl.int64) * scu + offs_d[None, :]
             ak = tl.where(found[:, None], ak + tl.load(DKC + src, mask=found[:, None], other=0.0), ak)
             av = tl.where(found[:, None], av + tl.load(DVC + src, mask=found[:, None], other=0.0), av)
-        tl.store(DK + ptr, ak, mask=hit[:, None])
-        tl.store(DV + ptr, av, mask=hit[:, None])
+        tl.store(DK + ptr, ak.to(DK.dtype.element_ty), mask=hit[:, None])
+        tl.store(DV + ptr, av.to(DV.dtype.element_ty), mask=hit[:, None])
 
 
 def _tile(block_size: int) -> int:
@@ -597,14 +579,17 @@ def _tile(block_size: int) -> int:
 # forward 64x64 15.6 ms vs 128x64 17.7 and 128x128 18.4; backward with dK/dV 64x128 45.8 ms vs 64x64 55.4
 # and 128x64 65.3; dQ 64x64 beat 128x64). A block that is not a multiple of the sub-tile runs as one
 # padded tile.
-SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (64, 64)}
+SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (64, 64), "colfwd": (64, 64),
+           "coldq": (64, 64)}
 # Head dims <= 64 (less matrix work per tile): the forward runs a 128-token block as one 128-row query tile with
 # 4 warps (H200, SmolLM2's 9 q / 3 KV heads x 64, 128-blocks, 25% / 15% of pairs: 1.91 -> 1.68 ms at 32K, 14.2 ->
 # 12.4 ms at 128K, bit for bit the same; scripts/bench_kernel_variants.py, BENCHMARKS.md). The dQ and dK/dV
 # choices above measured best there too.
-SUBTILE_SMALL_HEADS = {"fwd": (128, 64)}
+SUBTILE_SMALL_HEADS = {"fwd": (128, 64), "colfwd": (128, 64)}
+# "colfwd" / "coldq": the forward and dQ passes of a column-only index (plans[NO_BLOCKS], the fa4 engine's
+# columns): a few gathered key columns per query tile, where the list-walking passes read whole key blocks.
 # (num_warps, num_stages) per kernel on CUDA; scripts/bench_attention.py measures the choices.
-CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3)}
+CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3), "colfwd": (4, 3), "coldq": (4, 2)}
 # Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);
 # tests set a small number to force splitting.
 ITEM_LIMIT: int | None = None
@@ -637,7 +622,7 @@ def _subtiles(block_size: int, kernel: str, head_dim: int = 128) -> dict:
 # stage less (128x128 tiles with a 128 head dim: registers and shared memory).
 CUDA_LAUNCH_WIDE: dict = {}
 # The same for head dims <= 64 (see SUBTILE_SMALL_HEADS).
-CUDA_LAUNCH_WIDE_SMALL_HEADS = {"fwd": (4, 3)}
+CUDA_LAUNCH_WIDE_SMALL_HEADS = {"fwd": (4, 3), "colfwd": (4, 3)}
 
 
 def _opts(q: torch.Tensor, kernel: str, tile: int = 64) -> dict:
@@ -809,7 +794,8 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
         lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
     else:  # merged in place (partial.attention_forward checked shapes, dtypes and contiguity)
         out, lse = merge_into
-    sub = _subtiles(block_size, "fwd", D)
+    kern = "colfwd" if plans.get(NO_BLOCKS) else "fwd"
+    sub = _subtiles(block_size, kern, D)
     _launch(
         _fwd_kernel, (nqb * sub["NQS"], B * Hq),
         q, k, v, out, lse, qp, kp, bi, bc, ci, cc, qd, kd,
@@ -821,7 +807,7 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
         ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
         Sq, Sk, Hq, Hq // Hkv,
         BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=_prec(q),
-        HAS_DOC=q_doc is not None, MERGE=merge_into is not None, **_opts(q, "fwd", max(sub["QT"], sub["KT"])),
+        HAS_DOC=q_doc is not None, MERGE=merge_into is not None, **_opts(q, kern, max(sub["QT"], sub["KT"])),
     )
     return out, lse
 
@@ -848,20 +834,23 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     # uses the deterministic backward.
     fused = not deterministic
     dq_init = None
-    if grad_init is not None:  # (partial.attention_backward checked shapes and deterministic)
-        dq_init = grad_init[0].contiguous()
-        dq = torch.empty(B, Sq, Hq, D, dtype=dq_init.dtype, device=q.device)
+    if grad_init is not None:  # (partial.attention_backward checked shapes, contiguity and deterministic)
+        dq = dq_init = grad_init[0]  # the dQ pass reads each row's dq and stores the sum in place
     else:
         dq = (torch.zeros if fused else torch.empty)(B, Sq, Hq, D, dtype=torch.float32, device=q.device)
-    dk = torch.empty(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
-    dv = torch.empty(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
+    if grad_init is not None and plans.get(NO_BLOCKS):  # columns only: added into grad_init's dK/dV in place
+        dk, dv = grad_init[1], grad_init[2]
+    else:
+        dk = torch.empty(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
+        dv = torch.empty(B, Sk, Hkv, D, dtype=torch.float32, device=q.device)
     common = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1),
     )
     if not fused:
-        sub = _subtiles(block_size, "dq", D)
+        kern = "coldq" if plans.get(NO_BLOCKS) else "dq"
+        sub = _subtiles(block_size, kern, D)
         _launch(
             _dq_kernel, (nqb * sub["NQS"], B * Hq),
             q, k, v, dout, lse, delta, dq, dq if dq_init is None else dq_init, qp, kp, bi, bc, ci, cc, qd, kd,
@@ -870,15 +859,12 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
             Sq, Sk, Hq, group,
             BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
-            HAS_DOC=has_doc, HAS_INIT=dq_init is not None, **_opts(q, "dq", max(sub["QT"], sub["KT"])),
+            HAS_DOC=has_doc, HAS_INIT=dq_init is not None, **_opts(q, kern, max(sub["QT"], sub["KT"])),
         )
     if plans.get(NO_BLOCKS):  # a column-only call (the fa4 engine's columns): no block adds to dK/dV
         if grad_init is None:
             dk.zero_()
             dv.zero_()
-        else:
-            dk.copy_(grad_init[1])
-            dv.copy_(grad_init[2])
     else:
         _block_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, qp, kp, qd, kd, bi, bc, tr, common, plans, scale, causal,
                     has_doc, fused, prec, block_size, nqb, nkb, group)
@@ -911,7 +897,11 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             HAS_DOC=has_doc, DQ_ATOMIC=fused, **_opts(q, "col", max(sub["QT"], chunk)),
         )
         _reduce(dkc, dvc, extra_k, extra_v, col_plan, dkc.stride(2), chunk, chunk, D)
-        _column_add(dk, dv, dkc, dvc, universe, group)
+        _column_add(dk, dv, dkc, dvc, universe_slots(plan, Sk, plans), group)
+    if grad_init is not None and not plans.get(NO_BLOCKS):  # the fp32 dK/dV into grad_init's tensors
+        grad_init[1].copy_(dk)
+        grad_init[2].copy_(dv)
+        dk, dv = grad_init[1], grad_init[2]
     return dq, dk, dv
 
 
@@ -965,6 +955,7 @@ def prepare_backward(index, num_kv_heads: int, head_dim: int) -> None:
     chunk = min(_tile(bs), 64)
     plan = index.column_plan(chunk)
     _col_work_plan(plan, nqb, torch.empty(B, Hq, plan.universe.shape[-1], head_dim, device="meta"), plans)
+    universe_slots(plan, S, plans)
 
 
 # Targets per step of `_split_kernel` (one program walks them all).
@@ -1052,13 +1043,27 @@ def _reduce(dst_k, dst_v, extra_k, extra_v, plan, row_stride, rows, sub, D) -> N
 _COLUMN_ADD_KEYS = 64
 
 
-def _column_add(dk, dv, dkc, dvc, universe, group) -> None:
+def universe_slots(plan: ColumnPlan, seq_k: int, plans: dict) -> torch.Tensor:
+    """[B, H, seq_k] int32: each key's slot in head h's column universe (`plan.universe` [B, H, U], -1 padded), -1
+    where it is not one of h's columns (cached in `plans` beside the plan; one fill and one scatter, no host
+    synchronisation)."""
+    key = ("slots", plan.chunk, seq_k)
+    if key not in plans:
+        universe = plan.universe
+        B, H, U = universe.shape
+        u = universe.long()
+        slots = torch.full((B, H, seq_k + 1), -1, dtype=torch.int32, device=universe.device)
+        at = torch.where((u >= 0) & (u < seq_k), u, seq_k)  # padding lands in the spare last slot
+        slots.scatter_(-1, at, torch.arange(U, dtype=torch.int32, device=universe.device).expand(B, H, U))
+        plans[key] = slots[..., :seq_k]
+    return plans[key]
+
+
+def _column_add(dk, dv, dkc, dvc, slots, group) -> None:
     """dK/dV rows += the columns' dK/dV of every query head of their group (see `_column_add_kernel`)."""
     B, Sk, Hkv, D = dk.shape
-    u_len = universe.shape[-1]
-    universe = universe if universe.stride(-1) == 1 else universe.contiguous()
     _column_add_kernel[(-(-Sk // _COLUMN_ADD_KEYS), B * Hkv)](
-        dk, dv, dkc, dvc, universe, Sk, Hkv, group, u_len, u_len.bit_length(),
+        dk, dv, dkc, dvc, slots, Sk, Hkv, group,
         dk.stride(0), dk.stride(1), dk.stride(2), dkc.stride(0), dkc.stride(1), dkc.stride(2),
-        universe.stride(0), universe.stride(1), KT=_COLUMN_ADD_KEYS, D=D,
+        slots.stride(0), slots.stride(1), KT=_COLUMN_ADD_KEYS, D=D,
     )

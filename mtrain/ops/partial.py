@@ -487,9 +487,11 @@ def attention_backward(
     dQ kernel (no transposed index; slower under GQA, see BENCHMARKS.md). `plans`: as in
     `attention_forward` (also holds the transposed index; `SparseIndex` keeps one per index).
     q_doc, k_doc: document ids as in `attention_forward` (pass the same ones as the forward).
-    grad_init: (dq, dk, dv) of another pass over other pairs of the same rows (shapes of q, k, v), added into the
-    result: the Triton path adds dq inside its dQ pass and returns dq in grad_init's dtype (no fp32 copy of dq
-    and no separate add), with `deterministic` only.
+    grad_init: (dq, dk, dv) of another pass over other pairs of the same rows (shapes of q, k, v, last dim
+    contiguous), with `deterministic` only: the step's gradients are accumulated into these tensors in place (fp32
+    arithmetic, stored in their dtypes) and they are returned. The Triton path adds dq inside its dQ pass, and on
+    a column-only index (`plans[NO_BLOCKS]`) adds the columns' dK/dV straight into grad_init's dk/dv: no fp32
+    copy of any of the three and no separate add.
     """
     _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size, q_doc, k_doc)
     if grad_init is not None and tuple(t.shape for t in grad_init) != (q.shape, k.shape, v.shape):
@@ -497,6 +499,9 @@ def attention_backward(
                          f"{tuple(v.shape)}; got {[tuple(t.shape) for t in grad_init]}")
     if grad_init is not None and not deterministic:
         raise ValueError("grad_init needs deterministic=True (the fused backward adds dQ with atomics)")
+    if grad_init is not None and any(t.stride(-1) != 1 for t in grad_init):
+        raise ValueError("grad_init's tensors are accumulated into in place and need a contiguous last dim; pass "
+                         "t.contiguous() (and use the returned tensors)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if _use_triton(impl, q.device):
         from mtrain.ops import _triton_attention
@@ -509,7 +514,7 @@ def attention_backward(
                             q_doc, k_doc)
     if grad_init is None:
         return grads
-    return tuple(g + i.to(g.dtype) for g, i in zip(grads, grad_init))
+    return tuple(i.copy_(g + i.to(g.dtype)) for g, i in zip(grads, grad_init))
 
 
 def lse_weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
