@@ -236,6 +236,66 @@ def test_triton_builder_covers_full_and_empty_patterns():
 
 
 @needs_interpreter
+def test_triton_column_lists_scan_the_right_slice_of_the_verticals():
+    """Each query block scans only the sorted verticals in [0, i * bs): negative padding in front, padding
+    >= S behind, duplicates, block-0 verticals, and heads with different valid counts; a vertical at
+    i * bs - 1 is a column of block i, one at i * bs is not (it is in block i's diagonal block)."""
+    S, bs = 100, 8  # 13 query blocks, a short last one
+    n = -(-S // bs)
+    heads = [
+        [-7, -1, 0, 5, 15, 16, 16, 23, 24, 95, 96, 99, 100, 150],  # both boundaries of blocks 2, 3 and n - 1
+        [-3, -3, -2, -1, -1, -1, S, S, S + 1, S + 5, 2 * S, 10**6, -10**6, -9],  # all padding
+        [-2, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 9],  # the first valid entry is a candidate
+        [8, 8, 9, 31, 32, 33, 47, 64, 64, 71, 88, 90, 95, 95],  # no padding, many duplicates
+        [0, 1, 2, 3, 7, 7, 7, S - 1, S, S, S, S + 1, S + 2, S + 3],  # block 0 and the last block only
+        [-1, 3, 10, 20, 30, 40, 50, 60, 70, 80, 90, 98, 99, S],
+    ]
+    gen = torch.Generator().manual_seed(11)
+    vertical = torch.tensor(heads)[None]
+    vertical = vertical[..., torch.randperm(vertical.shape[-1], generator=gen)]  # the builder sorts
+    slash = torch.full((1, len(heads), 4), -1)
+    slash[0, 5] = torch.tensor([0, 9, 30, -1])  # one head with slash-covered blocks too
+    ref = SparseIndex.from_lines(vertical, slash, S, bs, impl="torch")
+    for lines in (vertical, vertical.int()):
+        new = SparseIndex.from_lines(lines, slash, S, bs, impl="triton")
+        assert_same_lists(ref, new)
+        for h, verts in enumerate(heads[:5]):  # no slashes: every earlier vertical outside block 0 is a column
+            for i in range(n):
+                got = new.col_ids[0, h, i, : int(new.col_counts[0, h, i])].tolist()
+                assert got == sorted({v for v in verts if bs <= v < i * bs}), (h, i, got)
+        cols = [new.col_ids[0, 0, i, : int(new.col_counts[0, 0, i])].tolist() for i in range(n)]
+        assert 15 in cols[2] and 16 not in cols[2] and 16 in cols[3] and 23 in cols[3] and 24 not in cols[3]
+        assert 95 in cols[n - 1] and 96 not in cols[n - 1] and cols[n - 1][-1] == 95
+        assert cols[1] == [] and int(new.col_counts[0, 1].sum()) == 0
+        assert new.col_ids[0, 2, 2].tolist()[:1] == [9] and new.col_counts[0, 3, 1] == 0
+
+
+if IN_INTERPRETER:  # the interpreter resolves a kernel's callees in its module's globals
+    import triton
+    import triton.language as tl
+
+    from mtrain.ops._triton_index import _count_below
+
+    @triton.jit
+    def _count_below_kernel(ROW, T, OUT, size):
+        k = tl.program_id(0)
+        tl.store(OUT + k, _count_below(ROW, size, tl.load(T + k).to(tl.int64)))
+
+
+@needs_interpreter
+def test_triton_count_below_is_searchsorted():
+    """The rows kernel's slice bounds: #{entries < t} of a sorted row, exactly (wider bounds would still
+    give the same lists, only slower), for empty, one-entry and odd-length rows."""
+    gen = torch.Generator().manual_seed(5)
+    for size in (0, 1, 2, 7, 16, 33):
+        row = torch.randint(-4, 12, (max(size, 1),), generator=gen, dtype=torch.int32).sort().values
+        t = torch.arange(-6, 15, dtype=torch.int32)
+        out = torch.empty_like(t)
+        _count_below_kernel[(t.numel(),)](row, t, out, size)
+        assert out.tolist() == torch.searchsorted(row[:size], t, right=False).tolist(), size
+
+
+@needs_interpreter
 def test_triton_built_index_drives_the_kernels_like_the_reference():
     """The wider padding is tolerated by the attention kernels: fp32 forward and deterministic backward
     through the Triton kernels give bit-identical results with either index."""

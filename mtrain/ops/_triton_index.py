@@ -108,14 +108,30 @@ def _prep_kernel(
 
 
 @triton.jit
+def _count_below(ROW, size, t):
+    """#{entries < t} of the ascending ROW[:size]: a scalar binary search (about log2(size) loads)."""
+    lo = tl.zeros([], tl.int32)
+    hi = lo + size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        below = tl.load(ROW + mid).to(tl.int64) < t
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
 def _rows_kernel(
     FLAGS, CSUM, OSORT, V, VKEY, BI, BC, CI, CC, TQ, TSTART,
-    n, NF, NV, WB, WC,
+    n, NF, NV, WB, WC, bs,
     TB: tl.constexpr, TV: tl.constexpr,
 ):
     """Query block i of one (batch, head): its key-block list ([0 if the sink is extra] + [i - o for the
     set's members o <= i, largest first]), its extra columns (verticals whose key block is earlier and not
-    listed, ascending), and the transposed list of key block j = i (query blocks ascending)."""
+    listed, ascending), and the transposed list of key block j = i (query blocks ascending).
+
+    Only verticals 0 <= v < i * bs can have a key block before i: in the sorted list they are the slice
+    [#{v < 0}, #{v < i * bs}), found by binary search, and only that slice is scanned."""
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     s = (i == n - 1).to(tl.int64)
@@ -136,9 +152,14 @@ def _rows_kernel(
         tl.store(BI + row * WB + t, val, mask=t < WB)
     offs_v = tl.arange(0, TV)
     base = tl.zeros([], tl.int32)
-    for p0 in range(0, NV, TV):
+    # Padding sorts to the ends (negatives first, >= S last), so the slice holds every candidate (key < i);
+    # inside it, duplicates and block-0 verticals still have key n and drop out below.
+    vrow = V + bh * NV
+    lo = _count_below(vrow, NV, tl.zeros([], tl.int64))
+    hi = _count_below(vrow, NV, i.to(tl.int64) * bs)
+    for p0 in range(lo, hi, TV):
         p = p0 + offs_v
-        m = p < NV
+        m = p < hi
         key = tl.load(VKEY + bh * NV + p, mask=m, other=n)
         cand = key < i
         covered = tl.load(fs + (i - key), mask=cand, other=1)
@@ -263,7 +284,7 @@ def build_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, 
     t_ids = torch.empty(bh * cap, **i32)
     _rows_kernel[(n, bh)](
         flags, csum, osort, v_sorted, vkey, block_ids, block_counts, col_ids, col_counts, t_ids, t_starts,
-        n, nf, nv, wb, wc, TB=_LIST_TILE, TV=_COL_TILE,
+        n, nf, nv, wb, wc, block_size, TB=_LIST_TILE, TV=_COL_TILE,
     )
     n_chunks = -(-uw // chunk)
     plan_q = torch.empty(bh, n_chunks, n, **i32)
