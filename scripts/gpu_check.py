@@ -291,6 +291,9 @@ def main() -> int:
         if not fa4_importable():
             print("skip fa4 fa4-det fa4-nocols: flash_attn.cute (FlashAttention-4) is not importable here")
     jobs = args.jobs or min(len(cases), 2 * (os.cpu_count() or 1))
+    # Flex's inductor compiles in each case's own process: a pool of compile workers per process (one per core,
+    # each importing torch) would crowd out the other cases' Triton compiles.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     t0 = time.time()
     failures = []
     if jobs <= 1:

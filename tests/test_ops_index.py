@@ -11,7 +11,7 @@ import torch
 
 from mtrain.ops import SparseIndex
 from mtrain.ops import index as index_module
-from mtrain.ops.index import column_plan, compact, kernel_column_chunk, pad_groups, transpose_blocks_csr
+from mtrain.ops.index import ColumnPlan, column_plan, compact, kernel_column_chunk, pad_groups, transpose_blocks_csr
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -381,8 +381,9 @@ def test_triton_split_work_matches_reference(item_limit, min_items, monkeypatch)
 @needs_interpreter
 def test_triton_column_add_matches_indexed_adds():
     """The column gradients are added to dK/dV rows head by head in group order (bitwise as a plain loop),
-    keys found in each head's sorted, -1 padded universe; keys in no universe are left alone."""
-    from mtrain.ops._triton_attention import _column_add
+    keys found through each head's key -> slot map of its sorted, -1 padded universe; keys in no universe are left
+    alone. Into bf16 dK/dV (the fa4 engine adds into FA4's): the fp32 sum, rounded once."""
+    from mtrain.ops._triton_attention import _column_add, universe_slots
 
     gen = torch.Generator().manual_seed(2)
     B, Sk, Hkv, group, D, U = 2, 150, 2, 3, 16, 9
@@ -403,8 +404,27 @@ def test_triton_column_add_matches_indexed_adds():
                     if key >= 0:
                         want_k[b, key, hk] += dkc[b, h, slot]
                         want_v[b, key, hk] += dvc[b, h, slot]
-    _column_add(dk, dv, dkc, dvc, universe, group)
+    slots = universe_slots(ColumnPlan(universe, None, None, None, 4), Sk, {})
+    for b in range(B):
+        for h in range(Hkv * group):
+            keys = universe[b, h][universe[b, h] >= 0].long()
+            assert torch.equal(slots[b, h, keys], torch.arange(keys.numel(), dtype=torch.int32))
+            assert int((slots[b, h] >= 0).sum()) == keys.numel()
+    low_k, low_v = dk.to(torch.bfloat16), dv.to(torch.bfloat16)
+    want_low = [x.float().clone() for x in (low_k, low_v)]
+    for b in range(B):
+        for hk in range(Hkv):
+            for g in range(group):
+                h = hk * group + g
+                for slot, key in enumerate(universe[b, h].tolist()):
+                    if key >= 0:
+                        want_low[0][b, key, hk] += dkc[b, h, slot]
+                        want_low[1][b, key, hk] += dvc[b, h, slot]
+    _column_add(dk, dv, dkc, dvc, slots, group)
     assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
+    _column_add(low_k, low_v, dkc, dvc, slots, group)
+    for got, want in zip((low_k, low_v), want_low):
+        torch.testing.assert_close(got, want.to(torch.bfloat16), atol=0, rtol=2 ** -7)
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the Triton builder tests")

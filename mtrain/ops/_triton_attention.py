@@ -183,9 +183,9 @@ def _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC: tl.constexpr):
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DQI, QP, KP, BI, BC, CI, CC, QD, KD,
+    Q, K, V, DO, O, LSE, DELTA, DQ, DQI, QP, KP, BI, BC, CI, CC, QD, KD,
     scale_log2, scale,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sgb, sgs, sgh,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sob, sos, soh, sgb, sgs, sgh,
     sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb,
     Sq, Sk, H, GROUP,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
@@ -193,7 +193,8 @@ def _dq_kernel(
     HAS_INIT: tl.constexpr,
 ):
     """dQ of one query sub-tile (the deterministic backward's dQ pass); with HAS_INIT plus DQI's rows (laid out as
-    DQ), stored in DQ's dtype."""
+    DQ), stored in DQ's dtype. It also computes the rows' delta = rowsum(dO * O) and stores it in DELTA (laid out
+    as LSE) for the dK/dV passes that follow."""
     i, b, h, hk, rows, row_ok = _query_tile(tl.program_id(0), tl.program_id(1), H, GROUP, Sq, BS, QT, NQS)
     offs_k = tl.arange(0, KT)
     offs_d = tl.arange(0, D)
@@ -202,7 +203,9 @@ def _dq_kernel(
     lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("inf"))
     # A row that saw no key (lse = -inf) gets p = 0 everywhere.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
+    o = tl.load(O + b * sob + rows[:, None] * sos + h * soh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + b * slb + h * slh + rows, delta, mask=row_ok)
     qp = tl.load(QP + rows, mask=row_ok, other=-1)
     qd = qp  # read only with HAS_DOC
     if HAS_DOC:
@@ -579,8 +582,8 @@ def _tile(block_size: int) -> int:
 # forward 64x64 15.6 ms vs 128x64 17.7 and 128x128 18.4; backward with dK/dV 64x128 45.8 ms vs 64x64 55.4
 # and 128x64 65.3; dQ 64x64 beat 128x64). A block that is not a multiple of the sub-tile runs as one
 # padded tile.
-SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (64, 64), "colfwd": (64, 64),
-           "coldq": (64, 64)}
+SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (32, 64), "colfwd": (128, 32),
+           "coldq": (64, 32)}
 # Head dims <= 64 (less matrix work per tile): the forward runs a 128-token block as one 128-row query tile with
 # 4 warps (H200, SmolLM2's 9 q / 3 KV heads x 64, 128-blocks, 25% / 15% of pairs: 1.91 -> 1.68 ms at 32K, 14.2 ->
 # 12.4 ms at 128K, bit for bit the same; scripts/bench_kernel_variants.py, BENCHMARKS.md). The dQ and dK/dV
@@ -588,8 +591,12 @@ SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (64, 64), 
 SUBTILE_SMALL_HEADS = {"fwd": (128, 64), "colfwd": (128, 64)}
 # "colfwd" / "coldq": the forward and dQ passes of a column-only index (plans[NO_BLOCKS], the fa4 engine's
 # columns): a few gathered key columns per query tile, where the list-walking passes read whole key blocks.
+# "col": the column dK/dV pass (query rows per step; its chunks are 64 columns). Measured on the H200 at 128K,
+# 16 / 2 heads x 128, ~93 columns per query block (scripts/bench_columns.py, BENCHMARKS.md): colfwd 128 x 32 rows
+# x columns, 4 warps, 1 stage 1.01 ms against 64 x 64 / 4 / 3 1.38; coldq 64 x 32 / 4 / 1 1.39 (with the rows'
+# delta) against 64 x 64 / 4 / 2 1.51 (without); col 32 rows / 4 / 3 0.91 against 64 / 4 / 3 1.26.
 # (num_warps, num_stages) per kernel on CUDA; scripts/bench_attention.py measures the choices.
-CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3), "colfwd": (4, 3), "coldq": (4, 2)}
+CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3), "colfwd": (4, 1), "coldq": (4, 1)}
 # Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);
 # tests set a small number to force splitting.
 ITEM_LIMIT: int | None = None
@@ -620,7 +627,7 @@ def _subtiles(block_size: int, kernel: str, head_dim: int = 128) -> dict:
 
 # (num_warps, num_stages) per kernel when a sub-tile side is 128 or more; None = twice CUDA_LAUNCH's warps and one
 # stage less (128x128 tiles with a 128 head dim: registers and shared memory).
-CUDA_LAUNCH_WIDE: dict = {}
+CUDA_LAUNCH_WIDE: dict = {"colfwd": (4, 1)}
 # The same for head dims <= 64 (see SUBTILE_SMALL_HEADS).
 CUDA_LAUNCH_WIDE_SMALL_HEADS = {"fwd": (4, 3), "colfwd": (4, 3)}
 
@@ -818,21 +825,23 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     Sk, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
     plans = {} if plans is None else plans
-    q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
+    q, k, v, dout, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout, out))
     bi, bc, tr, ci, cc, has_cols, qp, kp, qd, kd, plans = _prepare(
         q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, q_doc, k_doc)
     has_doc = q_doc is not None
     nqb, nkb = -(-Sq // block_size), -(-Sk // block_size)
     prec = _prec(q)
-    delta = row_delta(dout, out)  # [B, Hq, Sq]
     lse = lse.float().contiguous()
+    fused = not deterministic
+    # delta = rowsum(dout * out) [B, Hq, Sq] (laid out as lse): the dQ pass computes it on the way (it reads the
+    # rows' dout anyway); the fused backward has no dQ pass.
+    delta = row_delta(dout, out) if fused else torch.empty_like(lse)
     # The backward without `deterministic` (fused): the dK/dV passes of the deterministic backward also add each
     # tile's dQ share with fp32 atomics, so no dQ pass recomputes the scores. Measured on the H200 (BENCHMARKS.md,
     # 2026-11-25): about as fast as the deterministic backward at head dim 64 (kernels 0.99-1.05x over SmolLM2's 30
     # layers at 32K-128K), 1.0-1.6x slower at head dim 128 (the dQ atomics); the earlier atomic engine (a dQ pass adding
     # dK/dV with atomics, contended by every query block and GQA head) was 5.5-9.5x slower and is gone. Training
     # uses the deterministic backward.
-    fused = not deterministic
     dq_init = None
     if grad_init is not None:  # (partial.attention_backward checked shapes, contiguity and deterministic)
         dq = dq_init = grad_init[0]  # the dQ pass reads each row's dq and stores the sum in place
@@ -853,8 +862,9 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         sub = _subtiles(block_size, kern, D)
         _launch(
             _dq_kernel, (nqb * sub["NQS"], B * Hq),
-            q, k, v, dout, lse, delta, dq, dq if dq_init is None else dq_init, qp, kp, bi, bc, ci, cc, qd, kd,
-            scale * _LOG2E, scale, *common, dq.stride(0), dq.stride(1), dq.stride(2),
+            q, k, v, dout, out, lse, delta, dq, dq if dq_init is None else dq_init, qp, kp, bi, bc, ci, cc, qd, kd,
+            scale * _LOG2E, scale, *common, out.stride(0), out.stride(1), out.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
             bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
             ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
             Sq, Sk, Hq, group,

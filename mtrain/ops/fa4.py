@@ -197,10 +197,13 @@ def _plan(index: SparseIndex, doc_ids, num_kv_heads: int, head_dim: int) -> _Pla
             raise ValueError(
                 "impl='fa4' needs every query block's list to end with its diagonal block (SparseIndex.from_lines and "
                 "estimate_vertical_slash always list it): a row without keys would reach FA4's backward with lse=-inf")
-    # Whether any column is listed: a host read, except while a CUDA graph captures the plan (graphed.prepare_engine),
-    # where an index with column slots runs the column path (with no columns its lse is -inf and the merge keeps FA4's)
-    capturing = index.col_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-    has_cols = index.col_ids.shape[-1] > 0 and (capturing or bool(index.col_counts.any()))
+    # Whether to run the column path. A CUDA index with more than one column slot per row (the estimate's: its lists
+    # are as wide as its vertical cap) runs it without reading the counts, as a CUDA graph capturing the plan must
+    # (graphed.prepare_engine): the column kernels skip rows without columns (lse -inf, the merge keeps FA4's), and
+    # the host does not wait for the estimate here. A narrower index (no verticals: one slot of padding) is read.
+    width = index.col_ids.shape[-1]
+    unread = index.col_ids.is_cuda and (width > 1 or torch.cuda.is_current_stream_capturing())
+    has_cols = width > 0 and (unread or bool(index.col_counts.any()))
     plan = _Plan(fa4_block_lists(index, doc_ids), has_cols, _no_blocks(index), {})
     if doc_ids is None:
         if plan.has_cols and index.block_ids.is_cuda:
