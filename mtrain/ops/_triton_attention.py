@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from mtrain.ops._triton_estimate import dot_precision
 from mtrain.ops.index import ColumnPlan, column_plan, compact, transpose_blocks_csr
 
 _LOG2E = 1.4426950408889634
@@ -655,8 +656,10 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
 
 
 def _prec(q: torch.Tensor) -> str:
-    # fp32 inputs keep full fp32 products (tests, references); 16-bit inputs use the tensor cores.
-    return "ieee" if q.dtype == torch.float32 else "tf32"
+    """tl.dot's input precision (`dot_precision`): fp32 inputs run three tf32 products per dot, 16-bit inputs
+    one. Full-precision fp32 dots ("ieee", FMA loops) took up to ~4 minutes of Triton compiles per case at head dim
+    128 in scripts/gpu_check.py."""
+    return dot_precision(q.dtype)
 
 
 def _check_inputs(q: torch.Tensor) -> None:

@@ -174,6 +174,12 @@ def _score_sums_kernel(
 KEYS_PER_PROGRAM = 4096
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision for q/k of `dtype`: three tf32 products for fp32 (errors near fp32's own; the
+    full-precision FMA dots compiled for minutes), one for 16-bit inputs."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 def scorer_config(block_size: int, head_dim: int) -> dict:
     """The scorer's launch settings for a block size and head dim: rows per program (`rows`), warps, pipeline
     stages, whether the keys every row of a program sees run without masks (`split`; the same sums up to float
@@ -225,7 +231,7 @@ def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size:
     strides = (qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2),
                docs.stride(0) if doc_ids is not None else 0)
     meta = dict(HAS_DOCS=doc_ids is not None, BLOCK_M=cfg["rows"], BLOCK_N=block_size,
-                BLOCK_D=max(16, triton.next_power_of_2(D)), PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                BLOCK_D=max(16, triton.next_power_of_2(D)), PREC=dot_precision(q.dtype),
                 SPLIT=bool(cfg["split"]), num_warps=cfg["warps"])
     if cfg["stages"] is not None:
         meta["num_stages"] = cfg["stages"]
@@ -324,6 +330,6 @@ def group_column_mass(q_rows: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, 
         cols.stride(2) if cols.shape[2] > 1 else 0,
         HAS_DOCS=doc_ids is not None, SKIP_KEPT=skip_kept, BLOCK_P=max(16, triton.next_power_of_2(P)),
         BLOCK_C=block_c, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        PREC="ieee" if q_rows.dtype == torch.float32 else "tf32", num_warps=4,
+        PREC=dot_precision(q_rows.dtype), num_warps=4,
     )
     return out
