@@ -619,9 +619,21 @@ def _subtile(block_size: int, want: int) -> int:
     return _tile(block_size)
 
 
-def _subtiles(block_size: int, kernel: str, head_dim: int = 128) -> dict:
-    """QT, KT, NQS, NKS for `kernel` on index blocks of `block_size` tokens (see SUBTILE, SUBTILE_SMALL_HEADS)."""
+# Sub-tile sides for fp32 inputs on CUDA at most: their tf32x3 dots (`_prec`) keep split copies of each operand in
+# shared memory, and 64-wide tiles at head dim 128 asked for 256-448 KB of the H200's 227 KB even at one stage.
+FP32_TILE = 32
+
+
+def _tile_cap(q: torch.Tensor) -> int | None:
+    return FP32_TILE if q.dtype == torch.float32 and q.device.type == "cuda" else None
+
+
+def _subtiles(block_size: int, kernel: str, head_dim: int = 128, cap: int | None = None) -> dict:
+    """QT, KT, NQS, NKS for `kernel` on index blocks of `block_size` tokens (see SUBTILE, SUBTILE_SMALL_HEADS);
+    `cap` bounds both sides (`_tile_cap`)."""
     wants = (SUBTILE_SMALL_HEADS.get(kernel) if head_dim <= 64 else None) or SUBTILE[kernel]
+    if cap:
+        wants = tuple(min(w, cap) for w in wants)
     qt, kt = (_subtile(block_size, want) for want in wants)
     return {"QT": qt, "KT": kt, "NQS": -(-block_size // qt), "NKS": -(-block_size // kt)}
 
@@ -805,7 +817,7 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
     else:  # merged in place (partial.attention_forward checked shapes, dtypes and contiguity)
         out, lse = merge_into
     kern = "colfwd" if plans.get(NO_BLOCKS) else "fwd"
-    sub = _subtiles(block_size, kern, D)
+    sub = _subtiles(block_size, kern, D, _tile_cap(q))
     _launch(
         _fwd_kernel, (nqb * sub["NQS"], B * Hq),
         q, k, v, out, lse, qp, kp, bi, bc, ci, cc, qd, kd,
@@ -862,7 +874,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     )
     if not fused:
         kern = "coldq" if plans.get(NO_BLOCKS) else "dq"
-        sub = _subtiles(block_size, kern, D)
+        sub = _subtiles(block_size, kern, D, _tile_cap(q))
         _launch(
             _dq_kernel, (nqb * sub["NQS"], B * Hq),
             q, k, v, dout, out, lse, delta, dq, dq if dq_init is None else dq_init, qp, kp, bi, bc, ci, cc, qd, kd,
@@ -886,7 +898,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             dv.add_(grad_init[2])
     if has_cols:
         chunk = min(_tile(block_size), 64)
-        sub = _subtiles(block_size, "col", D)
+        sub = _subtiles(block_size, "col", D, _tile_cap(q))
         if ("c", chunk) not in plans:
             plans[("c", chunk)] = column_plan(ci, cc, Sk, chunk)
         plan = plans[("c", chunk)]
@@ -930,7 +942,7 @@ def _block_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, qp, kp, qd, kd, bi, bc, t
         tr = plans["t"]
     ti, ts, tc = tr
     kv_plan = _kv_work_plan(tc, B, Hkv, group, nqb, nkb, dk, block_size, plans)
-    sub = _subtiles(block_size, "dkdv", D)
+    sub = _subtiles(block_size, "dkdv", D, _tile_cap(q))
     ex_rows = sub["NKS"] * sub["KT"]  # rows of one extra slot: a whole (padded) key block
     # Sized by the plan's bound, not its count (reading the count would wait for the GPU).
     extra_k = torch.empty(kv_plan["extra_cap"], ex_rows, D, dtype=torch.float32, device=q.device)

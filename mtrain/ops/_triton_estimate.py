@@ -180,7 +180,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def scorer_config(block_size: int, head_dim: int) -> dict:
+def scorer_config(block_size: int, head_dim: int, dtype: torch.dtype | None = None) -> dict:
     """The scorer's launch settings for a block size and head dim: rows per program (`rows`), warps, pipeline
     stages, whether the keys every row of a program sees run without masks (`split`; the same sums up to float
     rounding), and the keys one program walks (`keys`, rounded to the block size; None: KEYS_PER_PROGRAM).
@@ -191,7 +191,10 @@ def scorer_config(block_size: int, head_dim: int) -> dict:
     64 rows and 4 warps stay the fastest. Summing a tile's columns on the tensor cores (ones @ p, tf32x3) was
     slower everywhere (1.3-3.9x) or ran out of shared memory; writing the mass per (row, key block) block-major
     (coalesced stores, then a transpose) was no faster in the same run (16 / 2 x 128: 3.81 vs 3.75 ms; 9 / 3 x 64:
-    1.81 vs 1.73 and 0.63 vs 0.61 ms)."""
+    1.81 vs 1.73 and 0.63 vs 0.61 ms). fp32 inputs (tf32x3 dots, split copies of each operand in shared memory):
+    32 rows and one stage, which fit where 128 rows did not (block 128, head dim 128)."""
+    if dtype == torch.float32:
+        return dict(rows=32, warps=4, stages=1, split=True, keys=None)
     if block_size >= 128:
         return dict(rows=128, warps=4, stages=2 if head_dim > 64 else None, split=True, keys=None)
     return dict(rows=_ROWS, warps=4, stages=None, split=True, keys=None)
@@ -213,7 +216,7 @@ def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size:
     qr = q if q.stride(-1) == 1 else q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
-    cfg = {**scorer_config(block_size, D), **(config or {})}
+    cfg = {**scorer_config(block_size, D, q.dtype if q.is_cuda else None), **(config or {})}
     unknown = set(cfg) - {"rows", "warps", "stages", "split", "keys"}
     if unknown:
         raise ValueError(f"unknown scorer config keys {sorted(unknown)}: use rows, warps, stages, split, keys")
