@@ -1,7 +1,7 @@
 """GPU correctness gate: every attention engine x dtype x block size x GQA x document masking against a float64
 reference, on short ragged sequences. Exits non-zero on any failure. Run it in every GPU session before timing:
 
-    python scripts/gpu_check.py            # on the GPU machine (cases in 8 processes: the compiles dominate)
+    python scripts/gpu_check.py            # on the GPU machine (each case in its own process: compiles dominate)
     TRITON_INTERPRET=1 python scripts/gpu_check.py --device cpu --quick   # smoke on a CPU (fp32/fp16 only)
 
 Engines: mtrain's Triton kernels with the deterministic and the atomic backward, FlexAttention driven by the same
@@ -266,7 +266,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int,
                     help="cases run in this many processes at once (default: every case at once, up to twice the "
                          "host's cores; the Triton compiles dominate and run in parallel on the host's cores, "
-                         "sharing the GPU: 8 processes took 269 s for the 24 cases on a 16-core H200 host)")
+                         "sharing the GPU: 24 processes took 98 s for the 24 cases on a 16-core H200 host)")
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--compile-rows", type=int, default=20,
                     help="kernels listed in the Triton compile summary (costliest first)")

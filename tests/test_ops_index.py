@@ -395,15 +395,20 @@ def test_triton_column_add_matches_indexed_adds():
     universe[0, 0, :U] = torch.arange(Sk - U, Sk)  # the last keys, a full universe
     dk, dv = torch.randn(B, Sk, Hkv, D, generator=gen), torch.randn(B, Sk, Hkv, D, generator=gen)
     dkc, dvc = torch.randn(B, Hkv * group, U, D, generator=gen), torch.randn(B, Hkv * group, U, D, generator=gen)
-    want_k, want_v = dk.clone(), dv.clone()
-    for b in range(B):
-        for hk in range(Hkv):
-            for g in range(group):
-                h = hk * group + g
-                for slot, key in enumerate(universe[b, h].tolist()):
-                    if key >= 0:
-                        want_k[b, key, hk] += dkc[b, h, slot]
-                        want_v[b, key, hk] += dvc[b, h, slot]
+
+    def indexed_adds(k0, v0):  # head by head in group order, slot by slot
+        want_k, want_v = k0.clone(), v0.clone()
+        for b in range(B):
+            for hk in range(Hkv):
+                for g in range(group):
+                    h = hk * group + g
+                    for slot, key in enumerate(universe[b, h].tolist()):
+                        if key >= 0:
+                            want_k[b, key, hk] += dkc[b, h, slot]
+                            want_v[b, key, hk] += dvc[b, h, slot]
+        return want_k, want_v
+
+    want_k, want_v = indexed_adds(dk, dv)
     slots = universe_slots(ColumnPlan(universe, None, None, None, 4), Sk, {})
     for b in range(B):
         for h in range(Hkv * group):
@@ -411,15 +416,7 @@ def test_triton_column_add_matches_indexed_adds():
             assert torch.equal(slots[b, h, keys], torch.arange(keys.numel(), dtype=torch.int32))
             assert int((slots[b, h] >= 0).sum()) == keys.numel()
     low_k, low_v = dk.to(torch.bfloat16), dv.to(torch.bfloat16)
-    want_low = [x.float().clone() for x in (low_k, low_v)]
-    for b in range(B):
-        for hk in range(Hkv):
-            for g in range(group):
-                h = hk * group + g
-                for slot, key in enumerate(universe[b, h].tolist()):
-                    if key >= 0:
-                        want_low[0][b, key, hk] += dkc[b, h, slot]
-                        want_low[1][b, key, hk] += dvc[b, h, slot]
+    want_low = indexed_adds(low_k.float(), low_v.float())
     _column_add(dk, dv, dkc, dvc, slots, group)
     assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
     _column_add(low_k, low_v, dkc, dvc, slots, group)

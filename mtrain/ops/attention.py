@@ -22,10 +22,10 @@ from mtrain.ops.index import SparseIndex
 AUTO_FLEX_BLOCK_SIZES: frozenset[int] = frozenset()
 # Index block sizes for which impl="auto" runs the fa4 engine (FlashAttention-4 for the listed blocks) where FA4 is
 # installed, on a GPU of compute capability >= 9, with 16-bit inputs. Measured on the H200 (BENCHMARKS.md, 2026-11-25):
-# 128K, 16 q / 2 KV x 128, 5.2% of pairs, 48.7 ms all in with FA4's backward and 56.5 with ours against 58.1 for our
-# kernels (16% of pairs: 92.6 vs 142.3); SmolLM2 (9 / 3 x 64) whole model every step 1.16x / 2.21x / 3.48x cuDNN at
-# 32K / 64K / 128K against 0.94x / 1.53x / 2.32x with our kernels at 64-token blocks. FA4's SM90 backward runs only
-# 128-token key blocks.
+# 128K, 16 q / 2 KV x 128, 5.2% of pairs, 37.0 ms all in with FA4's backward and 46.5 with ours against 49.5 for our
+# kernels alone (fifth session; 16% of pairs, earlier: 92.6 vs 142.3); SmolLM2 (9 / 3 x 64) whole model every step
+# 1.68x / 2.78x / 3.87x cuDNN at 32K / 64K / 128K against 0.94x / 1.53x / 2.32x with our kernels at 64-token blocks.
+# FA4's SM90 backward runs only 128-token key blocks.
 AUTO_FA4_BLOCK_SIZES: frozenset[int] = frozenset({128})
 
 

@@ -354,8 +354,8 @@ def fa4_vertical_slash(
     O / LSE): deterministic=False runs FA4's block-sparse backward (fp32 atomics for dQ) plus our column
     backward and sums dq/dk/dv; deterministic=True (default) runs our deterministic Triton backward over blocks
     and columns, since FA4 4.0.0b36 has no deterministic block-sparse backward on SM90. On the H200 at 128K
-    (16 q / 2 KV x 128, 5% of pairs) the engine took 52.8 ms all in with FA4's backward, 60.6 with ours, and
-    impl="triton" 60.4 (BENCHMARKS.md, "FlashAttention-4 as the block engine").
+    (16 q / 2 KV x 128, 5.2% of pairs) the engine took 37.0 ms all in (index included) with FA4's backward, 46.5
+    with ours, impl="triton" 49.5, cuDNN dense 455 (BENCHMARKS.md, "Must-show status (issue #13)").
     Returns (out [B, S, Hq, D] in q.dtype, differentiable; lse [B, Hq, S] fp32, no gradient).
     ImportError (naming the install) when flash_attn.cute is missing.
     """
