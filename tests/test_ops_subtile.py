@@ -18,7 +18,7 @@ def subtiles(monkeypatch):
     from mtrain.ops import _triton_attention
 
     def set_tiles(qt, kt):
-        monkeypatch.setattr(_triton_attention, "SUBTILE", {name: (qt, kt) for name in ("fwd", "dq", "dkdv", "col")})
+        monkeypatch.setattr(_triton_attention, "SUBTILE", {name: (qt, kt) for name in _triton_attention.SUBTILE})
         monkeypatch.setattr(_triton_attention, "SUBTILE_SMALL_HEADS", {})  # the tests' head dims are small
         return _triton_attention._subtiles(32, "fwd")
 
@@ -38,6 +38,21 @@ def test_subtile_choice():
     assert _subtiles(128, "fwd", 64) == {"QT": 128, "KT": 64, "NQS": 1, "NKS": 2}
     assert _subtiles(128, "fwd", 128) == {"QT": 64, "KT": 64, "NQS": 2, "NKS": 2}
     assert _subtiles(128, "dq", 64) == _subtiles(128, "dq", 128)
+    # fp32 on CUDA (tf32x3 dots) caps both sides: the 64 x 128 dK/dV tile of a 128-block runs as 32 x 32 sub-tiles
+    assert _subtiles(128, "dkdv", 128, cap=32) == {"QT": 32, "KT": 32, "NQS": 4, "NKS": 4}
+    assert _subtiles(32, "fwd", 128, cap=32) == _subtiles(32, "fwd", 128)
+
+
+def test_fp32_dot_settings():
+    """fp32 inputs: tf32x3 dots everywhere; on CUDA the scorer runs 32 rows and one stage; 16-bit inputs unchanged."""
+    from mtrain.ops._triton_attention import FP32_TILE, _tile_cap
+    from mtrain.ops._triton_estimate import dot_precision, scorer_config
+
+    assert dot_precision(torch.float32) == "tf32x3" and dot_precision(torch.bfloat16) == "tf32"
+    assert scorer_config(128, 128, torch.float32) == dict(rows=32, warps=4, stages=1, split=True, keys=None)
+    assert scorer_config(128, 128, torch.bfloat16) == scorer_config(128, 128)
+    assert _tile_cap(torch.zeros(1)) is None  # the CPU (interpreter) keeps the CUDA 16-bit tiles
+    assert FP32_TILE == 32
 
 
 @pytest.mark.parametrize("qt,kt", [(16, 32), (32, 16)])
