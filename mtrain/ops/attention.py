@@ -155,8 +155,9 @@ def vertical_slash_attention(
     q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] with Hq % Hkv == 0 (GQA: query head h reads kv head
     h // (Hq // Hkv); K/V are not repeated in memory). index: a `SparseIndex` for these B, Hq, S.
     Computes softmax(scale * q k^T) v over exactly the pairs of `index.to_mask()` (causal: key
-    position <= query position), accumulating in fp32. S need not be a multiple of the block size:
-    the last block is partial and masked. softmax_scale defaults to 1/sqrt(D).
+    position <= query position), accumulating in fp32 (on a GPU our Triton kernels form fp32 inputs' products as
+    three tf32 products, tf32x3: within ~1e-6 of float64 on the gate's cases). S need not be a multiple of the
+    block size: the last block is partial and masked. softmax_scale defaults to 1/sqrt(D).
     impl: "auto", "triton", "flex", "fa4" or "torch". "triton": our kernels (GPU, or TRITON_INTERPRET=1 on
     the CPU). "flex": FlexAttention driven by this index (`mtrain.ops.flex`: an exact BlockMask from
     `BlockMask.from_kv_blocks`, Flex's own fused forward and backward; CUDA, or forward-only on the CPU;
