@@ -297,12 +297,19 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
             graph_ms = timed(lambda: estimate_graphed(q, k, **sparse_kw, prepare=prepare), iters, warmup=2)
     est = index._cache.get("est_recall")
     per_head = _true_recall(q, k, index, scale, recall_rows)
+    lines = index._cache.get("lines")  # (verticals, slashes) per head, -1 padded to the caps
+    verticals = int((lines[0] >= 0).sum(-1).max()) if lines is not None else -1
+    counts = index.col_counts.float()
     return LayerResult(
         layer=layer, density=index.density(), est_recall=None if est is None else float(est.float().mean()),
         true_recall=float(per_head.mean()), min_head_recall=float(per_head.min()), path=path,
         dense_ms=dense_ms, mtrain_ms=mtrain_ms, index_ms=max(0.0, total_ms - fwd_ms - bwd[True]), fwd_ms=fwd_ms,
         bwd_ms=bwd[True], steady_ms=steady_ms, held=held, long_run_ms=long_run_ms,
-        extra={"bwd_deterministic_ms": bwd[True], "bwd_atomic_ms": bwd[False], "index_graph_ms": graph_ms},
+        extra={"bwd_deterministic_ms": bwd[True], "bwd_atomic_ms": bwd[False], "index_graph_ms": graph_ms,
+               # verticals the estimate chose (most in one head) against the width of the column lists (on CUDA
+               # the vertical cap: the memory the lists take and the graph copies)
+               "verticals_max": verticals, "column_list_width": int(index.col_ids.shape[-1]),
+               "columns_per_row_max": int(counts.max()), "columns_per_row_mean": float(counts.mean())},
     )
 
 
@@ -415,6 +422,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
                                  max(r.extra["index_graph_ms"] for r in results)],
         "kernels_ms": {name: sum(r.fwd_ms + r.extra[f"bwd_{name}_ms"] for r in results)
                        for name in ("deterministic", "atomic")},
+        "verticals_max": max(r.extra["verticals_max"] for r in results),
+        "column_list_width": max(r.extra["column_list_width"] for r in results),
+        "columns_per_row_max": max(r.extra["columns_per_row_max"] for r in results),
     }
     log(f"whole model ({len(results)} layers): dense {dense_total:.1f} ms, mtrain {mtrain_total:.1f} ms "
         f"({summary['speedup']:.2f}x), steady state over {hold + 1} steps {steady_total:.1f} ms "
@@ -432,7 +442,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"({dense_total / summary['kernels_ms']['deterministic']:.2f}x), atomic backward "
         f"{summary['kernels_ms']['atomic']:.1f} ms ({dense_total / summary['kernels_ms']['atomic']:.2f}x); index per "
         f"layer {summary['index_ms_range'][0]:.2f}-{summary['index_ms_range'][1]:.2f} ms eager, "
-        f"{summary['index_graph_ms_range'][0]:.2f}-{summary['index_graph_ms_range'][1]:.2f} ms from the CUDA graph")
+        f"{summary['index_graph_ms_range'][0]:.2f}-{summary['index_graph_ms_range'][1]:.2f} ms from the CUDA graph; "
+        f"verticals per head at most {summary['verticals_max']}, columns per query block at most "
+        f"{summary['columns_per_row_max']} (lists {summary['column_list_width']} wide)")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         target = Path(out_dir) / f"real_{seq_len}.json"

@@ -31,6 +31,12 @@ def test_bench_real_reports_what_the_gpu_table_needs(tmp_path):
     assert set(over) == {"every_step", "steady", "long_run"}
     assert (1 in over["steady"]) == (layer["steady_ms"] > layer["dense_ms"])
     assert math.isfinite(summary["ppl_dense"]) and math.isfinite(summary["ppl_mtrain"])
+    # how much of the vertical cap the estimate used: a row never lists more columns than its head has verticals,
+    # nor than its list is wide
+    extra = layer["extra"]
+    assert extra["verticals_max"] >= 16 and extra["column_list_width"] == summary["column_list_width"]
+    assert 0 <= extra["columns_per_row_mean"] <= extra["columns_per_row_max"] <= extra["verticals_max"]
+    assert extra["columns_per_row_max"] <= extra["column_list_width"]
     saved = json.loads((tmp_path / "real_256.json").read_text())
     assert saved["seq_len"] == 256 and saved["layers"][0]["layer"] == 1
     assert not list(tmp_path.glob("*.tmp"))
