@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_attention import make_inputs  # noqa: E402
+from gpu_check import rel  # noqa: E402
 
 from mtrain.ops import _triton_attention as ta  # noqa: E402
 from mtrain.ops import estimate_vertical_slash, partial  # noqa: E402
@@ -43,11 +44,6 @@ def set_launch(kernel: str, rows: int, cols: int, warps: int, stages: int) -> No
     ta.SUBTILE[kernel] = (rows, cols)
     ta.CUDA_LAUNCH[kernel] = (warps, stages)
     ta.CUDA_LAUNCH_WIDE[kernel] = (warps, stages)  # as given, also for 128-row tiles
-
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
 def main() -> int:
