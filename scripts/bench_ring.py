@@ -24,12 +24,15 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mtrain.ops import SparseIndex  # noqa: E402
-from mtrain.ops.attention import vertical_slash_attention  # noqa: E402
+from mtrain.ops.attention import resolve_impl, vertical_slash_attention  # noqa: E402
+from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
 from mtrain.parallel.comm import RingComm  # noqa: E402
 from mtrain.parallel.estimate import estimate_index, estimate_rank_index  # noqa: E402
 from mtrain.parallel.merge import GradSum, PartialAccumulator  # noqa: E402
-from mtrain.parallel.plan import _build_sparse_plan, dense_plan, sparse_plan  # noqa: E402
+from mtrain.parallel.plan import (  # noqa: E402
+    _build_sparse_plan, dense_plan, rank_blocks, shard_key_blocks, sparse_plan,
+)
 from mtrain.parallel.steps import (  # noqa: E402
     ColumnGather, finish_column_grads, start_column_grad_reduce, step_backward, step_forward,
 )
@@ -138,7 +141,8 @@ def dense_flops(seq_len, heads, dim):
 def check(rank, world, args, device, report):
     """Ring vs single-GPU reference at a small length: max abs error of out and dq."""
     seq_len = args.check_len
-    cases = [("dense", args.heads, args.heads, "zigzag", False), ("sparse", args.heads, args.kv_heads, "block-stripe", True)]
+    cases = [("dense", args.heads, args.heads, "zigzag", False), ("sparse", args.heads, args.kv_heads, "block-stripe", True),
+             ("estimated", args.heads, args.kv_heads, "block-stripe", "estimate")]
     if _hierarchical(args, world):
         cases.append(("sparse-h", args.heads, args.kv_heads, "block-stripe", True))
     for name, hq, hkv, layout_name, sparse in cases:
@@ -150,23 +154,60 @@ def check(rank, world, args, device, report):
                 traceback.print_exc()
 
 
+def _settings(args) -> SparseSettings:
+    """The online estimate's settings: budgets as the given index's, so that the difference is the estimation
+    itself (random inputs spread attention evenly; uncapped top-p would pick nearly every line)."""
+    return SparseSettings(block_size=args.block_size, max_vertical=args.verticals,
+                          max_slash=args.window + args.far_slashes)
+
+
+def _estimate_one_device(q, k, settings: SparseSettings):
+    return estimate_vertical_slash(q, k, recall=settings.recall, last_q=settings.last_q,
+                                   max_vertical=settings.max_vertical, max_slash=settings.max_slash,
+                                   block_size=settings.block_size, min_vertical=settings.min_vertical,
+                                   min_slash=settings.min_slash, sample_blocks=settings.sample_blocks)
+
+
 def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse):
     q, k, v, dout = inputs(seq_len, hq, hkv, args.dim, device)
-    index = make_index(seq_len, args, device) if sparse else None
+    settings = _settings(args)
+    index = None
+    if sparse == "estimate":  # the one device's estimate of the whole sequence, the reference's index
+        index = _estimate_one_device(q, k, settings)
+    elif sparse:
+        index = make_index(seq_len, args, device)
+    impl = args.engine if args.engine != "auto" else resolve_impl("auto", device, args.block_size, q.dtype)
     run_ref, ref_leaves = fwd_bwd(
-        (lambda a, b, c: vertical_slash_attention(a, b, c, index)) if sparse else sdpa_cudnn, (q, k, v), dout)
-    ref_out = (vertical_slash_attention(q, k, v, index) if sparse else sdpa_cudnn(q, k, v)).float()
+        (lambda a, b, c: vertical_slash_attention(a, b, c, index, impl=impl)) if sparse else sdpa_cudnn, (q, k, v),
+        dout)
+    ref_out = (vertical_slash_attention(q, k, v, index, impl=impl) if sparse else sdpa_cudnn(q, k, v)).float()
     run_ref()
     hier = name.endswith("-h")
     layout = _layout(layout_name, world, args, hier)
     shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
     leaves = [t.detach().requires_grad_(True) for t in shard[:3]]
-    out = ring_attention(*leaves, group=None, layout=layout, index=index, **_groups(args, hier))
+    row = {"check": name, "layout": layout_name, "seq_len": seq_len}
+    if sparse == "estimate":
+        pos = layout.indices(seq_len, rank).to(device)
+        mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq_len, settings, 1.0 / math.sqrt(args.dim), None,
+                                   rows=rank_blocks(layout, seq_len, rank, args.block_size, device),
+                                   key_blocks=shard_key_blocks(layout, seq_len, rank, args.block_size, device))
+        want = index.block_ids[:, :, mine.rows]
+        width = max(want.shape[-1], mine.block_ids.shape[-1])
+        pad = lambda t: F.pad(t, (0, width - t.shape[-1]), value=-1)  # noqa: E731
+        row["same_lines"] = bool(torch.equal(pad(want), pad(mine.block_ids))
+                                 and torch.equal(index.block_counts[:, :, mine.rows], mine.block_counts)
+                                 and torch.equal(index.col_counts[:, :, mine.rows], mine.col_counts))
+        index = mine
+        out = ring_attention(*leaves, group=None, layout=layout, index=index, engine=args.engine)
+    else:
+        out = ring_attention(*leaves, group=None, layout=layout, index=index, engine=args.engine,
+                             **_groups(args, hier))
     out.backward(shard[3])
-    err_out = float((out.detach().float() - layout.shard(ref_out.detach(), rank)).abs().max())
-    err_dq = float((leaves[0].grad.float() - layout.shard(ref_leaves[0].grad.float(), rank)).abs().max())
-    return {"check": name, "layout": layout_name, "seq_len": seq_len, "max_err_out": err_out,
-            "max_err_dq": err_dq}
+    row["max_err_out"] = float((out.detach().float() - layout.shard(ref_out.detach(), rank)).abs().max())
+    row["max_err_dq"] = float((leaves[0].grad.float() - layout.shard(ref_leaves[0].grad.float(), rank)).abs().max())
+    row["max_err_dk"] = float((leaves[1].grad.float() - layout.shard(ref_leaves[1].grad.float(), rank)).abs().max())
+    return row
 
 
 def _hierarchical(args, world: int) -> bool:
@@ -256,11 +297,23 @@ def bench_tokens(tokens, rank, world, args, device, report):
             row[key + "_tflops_per_gpu"] = dense_flops(n, h, d) / (1 if key == "cp1_dense" else world) / (row[key + "_ms"] * 1e9)
 
     # sparse, Qwen2.5-3B heads (16 q / 2 kv), fixed per-row budget
+    impl = args.engine if args.engine != "auto" else resolve_impl("auto", device, args.block_size, DTYPE)
+    row["engine"] = impl
+
     def cp1_sparse():
         q, k, v, dout = inputs(tokens, h, hkv, d, device)
         index = make_index(tokens, args, device)
         row["density_cp1"] = index.block_density()
-        run, _ = fwd_bwd(lambda a, b, c: vertical_slash_attention(a, b, c, index), (q, k, v), dout)
+        run, _ = fwd_bwd(lambda a, b, c: vertical_slash_attention(a, b, c, index, impl=impl), (q, k, v), dout)
+        return timed(run, args.iters, args.warmup)
+
+    def cp1_sparse_estimated():
+        """One GPU's online estimate + attention per call: the baseline of the ring's estimated variant."""
+        q, k, v, dout = inputs(tokens, h, hkv, d, device)
+        settings = _settings(args)
+        row["estimate_cp1_ms"] = timed(lambda: _estimate_one_device(q, k, settings), args.iters, args.warmup)
+        run, _ = fwd_bwd(lambda a, b, c: vertical_slash_attention(a, b, c, _estimate_one_device(a, b, settings),
+                                                                  impl=impl), (q, k, v), dout)
         return timed(run, args.iters, args.warmup)
 
     def ring_sparse(estimate: bool):
@@ -270,18 +323,35 @@ def bench_tokens(tokens, rank, world, args, device, report):
             index = None if estimate else make_index(seq, args, device)
             if index is not None:
                 row["density_ring"] = index.block_density()
-            # budgets as the given index's, so the difference is the estimation itself (random inputs
-            # spread attention evenly; uncapped top-p would pick nearly every line)
-            settings = SparseSettings(block_size=args.block_size, max_vertical=args.verticals,
-                                      max_slash=args.window + args.far_slashes) if estimate else None
+            settings = _settings(args) if estimate else None
             shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
             del q, k, v, dout
+            if estimate:
+                pos = layout.indices(seq, rank).to(device)
+                scale = 1.0 / math.sqrt(d)
+                est = dict(rows=rank_blocks(layout, seq, rank, args.block_size, device),
+                           key_blocks=shard_key_blocks(layout, seq, rank, args.block_size, device))
+                row["estimate_ring_ms"] = timed(lambda: estimate_rank_index(shard[0], shard[1], pos, pos, seq,
+                                                                            settings, scale, None, **est),
+                                                args.iters, args.warmup)
+                mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None, **est)
+                row["density_ring_estimated"] = mine.density()
+                row["index_bytes_per_layer"] = sum(t.numel() * t.element_size() for t in (
+                    mine.block_ids, mine.block_counts, mine.col_ids, mine.col_counts))
+                # what column lists as wide as the vertical cap would take (int32 per slot, this rank's rows)
+                row["index_bytes_cap_wide_cols"] = (mine.col_ids.shape[0] * mine.col_ids.shape[1]
+                                                    * mine.col_ids.shape[2] * settings.max_vertical * 4)
+                if args.torch_scorer:
+                    row["estimate_ring_torch_ms"] = timed(lambda: estimate_rank_index(
+                        shard[0], shard[1], pos, pos, seq, settings, scale, None, scorer="torch", **est),
+                        args.iters, args.warmup)
             run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
-                                                           sparse=settings), shard[:3], shard[3])
+                                                           sparse=settings, engine=args.engine), shard[:3], shard[3])
             return timed(run, args.iters, args.warmup)
         return go
 
     attempt("cp1_sparse_ms", cp1_sparse)
+    attempt("cp1_sparse_estimated_ms", cp1_sparse_estimated)
     attempt("ring_sparse_ms", ring_sparse(False))
     attempt("ring_sparse_estimated_ms", ring_sparse(True))
 
@@ -292,8 +362,8 @@ def bench_tokens(tokens, rank, world, args, device, report):
         shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
         del q, k, v, dout
         groups = _groups(args, True)
-        run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index, **groups),
-                         shard[:3], shard[3])
+        run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
+                                                       engine=args.engine, **groups), shard[:3], shard[3])
         return timed(run, args.iters, args.warmup)
 
     if _hierarchical(args, world):
@@ -415,7 +485,9 @@ def print_table(report):
         if "check" in r and "error" in r:
             print(f"{r['check']:<8} {r['layout']:<13} failed: {r['error'][:100]}")
         elif "check" in r:
-            print(f"{r['check']:<8} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}")
+            lines = f"  same lines as one device: {r['same_lines']}" if "same_lines" in r else ""
+            print(f"{r['check']:<9} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}  "
+                  f"dk {r['max_err_dk']:.3e}{lines}")
     print("\n== fwd+bwd per GPU ==")
     print(f"{'tok/GPU':>8} {'variant':<28} {'ms':>9} {'TFLOP/s/GPU':>12} {'vs CP=1':>8}")
     for r in report:
@@ -424,8 +496,8 @@ def print_table(report):
         t = r["tokens_per_gpu"]
         t_label = f"{t // 1024}K" if t >= 1024 else str(t)
         for key, base in (("cp1_dense", None), ("ring_dense", "cp1_dense"), ("torch_cp_dense", "cp1_dense"),
-                          ("cp1_sparse", None), ("ring_sparse", "cp1_sparse"), ("ring_sparse_estimated", "cp1_sparse"),
-                          ("ring_sparse_hierarchical", "cp1_sparse")):
+                          ("cp1_sparse", None), ("ring_sparse", "cp1_sparse"), ("ring_sparse_hierarchical", "cp1_sparse"),
+                          ("cp1_sparse_estimated", None), ("ring_sparse_estimated", "cp1_sparse_estimated")):
             ms = r.get(key + "_ms")
             if ms is None and key + "_ms_error" not in r and key == "ring_sparse_hierarchical":
                 continue  # not asked for (--node-size)
@@ -440,6 +512,24 @@ def print_table(report):
                 ratio = tf / r[base + "_tflops_per_gpu"] if tf else r[base + "_ms"] / ms
             print(f"{t_label:>8} {key:<28} {ms:>9.2f} {tf if tf else float('nan'):>12.1f} "
                   f"{(f'{ratio:.3f}' if ratio else '-'):>8}")
+        if r.get("ring_sparse_estimated_ms") and r.get("cp1_sparse_estimated_ms"):
+            print(f"{'':>9}HEADLINE sparse ring with online estimate vs CP=1 with its own: "
+                  f"{r['cp1_sparse_estimated_ms'] / r['ring_sparse_estimated_ms']:.3f} (engine {r.get('engine')})")
+        if r.get("estimate_ring_ms") and r.get("estimate_cp1_ms"):
+            torch_part = (f", torch scorer {r['estimate_ring_torch_ms']:.2f} ms" if r.get("estimate_ring_torch_ms")
+                          else "")
+            print(f"{'':>9}estimate: ring {r['estimate_ring_ms']:.2f} ms vs one GPU's {r['estimate_cp1_ms']:.2f} ms "
+                  f"({r['estimate_ring_ms'] / r['estimate_cp1_ms']:.2f}x){torch_part}")
+        if r.get("index_bytes_per_layer"):
+            print(f"{'':>9}index bytes per layer (this rank's rows): {r['index_bytes_per_layer'] / 2**20:.1f} MiB; "
+                  f"cap-wide column lists would take {r['index_bytes_cap_wide_cols'] / 2**20:.1f} MiB; density "
+                  f"{r.get('density_ring_estimated', float('nan')):.4f}")
+        if r.get("density_cp1") and r.get("density_ring") and r.get("cp1_sparse_ms") and r.get("ring_sparse_ms"):
+            # block kernels per 1% of the causal pairs of one GPU's tokens (the ring's pairs per GPU: density x CP)
+            per1 = r["cp1_sparse_ms"] / (100 * r["density_cp1"])
+            per1_ring = r["ring_sparse_ms"] / (100 * r["density_ring"] * r["cp"])
+            print(f"{'':>9}ms per 1% of a GPU's causal pairs (given index, all in): CP=1 {per1:.2f}, ring "
+                  f"{per1_ring:.2f} ({per1_ring / per1:.3f}x)")
         if r.get("ring_dense_ms") and r.get("torch_cp_dense_ms"):
             print(f"{'':>9}ring dense / torch context_parallel TFLOP/s: {r['torch_cp_dense_ms'] / r['ring_dense_ms']:.3f}")
         if r.get("phases"):
@@ -473,6 +563,11 @@ def main() -> int:
     parser.add_argument("--node-size", type=int, default=0,
                         help="also check and time the hierarchical ring over emulated nodes of this many ranks "
                              "(node-aware block-stripe layout), e.g. 2 on 4 GPUs for 2 x 2")
+    parser.add_argument("--engine", default="auto", choices=("auto", "triton", "fa4"),
+                        help="block kernels of the sparse variants (one GPU's impl and the ring steps'); auto: fa4 "
+                             "where it runs (128-token blocks, FA4 installed), else triton")
+    parser.add_argument("--torch-scorer", action="store_true",
+                        help="also time the ring's estimate with the torch scorer (the [rows x S_local] path)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.check_len = args.check_len[0]

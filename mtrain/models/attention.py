@@ -447,14 +447,15 @@ def _dense_per_document(q, k, v, scaling, doc_ids):
     return torch.cat(rows, dim=0)
 
 
-def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True):
+def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True, engine="auto"):
     """This rank's shard of a context-parallel group: dense ring, or sparse with SparseSettings `settings`, run
-    sparse or dense per `policy` (the same path on every rank: see `_choose_path`)."""
+    sparse or dense per `policy` (the same path on every rank: see `_choose_path`); the sparse steps' block kernels
+    per `engine` (`ring_attention`'s: flex has no ring steps and runs ours)."""
     import torch.distributed as dist
 
     from mtrain.parallel import ring_attention
     from mtrain.parallel.estimate import estimate_rank_index
-    from mtrain.parallel.plan import rank_blocks
+    from mtrain.parallel.plan import rank_blocks, shard_key_blocks
 
     from mtrain.ops.index import rows_from_lines
 
@@ -476,7 +477,9 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         rows = rank_blocks(CONTEXT.layout, seq_len, rank, settings.block_size, q.device)
         index = estimate_rank_index(q.detach(), k.detach(), positions, positions, seq_len, settings, scale,
-                                    CONTEXT.group, doc_ids=CONTEXT.doc_ids, rows=rows)
+                                    CONTEXT.group, doc_ids=CONTEXT.doc_ids, rows=rows,
+                                    key_blocks=shard_key_blocks(CONTEXT.layout, seq_len, rank, settings.block_size,
+                                                                q.device))
         path, prediction = _choose_path(index, q, policy=policy, training=training, world=world,
                                         target=settings.recall, rows=_scored_rows(settings, seq_len))
         _hold(layer_idx, prediction, policy, training)  # the prediction, hence the hold, is the same on every rank
@@ -493,7 +496,8 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     elif settings is not None:
         _remember(layer_idx, "dense", None, training)
     return ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, index=index, softmax_scale=scaling,
-                          inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group, doc_ids=CONTEXT.doc_ids)
+                          inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group, doc_ids=CONTEXT.doc_ids,
+                          engine=engine if engine in ("auto", "triton", "fa4") else "triton")
 
 
 def _hf_inputs(module, query, key, value, scaling, dropout):
@@ -551,7 +555,7 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids, policy=policy, training=training,
                                layer_idx=layer_idx, engine=engine)
     else:
-        out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training)
+        out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training, engine=engine)
     return out, None
 
 

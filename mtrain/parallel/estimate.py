@@ -1,6 +1,7 @@
 """Online vertical-slash estimation across a CP group: every rank scores the sampled query rows (the global last
-queries and strided query blocks) against its own keys; all-reduces / an all-gather of small tensors give every
-rank the lines one device would pick, and no rank works for all. `estimate_rank_index` then builds only the
+queries and strided query blocks) against its own keys (on the GPU through the Triton scorer, the rows' softmax
+normaliser combined over ranks in rank order); gathers of small per-head tensors give every rank the lines one
+device would pick, and no rank works for all. `estimate_rank_index` then builds only the
 rank's own rows of the index (`mtrain.ops.index.RowIndex`), so index time and memory per rank fall as 1/CP."""
 
 from __future__ import annotations
@@ -122,6 +123,143 @@ def _estimate(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale:
     return vertical, slash, probs.reshape(b, hq, n, -1), pooled.reshape(b, hq, n, -1), rows
 
 
+def _rank_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the group's ranks of a small tensor, in rank order (an all-gather, then one sum): the same
+    bits on every rank and in every run, whatever the collective's algorithm."""
+    return _rank_gather(t, group).sum(0)
+
+
+def _rank_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """[W, *t.shape]: every rank's t, in rank order (flat buffers: gloo wants the output as [W * n])."""
+    world = dist.get_world_size(group)
+    parts = t.new_empty(world * t.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name, where it exists
+    gather(parts, t.contiguous().view(-1), group=group)
+    return parts.view(world, *t.shape)
+
+
+def _scored_queries(q, q_pos, rows, seq_len: int, group):
+    """[B, n, Hq, D]: the scored rows' queries, wherever the layout put them, on every rank (one small all-reduce
+    of exact values: every row is non-zero on one rank only)."""
+    b, _, hq, d = q.shape
+    n = rows.numel()
+    slot = torch.full((seq_len,), -1, dtype=torch.long, device=q.device)
+    slot[rows] = torch.arange(n, device=q.device)
+    mine = slot[q_pos] >= 0
+    scored_q = q.new_zeros(b, n, hq, d)
+    scored_q[:, slot[q_pos[mine]]] = q[:, mine]
+    dist.all_reduce(scored_q, group=group)
+    return scored_q
+
+
+def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group,
+                     doc_ids, key_blocks: torch.Tensor):
+    """`_estimate`'s lines through the Triton scorer (`mtrain.ops._triton_estimate.score_rows` over this rank's key
+    blocks `key_blocks`, the global softmax normaliser from every rank's max / sum combined in rank order), with
+    no [rows x S_local] tensor: (vertical [B, Hq, Nv], slash [B, Hq, Ns], covered [B, Hq] = the scored rows' mass
+    inside the index, summed over rows). The per-head sums cross ranks as rank-ordered gathers (`_rank_sum`)."""
+    from mtrain.ops._triton_estimate import combine_stats, group_column_mass, score_rows
+    from mtrain.ops.estimate import _row_plan, fewest, line_caps, offset_mass
+
+    b, _, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    bs = settings.block_size
+    n_blocks = -(-seq_len // bs)
+    dev = q.device
+    with torch.no_grad():
+        rows, row_blocks, table = _row_plan(seq_len, settings.last_q, settings.sample_blocks, bs, dev,
+                                            settings.sample_rows)
+        n = rows.numel()
+        scored_q = _scored_queries(q, q_pos, rows, seq_len, group)
+        docs = None if doc_ids is None else doc_ids.to(dev)
+
+        def combine(m, l):
+            return combine_stats(_rank_gather(m, group), _rank_gather(l, group))
+
+        lse, pooled, vert = score_rows(scored_q, k, rows, bs, scale, docs, key_blocks=key_blocks, combine=combine)
+        n_local = key_blocks.numel()
+        pooled = pooled.view(b, hkv, g, n, n_local)
+        vert = vert.view(b, hkv, g, -1)
+        kb = key_blocks.to(device=dev, dtype=torch.long)
+        kept = (kb[None, :] == 0) | (kb[None, :] == (rows // bs)[:, None])  # [n, nKB_local]: sink and own blocks
+        mandatory = _rank_sum(torch.where(kept, pooled, 0.0).sum(-1).sum(-1), group)  # [B, Hkv, G]
+        rest = torch.where(kept, 0.0, pooled)
+        # per query block of the scored rows, then per block offset a (key block = row block - a) over local blocks
+        per_block = torch.where(table >= 0, 1.0, 0.0)[..., None] * rest[..., table.clamp(min=0), :]
+        per_block = per_block.sum(-2)  # [B, Hkv, G, U, nKB_local]
+        slot_of = torch.full((n_blocks,), -1, dtype=torch.long, device=dev)
+        slot_of[kb] = torch.arange(n_local, device=dev)
+        key_blk = row_blocks[:, None] - torch.arange(n_blocks, device=dev)[None, :]  # [U, nKB]
+        at = torch.where(key_blk >= 0, slot_of[key_blk.clamp(min=0)], -1)
+        got = torch.gather(per_block, -1, at.clamp(min=0).expand(b, hkv, g, -1, -1))
+        slash_heads = _rank_sum(torch.where(at >= 0, got, 0.0).sum(-2), group)  # [B, Hkv, G, nKB]
+        slash0 = slash_heads
+        total = float(n)
+        mandatory_heads = mandatory
+        vert_cand = vert
+        if settings.share_kv_group:
+            mandatory, vert_cand, slash0 = (t.sum(2, keepdim=True) for t in (mandatory, vert, slash_heads))
+            total *= g
+        cap_v, cap_s = line_caps(seq_len, bs, settings.max_vertical, settings.max_slash, settings.cap_fraction)
+        vertical, v_mass = _global_verticals(vert_cand, k_pos, slash0, settings.recall * total - mandatory, cap_v,
+                                             settings.min_vertical, bs, group)
+
+        # the chosen verticals this rank holds: their mass per block offset (outside the kept blocks) from q and k
+        v_heads = vertical.expand(b, hkv, g, -1).reshape(b, hq, -1)
+        v_slot = torch.where(v_heads >= 0, slot_of[v_heads.clamp(min=0) // bs], -1)
+        v_mine = torch.sort(torch.where(v_slot >= 0, v_heads, -1), dim=-1).values  # ascending, -1 first
+        v_loc = torch.where(v_mine >= 0, slot_of[v_mine.clamp(min=0) // bs] * bs + v_mine.clamp(min=0) % bs, -1)
+        colsum = group_column_mass(scored_q, k, lse, rows, table, v_mine[:, :, None], scale, bs, docs,
+                                   skip_kept=True, cols_local=v_loc[:, :, None])
+        held = _rank_sum(offset_mass(colsum, v_mine, row_blocks, bs, n_blocks), group).view(b, hkv, g, -1)
+        slash1_heads = (slash_heads - held).clamp_(min=0.0)
+        slash1 = slash1_heads.sum(2, keepdim=True) if settings.share_kv_group else slash1_heads
+        target = settings.recall if settings.slash_recall is None else settings.slash_recall
+        offsets = torch.arange(n_blocks, device=dev)
+        blocks = fewest(slash1[..., 1:], offsets[1:].expand(*slash1.shape[:-1], -1),
+                        target * total - mandatory - v_mass, cap_s, -(-settings.min_slash // bs))
+        slash = torch.where(blocks >= 0, blocks * bs, -1)
+
+        # the scored rows' mass inside the index: kept blocks + chosen verticals (summed where they are held) +
+        # chosen offsets' uncovered mass (as `mtrain.ops.estimate.kept_mass`)
+        vert_flat = vert.reshape(b, hq, -1)
+        in_cols = torch.where(v_loc >= 0, torch.gather(vert_flat, -1, v_loc.clamp(min=0)), 0.0).sum(-1)
+        s_heads = blocks.expand(b, hkv, g, -1)
+        in_slash = torch.where(s_heads >= 0, torch.gather(slash1_heads, -1, s_heads.clamp(min=0)), 0.0).sum(-1)
+        covered = mandatory_heads.reshape(b, hq) + _rank_sum(in_cols, group) + in_slash.reshape(b, hq)
+        vertical = v_heads
+        slash = slash.expand(b, hkv, g, -1).reshape(b, hq, -1)
+    return vertical, slash, covered
+
+
+def _use_triton(scorer: str, q: torch.Tensor, block_size: int, key_blocks) -> bool:
+    if scorer not in ("auto", "torch", "triton"):
+        raise MtrainError(f"scorer must be 'auto', 'torch' or 'triton'; got {scorer!r}")
+    if scorer == "torch":
+        return False
+    pow2 = block_size >= 16 and block_size & (block_size - 1) == 0
+    usable = pow2 and key_blocks is not None
+    if scorer == "triton" and not usable:
+        raise MtrainError(
+            "scorer='triton' needs a power-of-two block size >= 16 and a shard made of whole, ascending key blocks "
+            f"(block-stripe, zigzag or contiguous layouts with block-aligned chunks); block_size={block_size}")
+    return usable and (scorer == "triton" or q.is_cuda)
+
+
+def shard_key_blocks(k_pos: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """The global block of each of a shard's key blocks when the shard (positions k_pos, in storage order) is made
+    of whole blocks in ascending order, else None. Reads the check back to the host: callers that know the layout
+    pass `mtrain.parallel.plan.shard_key_blocks` instead."""
+    if k_pos.numel() % block_size:
+        return None
+    kp = k_pos.view(-1, block_size)
+    first = kp[:, 0]
+    whole = bool(((kp - first[:, None]) == torch.arange(block_size, device=k_pos.device)).all()
+                 and (first % block_size == 0).all() and (first[1:] > first[:-1]).all())
+    return first // block_size if whole else None
+
+
 # First round of the vertical candidates: each rank sends its best max(FIRST_ROUND_MIN, FIRST_ROUND x cap / W)
 # columns per head instead of its best cap (at CP=128 and a 4096 cap, its whole score vector: ~100 MiB per
 # layer for 16 heads). A second round sends the full lists only where the first cannot be proven exact.
@@ -188,9 +326,21 @@ def _global_verticals(vert, k_pos, slash0, need, cap_v: int, min_v: int, block_s
                             min_v, block_size)
 
 
+def _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks):
+    """(vertical, slash, est_recall [B, Hq] or a function of the index giving it) by the chosen scorer."""
+    if key_blocks is None and scorer != "torch":
+        key_blocks = shard_key_blocks(k_pos, settings.block_size)
+    if _use_triton(scorer, q, settings.block_size, key_blocks):
+        vertical, slash, covered = _estimate_triton(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids,
+                                                    key_blocks)
+        return vertical, slash, covered
+    return _estimate(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids)
+
+
 def estimate_lines(
     q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: int,
-    settings: SparseSettings, scale: float, group, doc_ids: torch.Tensor | None = None,
+    settings: SparseSettings, scale: float, group, doc_ids: torch.Tensor | None = None, *,
+    scorer: str = "auto", key_blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(vertical [B, Hq, Nv], slash [B, Hq, Ns]), -1 padded, identical on every rank of `group`.
 
@@ -200,20 +350,30 @@ def estimate_lines(
     and one all-gather of vertical candidates give every rank the same lines.
     doc_ids: global document ids [B, seq_len] (the same on every rank) or None: the scored rows then see only
     keys of their own document, as `estimate_vertical_slash(..., doc_ids=)` does.
+    scorer: "triton" scores through the Triton scorer on this rank's key blocks (no [rows x S_local] tensor; GPU, or
+    TRITON_INTERPRET=1), "torch" materialises the rows' probabilities, "auto" (default) is "triton" on a GPU where the
+    shard is made of whole key blocks (key_blocks: their global ids, `mtrain.parallel.plan.shard_key_blocks`; else
+    derived from k_pos with one host read).
     """
-    vertical, slash, _, _, _ = _estimate(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids)
+    vertical, slash = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer,
+                                        key_blocks)[:2]
     return vertical, slash
 
 
 def estimate_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
-                   doc_ids: torch.Tensor | None = None):
+                   doc_ids: torch.Tensor | None = None, scorer: str = "auto", key_blocks: torch.Tensor | None = None):
     """The global SparseIndex of the estimated lines (identical on every rank of `group`), carrying
-    `_cache["est_recall"]` (fp32 [B, Hq]: the scored rows' mass inside the index, summed over ranks)."""
+    `_cache["est_recall"]` (fp32 [B, Hq]: the scored rows' mass inside the index, summed over ranks). scorer,
+    key_blocks: as `estimate_lines`."""
     from mtrain.ops import SparseIndex
     from mtrain.ops.estimate import covered_mass
 
-    vertical, slash, probs, pooled, rows = _estimate(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids)
-    index = SparseIndex.from_lines(vertical, slash, seq_len, settings.block_size)
+    got = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks)
+    index = SparseIndex.from_lines(got[0], got[1], seq_len, settings.block_size)
+    if len(got) == 3:  # the Triton scorer's covered mass
+        index._cache["est_recall"] = got[2] / _scored_count(seq_len, settings, q.device)
+        return index
+    vertical, slash, probs, pooled, rows = got
     with torch.no_grad():
         covered = covered_mass(index, rows, probs, pooled, k_pos.to(probs.device))
         dist.all_reduce(covered, group=group)
@@ -234,25 +394,38 @@ def _covered_rows(lists, rows, probs, pooled, k_pos) -> torch.Tensor:
     return covered_mass(lists, rows, probs, pooled, k_pos, slot=slot)
 
 
+def _scored_count(seq_len: int, settings: SparseSettings, device) -> int:
+    from mtrain.ops.estimate import _row_plan
+
+    return _row_plan(seq_len, settings.last_q, settings.sample_blocks, settings.block_size, device,
+                     settings.sample_rows)[0].numel()
+
+
 def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
-                        doc_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+                        doc_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None, scorer: str = "auto",
+                        key_blocks: torch.Tensor | None = None):
     """This rank's rows of the index `estimate_index` gives (a `mtrain.ops.index.RowIndex` over the query blocks
     of q_pos, entry for entry the same lists), with the whole index's work, density and column union from the
     lines, and `_cache["est_recall"]` as `estimate_index` sets it. No rank builds the other ranks' rows: index
     time and memory per rank fall as 1/CP (the lines and O(nQB) per head are what every rank still holds).
     rows: `rank_rows(q_pos, block_size)` made once by the caller (`mtrain.parallel.plan.rank_blocks` caches them
-    per layout), else computed here."""
+    per layout), else computed here. scorer, key_blocks: as `estimate_lines`."""
     from mtrain.ops.index import rows_from_lines
 
-    vertical, slash, probs, pooled, scored = _estimate(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids)
+    got = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks)
+    vertical, slash = got[:2]
     bs = settings.block_size
     rows = rank_rows(q_pos, bs) if rows is None else rows
     index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False)
+    index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
+    if len(got) == 3:  # the Triton scorer's covered mass
+        index._cache["est_recall"] = got[2] / _scored_count(seq_len, settings, q.device)
+        return index
+    _, _, probs, pooled, scored = got
     with torch.no_grad():
         # the scored rows' lists (a few query blocks, whichever rank holds them) for the recall figure
         lists = rows_from_lines(vertical, slash, seq_len, bs, torch.unique(scored // bs), totals=False, check=False)
         covered = _covered_rows(lists, scored, probs, pooled, k_pos.to(probs.device))
         dist.all_reduce(covered, group=group)
     index._cache["est_recall"] = covered / scored.numel()
-    index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
     return index

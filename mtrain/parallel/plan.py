@@ -79,6 +79,9 @@ class RingPlan:
     kernel_caches: dict[tuple, dict] = field(default_factory=dict, repr=False)
     column_origin: int | None = None
     """The origin whose step attends the gathered columns (appended to its keys); None: no columns."""
+    engine: str = "triton"
+    """The block kernels of the sparse steps: "triton" (`mtrain.ops.partial`) or "fa4" (`mtrain.parallel.fa4_steps`);
+    set per call by `ring_attention` on a copy that shares the caches."""
 
     @property
     def q_pos(self) -> torch.Tensor:
@@ -129,6 +132,22 @@ def rank_blocks(layout: Layout, seq_len: int, rank: int, block_size: int, device
 @functools.lru_cache(maxsize=64)
 def _rank_blocks_cached(spec: tuple, seq_len: int, rank: int, block_size: int, device: str) -> torch.Tensor:
     return torch.unique(_positions_cached(spec, seq_len, "cpu")[rank] // block_size).to(device)
+
+
+def shard_key_blocks(layout: Layout, seq_len: int, rank: int, block_size: int,
+                     device: torch.device) -> torch.Tensor | None:
+    """The global block id of each stored key block of rank `rank`'s shard when the shard is whole blocks in
+    ascending order (what the distributed Triton scorer walks), else None; cached per layout (no host read per
+    layer)."""
+    return _shard_key_blocks_cached(layout.spec, seq_len, rank, block_size, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _shard_key_blocks_cached(spec: tuple, seq_len: int, rank: int, block_size: int, device: str):
+    from mtrain.parallel.estimate import shard_key_blocks as from_positions
+
+    blocks = from_positions(_positions_cached(spec, seq_len, "cpu")[rank], block_size)
+    return None if blocks is None else blocks.to(device)
 
 
 def _all_positions(layout: Layout, seq_len: int, device: torch.device) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@ ring schedule (flat, or hierarchical inner/outer) for local shards of one contex
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -13,8 +14,9 @@ from mtrain.errors import MtrainError
 from mtrain.parallel.comm import hierarchical_groups, local_world_size_from_env
 from mtrain.parallel import ring_flat, ring_hierarchical
 from mtrain.parallel.estimate import SparseSettings, estimate_rank_index
+from mtrain.parallel.fa4_steps import ENGINES, resolve_engine
 from mtrain.parallel.layout import Layout
-from mtrain.parallel.plan import dense_plan, rank_blocks, sparse_plan
+from mtrain.parallel.plan import dense_plan, rank_blocks, shard_key_blocks, sparse_plan
 from mtrain.parallel.ring_flat import ring_flat_attention
 from mtrain.parallel.ring_hierarchical import ring_hierarchical_attention
 
@@ -108,6 +110,8 @@ def ring_attention(
     inner_group=None,
     outer_group=None,
     doc_ids: torch.Tensor | None = None,
+    engine: str = "auto",
+    scorer: str = "auto",
 ) -> torch.Tensor:
     """Causal attention over a sequence sharded across a context-parallel group; differentiable.
 
@@ -127,6 +131,10 @@ def ring_attention(
     doc_ids: integer tensor [B, S] of GLOBAL document ids of the whole sequence (packed samples; equal id =
     same document), identical on every rank of the group: a query then attends only to keys of its own
     document, in every ring step and the off-ring pass; the online estimate scores only same-document keys.
+    engine: the block kernels of the sparse steps, as `attention.engine`: "fa4" (FlashAttention-4's block-sparse
+    kernels, the columns in ours; `mtrain.parallel.fa4_steps`) where it runs, "triton" (ours), "auto" (fa4 where it
+    runs, else triton); fa4 falls back to triton where it cannot run (CPU, fp32, 64-token blocks, documents).
+    scorer: how the online estimate scores its rows (`mtrain.parallel.estimate.estimate_lines`).
     Returns out [B, S_local, Hq, D] in q.dtype; partial results are merged in fp32 through the LSE.
     """
     world = dist.get_world_size(group)
@@ -141,7 +149,9 @@ def ring_attention(
     if sparse is not None:
         positions = layout.indices(seq_len, rank).to(q.device)
         index = estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
-                                    rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device))
+                                    rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
+                                    key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
+                                    scorer=scorer)
     if index is not None:
         _check_index(index, q, seq_len)
         plan = sparse_plan(index, layout, rank, q.device, column_origin(group, hierarchy))
@@ -149,6 +159,12 @@ def ring_attention(
         plan = dense_plan(layout, seq_len, rank, q.device)
     if doc_ids is not None:
         plan = plan.with_documents(doc_ids)
+    if index is not None:
+        chosen = resolve_engine(engine, plan, q)
+        if chosen != plan.engine:
+            plan = dataclasses.replace(plan, engine=chosen)  # shares the plan's caches
+    elif engine not in ENGINES:
+        resolve_engine(engine, plan, q)  # the ValueError naming the engines
     if hierarchy is None:
         out, _ = ring_flat_attention(q, k, v, plan, group, scale)
     else:

@@ -42,6 +42,11 @@ def step_forward(acc: PartialAccumulator, q, k, v, plan: RingPlan, origin: int, 
             acc.add(out, lse, rows=slice(rect.q0, rect.q1), final=final and len(rects) == 1)
         return
     k, v, kwargs = _step_args(plan, origin, q, k, v, columns_kv)
+    if plan.engine == "fa4":
+        from mtrain.parallel import fa4_steps
+
+        acc.add(*fa4_steps.forward(q, k, v, plan, origin, kwargs["k_pos"], kwargs["columns"], scale), final=final)
+        return
     acc.add(*partial.attention_forward(q, k, v, softmax_scale=scale, **kwargs), final=final)
 
 
@@ -60,7 +65,13 @@ def step_backward(dq: GradSum, dk: GradSum, dv: GradSum, dout, q, k, v, out, lse
         return None
     n_local = k.shape[1]
     k, v, kwargs = _step_args(plan, origin, q, k, v, columns_kv)
-    dq_s, dk_s, dv_s = partial.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, **kwargs)
+    if plan.engine == "fa4":
+        from mtrain.parallel import fa4_steps
+
+        dq_s, dk_s, dv_s = fa4_steps.backward(dout, q, k, v, out, lse, plan, origin, kwargs["k_pos"],
+                                              kwargs["columns"], scale)
+    else:
+        dq_s, dk_s, dv_s = partial.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, **kwargs)
     dq.add(dq_s)
     dk.add(dk_s[:, :n_local])
     dv.add(dv_s[:, :n_local])
