@@ -28,7 +28,7 @@ from mtrain.ops.attention import resolve_impl, vertical_slash_attention  # noqa:
 from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
 from mtrain.parallel.comm import RingComm  # noqa: E402
-from mtrain.parallel.estimate import estimate_index, estimate_rank_index  # noqa: E402
+from mtrain.parallel.estimate import estimate_index, estimate_lines, estimate_rank_index  # noqa: E402
 from mtrain.parallel.merge import GradSum, PartialAccumulator  # noqa: E402
 from mtrain.parallel.plan import (  # noqa: E402
     _build_sparse_plan, dense_plan, rank_blocks, shard_key_blocks, sparse_plan,
@@ -334,7 +334,13 @@ def bench_tokens(tokens, rank, world, args, device, report):
                 row["estimate_ring_ms"] = timed(lambda: estimate_rank_index(shard[0], shard[1], pos, pos, seq,
                                                                             settings, scale, None, **est),
                                                 args.iters, args.warmup)
+                row["estimate_ring_lines_ms"] = timed(lambda: estimate_lines(
+                    shard[0], shard[1], pos, pos, seq, settings, scale, None, key_blocks=est["key_blocks"]),
+                    args.iters, args.warmup)
                 mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None, **est)
+                origin = (rank + 1) % world
+                row["plan_estimated_ms"] = timed(lambda: _build_sparse_plan(mine, layout, rank, device, origin),
+                                                 args.iters, args.warmup)
                 row["density_ring_estimated"] = mine.density()
                 row["index_bytes_per_layer"] = sum(t.numel() * t.element_size() for t in (
                     mine.block_ids, mine.block_counts, mine.col_ids, mine.col_counts))
@@ -518,7 +524,8 @@ def print_table(report):
         if r.get("estimate_ring_ms") and r.get("estimate_cp1_ms"):
             torch_part = (f", torch scorer {r['estimate_ring_torch_ms']:.2f} ms" if r.get("estimate_ring_torch_ms")
                           else "")
-            print(f"{'':>9}estimate: ring {r['estimate_ring_ms']:.2f} ms vs one GPU's {r['estimate_cp1_ms']:.2f} ms "
+            print(f"{'':>9}estimate: ring {r['estimate_ring_ms']:.2f} ms (lines alone {r.get('estimate_ring_lines_ms', 0):.2f}"
+                  f", plan from it {r.get('plan_estimated_ms', 0):.2f}) vs one GPU's {r['estimate_cp1_ms']:.2f} ms "
                   f"({r['estimate_ring_ms'] / r['estimate_cp1_ms']:.2f}x){torch_part}")
         if r.get("index_bytes_per_layer"):
             print(f"{'':>9}index bytes per layer (this rank's rows): {r['index_bytes_per_layer'] / 2**20:.1f} MiB; "

@@ -44,6 +44,8 @@ class PartialAccumulator:
                 self.out, self.lse = part_out, part_lse.float()
                 return
             self._start_empty()
+        if self._fused(part_out, part_lse, rows, final):
+            return
         wa, wb, lse = lse_weights(self.lse[:, :, rows], part_lse.float())
         if self.out.dtype != self.dtype and not final:
             self.out = self.out.to(self.dtype)  # more merges follow: keep the running result in fp32
@@ -53,6 +55,22 @@ class PartialAccumulator:
         else:  # computed in fp32 (the weights' dtype), rounded once on the store
             torch.addcmul(dst * wa, part_out, wb, out=dst)
         self.lse[:, :, rows] = lse
+
+    def _fused(self, part_out, part_lse, rows: slice, final: bool) -> bool:
+        """On the GPU, a part covering every row merges in one Triton pass (`mtrain.ops._triton_merge`): into the
+        fp32 running result in place, or into a new tensor (fp32 while more parts follow, the part's dtype for the
+        last). The same arithmetic as the torch merge: fp32 weights and products, one rounding on the store."""
+        if not (part_out.is_cuda and self.dtype == torch.float32 and _covers(rows, self.shape[1])
+                and part_lse.dtype == torch.float32 and part_lse.is_contiguous() and self.lse.is_contiguous()
+                and part_out.stride(-1) == 1 and self.out.stride(-1) == 1):
+            return False
+        from mtrain.ops._triton_merge import merge
+
+        target = part_out.dtype if final else self.dtype
+        dst = self.out if self.out.dtype == target else torch.empty(self.shape, dtype=target, device=self.device)
+        merge(self.out, self.lse, part_out, part_lse, dst, self.lse)
+        self.out = dst
+        return True
 
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(out in `dtype`, lse fp32 [B, H, S]); rows no part reached have out 0 and lse -inf."""
