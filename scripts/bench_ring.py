@@ -285,9 +285,12 @@ def bench_tokens(tokens, rank, world, args, device, report):
 
             return timed(run, args.iters, args.warmup)
 
-    attempt("cp1_dense_ms", cp1_dense)
-    attempt("ring_dense_ms", ring_dense)
-    if device.type == "cuda":
+    if not args.skip_dense:
+        attempt("cp1_dense_ms", cp1_dense)
+        attempt("ring_dense_ms", ring_dense)
+    if args.skip_dense:
+        row["torch_cp_dense_ms"], row["torch_cp_dense_ms_error"] = None, "skipped (--skip-dense)"
+    elif device.type == "cuda":
         attempt("torch_cp_dense_ms", torch_cp)
     else:
         row["torch_cp_dense_ms"], row["torch_cp_dense_ms_error"] = None, "CUDA only (skipped under --cpu)"
@@ -353,7 +356,10 @@ def bench_tokens(tokens, rank, world, args, device, report):
                         args.iters, args.warmup)
             run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
                                                            sparse=settings, engine=args.engine), shard[:3], shard[3])
-            return timed(run, args.iters, args.warmup)
+            ms = timed(run, args.iters, args.warmup)
+            if estimate and args.profile and device.type == "cuda":
+                _profile(run, rank, f"ring_sparse_estimated CP={world} {tokens} tokens/GPU")
+            return ms
         return go
 
     attempt("cp1_sparse_ms", cp1_sparse)
@@ -389,8 +395,25 @@ def bench_tokens(tokens, rank, world, args, device, report):
         return counts
 
     attempt("host_syncs", sync_counts)
-    attempt("phases", lambda: phases(tokens, rank, world, args, device))
+    if not args.skip_phases:
+        attempt("phases", lambda: phases(tokens, rank, world, args, device))
     report.append(row)
+
+
+def _profile(run, rank: int, label: str) -> None:
+    """One call under torch.profiler on every rank; rank 0 prints its ops by GPU time and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        _sync()
+    if rank == 0:
+        table = prof.key_averages()
+        print(f"\n== profile: {label}, rank 0 ==")
+        print(table.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
+        print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 def phases(tokens, rank, world, args, device):
@@ -575,6 +598,10 @@ def main() -> int:
                              "where it runs (128-token blocks, FA4 installed), else triton")
     parser.add_argument("--torch-scorer", action="store_true",
                         help="also time the ring's estimate with the torch scorer (the [rows x S_local] path)")
+    parser.add_argument("--skip-dense", action="store_true", help="time no dense variant")
+    parser.add_argument("--skip-phases", action="store_true", help="no per-phase breakdown")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one call of the estimated sparse ring and print rank 0's top ops")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.check_len = args.check_len[0]

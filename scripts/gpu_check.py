@@ -14,7 +14,9 @@ with our deterministic backward behind FA4's forward, and "fa4-nocols" on the sa
 column path, FA4 alone).
 Tolerances are relative Frobenius errors against float64, per dtype (TOL below), on out and dq/dk/dv.
 The pattern estimator's Triton scorer is checked in each case too: its est_recall against the float64 mass of
-the scored rows inside its index, its density against the PyTorch scorer's.
+the scored rows inside its index, its density against the PyTorch scorer's. On CUDA two ring cases run on a
+one-rank process group: "ring-fa4", `ring_attention` with the fa4 engine (FA4 steps, our column path; our kernels
+where FA4 cannot run), and "ring-estimate", the distributed Triton estimate giving the single-device lines.
 """
 
 from __future__ import annotations
@@ -152,6 +154,54 @@ def estimator_case(q, k, doc_ids, bs, tag) -> str:
             f"{err:.1e} (tol 2e-3), density vs torch scorer {d_err:.1e} (tol 0.03)")
 
 
+def _one_rank_group(device) -> None:
+    """A process group of this process alone (NCCL on CUDA, gloo on the CPU) for the ring cases, made once."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(), "init")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
+                                world_size=1)
+
+
+def ring_engine_case(q, k, v, index, doc_ids, bs, dout):
+    """`ring_attention` with engine="fa4" (FA4's block-sparse steps, the columns through ours; where FA4 cannot run it
+    falls back to our kernels) on a one-rank ring: the local step's diagonal mask block and the gathered sink and
+    vertical columns merged into FA4's result."""
+    from mtrain.parallel import Layout, ring_attention
+
+    _one_rank_group(q.device)
+    layout = Layout.create("block-stripe", world_size=1, granularity=bs)
+    return engine_grads(lambda a, b, c: ring_attention(a, b, c, layout=layout, index=index, engine="fa4",
+                                                       doc_ids=doc_ids), q, k, v, dout)
+
+
+def ring_estimator_case(q, k, doc_ids, bs, tag) -> str:
+    """The distributed estimate through the Triton scorer (`mtrain.parallel.estimate`, key blocks mapped) on a
+    one-rank group gives the single-device estimator's lines, on the whole blocks of the case's sequence."""
+    from mtrain.ops.estimate import estimate_vertical_slash
+    from mtrain.parallel import SparseSettings
+    from mtrain.parallel.estimate import estimate_index
+
+    _one_rank_group(q.device)
+    S = q.shape[1] // bs * bs
+    q, k = q[:, :S], k[:, :S]
+    docs = None if doc_ids is None else doc_ids[:, :S]
+    kw = dict(block_size=bs, recall=0.95, sample_blocks=4)
+    want = estimate_vertical_slash(q, k, doc_ids=docs, **kw)
+    pos = torch.arange(S, device=q.device)
+    got = estimate_index(q, k, pos, pos, S, SparseSettings(**kw), q.shape[-1] ** -0.5, None, doc_ids=docs,
+                         scorer="triton", key_blocks=torch.arange(S // bs, device=q.device))
+    same = all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("block_ids", "block_counts", "col_ids",
+                                                                          "col_counts"))
+    err = float((got._cache["est_recall"] - want._cache["est_recall"]).abs().max())
+    bad = not same or err > 1e-4
+    return (f"{'FAIL' if bad else 'ok  '} {'ring-estimate':13s} {tag} density={want.density():.2f}: lines equal one "
+            f"device's: {same}, est_recall diff {err:.1e} (tol 1e-4)")
+
+
 def compile_listener(record: dict):
     """Register a Triton compilation listener that sums, per kernel name, [compiles, seconds] into `record` (cache
     hits are not counted). Returns False where this Triton has no listener hook."""
@@ -254,6 +304,21 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
         except Exception as exc:  # noqa: BLE001
             raised("ring-step", exc)
         lap("ring-step")
+    if wanted("ring-fa4") and device.type == "cuda":
+        try:
+            report("ring-fa4", [rel(a, b) for a, b in zip(ring_engine_case(q, k, v, index, doc_ids, bs, dout), want)])
+        except Exception as exc:  # noqa: BLE001
+            raised("ring-fa4", exc)
+        lap("ring-fa4")
+    if wanted("ring-estimate") and device.type == "cuda":
+        try:
+            line = ring_estimator_case(q, k, doc_ids, bs, tag)
+            lines.append(line)
+            if line.startswith("FAIL"):
+                failures.append(line)
+        except Exception as exc:  # noqa: BLE001
+            raised("ring-estimate", exc)
+        lap("ring-estimate")
     return lines, failures, seconds, compiles
 
 
@@ -274,7 +339,7 @@ def main() -> int:
                     help="head shapes (default 4x4x64 8x2x128; --quick: 4x2x64)")
     ap.add_argument("--engines", nargs="+", metavar="NAME",
                     help="check only these (triton-det triton-atomic dense flex fa4 fa4-det fa4-nocols estimator "
-                         "ring-step); default all that apply")
+                         "ring-step ring-fa4 ring-estimate); default all that apply")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

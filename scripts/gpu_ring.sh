@@ -19,7 +19,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 NGPU=$(nvidia-smi -L | wc -l)
 common=(--tokens-per-gpu "$TOKENS" --block-size 128 --engine "${ENGINE:-auto}" --iters "$ITERS" --warmup 1)
 if [ "$NGPU" -ge 4 ]; then
-  torchrun --nproc_per_node 4 scripts/bench_ring.py "${common[@]}" --node-size 2 --torch-scorer \
+  torchrun --nproc_per_node 4 scripts/bench_ring.py "${common[@]}" --node-size 2 ${RING_EXTRA:-} \
     --json "$OUT/ring_cp4.json" 2>&1 | grep -v Warning | tee "$OUT/ring_cp4.log"
 fi
 CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 scripts/bench_ring.py "${common[@]}" --skip-check \

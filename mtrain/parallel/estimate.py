@@ -217,8 +217,8 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
         slash1 = slash1_heads.sum(2, keepdim=True) if settings.share_kv_group else slash1_heads
         target = settings.recall if settings.slash_recall is None else settings.slash_recall
         offsets = torch.arange(n_blocks, device=dev)
-        blocks = fewest(slash1[..., 1:], offsets[1:].expand(*slash1.shape[:-1], -1),
-                        target * total - mandatory - v_mass, cap_s, -(-settings.min_slash // bs))
+        blocks = fewest(slash1[..., 1:], offsets[1:].expand(*slash1.shape[:-1], -1),  # trim=False: no host read
+                        target * total - mandatory - v_mass, cap_s, -(-settings.min_slash // bs), trim=False)
         slash = torch.where(blocks >= 0, blocks * bs, -1)
 
         # the scored rows' mass inside the index: kept blocks + chosen verticals (summed where they are held) +
