@@ -94,8 +94,9 @@ class AttentionConfig:
     the GPU and block size (fa4 at block_size 128 where FlashAttention-4 is installed on a Hopper-or-newer GPU,
     else our Triton kernels; `mtrain.ops.attention.resolve_impl`); triton = ours;
     flex = FlexAttention driven by the index; fa4 = FlashAttention-4's block-sparse kernels (the `fa4` extra,
-    Hopper or newer GPUs) for the listed blocks plus our column kernels. Under context parallelism the ring's
-    partial steps run our Triton kernels, so there only auto and triton are accepted."""
+    Hopper or newer GPUs) for the listed blocks plus our column kernels. Under context parallelism the engine picks
+    the kernels of every sparse ring step: fa4 (FA4's block-sparse kernels, where it runs: 128-token blocks, no
+    document masking; else ours), triton, or auto (fa4 where it runs); flex has no ring steps and is refused there."""
     dense_hold_steps: int = 16
     """Under sparse_policy auto, in training: a layer the choice sent dense runs dense without estimating its
     pattern for this many further steps, then estimates again (the estimate is paid before the choice; a
@@ -358,9 +359,9 @@ def _check(recipe: RecipeConfig) -> None:
                                       or a.sample_rows < 1):
         raise ConfigError(f"attention.sample_rows: must be a positive integer or null (= the whole block), "
                           f"got {a.sample_rows!r}")
-    if p.cp_size > 1 and a.engine not in ("auto", "triton"):
+    if p.cp_size > 1 and a.engine not in ("auto", "triton", "fa4"):
         raise ConfigError(f"attention.engine: '{a.engine}' runs on one device only; with parallel.cp_size "
-                          f"{p.cp_size} the ring's partial steps run the Triton kernels: set attention.engine: auto")
+                          f"{p.cp_size} the ring's steps run fa4 or triton: set attention.engine: auto")
     if recipe.logging.recall_every < 0:
         raise ConfigError(f"logging.recall_every: must be >= 0 (0 = never), got {recipe.logging.recall_every}")
     if not 0.0 < a.recall <= 1.0:

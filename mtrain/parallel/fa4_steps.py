@@ -26,7 +26,8 @@ ENGINES = ("auto", "triton", "fa4")
 
 def resolve_engine(engine: str, plan: RingPlan, q: torch.Tensor) -> str:
     """The block kernels a ring's sparse steps run for `engine`: "fa4" where FA4 runs (CUDA, fp16/bf16, the plan's
-    blocks are the index's 128-token blocks, no document masking, flash_attn.cute importable), else "triton". "fa4"
+    blocks are the index's 128-token blocks, no document masking, flash_attn.cute importable, deterministic
+    algorithms not asked for: FA4's backward is atomic), else "triton". "fa4"
     asked for where it cannot run falls back to "triton" too (the ring's result is the same): a ring cannot refuse
     one step of a call its other ranks are running."""
     if engine not in ENGINES:
@@ -35,6 +36,8 @@ def resolve_engine(engine: str, plan: RingPlan, q: torch.Tensor) -> str:
         return "triton"
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and plan.block_size == BLOCK_SIZE
             and plan.doc_ids is None and all(s is not None for s in plan.steps.values())):
+        return "triton"
+    if torch.are_deterministic_algorithms_enabled():  # FA4's block-sparse backward adds dQ with atomics
         return "triton"
     from mtrain.ops.attention import _fa4_usable
 
