@@ -65,8 +65,8 @@ wandb_mode() { "$PYTHON" -c "import wandb" 2>/dev/null && echo offline || echo d
 
 wheels() {  # the carried wheels, once per machine (they stay in /root/pylib while it is warm)
   if [ -f /root/pylib/.e2e4-wheels ]; then return; fi
+  if "$PYTHON" -c "import deepspeed, importlib.util as u; assert u.find_spec('streaming')" 2>/dev/null; then return; fi
   if [ ! -d "$CARRY/wheels" ]; then
-    "$PYTHON" -c "import deepspeed, streaming" 2>/dev/null && return
     echo "no $CARRY/wheels and no DeepSpeed here: carry $CARRY in this call (scripts/gpu_e2e4.sh prepare makes it)" >&2
     exit 2
   fi
