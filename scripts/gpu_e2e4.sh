@@ -60,7 +60,7 @@ if [ "${CPU:-0}" = 1 ]; then export DS_ACCELERATOR=cpu; fi
 mkdir -p "$RESULTS" runs/e2e4-logs
 LOG=$RESULTS/log.txt
 mark() { echo "=== $(date +%T) +${SECONDS}s $*" | tee -a "$LOG"; }
-k() { echo "$(( $1 / 1024 ))k"; }  # 262144 -> 256k
+k() { if [ $(( $1 % 1024 )) = 0 ]; then echo "$(( $1 / 1024 ))k"; else echo "$1"; fi; }  # 262144 -> 256k
 wandb_mode() { "$PYTHON" -c "import wandb" 2>/dev/null && echo offline || echo disabled; }
 
 wheels() {  # the carried wheels, once per machine (they stay in /root/pylib while it is warm)
