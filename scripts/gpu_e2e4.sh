@@ -23,14 +23,17 @@
 # Each call writes at most 8 files into OUT (the device tool's limit): log.txt, summary.md (scripts/e2e4_table.py
 # tables + `mtrain compare` tables), loss-256k.png / loss-512k.png and their -throughput twins (mtrain compare),
 # runs.tar.gz (every run's metrics.jsonl, config.yaml and launch log); call 1: log.txt, longest.md, qwen.tar.gz.
-# Time boxes: `run` starts no training past DEADLINE seconds and shares what is left equally among the runs still
-# to go (a run stopped by its box checkpoints on SIGTERM and its steps so far are compared); `stage` stops the
-# search when fewer than QWEN_MIN seconds of QWEN_BUDGET are left.
+# Time boxes: `run` shares the seconds left before DEADLINE among the runs still to go, a dense run counting
+# WEIGHT_DENSE (2) times a sparse one (a run stopped by its box checkpoints on SIGTERM and the steps it made are
+# compared); `stage` stops the search when fewer than QWEN_MIN seconds of QWEN_BUDGET are left. One length per
+# call fits better: after `run` with LENGTHS=262144, call `run` again at once with LENGTHS=524288 STEPS=4 (the model
+# and the documents are still there on a warm machine).
 #
 # Environment: STEPS (20: steps of each 256K run), STEPS_512K (6), DEADLINE (530 s), QWEN_BUDGET (400 s), QWEN_MIN
 # (150 s), QWEN_LENGTHS ("1048576 1572864 2097152": tried in order, stopping at the first that fails), WARMUP (2:
 # steps left out of the tokens/s medians), LENGTHS ("262144 524288"), KINDS ("dense mtraining"), TRAIN_ARGS (extra
-# --set for every SmolLM2 run, e.g. "--set attention.sparse_policy=always"), MODEL_DIR (/root/smollm2), PACKAGES
+# --set for every SmolLM2 run, e.g. "--set attention.sparse_policy=always"), QWEN_ARGS (the same for the Qwen runs),
+# WEIGHT_DENSE (2), MODEL_DIR (/root/smollm2), PACKAGES
 # (torch,transformers: installed packages added as code repositories), ACCEL (configs/accelerate/4gpu.yaml),
 # NPROC (4), CARRY (.carry/e2e4). A CPU smoke run of `run` (4 gloo processes, the real model, tiny lengths):
 #   CPU=1 MODEL_DIR=models/smollm2-135m LENGTHS="1024 2048" STEPS=2 STEPS_512K=1 \
@@ -57,10 +60,10 @@ export PYTHONPATH="/root/pylib:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ "${CPU:-0}" = 1 ]; then export DS_ACCELERATOR=cpu; fi
-mkdir -p "$RESULTS" runs/e2e4-logs
 LOG=$RESULTS/log.txt
 mark() { echo "=== $(date +%T) +${SECONDS}s $*" | tee -a "$LOG"; }
 k() { if [ $(( $1 % 1024 )) = 0 ]; then echo "$(( $1 / 1024 ))k"; else echo "$1"; fi; }  # 262144 -> 256k
+yarn() { awk "BEGIN { f = $1 / $2; print (f < 1 ? 1 : f) }"; }  # YaRN factor from ORIG to SEQ tokens (>= 1)
 wandb_mode() { "$PYTHON" -c "import wandb" 2>/dev/null && echo offline || echo disabled; }
 
 wheels() {  # the carried wheels, once per machine (they stay in /root/pylib while it is warm)
@@ -119,8 +122,8 @@ qwen() {  # the Qwen2.5-3B shape at increasing lengths, CP=4 + ZeRO-2 + optimize
     mark "qwen $seq (up to $left s)"
     launch "$left" "qwen-$(k "$seq")" recipes/qwen2.5-3b-cp4-longest.yaml --set model.tokenizer="$tok" \
       --set data.seq_len="$seq" --set data.path="data/packed/smollm2-$(k "$seq")" \
-      --set model.rope_scaling.factor="$(( seq / 32768 )).0" --set train.output_dir="$run" \
-      --set logging.wandb="$(wandb_mode)" || rc=$?
+      --set model.rope_scaling.factor="$(yarn "$seq" 32768)" --set train.output_dir="$run" \
+      --set logging.wandb="$(wandb_mode)" ${QWEN_ARGS:-} || rc=$?
     mkdir -p "$run" && status_of "$rc" "runs/e2e4-logs/qwen-$(k "$seq").log" > "$run/status.txt"
     cp "runs/e2e4-logs/qwen-$(k "$seq").log" "$run/launch.log"
     runs+=("$run")
@@ -154,7 +157,7 @@ case "${1:-}" in
     echo "call 1 carries about $(( total / 1048576 )) MiB of the 64 MiB limit (call 2: part 2 and the tree)"
     [ "$total" -lt $(( 62 * 1048576 )) ] || { echo "too much for one call: lower PART_SIZE" >&2; exit 1; } ;;
   stage)  # GPU call 1: carry .carry/p1 and .carry/e2e4
-    : > "$LOG"
+    mkdir -p "$RESULTS" runs/e2e4-logs && : > "$LOG"
     mkdir -p /root/parts && cp .carry/p1/part.aa /root/parts/
     wheels
     mark "wheels installed; GGUF part 1 kept"
@@ -163,11 +166,12 @@ case "${1:-}" in
     if [ "$QWEN_BUDGET" -gt 0 ]; then qwen; fi
     mark "stage done" ;;
   qwen)  # the longest-context search alone (the machine already staged)
+    mkdir -p "$RESULTS" runs/e2e4-logs && : > "$LOG"
     wheels
     longdocs
     qwen ;;
   run)  # GPU call 2: carry .carry/p2
-    : > "$LOG"
+    mkdir -p "$RESULTS" runs/e2e4-logs && : > "$LOG"
     if [ ! -f "$MODEL_DIR/config.json" ] && [ ! -f /root/parts/part.aa ]; then
       echo "no GGUF part 1 in /root/parts: the machine went cold since 'stage'; call 'stage' again, then 'run' at once" >&2
       exit 2
@@ -180,21 +184,24 @@ case "${1:-}" in
     pack "$1" "$STEPS" "$MODEL_DIR"
     [ $# -lt 2 ] || pack "$2" "$STEPS_512K" "$MODEL_DIR"
     mark "packed"
-    todo=$(( $# * $(echo $KINDS | wc -w) ))
+    # the time left is shared among the runs still to go in proportion to WEIGHT_kind (dense steps cost more)
+    weight() { if [ "$1" = dense ]; then echo "${WEIGHT_DENSE:-2}"; else echo 1; fi; }
+    todo=0
+    for kind in $KINDS; do todo=$(( todo + $# * $(weight "$kind") )); done
     wandb=$(wandb_mode)
     for seq in $LENGTHS; do
       steps=$STEPS
       [ "$seq" = "$1" ] || steps=$STEPS_512K
       for kind in $KINDS; do
         run=runs/e2e4-$(k "$seq")-$kind
-        budget=$(( (DEADLINE - SECONDS) / todo ))
-        todo=$(( todo - 1 ))
+        budget=$(( (DEADLINE - SECONDS) * $(weight "$kind") / todo ))
+        todo=$(( todo - $(weight "$kind") ))
         if [ "$budget" -lt 60 ]; then mark "$run not run: $budget s left for it"; continue; fi
         rm -rf "$run"  # a benchmark starts fresh (the trainer would resume)
         mark "$run: $steps steps (up to $budget s)"
         launch "$budget" "$(basename "$run")" "recipes/smollm2-512k-$kind.yaml" --set model.path="$MODEL_DIR" \
           --set data.path="data/packed/smollm2-$(k "$seq")" --set data.seq_len="$seq" \
-          --set model.rope_scaling.factor="$(( seq / 8192 )).0" --set train.max_steps="$steps" \
+          --set model.rope_scaling.factor="$(yarn "$seq" 8192)" --set train.max_steps="$steps" \
           --set train.output_dir="$run" --set train.save_every=0 --set train.export=false \
           --set logging.wandb="$wandb" ${TRAIN_ARGS:-} || mark "$run stopped: $(status_of $? "runs/e2e4-logs/$(basename "$run").log")"
         cp "runs/e2e4-logs/$(basename "$run").log" "$run/launch.log" 2>/dev/null || true

@@ -115,7 +115,7 @@ def test_comparison_tables(tmp_path):
     assert "longest that trained: **1,048,576 tokens** (target >= 1,048,576: met)" in text
 
 
-def test_gpu_script_refuses_unknown_stage():
+def test_gpu_script_refuses_unknown_stage(tmp_path):
     run = subprocess.run(["bash", "scripts/gpu_e2e4.sh", "bogus"], capture_output=True, text=True, cwd=REPO,
-                         env=dict(os.environ, OUT=str(REPO / "runs" / "e2e4-usage")))
-    assert run.returncode == 2 and "usage:" in run.stderr
+                         env=dict(os.environ, OUT=str(tmp_path)))
+    assert run.returncode == 2 and "usage:" in run.stderr and not list(tmp_path.iterdir())
