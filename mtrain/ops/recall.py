@@ -146,15 +146,16 @@ def gathered_true_recall(q: torch.Tensor, k: torch.Tensor, positions: torch.Tens
             visible = visible & (docs[:, rows, None] == docs[:, kp][:, None, :])[:, None]
         return s.masked_fill(~visible, float("-inf")), kp
 
+    inside = index_row_mask(index, rows, positions)  # [B, Hq, n, S_local] bool, built once
     peak = torch.full((B, Hq, n), float("-inf"), device=dev)
     for c0 in range(0, S_loc, step):
         peak = torch.maximum(peak, scores(c0)[0].amax(-1))
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # every row sees itself: finite on some rank
     sums = torch.zeros(2, B, Hq, n, dtype=torch.float64, device=dev)
     for c0 in range(0, S_loc, step):
-        s, kp = scores(c0)
+        s, _ = scores(c0)
         p = torch.exp(s - peak[..., None])
         sums[0] += p.sum(-1).double()
-        sums[1] += torch.where(index_row_mask(index, rows, kp), p, 0.0).sum(-1).double()
+        sums[1] += torch.where(inside[..., c0 : c0 + step], p, 0.0).sum(-1).double()
     dist.all_reduce(sums, group=group)
     return (sums[1] / sums[0]).mean(-1).float()
