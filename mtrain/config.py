@@ -559,7 +559,8 @@ def _read_recipe(path: Path, seen: tuple = ()) -> dict:
     base_path = (path.parent / base).resolve()
     if base_path in seen or base_path == path.resolve():
         raise ConfigError(f"recipe '{path}': base '{base}' leads back to itself")
-    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in _read_recipe(base_path, seen + (path.resolve(),)).items()}
+    inherited = _read_recipe(base_path, seen + (path.resolve(),))
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in inherited.items()}
     for section, values in raw.items():
         if isinstance(values, dict) and isinstance(merged.get(section), dict):
             merged[section].update(values)
