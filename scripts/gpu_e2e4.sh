@@ -22,7 +22,9 @@
 #       convert the GGUF, pack, train dense then mtraining at each of LENGTHS, compare
 #
 # One length per call fits a call's 10 minutes better: call 2 with LENGTHS=262144, then at once call 3 (no carry)
-# with LENGTHS=524288 (the model, wheels and documents stay on the warm machine).
+# with LENGTHS=524288 (the model, wheels and documents stay on the warm machine). `mtrain bench plan RECIPE --gpus 4`
+# predicts on 4 H200s: dense 512K ~24 s a step, mtraining ~3.4 s at 5% density; the Qwen2.5-3B shape at 1M ~52 s
+# a step and ~91 GB per GPU (an H200 fits it, an 80 GB H100 does not).
 # Each call writes at most 8 files into OUT (the device tool's limit): log.txt, summary.md (scripts/e2e4_table.py
 # tables + `mtrain compare` tables), loss-256k.png / loss-512k.png and their -throughput twins (mtrain compare),
 # runs.tar.gz (every run's metrics.jsonl, config.yaml and launch log); `stage`: log.txt, longest.md, qwen.tar.gz.
@@ -30,10 +32,10 @@
 # WEIGHT_DENSE times a sparse one (a run stopped by its box checkpoints on SIGTERM; the steps it made are
 # compared); `stage` stops the search when fewer than QWEN_MIN seconds of QWEN_BUDGET are left.
 #
-# Environment (defaults): LENGTHS ("262144 524288"), STEPS (20: steps of a run shorter than 512K), STEPS_512K (6: at
+# Environment (defaults): LENGTHS ("262144 524288"), STEPS (20: steps of a run shorter than 512K), STEPS_512K (5: at
 # 512K and longer), DEADLINE (510 s), WEIGHT_DENSE (2), WARMUP (2: steps left out of the tokens/s medians), KINDS
 # ("dense mtraining"), TRAIN_ARGS (extra --set for every SmolLM2 run, e.g. "--set attention.sparse_policy=always"),
-# QWEN_BUDGET (330 s), QWEN_MIN (150 s), QWEN_LENGTHS ("1048576 1572864 2097152": in order, stopping at the first
+# QWEN_BUDGET (330 s), QWEN_MIN (150 s), QWEN_STEPS (2), QWEN_LENGTHS ("1048576 1572864 2097152": in order, stopping at the first
 # that fails), QWEN_ARGS (extra --set for the Qwen runs), MODEL_DIR (/root/smollm2), PACKAGES (torch,transformers:
 # installed packages added as code repositories), ACCEL (configs/accelerate/4gpu.yaml), NPROC (4), CARRY
 # (.carry/e2e4), PYTHON (python). A CPU smoke run of `run` (4 gloo processes through torchrun, the real model):
@@ -44,10 +46,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_DIR=${MODEL_DIR:-/root/smollm2}
 STEPS=${STEPS:-20}
-STEPS_512K=${STEPS_512K:-6}
+STEPS_512K=${STEPS_512K:-5}
 DEADLINE=${DEADLINE:-510}
 QWEN_BUDGET=${QWEN_BUDGET:-330}
 QWEN_MIN=${QWEN_MIN:-150}
+QWEN_STEPS=${QWEN_STEPS:-2}
 QWEN_LENGTHS=${QWEN_LENGTHS:-1048576 1572864 2097152}
 WARMUP=${WARMUP:-2}
 LENGTHS=${LENGTHS:-262144 524288}
@@ -119,14 +122,14 @@ qwen() {  # the Qwen2.5-3B shape at increasing lengths, CP=4 + ZeRO-2 + optimize
   for seq in $QWEN_LENGTHS; do
     local left=$(( QWEN_BUDGET - (SECONDS - start) ))
     if [ "$left" -lt "$QWEN_MIN" ]; then mark "qwen: $seq not tried ($left s of QWEN_BUDGET left)"; break; fi
-    pack "$seq" 2 "$tok"
+    pack "$seq" "$QWEN_STEPS" "$tok"
     local run=runs/e2e4-qwen-$(k "$seq") rc=0
     rm -rf "$run"
     mark "qwen $seq (up to $left s)"
     launch "$left" "qwen-$(k "$seq")" recipes/qwen2.5-3b-cp4-longest.yaml --set model.tokenizer="$tok" \
       --set data.seq_len="$seq" --set data.path="data/packed/smollm2-$(k "$seq")" \
       --set model.rope_scaling.factor="$(yarn "$seq" 32768)" --set train.output_dir="$run" \
-      --set logging.wandb="$(wandb_mode)" ${QWEN_ARGS:-} || rc=$?
+      --set train.max_steps="$QWEN_STEPS" --set logging.wandb="$(wandb_mode)" ${QWEN_ARGS:-} || rc=$?
     mkdir -p "$run" && status_of "$rc" "runs/e2e4-logs/qwen-$(k "$seq").log" > "$run/status.txt"
     cp "runs/e2e4-logs/qwen-$(k "$seq").log" "$run/launch.log"
     runs+=("$run")
