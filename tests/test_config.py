@@ -6,8 +6,10 @@ import sys
 import pytest
 import yaml
 
-from mtrain.config import load_recipe
+from mtrain.config import _read_recipe, load_recipe
 from mtrain.errors import ConfigError
+from mtrain.tiny import MODEL_CONFIG as CONFIG
+from mtrain.tiny import TOKENIZER_DIR as TOKENIZER
 
 
 @pytest.fixture()
@@ -113,9 +115,59 @@ def test_shipped_recipes_validate(tmp_path, monkeypatch):
     recipes = sorted((repo / "recipes").glob("*.yaml"))
     assert len(recipes) >= 5
     for recipe in recipes:
-        raw = yaml.safe_load(recipe.read_text())
+        raw = _read_recipe(recipe)  # with its base recipe's sections (`base:`)
         overrides = [f"data.path={tmp_path}"]
-        if raw["model"].get("path", "").startswith("runs/"):
+        if (raw["model"].get("path") or "").startswith("runs/"):
             overrides.append(f"model.path={tmp_path}")
         r = load_recipe(recipe, overrides)
         assert r.data.seq_len % max(1, r.parallel.cp_size * r.parallel.granularity) == 0, recipe.name
+
+
+def test_base_recipe_is_merged_key_by_key(tmp_path):
+    """`base: OTHER.yaml` (relative to the recipe): the recipe holds only what differs; a nested mapping
+    (model.rope_scaling) replaces the base's whole; a chain of bases resolves; a loop is refused."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "index.json").write_text('{"shards": []}')
+    base = {"model": {"config": str(CONFIG), "tokenizer": str(TOKENIZER), "rope_scaling": {"rope_type": "yarn",
+            "factor": 4.0, "original_max_position_embeddings": 1024}},
+            "data": {"path": str(tmp_path / "data"), "seq_len": 2048},
+            "attention": {"kind": "mtraining", "block_size": 32}, "train": {"output_dir": "runs/a", "max_steps": 7}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "twin.yaml").write_text(yaml.safe_dump({"base": "../base.yaml", "attention": {"kind": "dense"},
+                                                   "model": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+                                                   "train": {"output_dir": "runs/b"}}))
+    (sub / "grandchild.yaml").write_text(yaml.safe_dump({"base": "twin.yaml", "train": {"max_steps": 3}}))
+    r = load_recipe(sub / "grandchild.yaml", ["train.seed=5"])
+    assert (r.attention.kind, r.attention.block_size) == ("dense", 32)
+    assert r.model.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert (r.train.output_dir, r.train.max_steps, r.train.seed, r.data.seq_len) == ("runs/b", 3, 5, 2048)
+    (tmp_path / "loop.yaml").write_text(yaml.safe_dump({"base": "loop2.yaml"}))
+    (tmp_path / "loop2.yaml").write_text(yaml.safe_dump({"base": "loop.yaml"}))
+    with pytest.raises(ConfigError, match="leads back to itself"):
+        load_recipe(tmp_path / "loop.yaml")
+    (tmp_path / "missing.yaml").write_text(yaml.safe_dump({"base": "nope.yaml"}))
+    with pytest.raises(ConfigError, match="nope.yaml' does not exist"):
+        load_recipe(tmp_path / "missing.yaml")
+
+
+def test_four_gpu_recipes_are_twins():
+    """The 4-GPU pair differs only in attention kind and run folder; both are CP=4 + ZeRO-2 with activation
+    checkpointing and YaRN from 8K to 512K; the Qwen2.5-3B one is CP=4 + ZeRO-2 with optimizer offload at 1M."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sparse, dense = (_read_recipe(repo / "recipes" / f"smollm2-512k-{k}.yaml") for k in ("mtraining", "dense"))
+    assert sparse["attention"].pop("kind") == "mtraining" and dense["attention"].pop("kind") == "dense"
+    assert sparse["train"].pop("output_dir") != dense["train"].pop("output_dir")
+    assert sparse == dense
+    assert sparse["parallel"]["cp_size"] == 4 and sparse["train"]["deepspeed"] == "configs/deepspeed/zero2.json"
+    assert sparse["model"]["gradient_checkpointing"] and sparse["data"]["seq_len"] == 524288
+    rope = sparse["model"]["rope_scaling"]
+    assert rope["original_max_position_embeddings"] * rope["factor"] == 524288
+    qwen = _read_recipe(repo / "recipes" / "qwen2.5-3b-cp4-longest.yaml")
+    assert qwen["parallel"]["cp_size"] == 4 and qwen["train"]["deepspeed"] == "configs/deepspeed/zero2-offload.json"
+    assert qwen["data"]["seq_len"] >= 1 << 20 and qwen["model"]["path"] is None
+    accel = yaml.safe_load((repo / "configs" / "accelerate" / "4gpu.yaml").read_text())
+    assert accel["num_processes"] == 4 and accel["distributed_type"] == "DEEPSPEED"

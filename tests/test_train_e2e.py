@@ -171,12 +171,12 @@ def test_dp2_cp2_runs(tmp_path, packed):
     assert all(r["imbalance_step"] >= 1.0 and r["imbalance_worker"] >= 1.0 for r in rows)
 
 
-def _run_deepspeed(tmp_path, recipe, *overrides):
-    """torchrun CP=2 under DeepSpeed ZeRO-2 on the CPU (DS_ACCELERATOR=cpu for the children only)."""
+def _run_deepspeed(tmp_path, recipe, *overrides, cp: int = 2):
+    """torchrun CP=cp (cp processes) under DeepSpeed ZeRO-2 on the CPU (DS_ACCELERATOR=cpu for the children only)."""
     env_before = os.environ.get("DS_ACCELERATOR")
     os.environ["DS_ACCELERATOR"] = "cpu"  # inherited by the torchrun children
     try:
-        proc = _torchrun(2, "train", str(recipe), "--set", "parallel.cp_size=2",
+        proc = _torchrun(cp, "train", str(recipe), "--set", f"parallel.cp_size={cp}",
                          "--set", f"train.deepspeed={REPO / 'configs' / 'deepspeed' / 'zero2.json'}", *overrides)
         out, _ = proc.communicate(timeout=900)
     finally:
@@ -204,6 +204,29 @@ def test_deepspeed_zero2_cp2_gives_the_ddp_loss_curve(tmp_path, packed):
     assert sorted(losses) == sorted(golden)
     for step, loss in losses.items():  # ZeRO-2 shards the same fp32 AdamW update: equal up to rounding
         assert abs(loss - golden[step]) <= 1e-4 * abs(golden[step]), (step, loss, golden[step])
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_cp4_gives_the_cp1_loss(tmp_path, packed):
+    """Four processes share every sequence (CP=4, block-stripe ring, documents masked across the shards) under
+    DeepSpeed ZeRO-2: the loss of every step is CP=1's (one process, no DeepSpeed) within the ZeRO-2 test's
+    tolerance."""
+    from mtrain.config import load_recipe
+    from mtrain.train.trainer import Trainer
+
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        Trainer(load_recipe(_recipe(tmp_path, packed, "cp1", max_steps=3, save_every=0, export=False))).run()
+    finally:  # train.deterministic switches torch's flag on for the whole process: leave it as it was
+        torch.use_deterministic_algorithms(before)
+    recipe = _recipe(tmp_path, packed, "cp4", max_steps=3, save_every=0, export=False)
+    returncode, out = _run_deepspeed(tmp_path, recipe, cp=4)
+    assert returncode == 0, out[-3000:]
+    assert "DP 1 x CP 4, DeepSpeed ZeRO-2, attention dense" in out, out[-2000:]
+    want, got = _losses(tmp_path / "cp1"), _losses(tmp_path / "cp4")
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    for step, loss in got.items():
+        assert abs(loss - want[step]) <= 1e-4 * abs(want[step]), (step, loss, want[step])
 
 
 def test_deepspeed_skips_and_counts_non_finite_updates(tmp_path, packed):

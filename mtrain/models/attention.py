@@ -71,7 +71,8 @@ class AttentionContext:
     """Query rows (spread over the sequence) the sampled true recall averages over."""
 
     imbalances: list = field(default_factory=list)
-    """(worker, step) imbalance of the first layer's sparse index under the layout, per measured forward (logging)."""
+    """(worker, step, per-rank work / mean work) imbalance of the first layer's sparse index under the layout, per
+    measured forward (logging)."""
     step: int = 0
     """The optimizer step the trainer is on (for dense_hold)."""
     dense_hold: int = 0
@@ -273,20 +274,20 @@ def _hold(layer_idx, prediction, policy: str, training: bool) -> None:
     CONTEXT.dense_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold * min(2 ** streak, HOLD_BACKOFF_MAX)
 
 
-def _record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None) -> None:
+def _record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None,
+            true_recall=None) -> None:
     """Append this call's LayerRecord; on sample_recall steps measure the true recall of a sparse call on
     CONTEXT.recall_rows rows spread evenly over the sequence (ending at the last row). q/k: the whole
-    sequence (None under CP, where no rank holds it: no true recall there)."""
-    record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=index._cache.get("est_recall"))
+    sequence (None under CP, where no rank holds it: the ring measures it across the group and passes
+    `true_recall` instead)."""
+    record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=index._cache.get("est_recall"),
+                         true_recall=true_recall)
     if prediction is not None:
         record.dense_ms, record.sparse_ms = prediction.dense_ms, prediction.sparse_ms
     if CONTEXT.sample_recall and path == "sparse" and q is not None:
-        from mtrain.ops.recall import true_recall
+        from mtrain.ops.recall import sampled_rows, true_recall
 
-        S = q.shape[1]
-        n = max(1, min(CONTEXT.recall_rows, S))
-        stride = S // n
-        rows = torch.arange(n, device=q.device) * stride + (S - 1 - (n - 1) * stride)
+        rows = sampled_rows(q.shape[1], CONTEXT.recall_rows, q.device)
         with torch.no_grad():
             record.true_recall = true_recall(q.detach(), k.detach(), index, softmax_scale=scaling, doc_ids=doc_ids,
                                              rows=rows)
@@ -483,14 +484,22 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         path, prediction = _choose_path(index, q, policy=policy, training=training, world=world,
                                         target=settings.recall, rows=_scored_rows(settings, seq_len))
         _hold(layer_idx, prediction, policy, training)  # the prediction, hence the hold, is the same on every rank
-        _record(layer_idx, path, index, prediction)
+        recall = None
+        if CONTEXT.sample_recall and path == "sparse":  # the same decision on every rank: a collective
+            from mtrain.ops.recall import gathered_true_recall
+
+            with torch.no_grad():
+                recall = gathered_true_recall(q.detach(), k.detach(), positions, index._cache["lines"], seq_len,
+                                              settings.block_size, CONTEXT.group, softmax_scale=scale,
+                                              doc_ids=CONTEXT.doc_ids, n_rows=CONTEXT.recall_rows)
+        _record(layer_idx, path, index, prediction, true_recall=recall)
         _remember(layer_idx, path, index, training)
         if layer_idx == 0 and CONTEXT.sample_imbalance:  # one layer of the logged steps watches the balance
             from mtrain.parallel.imbalance import gathered_imbalance
 
             measured = gathered_imbalance(index, CONTEXT.layout, rank, CONTEXT.group,
                                           local_world_size=CONTEXT.local_world_size)
-            CONTEXT.imbalances.append((measured["worker"], measured["step"]))
+            CONTEXT.imbalances.append((measured["worker"], measured["step"], measured["ranks"]))
         if path == "dense":
             index = None
     elif settings is not None:

@@ -16,19 +16,22 @@ _CHUNK_ELEMS = 1 << 25
 def index_row_mask(index: SparseIndex, rows: torch.Tensor, k_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Bool [B, Hq, R, Sk]: which keys at positions k_pos (default all, 0..S-1) the index computes for the
     query rows at global positions rows [R]: the key's block is listed for the row's query block, or the key is
-    one of that block's extra columns; and key <= row (causal). Document masking is not applied here."""
+    one of that block's extra columns; and key <= row (causal). Document masking is not applied here.
+    `index` may be a `RowIndex` (some query blocks' lists, e.g. a CP rank's): it must hold the rows' blocks."""
     dev = index.block_ids.device
     rows = rows.to(dev).long()
     k_pos = torch.arange(index.seq_len, device=dev) if k_pos is None else k_pos.to(dev).long()
     bs, nkb = index.block_size, index.n_blocks
     qb = rows // bs
-    ids = index.block_ids[:, :, qb].long()  # [B, H, R, MAXB]
-    ok = (torch.arange(ids.shape[-1], device=dev) < index.block_counts[:, :, qb, None].long()) & (ids >= 0)
+    held = getattr(index, "rows", None)  # a RowIndex lists only its query blocks `rows`, in ascending order
+    slot = qb if held is None else torch.searchsorted(held.to(dev).long(), qb)
+    ids = index.block_ids[:, :, slot].long()  # [B, H, R, MAXB]
+    ok = (torch.arange(ids.shape[-1], device=dev) < index.block_counts[:, :, slot, None].long()) & (ids >= 0)
     bflags = torch.zeros(*ids.shape[:3], nkb + 1, dtype=torch.bool, device=dev)
     bflags.scatter_(-1, torch.where(ok, ids, nkb), True)
     mask = bflags[..., k_pos // bs]
-    cols = index.col_ids[:, :, qb].long()
-    cok = (torch.arange(cols.shape[-1], device=dev) < index.col_counts[:, :, qb, None].long()) & (cols >= 0)
+    cols = index.col_ids[:, :, slot].long()
+    cok = (torch.arange(cols.shape[-1], device=dev) < index.col_counts[:, :, slot, None].long()) & (cols >= 0)
     cflags = torch.zeros(*cols.shape[:3], index.seq_len + 1, dtype=torch.bool, device=dev)
     cflags.scatter_(-1, torch.where(cok, cols, index.seq_len), True)
     mask |= cflags[..., k_pos]
@@ -87,3 +90,72 @@ def true_recall(
         inside = index_row_mask(index, r, kp)
         total += torch.where(inside, p, 0.0).sum(-1).sum(-1)
     return (total / rows.numel()).float()
+
+
+def sampled_rows(seq_len: int, n_rows: int, device=None) -> torch.Tensor:
+    """`n_rows` query positions spread evenly over a sequence of `seq_len`, the last one its last row (the
+    rows a training step's sampled true recall averages over)."""
+    n = max(1, min(n_rows, seq_len))
+    stride = seq_len // n
+    return torch.arange(n, device=device) * stride + (seq_len - 1 - (n - 1) * stride)
+
+
+def gathered_true_recall(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, lines, seq_len: int,
+                         block_size: int, group, *, softmax_scale: float | None = None,
+                         doc_ids: torch.Tensor | None = None, n_rows: int = 64) -> torch.Tensor:
+    """`true_recall` of the index built from `lines` = (vertical, slash) on `n_rows` sampled rows, in a
+    context-parallel group where each rank holds only its shard: fp32 [B, Hq], the same on every rank.
+
+    q: [B, S_local, Hq, D], k: [B, S_local, Hkv, D], positions: the global positions of this rank's tokens.
+    The sampled rows' queries are summed into every rank (each row lives on one rank); every rank scores
+    them against its own keys, the index's lists of the sampled rows' query blocks are rebuilt from the lines
+    on every rank, and the softmax is merged across ranks (max, then the total and the in-index sums of exp).
+    Collective over `group`: every rank must call it. Keys are scored in chunks (memory ~ 2^25 elements).
+    """
+    import torch.distributed as dist
+
+    from mtrain.ops.index import rows_from_lines
+
+    B, S_loc, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    dev = q.device
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    positions = positions.to(dev).long()
+    rows = sampled_rows(seq_len, n_rows, dev)
+    n = rows.numel()
+    where = torch.full((seq_len,), -1, dtype=torch.long, device=dev)
+    where[positions] = torch.arange(S_loc, device=dev)
+    local = where[rows]
+    mine = local >= 0
+    qr = torch.zeros(B, n, Hq, D, dtype=torch.float32, device=dev)
+    qr[:, mine] = q[:, local[mine]].float()
+    dist.all_reduce(qr, group=group)
+    qr = qr.reshape(B, n, Hkv, G, D)
+    vertical, slash = lines[0], lines[1]
+    index = rows_from_lines(vertical, slash, seq_len, block_size, torch.unique(rows // block_size), totals=False,
+                            check=False)
+    docs = None if doc_ids is None else doc_ids.to(dev)
+    step = max(1, _CHUNK_ELEMS // max(1, B * Hq * n))
+
+    def scores(c0: int):
+        kp = positions[c0 : c0 + step]
+        s = torch.einsum("bqhgd,bkhd->bhgqk", qr, k[:, c0 : c0 + step].float()).reshape(B, Hq, n, kp.numel()) * scale
+        visible = (kp[None, :] <= rows[:, None])[None, None]
+        if docs is not None:
+            visible = visible & (docs[:, rows, None] == docs[:, kp][:, None, :])[:, None]
+        return s.masked_fill(~visible, float("-inf")), kp
+
+    inside = index_row_mask(index, rows, positions)  # [B, Hq, n, S_local] bool, built once
+    peak = torch.full((B, Hq, n), float("-inf"), device=dev)
+    for c0 in range(0, S_loc, step):
+        peak = torch.maximum(peak, scores(c0)[0].amax(-1))
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # every row sees itself: finite on some rank
+    sums = torch.zeros(2, B, Hq, n, dtype=torch.float64, device=dev)
+    for c0 in range(0, S_loc, step):
+        s, _ = scores(c0)
+        p = torch.exp(s - peak[..., None])
+        sums[0] += p.sum(-1).double()
+        sums[1] += torch.where(inside[..., c0 : c0 + step], p, 0.0).sum(-1).double()
+    dist.all_reduce(sums, group=group)
+    return (sums[1] / sums[0]).mean(-1).float()

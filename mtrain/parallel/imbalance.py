@@ -144,7 +144,8 @@ def rank_work(index, layout: Layout, rank: int, *, local_world_size: int | None 
 def gathered_imbalance(index, layout: Layout, rank: int, group, *, local_world_size: int | None = None) -> dict:
     """`imbalance`'s worker and step figures for a CP group in which each rank holds only its own rows of the
     index: every rank measures its row (`rank_work`) and one all-gather of W + 1 numbers per rank gives all of
-    them the whole measure. Collective: every rank of `group` must call it. Returns {"worker", "step"}."""
+    them the whole measure. Collective: every rank of `group` must call it. Returns {"worker", "step", "ranks"}:
+    ranks = each rank's work over the mean work (its own share of the imbalance; max(ranks) == worker)."""
     import torch.distributed as dist
 
     mine = rank_work(index, layout, rank, local_world_size=local_world_size)
@@ -155,4 +156,5 @@ def gathered_imbalance(index, layout: Layout, rank: int, group, *, local_world_s
     per_worker = work.sum(dim=1) + local
     step_time = work.max(dim=0).values.sum() + local.max()
     step_mean = work.mean(dim=0).sum() + local.mean()
-    return {"worker": float(per_worker.max() / per_worker.mean()), "step": float(step_time / step_mean)}
+    return {"worker": float(per_worker.max() / per_worker.mean()), "step": float(step_time / step_mean),
+            "ranks": (per_worker / per_worker.mean()).tolist()}

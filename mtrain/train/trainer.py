@@ -467,12 +467,14 @@ class Trainer:
                 if CONTEXT.densities:
                     last["attention_density"] = float(sum(CONTEXT.densities)) / len(CONTEXT.densities)
                 if CONTEXT.imbalances:
-                    last["imbalance_worker"] = max(w for w, _ in CONTEXT.imbalances)
-                    last["imbalance_step"] = max(s for _, s in CONTEXT.imbalances)
-                if torch.cuda.is_available():
-                    last["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                    last["imbalance_worker"] = max(m[0] for m in CONTEXT.imbalances)
+                    last["imbalance_step"] = max(m[1] for m in CONTEXT.imbalances)
+                    # each CP rank's work over the mean (layer 0; the largest over the step's micro-batches)
+                    for rank, share in enumerate(map(max, zip(*(m[2] for m in CONTEXT.imbalances)))):
+                        last[f"imbalance_rank/r{rank}"] = share
                 if self.state.step % r.logging.log_every == 0 or self.state.step == t.max_steps:
                     last.update(attention_stats(CONTEXT.layers))  # per layer: path, density, recalls
+                    last.update(_peak_memory(accelerator, device))  # collective: every rank logs the same steps
                     metrics.log(last)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
@@ -495,6 +497,19 @@ class Trainer:
                 log.info("exported HF checkpoint to %s", self.out / "final")
         accelerator.wait_for_everyone()
         return last
+
+
+def _peak_memory(accelerator, device) -> dict:
+    """Peak GPU memory of every process (GiB, torch's allocator): peak_mem_gb (the largest) and
+    peak_mem_gb/rankN for each rank (one small all-gather; every process must call it). {} without a GPU."""
+    if not torch.cuda.is_available():
+        return {}
+    mine = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], dtype=torch.float64, device=device)
+    peaks = accelerator.gather(mine).tolist() if accelerator.num_processes > 1 else mine.tolist()
+    out = {"peak_mem_gb": max(peaks)}
+    if len(peaks) > 1:
+        out.update({f"peak_mem_gb/rank{r}": p for r, p in enumerate(peaks)})
+    return out
 
 
 def ckpt_needed(step: int, t) -> bool:
