@@ -148,7 +148,8 @@ def gathered_imbalance(index, layout: Layout, rank: int, group, *, local_world_s
     ranks = each rank's work over the mean work (its own share of the imbalance; max(ranks) == worker)."""
     import torch.distributed as dist
 
-    mine = rank_work(index, layout, rank, local_world_size=local_world_size)
+    # on the index's device: NCCL gathers CUDA tensors only (rank_work counts on the host)
+    mine = rank_work(index, layout, rank, local_world_size=local_world_size).to(index.block_ids.device)
     rows = [torch.empty_like(mine) for _ in range(layout.world_size)]
     dist.all_gather(rows, mine, group=group)
     table = torch.stack(rows)
