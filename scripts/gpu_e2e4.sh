@@ -35,9 +35,10 @@
 # Environment (defaults): LENGTHS ("262144 524288"), STEPS (20: steps of a run shorter than 512K), STEPS_512K (5: at
 # 512K and longer), DEADLINE (510 s), WEIGHT_DENSE (2), WARMUP (2: steps left out of the tokens/s medians), KINDS
 # ("dense mtraining"), TRAIN_ARGS (extra --set for every SmolLM2 run, e.g. "--set attention.sparse_policy=always"),
-# QWEN_BUDGET (330 s), QWEN_MIN (150 s), QWEN_STEPS (2), QWEN_LENGTHS ("1048576 1572864 2097152": in order, stopping at the first
-# that fails), QWEN_ARGS (extra --set for the Qwen runs), MODEL_DIR (/root/smollm2), PACKAGES (torch,transformers:
-# installed packages added as code repositories), ACCEL (configs/accelerate/4gpu.yaml), NPROC (4), CARRY
+# QWEN_BUDGET (330 s), QWEN_MIN (150 s), QWEN_STEPS (2), QWEN_LENGTHS ("1048576 1572864 2097152": in order,
+# stopping at the first that fails), QWEN_FALLBACK ("786432 524288": tried in order when the first length fails),
+# QWEN_ARGS (extra --set for the Qwen runs), MODEL_DIR (/root/smollm2), PACKAGES (torch,transformers: installed
+# packages added as code repositories), ACCEL (configs/accelerate/4gpu.yaml), NPROC (4), CARRY
 # (.carry/e2e4), PYTHON (python). A CPU smoke run of `run` (4 gloo processes through torchrun, the real model):
 #   CPU=1 PYTHON=.venv/bin/python MODEL_DIR=models/smollm2-135m LENGTHS="512 1024" STEPS=3 DEADLINE=1500 \
 #   TRAIN_ARGS="--set model.dtype=float32 --set attention.sparse_policy=always --set logging.recall_every=1" \
@@ -51,6 +52,7 @@ DEADLINE=${DEADLINE:-510}
 QWEN_BUDGET=${QWEN_BUDGET:-330}
 QWEN_MIN=${QWEN_MIN:-150}
 QWEN_STEPS=${QWEN_STEPS:-2}
+QWEN_FALLBACK=${QWEN_FALLBACK:-786432 524288}
 QWEN_LENGTHS=${QWEN_LENGTHS:-1048576 1572864 2097152}
 WARMUP=${WARMUP:-2}
 LENGTHS=${LENGTHS:-262144 524288}
@@ -116,30 +118,40 @@ status_of() {  # status_of RC LOG: ok | OOM | time box | failed (rc N)
   else echo "failed (rc $1)"; fi
 }
 
-qwen() {  # the Qwen2.5-3B shape at increasing lengths, CP=4 + ZeRO-2 + optimizer offload, 2 steps each
-  local start=$SECONDS tok=$CARRY/tokenizer runs=()
-  [ -d "$tok" ] || tok=$MODEL_DIR
+qwen_try() {  # qwen_try SEQ: one length of the search (time left permitting); its status in RUN/status.txt
+  local seq=$1 left=$(( QWEN_BUDGET - (SECONDS - QWEN_START) )) run=runs/e2e4-qwen-$(k "$1") rc=0
+  if [ "$left" -lt "$QWEN_MIN" ]; then mark "qwen: $seq not tried ($left s of QWEN_BUDGET left)"; return 2; fi
+  pack "$seq" "$QWEN_STEPS" "$QWEN_TOK"
+  rm -rf "$run"
+  mark "qwen $seq (up to $left s)"
+  launch "$left" "qwen-$(k "$seq")" recipes/qwen2.5-3b-cp4-longest.yaml --set model.tokenizer="$QWEN_TOK" \
+    --set data.seq_len="$seq" --set data.path="data/packed/smollm2-$(k "$seq")" \
+    --set model.rope_scaling.factor="$(yarn "$seq" 32768)" --set train.output_dir="$run" \
+    --set train.max_steps="$QWEN_STEPS" --set logging.wandb="$(wandb_mode)" ${QWEN_ARGS:-} || rc=$?
+  mkdir -p "$run" && status_of "$rc" "runs/e2e4-logs/qwen-$(k "$seq").log" > "$run/status.txt"
+  cp "runs/e2e4-logs/qwen-$(k "$seq").log" "$run/launch.log"
+  QWEN_RUNS+=("$run")
+  mark "qwen $seq: $(cat "$run/status.txt")"
+  return $rc
+}
+
+qwen() {  # the Qwen2.5-3B shape at increasing lengths (CP=4 + ZeRO-2 + optimizer offload, QWEN_STEPS steps each)
+  # up from QWEN_LENGTHS' first until one fails; if the first fails, down through QWEN_FALLBACK until one trains
+  QWEN_START=$SECONDS QWEN_TOK=$CARRY/tokenizer QWEN_RUNS=()
+  [ -d "$QWEN_TOK" ] || QWEN_TOK=$MODEL_DIR
+  local trained=0
   for seq in $QWEN_LENGTHS; do
-    local left=$(( QWEN_BUDGET - (SECONDS - start) ))
-    if [ "$left" -lt "$QWEN_MIN" ]; then mark "qwen: $seq not tried ($left s of QWEN_BUDGET left)"; break; fi
-    pack "$seq" "$QWEN_STEPS" "$tok"
-    local run=runs/e2e4-qwen-$(k "$seq") rc=0
-    rm -rf "$run"
-    mark "qwen $seq (up to $left s)"
-    launch "$left" "qwen-$(k "$seq")" recipes/qwen2.5-3b-cp4-longest.yaml --set model.tokenizer="$tok" \
-      --set data.seq_len="$seq" --set data.path="data/packed/smollm2-$(k "$seq")" \
-      --set model.rope_scaling.factor="$(yarn "$seq" 32768)" --set train.output_dir="$run" \
-      --set train.max_steps="$QWEN_STEPS" --set logging.wandb="$(wandb_mode)" ${QWEN_ARGS:-} || rc=$?
-    mkdir -p "$run" && status_of "$rc" "runs/e2e4-logs/qwen-$(k "$seq").log" > "$run/status.txt"
-    cp "runs/e2e4-logs/qwen-$(k "$seq").log" "$run/launch.log"
-    runs+=("$run")
-    mark "qwen $seq: $(cat "$run/status.txt")"
-    [ "$rc" = 0 ] || break
+    if qwen_try "$seq"; then trained=1; else break; fi
   done
-  if [ ${#runs[@]} -gt 0 ]; then
-    "$PYTHON" scripts/e2e4_table.py --longest "${runs[@]}" --warmup 0 --out "$RESULTS/longest.md" | tee -a "$LOG"
-    tar czf "$RESULTS/qwen.tar.gz" "${runs[@]/%//metrics.jsonl}" "${runs[@]/%//status.txt}" \
-      "${runs[@]/%//launch.log}" 2>/dev/null || true
+  if [ "$trained" = 0 ]; then
+    for seq in $QWEN_FALLBACK; do
+      if qwen_try "$seq"; then break; fi
+    done
+  fi
+  if [ ${#QWEN_RUNS[@]} -gt 0 ]; then
+    "$PYTHON" scripts/e2e4_table.py --longest "${QWEN_RUNS[@]}" --warmup 0 --out "$RESULTS/longest.md" | tee -a "$LOG"
+    tar czf "$RESULTS/qwen.tar.gz" "${QWEN_RUNS[@]/%//metrics.jsonl}" "${QWEN_RUNS[@]/%//status.txt}" \
+      "${QWEN_RUNS[@]/%//launch.log}" 2>/dev/null || true
   fi
 }
 
