@@ -59,6 +59,25 @@ def test_sink_on_and_off_the_ring_by_hand():
     assert off["total"] == pytest.approx(on["total"])
 
 
+def test_rank_holding_only_the_sink_block():
+    """128 tokens, block 64, CP = 2 (block-stripe): rank 0 holds only the sink block, so nothing of its rows is
+    left on the ring; its measure is zeros, not an integer tensor (the CP = 2 short-shard crash of rank_work)."""
+    from mtrain.ops.index import rows_from_lines
+    from mtrain.parallel.imbalance import rank_work
+
+    index = _sink_and_diagonal(2, 64)
+    layout = Layout.create("block-stripe", world_size=2, granularity=64)
+    whole = imbalance(index, layout)
+    # rank 0's row 0 lists only the sink (attended off the ring); rank 1's row 1 keeps its diagonal at step 0
+    assert torch.equal(whole["work"], torch.tensor([[0.0, 0.0], [1.0, 0.0]], dtype=torch.float64))
+    assert torch.equal(whole["local"], torch.tensor([1.0, 1.0], dtype=torch.float64))
+    for rank in range(2):  # each rank holds only its own row, as under CP
+        mine = rank_work(rows_from_lines(torch.empty(1, 1, 0, dtype=torch.long), torch.empty(1, 1, 0, dtype=torch.long),
+                                         128, 64, torch.tensor([rank])), layout, rank)
+        assert mine.dtype == torch.float64
+        assert torch.equal(mine, torch.cat([whole["work"][rank], whole["local"][rank:rank + 1]]))
+
+
 def test_vertical_column_lands_on_its_owner_step():
     # token 85 lies in block 5 (rank 1); rows 6..15 attend it as an extra column (1/16 block each)
     index = _sink_and_diagonal(16, 16, vertical=[85])
