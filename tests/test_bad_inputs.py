@@ -163,6 +163,18 @@ def _pkl_mds(folder: Path, columns: dict, sample: dict) -> Path:
     return folder
 
 
+def _hidden_pkl_mds(folder: Path, columns: dict, sample: dict, payload: Payload, under: str) -> Path:
+    """An MDS folder whose `pkl` column is listed under the name `under` of another column: a lookup by name sees
+    only the other column's encoding, while the reader decodes every column by position (the payload first)."""
+    _pkl_mds(folder, {"_hidden": "pkl", **columns}, {"_hidden": payload, **sample})  # sorted: _hidden comes first
+    index = json.loads((folder / "index.json").read_text())
+    for shard in index["shards"]:
+        assert shard["column_names"][0] == "_hidden" and shard["column_encodings"][0] == "pkl"
+        shard["column_names"][0] = under
+    (folder / "index.json").write_text(json.dumps(index))
+    return folder
+
+
 def _damage_every_checkpoint(c: Ctx) -> Path:
     run = c.run_copy()
     for ckpt in (run / "checkpoints").glob("step-*"):
@@ -285,6 +297,11 @@ PACK = [
         ["pack", "--source", f"{_pkl_mds(c.tmp / 'pklsrc', {'text': 'pkl'}, {'text': Payload(c.tmp / 'PWNED')})}:mds",
          "--tokenizer", str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(c.tmp / "p"), "--workers", "1"],
         ["pklsrc", "pickle", "re-encode"], 2)),
+    ("mds-source-pkl-under-a-duplicate-name", lambda c: (
+        ["pack", "--source", str(_hidden_pkl_mds(c.tmp / "dupsrc", {"text": "str"}, {"text": "plain words " * 200},
+                                                 Payload(c.tmp / "PWNED"), "text")) + ":mds",
+         "--tokenizer", str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(c.tmp / "p"), "--workers", "1"],
+        ["dupsrc", "distinct", "'text'", "listed more than once"], 2)),
 ]
 
 
@@ -558,6 +575,21 @@ def test_pkl_column_in_training_data_never_runs(world, tmp_path, capsys):
     assert rc == 2
     assert_one_line(err, "input_ids", "pickle")
     assert not marker.exists()
+
+
+def test_pkl_column_under_a_duplicate_name_in_training_data_never_runs(world, tmp_path, capsys):
+    """The `pkl` column named like the ndarray column after it: refused before any sample is decoded."""
+    import numpy as np
+
+    marker = tmp_path / "PWNED"
+    data = _hidden_pkl_mds(tmp_path / "data", {"input_ids": "ndarray:uint32", "indices": "ndarray:uint32"},
+                           {"input_ids": np.arange(SEQ, dtype=np.uint32), "indices": np.array([[0, SEQ]], np.uint32)},
+                           Payload(marker), "input_ids")
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"data.path={data}",
+                       "--set", f"train.output_dir={tmp_path / 'out'}"], capsys)
+    assert not marker.exists()
+    assert rc == 2
+    assert_one_line(err, "index.json", "'input_ids'", "listed more than once")
 
 
 def test_yaml_recipe_cannot_build_objects(world, tmp_path, capsys):
