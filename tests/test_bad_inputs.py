@@ -559,9 +559,49 @@ def test_pickle_in_checkpoint_never_runs(world, tmp_path, capsys, caplog, name):
                        "--set", "train.max_steps=3", "--set", "train.export=false"], capsys)
     assert not marker.exists(), f"code planted in {name} ran"
     assert rc == 0, err
-    if name == "optimizer.bin":
-        assert "step-0000002 is damaged" in caplog.text and "UnpicklingError" in caplog.text
+    if name in ("optimizer.bin", "random_states_0.pkl"):  # what resume reads: refused in one line naming it
+        assert f"step-0000002 is damaged: {latest / name}: not a torch tensor file" in caplog.text
         assert "resumed from the previous intact checkpoint" in caplog.text
+    assert "weights_only" not in caplog.text + err  # torch's advice to unpickle anyway never reaches the user
+
+
+def _plant_zero2_files(ckpt: Path, marker: Path) -> None:
+    """Files named and laid out as accelerate + DeepSpeed ZeRO-2 write them (pytorch_model/mp_rank_00_model_states.pt,
+    pytorch_model/zero_pp_rank_R_mp_rank_00_optim_states.pt), each a torch.save'd dict holding a payload among its
+    tensors; model.safetensors removed and files.json rewritten to vouch for them (the sender writes it too)."""
+    import torch
+
+    from mtrain.train.run_folder import write_file_list
+
+    (ckpt / "model.safetensors").unlink()
+    ds = ckpt / "pytorch_model"
+    ds.mkdir()
+    torch.save({"module": {"w": torch.zeros(2)}, "ds_version": Payload(marker)}, ds / "mp_rank_00_model_states.pt")
+    for rank in range(2):
+        torch.save({"optimizer_state_dict": {"zero_stage": Payload(marker)}, "ds_version": "0.19.8"},
+                   ds / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    (ckpt / "files.json").unlink()
+    write_file_list(ckpt)
+
+
+def test_pickle_in_zero2_layout_never_runs_on_export(world, tmp_path, capsys):
+    """`mtrain export` of a checkpoint holding ZeRO-2 files with a planted payload: refused in one line naming the
+    file, nothing run. DeepSpeed's own zero_to_fp32 runs the same files' payload (what export used to call)."""
+    run = copy_run(world, tmp_path / "run")
+    marker = tmp_path / "PWNED"
+    _plant_zero2_files(_latest(run), marker)
+    rc, err = run_cli(["export", str(run), "--out", str(tmp_path / "hf")], capsys)
+    assert not marker.exists()
+    assert rc == 2
+    assert_one_line(err, "step-0000002", "pytorch_model/mp_rank_00_model_states.pt", "holds a pickled object",
+                    "tensors only", "previous intact checkpoint is")
+    assert "weights_only" not in err and not (tmp_path / "hf" / "config.json").exists()
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with pytest.raises(Exception):  # the crafted files are no real partitions, but the payload runs first
+        get_fp32_state_dict_from_zero_checkpoint(str(_latest(run)), tag="pytorch_model")
+    assert marker.exists(), "the planted payload is not live: this test would prove nothing"
 
 
 def test_pkl_column_in_training_data_never_runs(world, tmp_path, capsys):

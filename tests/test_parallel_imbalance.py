@@ -166,3 +166,50 @@ def test_hierarchical_ring_balanced_only_with_the_node_aware_layout():
     assert by_hand["work"][3].tolist() == [10.0, 16.0, 16.0, 16.0]
     # rank 1 = node 0, local 1, slot 2: visits slots 2, 0, 1, 3 -> ranks 1, 0, 2, 3 (the last two in its future)
     assert by_hand["work"][1].tolist() == [10.0, 16.0, 0.0, 0.0]
+
+
+def test_bench_imbalance_bad_length_is_a_usage_error(capsys):
+    """`--lengths 12abc`: argparse's usage error naming the option (it was a traceback from inside parse_args)."""
+    from mtrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "imbalance", "--lengths", "12abc"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "argument --lengths: cannot read '12ABC' as a token count" in err
+
+
+def test_bench_imbalance_index_file(capsys, tmp_path):
+    """--index: a saved index's fields give the table; a file that is not a torch file, or holds a pickled object
+    (its code would run under torch.load's old default), is refused in one line naming it, running nothing."""
+    from mtrain.cli import main
+
+    index = _sink_and_diagonal(8, 16)
+    fields = {k: getattr(index, k) for k in ("block_ids", "block_counts", "col_ids", "col_counts")}
+    torch.save({**fields, "seq_len": 128, "block_size": 16}, tmp_path / "index.pt")
+    assert main(["bench", "imbalance", "--index", str(tmp_path / "index.pt"), "--cp", "2", "--layouts", "zigzag"]) == 0
+    assert "zigzag" in capsys.readouterr().out
+
+    (tmp_path / "notes.txt").write_text("not an index\n")
+    marker = tmp_path / "PWNED"
+    torch.save({**fields, "seq_len": 128, "block_size": _Touch(marker)}, tmp_path / "planted.pt")
+    for name, needle in (("notes.txt", "not a torch tensor file"), ("planted.pt", "holds a pickled object")):
+        assert main(["bench", "imbalance", "--index", str(tmp_path / name), "--cp", "2"]) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("mtrain ")]
+        assert len(lines) == 1 and name in lines[0] and needle in lines[0], err
+        assert "weights_only" not in err and "Traceback" not in err
+    assert not marker.exists()
+
+
+class _Touch:
+    """Unpickling this creates `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return (Path.touch, (Path(self.marker),))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtrain.errors import DamagedCheckpointError, MtrainError
+from mtrain.safe_load import check_checkpoint_files
 from mtrain.train.run_folder import checkpoint_candidates, verify_file_list
 
 
@@ -31,6 +32,7 @@ def _checkpoint_state_dict(ckpt: Path) -> dict:
     if ds_dirs:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        check_checkpoint_files(ckpt)  # zero_to_fp32 unpickles with weights_only=False: tensors only first
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=ds_dirs[0].name)
     raise MtrainError(f"{ckpt} holds neither model.safetensors nor DeepSpeed ZeRO partitions")
 

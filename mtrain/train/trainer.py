@@ -23,6 +23,7 @@ import torch
 
 from mtrain.config import RecipeConfig
 from mtrain.errors import DamagedCheckpointError, MtrainError, os_error_line
+from mtrain.safe_load import check_checkpoint_files
 from mtrain.train.loss import ChunkedLossLM
 from mtrain.train.metrics import MetricsLogger, usable_wandb_mode
 from mtrain.train.run_folder import RunLock, checkpoint_candidates, verify_file_list, write_file_list
@@ -247,9 +248,12 @@ class Trainer:
         accelerator.wait_for_everyone()
 
     def _load_checkpoint(self, accelerator, path: Path) -> None:
+        # Nothing executable is read: weights are safetensors, optimizer and RNG states load with
+        # torch.load(weights_only=True), the LR schedule is rebuilt from the step, counters are JSON. DeepSpeed's
+        # load_checkpoint unpickles its ZeRO files with weights_only=False: every torch file of the folder is
+        # loaded tensors-only first, so a planted object is refused (DamagedCheckpointError) before that.
+        check_checkpoint_files(path)
         try:
-            # nothing executable is read: weights are safetensors, optimizer and RNG states load with
-            # torch.load(weights_only=True), the LR schedule is rebuilt from the step, counters are JSON
             accelerator.load_state(str(path))
             saved = json.loads((path / f"trainer_state_rank{accelerator.process_index}.json").read_text())
             state = saved["state"]
