@@ -847,3 +847,22 @@ def test_bare_mtrain_with_mistyped_path_never_touches_the_network(world, tmp_pat
         thread.join()
         server.close()
     assert not hits, "mtrain connected to the hub endpoint"
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch every process's connections")
+def test_wandb_offline_resolves_no_server_name(world, tmp_path):
+    """logging.wandb: offline (the default) opens no internet socket in any process (wandb's own service
+    included): no DNS query, no connection; its run log is still written."""
+    run = tmp_path / "run"
+    trace = tmp_path / "connect.trace"
+    env = _env(WANDB_SILENT="true")
+    env.pop("WANDB_ERROR_REPORTING", None)
+    proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmmsg", "-o", str(trace),
+                           sys.executable, "-m", "mtrain", "train", str(world / "recipe.yaml"), "--set",
+                           f"train.output_dir={run}", "--set", "train.max_steps=1", "--set", "logging.wandb=offline",
+                           "--set", "train.export=false"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(run.glob("wandb/offline-run-*/run-*.wandb")), "wandb wrote no offline run log"
+    internet = [line for line in trace.read_text().splitlines() if "AF_INET" in line or "htons(53)" in line]
+    assert not internet, internet[:5]

@@ -216,3 +216,63 @@ def test_deepspeed_skips_and_counts_non_finite_updates(tmp_path, packed):
     rows = [json.loads(line) for line in (tmp_path / "ds-bad" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in rows] == [0, 1, 2], rows
     assert "update skipped (2 so far)" in out
+
+
+class _Touch:
+    """Unpickling this creates `marker`: proof that a file's code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _plant_in_zero_partition(ckpt: Path, marker: Path) -> Path:
+    """Add a payload to rank 0's ZeRO-2 optimizer partition (the rest of it intact) and rewrite files.json to vouch
+    for it, as a sender of the checkpoint could. Returns the planted file."""
+    from mtrain.safe_load import load_tensors
+    from mtrain.train.run_folder import write_file_list
+
+    planted = ckpt / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = load_tensors(planted)
+    state["ds_version"] = _Touch(marker)
+    torch.save(state, planted)
+    (ckpt / "files.json").unlink()
+    write_file_list(ckpt)
+    return planted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["zero2.json", "zero2-offload.json"])
+def test_deepspeed_zero2_checkpoints_load_tensors_only(tmp_path, packed, config):
+    """Real ZeRO-2 checkpoints (CPU, gloo; with and without optimizer offload) resume and export through the
+    tensors-only check; a payload planted in a ZeRO partition is refused by resume (which falls back to the previous
+    checkpoint) and by export, and never runs. DeepSpeed itself unpickles these files with weights_only=False."""
+    ds = ["--set", f"train.deepspeed={REPO / 'configs' / 'deepspeed' / config}"]
+    recipe = _recipe(tmp_path, packed, "ds", max_steps=2, save_every=1, export=False, grad_accum=1)
+    returncode, out = _run_deepspeed(tmp_path, recipe, *ds)
+    assert returncode == 0, out[-3000:]
+    run, marker = tmp_path / "ds", tmp_path / "PWNED"
+    planted = _plant_in_zero_partition(run / "checkpoints" / "step-0000002", marker)
+
+    returncode, out = _run_deepspeed(tmp_path, recipe, *ds, "--set", "train.max_steps=3")
+    assert not marker.exists(), "code planted in a ZeRO partition ran on resume"
+    assert returncode == 0, out[-3000:]
+    assert f"step-0000002 is damaged: {planted}: holds a pickled object" in out
+    assert "resumed from the previous intact checkpoint" in out and "resumed from" in out
+    assert "weights_only" not in out
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+    # the intact step-3 checkpoint exports; planted, it is refused in one line
+    export = [sys.executable, "-m", "mtrain", "export", str(run), "--out"]
+    proc = subprocess.run([*export, str(tmp_path / "hf")], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    planted = _plant_in_zero_partition(run / "checkpoints" / "step-0000003", marker)
+    proc = subprocess.run([*export, str(tmp_path / "hf2")], capture_output=True, text=True, cwd=REPO)
+    assert not marker.exists(), "code planted in a ZeRO partition ran on export"
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("mtrain ")]
+    assert len(lines) == 1 and str(planted) in lines[0] and "holds a pickled object" in lines[0], proc.stderr[-3000:]
+    assert "weights_only" not in proc.stderr and "Traceback" not in proc.stderr
