@@ -804,6 +804,37 @@ def test_pack_workers_die_with_their_parent(world, tmp_path):
     assert not (tmp_path / "packed" / "index.json").exists()
 
 
+def test_second_pack_into_one_out_fails_at_once(world, tmp_path, capsys):
+    """Two `mtrain pack` into one --out at once: the second fails at once with one line (it used to race the first
+    over its work files); the first finishes cleanly (index.json and manifest.json, no .work left)."""
+    out = tmp_path / "packed"
+    script = (
+        "import sys, time\n"
+        "import mtrain.data.tokenize as tk\n"
+        "real = tk.tokenize_chunk\n"
+        "def slow(chunk):\n    time.sleep(4)\n    return real(chunk)\n"
+        "tk.tokenize_chunk = slow\n"
+        "from mtrain.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["pack", "--source", f"{world / 'docs.jsonl'}:jsonl", "--tokenizer", str(TOKENIZER_DIR), "--seq-len",
+            "128", "--out", str(out), "--workers", "1", "--no-progress"]
+    first = subprocess.Popen([sys.executable, "-c", script, *argv], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (out / ".work" / "config.json").exists():  # the first holds the folder and is tokenizing
+        assert first.poll() is None and time.time() < deadline, first.communicate()
+        time.sleep(0.05)
+    started = time.time()
+    rc, err = run_cli(argv, capsys)
+    assert time.time() - started < 2.0 and first.poll() is None  # refused at once, while the first still runs
+    assert rc == 2
+    assert_one_line(err, str(out), "another `mtrain pack`", "another --out")
+    _, first_err = first.communicate(timeout=120)
+    assert first.returncode == 0, first_err[-3000:]
+    assert (out / "index.json").is_file() and (out / "manifest.json").is_file() and not (out / ".work").exists()
+
+
 def test_bare_mtrain_with_mistyped_path_never_touches_the_network(world, tmp_path):
     """No offline variables set, as a user's shell: a hub-shaped typo fails at once, naming the path, and
     nothing connects to the (local, recording) hub endpoint."""
