@@ -835,6 +835,44 @@ def test_second_pack_into_one_out_fails_at_once(world, tmp_path, capsys):
     assert (out / "index.json").is_file() and (out / "manifest.json").is_file() and not (out / ".work").exists()
 
 
+def test_export_from_another_directory_after_the_data_is_gone(world, tmp_path, capsys, monkeypatch):
+    """A run launched with relative paths exports from any directory, also once its training data is deleted (export
+    never reads it): the saved config.yaml holds absolute paths. A run saved with relative ones (older mtrain) is
+    refused from elsewhere in one line that names the key and says where to run export."""
+    from mtrain.train.run_folder import write_file_list
+
+    shutil.copytree(world / "packed", tmp_path / "data")
+    shutil.copytree(TOKENIZER_DIR, tmp_path / "assets" / "tok")
+    shutil.copy(MODEL_CONFIG, tmp_path / "assets" / "config.json")
+    monkeypatch.chdir(tmp_path)
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", "model.config=assets/config.json", "--set",
+                       "model.tokenizer=assets/tok", "--set", "data.path=data", "--set", "train.output_dir=run",
+                       "--set", "train.max_steps=1", "--set", "train.export=false"], capsys)
+    assert rc == 0, err
+    saved = yaml.safe_load((tmp_path / "run" / "checkpoints" / "step-0000001" / "config.yaml").read_text())
+    assert saved["model"]["config"] == str(tmp_path / "assets" / "config.json")
+    assert saved["data"]["path"] == str(tmp_path / "data")
+    shutil.rmtree(tmp_path / "data")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    rc, err = run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")], capsys)
+    assert rc == 0, err
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-0000001"
+    saved["model"]["config"] = "assets/config.json"  # as older runs saved it
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(saved))
+    (ckpt / "files.json").unlink()
+    write_file_list(ckpt)
+    rc, err = run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")], capsys)
+    assert rc == 2
+    assert_one_line(err, f"{ckpt / 'config.yaml'}", "model.config", "assets/config.json",
+                    "from the directory the run was launched in")
+    monkeypatch.chdir(tmp_path)  # ... where it works
+    rc, err = run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")], capsys)
+    assert rc == 0, err
+
+
 def test_bare_mtrain_with_mistyped_path_never_touches_the_network(world, tmp_path):
     """No offline variables set, as a user's shell: a hub-shaped typo fails at once, naming the path, and
     nothing connects to the (local, recording) hub endpoint."""
