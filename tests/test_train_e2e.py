@@ -244,6 +244,7 @@ def _plant_in_zero_partition(ckpt: Path, marker: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # three DeepSpeed launches; the first offload run on a machine also compiles cpu_adam
 @pytest.mark.parametrize("config", ["zero2.json", "zero2-offload.json"])
 def test_deepspeed_zero2_checkpoints_load_tensors_only(tmp_path, packed, config):
     """Real ZeRO-2 checkpoints (CPU, gloo; with and without optimizer offload) resume and export through the
@@ -276,3 +277,55 @@ def test_deepspeed_zero2_checkpoints_load_tensors_only(tmp_path, packed, config)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mtrain ")]
     assert len(lines) == 1 and str(planted) in lines[0] and "holds a pickled object" in lines[0], proc.stderr[-3000:]
     assert "weights_only" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _auto_policy_run(tmp_path: Path, packed: Path, out: str, world: int):
+    """`mtrain train` of the sparse kind under sparse_policy auto with dense holds (tests/workers/auto_policy_train.py:
+    sparse on every layer, the estimate paid on some), CP = world, in its own session (for kill -9)."""
+    recipe = _recipe(tmp_path, packed, out, max_steps=8, save_every=4, grad_accum=1, micro_batch_size=1, export=False)
+    sets = ["attention.kind=mtraining", "attention.sparse_policy=auto", "attention.dense_hold_steps=1",
+            "attention.block_size=64", "attention.recall=0.8", "attention.last_q=32", "parallel.granularity=64",
+            f"parallel.cp_size={world}", "logging.log_every=1"]
+    args = [a for s in sets for a in ("--set", s)]
+    cmd = ([sys.executable, "tests/workers/auto_policy_train.py"] if world == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+            "tests/workers/auto_policy_train.py"])
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([*cmd, "train", str(recipe), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _steps(run: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock figures."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "tflops")} for r in rows]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sparse_auto_resume_is_bit_identical(tmp_path, packed, world):
+    """mtraining under sparse_policy auto with dense holds active: killed (kill -9) after the step-4 checkpoint and
+    rerun, the run logs what the uninterrupted one does, bit for bit: losses, per-layer paths, held layers, densities.
+    The holds and the lagged choice's statistics are saved with the checkpoint."""
+    full = _auto_policy_run(tmp_path, packed, "full", world)
+    out, _ = full.communicate(timeout=600)
+    assert full.returncode == 0, out[-3000:]
+    ref = _steps(tmp_path / "full")
+    assert [r["step"] for r in ref] == list(range(1, 9))
+    # the policy really moves: layers held dense after step 4 (state the resumed run must restore), sparse ones too
+    assert any(r.get("attention_held_layers", 0) > 0 for r in ref[4:]), ref
+    assert any("s" in r["attention_paths"] for r in ref[4:]), ref
+
+    marker = tmp_path / "killed" / "checkpoints" / "latest"
+    proc = _auto_policy_run(tmp_path, packed, "killed", world)
+    deadline = time.time() + 300
+    while not (marker.exists() and marker.read_text().strip() == "step-0000004"):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = _auto_policy_run(tmp_path, packed, "killed", world)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    assert _steps(tmp_path / "killed") == ref

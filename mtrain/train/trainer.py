@@ -213,6 +213,8 @@ class Trainer:
             return {}
 
     def _save_checkpoint(self, accelerator) -> None:
+        from mtrain.models.attention import policy_state
+
         name = f"step-{self.state.step:07d}"
         root = self._checkpoint_root()
         final, tmp = root / name, root / (name + ".tmp")
@@ -224,7 +226,8 @@ class Trainer:
             accelerator.wait_for_everyone()
             accelerator.save_state(str(tmp))
             (tmp / f"trainer_state_rank{accelerator.process_index}.json").write_text(
-                json.dumps({"state": self.state.state_dict(), "data": self.reader.state_dict()})
+                json.dumps({"state": self.state.state_dict(), "data": self.reader.state_dict(),
+                            "attention": policy_state()})
             )
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
@@ -267,6 +270,10 @@ class Trainer:
             )
         self.state.load_state_dict(state)
         self.reader.load_state_dict(saved["data"])
+        if "attention" in saved:  # checkpoints from before it was saved resume with fresh holds
+            from mtrain.models.attention import load_policy_state
+
+            load_policy_state(saved["attention"])
         log.info("resumed from %s at step %d", path, self.state.step)
 
     # ---- the loop -----------------------------------------------------------------------------
