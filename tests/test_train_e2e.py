@@ -301,6 +301,7 @@ def _steps(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "tflops")} for r in rows]
 
 
+@pytest.mark.slow  # about 2 minutes each on 2 cores: three runs of 8 steps
 @pytest.mark.parametrize("world", [1, 2])
 def test_sparse_auto_resume_is_bit_identical(tmp_path, packed, world):
     """mtraining under sparse_policy auto with dense holds active: killed (kill -9) after the step-4 checkpoint and
