@@ -30,21 +30,12 @@ import yaml
 from mtrain.cli import main
 from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
 from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+from planted import Payload
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 128
 # files whose presence says "this output is finished": none may appear after a failed command
 COMPLETE = ("index.json", "manifest.json", "latest", "results.json", "config.json", "compare.png")
-
-
-class Payload:
-    """Unpickling this creates its marker file: proof that a file's code ran."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.marker),))
 
 
 @pytest.fixture(scope="module")

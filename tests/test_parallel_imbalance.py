@@ -184,6 +184,7 @@ def test_bench_imbalance_index_file(capsys, tmp_path):
     """--index: a saved index's fields give the table; a file that is not a torch file, or holds a pickled object
     (its code would run under torch.load's old default), is refused in one line naming it, running nothing."""
     from mtrain.cli import main
+    from planted import Payload
 
     index = _sink_and_diagonal(8, 16)
     fields = {k: getattr(index, k) for k in ("block_ids", "block_counts", "col_ids", "col_counts")}
@@ -193,7 +194,7 @@ def test_bench_imbalance_index_file(capsys, tmp_path):
 
     (tmp_path / "notes.txt").write_text("not an index\n")
     marker = tmp_path / "PWNED"
-    torch.save({**fields, "seq_len": 128, "block_size": _Touch(marker)}, tmp_path / "planted.pt")
+    torch.save({**fields, "seq_len": 128, "block_size": Payload(marker)}, tmp_path / "planted.pt")
     for name, needle in (("notes.txt", "not a torch tensor file"), ("planted.pt", "holds a pickled object")):
         assert main(["bench", "imbalance", "--index", str(tmp_path / name), "--cp", "2"]) == 2
         err = capsys.readouterr().err
@@ -202,14 +203,3 @@ def test_bench_imbalance_index_file(capsys, tmp_path):
         assert "weights_only" not in err and "Traceback" not in err
     assert not marker.exists()
 
-
-class _Touch:
-    """Unpickling this creates `marker`."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        from pathlib import Path
-
-        return (Path.touch, (Path(self.marker),))

@@ -13,6 +13,7 @@ import torch
 
 from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
 from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+from planted import Payload
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 256
@@ -218,16 +219,6 @@ def test_deepspeed_skips_and_counts_non_finite_updates(tmp_path, packed):
     assert "update skipped (2 so far)" in out
 
 
-class _Touch:
-    """Unpickling this creates `marker`: proof that a file's code ran."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.marker),))
-
-
 def _plant_in_zero_partition(ckpt: Path, marker: Path) -> Path:
     """Add a payload to rank 0's ZeRO-2 optimizer partition (the rest of it intact) and rewrite files.json to vouch
     for it, as a sender of the checkpoint could. Returns the planted file."""
@@ -236,7 +227,7 @@ def _plant_in_zero_partition(ckpt: Path, marker: Path) -> Path:
 
     planted = ckpt / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     state = load_tensors(planted)
-    state["ds_version"] = _Touch(marker)
+    state["ds_version"] = Payload(marker)
     torch.save(state, planted)
     (ckpt / "files.json").unlink()
     write_file_list(ckpt)
