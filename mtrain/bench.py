@@ -118,6 +118,11 @@ def run_imbalance(args) -> int:
     if args.index:
         indices = [(None, _load_index(args.index))]
     else:
+        short = [n for n in args.lengths if n <= 2 * args.window or n < args.block_size]
+        if short:  # the synthetic index draws its far slashes from [window, length / 2)
+            raise MtrainError(f"--lengths {','.join(map(str, short))}: the synthetic index needs lengths above "
+                              f"2 x --window ({args.window}) and at least --block-size ({args.block_size}); give "
+                              f"longer lengths (e.g. 8K) or a smaller --window")
         indices = [(n, None) for n in args.lengths]
     header = (f"{'tokens':>8} {'CP':>4} {'layout':<13} {'kblock':>6} {'density':>7} "
               f"{'worker':>7} {'step':>7} {'worker':>7} {'step':>7}")

@@ -180,6 +180,21 @@ def test_bench_imbalance_bad_length_is_a_usage_error(capsys):
     assert "argument --lengths: cannot read '12ABC' as a token count" in err
 
 
+def test_bench_imbalance_length_too_short_for_the_synthetic_index(capsys):
+    """--lengths 1000 (below 2 x the default 1024-token window): one line naming the lengths and the fix (it was an
+    internal error from torch.randint); a length the layout cannot split is a skipped row, not an error."""
+    from mtrain.cli import main
+
+    assert main(["bench", "imbalance", "--lengths", "1000,8K", "--cp", "3"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("mtrain ")]
+    assert len(lines) == 1 and "--lengths 1000:" in lines[0] and "smaller --window" in lines[0], err
+    assert main(["bench", "imbalance", "--lengths", "3000", "--cp", "3", "--window", "1000",
+                 "--layouts", "stripe,block-stripe"]) == 0
+    out = capsys.readouterr().out
+    assert "block-stripe  skipped: length not a multiple of 192" in out and " stripe " in out
+
+
 def test_bench_imbalance_index_file(capsys, tmp_path):
     """--index: a saved index's fields give the table; a file that is not a torch file, or holds a pickled object
     (its code would run under torch.load's old default), is refused in one line naming it, running nothing."""
