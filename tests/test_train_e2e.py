@@ -222,6 +222,8 @@ def test_deepspeed_skips_and_counts_non_finite_updates(tmp_path, packed):
 def _plant_in_zero_partition(ckpt: Path, marker: Path) -> Path:
     """Add a payload to rank 0's ZeRO-2 optimizer partition (the rest of it intact) and rewrite files.json to vouch
     for it, as a sender of the checkpoint could. Returns the planted file."""
+    import deepspeed  # noqa: F401  (load_tensors allows DeepSpeed's classes once it is imported)
+
     from mtrain.safe_load import load_tensors
     from mtrain.train.run_folder import write_file_list
 
