@@ -14,11 +14,13 @@ _SIZES = {"K": 1 << 10, "M": 1 << 20}
 
 
 def _tokens(text: str) -> int:
+    """An argparse type: a token count (131072, 128K, 1M). argparse reports a bad one as a usage error naming the
+    option (an MtrainError raised here would escape parse_args as a traceback)."""
     text = text.strip().upper()
     try:
-        return int(text[:-1]) * _SIZES[text[-1]] if text[-1] in _SIZES else int(text)
-    except ValueError as exc:
-        raise MtrainError(f"cannot read {text!r} as a token count; write e.g. 131072, 128K or 1M") from exc
+        return int(text[:-1]) * _SIZES[text[-1]] if text[-1:] in _SIZES else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a token count; write e.g. 131072, 128K or 1M") from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -95,16 +97,16 @@ def synthetic_index(seq_len: int, args):
 
 
 def _load_index(path: str):
-    import torch
-
     from mtrain.ops import SparseIndex
+    from mtrain.safe_load import load_tensors
 
+    fields = load_tensors(path)  # tensors only: an index file runs no code
     try:
-        fields = torch.load(path, map_location="cpu")
         return SparseIndex(**{k: fields[k] for k in ("block_ids", "block_counts", "col_ids", "col_counts",
                                                      "seq_len", "block_size")})
-    except (OSError, KeyError, TypeError) as exc:
-        raise MtrainError(f"--index {path}: cannot load a SparseIndex from it ({exc})") from exc
+    except (KeyError, TypeError) as exc:
+        raise MtrainError(f"--index {path}: not a SparseIndex's fields (a dict of block_ids, block_counts, col_ids, "
+                          f"col_counts, seq_len, block_size; {type(exc).__name__}: {exc})") from None
 
 
 def run_imbalance(args) -> int:
@@ -116,6 +118,11 @@ def run_imbalance(args) -> int:
     if args.index:
         indices = [(None, _load_index(args.index))]
     else:
+        short = [n for n in args.lengths if n <= 2 * args.window or n < args.block_size]
+        if short:  # the synthetic index draws its far slashes from [window, length / 2)
+            raise MtrainError(f"--lengths {','.join(map(str, short))}: the synthetic index needs lengths above "
+                              f"2 x --window ({args.window}) and at least --block-size ({args.block_size}); give "
+                              f"longer lengths (e.g. 8K) or a smaller --window")
         indices = [(n, None) for n in args.lengths]
     header = (f"{'tokens':>8} {'CP':>4} {'layout':<13} {'kblock':>6} {'density':>7} "
               f"{'worker':>7} {'step':>7} {'worker':>7} {'step':>7}")

@@ -201,12 +201,23 @@ class RecipeConfig:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the resolved config as YAML, atomically."""
+        """Write the resolved config as YAML, atomically. Local paths are written absolute, so that the saved
+        config means the same files from any directory (`mtrain export` of a checkpoint reads it)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        raw = self.to_dict()
+        for section, key in LOCAL_PATH_KEYS:
+            value = raw[section][key]
+            if isinstance(value, str) and Path(value).exists():  # a hub id stays as it is
+                raw[section][key] = os.path.abspath(value)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        tmp.write_text(yaml.safe_dump(raw, sort_keys=False))
         os.replace(tmp, path)
+
+
+# (section, key) of the recipe fields that name local files or folders
+LOCAL_PATH_KEYS = (("model", "path"), ("model", "config"), ("model", "tokenizer"), ("data", "path"),
+                   ("train", "output_dir"), ("train", "deepspeed"))
 
 
 def _suggest(name: str, options) -> str:
@@ -314,12 +325,13 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def _check(recipe: RecipeConfig) -> None:
-    """Cross-field checks that need more than the types."""
-    m, d, a, p, t, o = recipe.model, recipe.data, recipe.attention, recipe.parallel, recipe.train, recipe.optim
+def check_model_section(m: ModelConfig, deepspeed: str | None = None) -> None:
+    """The model section's checks (exactly one of path / config, the paths exist, tokenizer and model files): all
+    that a tool which only builds the model (`mtrain export`) needs of a recipe. deepspeed: train.deepspeed,
+    whose path is checked with them."""
     if (m.path is None) == (m.config is None):
         raise ConfigError("model: set exactly one of 'model.path' (a checkpoint to continue) or 'model.config' (a config.json to start from)")
-    for key, value in (("model.path", m.path), ("model.config", m.config), ("model.tokenizer", m.tokenizer), ("train.deepspeed", t.deepspeed)):
+    for key, value in (("model.path", m.path), ("model.config", m.config), ("model.tokenizer", m.tokenizer), ("train.deepspeed", deepspeed)):
         if value is None or Path(value).exists():
             continue
         if key in ("model.path", "model.tokenizer") and _HUB_ID.fullmatch(value):
@@ -329,6 +341,12 @@ def _check(recipe: RecipeConfig) -> None:
     if m.path is None and m.tokenizer is None:
         raise ConfigError("model.tokenizer: required when the model starts from 'model.config'")
     _check_model_files(m)
+
+
+def _check(recipe: RecipeConfig) -> None:
+    """Cross-field checks that need more than the types."""
+    m, d, a, p, t, o = recipe.model, recipe.data, recipe.attention, recipe.parallel, recipe.train, recipe.optim
+    check_model_section(m, t.deepspeed)
     if t.deepspeed is not None and not Path(t.deepspeed).is_file():
         raise ConfigError(f"train.deepspeed: '{t.deepspeed}' is not a file; name a DeepSpeed JSON config")
     if not d.path:

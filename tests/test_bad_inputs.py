@@ -30,21 +30,12 @@ import yaml
 from mtrain.cli import main
 from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
 from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+from planted import Payload
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 128
 # files whose presence says "this output is finished": none may appear after a failed command
 COMPLETE = ("index.json", "manifest.json", "latest", "results.json", "config.json", "compare.png")
-
-
-class Payload:
-    """Unpickling this creates its marker file: proof that a file's code ran."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.marker),))
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +151,18 @@ def _pkl_mds(folder: Path, columns: dict, sample: dict) -> Path:
     writer = mds_writer(str(folder), columns, compression=None, size_limit=None)
     writer.write(sample)
     writer.finish()
+    return folder
+
+
+def _hidden_pkl_mds(folder: Path, columns: dict, sample: dict, payload: Payload, under: str) -> Path:
+    """An MDS folder whose `pkl` column is listed under the name `under` of another column: a lookup by name sees
+    only the other column's encoding, while the reader decodes every column by position (the payload first)."""
+    _pkl_mds(folder, {"_hidden": "pkl", **columns}, {"_hidden": payload, **sample})  # sorted: _hidden comes first
+    index = json.loads((folder / "index.json").read_text())
+    for shard in index["shards"]:
+        assert shard["column_names"][0] == "_hidden" and shard["column_encodings"][0] == "pkl"
+        shard["column_names"][0] = under
+    (folder / "index.json").write_text(json.dumps(index))
     return folder
 
 
@@ -285,6 +288,11 @@ PACK = [
         ["pack", "--source", f"{_pkl_mds(c.tmp / 'pklsrc', {'text': 'pkl'}, {'text': Payload(c.tmp / 'PWNED')})}:mds",
          "--tokenizer", str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(c.tmp / "p"), "--workers", "1"],
         ["pklsrc", "pickle", "re-encode"], 2)),
+    ("mds-source-pkl-under-a-duplicate-name", lambda c: (
+        ["pack", "--source", str(_hidden_pkl_mds(c.tmp / "dupsrc", {"text": "str"}, {"text": "plain words " * 200},
+                                                 Payload(c.tmp / "PWNED"), "text")) + ":mds",
+         "--tokenizer", str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(c.tmp / "p"), "--workers", "1"],
+        ["dupsrc", "distinct", "'text'", "listed more than once"], 2)),
 ]
 
 
@@ -542,9 +550,49 @@ def test_pickle_in_checkpoint_never_runs(world, tmp_path, capsys, caplog, name):
                        "--set", "train.max_steps=3", "--set", "train.export=false"], capsys)
     assert not marker.exists(), f"code planted in {name} ran"
     assert rc == 0, err
-    if name == "optimizer.bin":
-        assert "step-0000002 is damaged" in caplog.text and "UnpicklingError" in caplog.text
+    if name in ("optimizer.bin", "random_states_0.pkl"):  # what resume reads: refused in one line naming it
+        assert f"step-0000002 is damaged: {latest / name}: not a torch tensor file" in caplog.text
         assert "resumed from the previous intact checkpoint" in caplog.text
+    assert "weights_only" not in caplog.text + err  # torch's advice to unpickle anyway never reaches the user
+
+
+def _plant_zero2_files(ckpt: Path, marker: Path) -> None:
+    """Files named and laid out as accelerate + DeepSpeed ZeRO-2 write them (pytorch_model/mp_rank_00_model_states.pt,
+    pytorch_model/zero_pp_rank_R_mp_rank_00_optim_states.pt), each a torch.save'd dict holding a payload among its
+    tensors; model.safetensors removed and files.json rewritten to vouch for them (the sender writes it too)."""
+    import torch
+
+    from mtrain.train.run_folder import write_file_list
+
+    (ckpt / "model.safetensors").unlink()
+    ds = ckpt / "pytorch_model"
+    ds.mkdir()
+    torch.save({"module": {"w": torch.zeros(2)}, "ds_version": Payload(marker)}, ds / "mp_rank_00_model_states.pt")
+    for rank in range(2):
+        torch.save({"optimizer_state_dict": {"zero_stage": Payload(marker)}, "ds_version": "0.19.8"},
+                   ds / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    (ckpt / "files.json").unlink()
+    write_file_list(ckpt)
+
+
+def test_pickle_in_zero2_layout_never_runs_on_export(world, tmp_path, capsys):
+    """`mtrain export` of a checkpoint holding ZeRO-2 files with a planted payload: refused in one line naming the
+    file, nothing run. DeepSpeed's own zero_to_fp32 runs the same files' payload (what export used to call)."""
+    run = copy_run(world, tmp_path / "run")
+    marker = tmp_path / "PWNED"
+    _plant_zero2_files(_latest(run), marker)
+    rc, err = run_cli(["export", str(run), "--out", str(tmp_path / "hf")], capsys)
+    assert not marker.exists()
+    assert rc == 2
+    assert_one_line(err, "step-0000002", "pytorch_model/mp_rank_00_model_states.pt", "holds a pickled object",
+                    "tensors only", "previous intact checkpoint is")
+    assert "weights_only" not in err and not (tmp_path / "hf" / "config.json").exists()
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with pytest.raises(Exception):  # the crafted files are no real partitions, but the payload runs first
+        get_fp32_state_dict_from_zero_checkpoint(str(_latest(run)), tag="pytorch_model")
+    assert marker.exists(), "the planted payload is not live: this test would prove nothing"
 
 
 def test_pkl_column_in_training_data_never_runs(world, tmp_path, capsys):
@@ -558,6 +606,21 @@ def test_pkl_column_in_training_data_never_runs(world, tmp_path, capsys):
     assert rc == 2
     assert_one_line(err, "input_ids", "pickle")
     assert not marker.exists()
+
+
+def test_pkl_column_under_a_duplicate_name_in_training_data_never_runs(world, tmp_path, capsys):
+    """The `pkl` column named like the ndarray column after it: refused before any sample is decoded."""
+    import numpy as np
+
+    marker = tmp_path / "PWNED"
+    data = _hidden_pkl_mds(tmp_path / "data", {"input_ids": "ndarray:uint32", "indices": "ndarray:uint32"},
+                           {"input_ids": np.arange(SEQ, dtype=np.uint32), "indices": np.array([[0, SEQ]], np.uint32)},
+                           Payload(marker), "input_ids")
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"data.path={data}",
+                       "--set", f"train.output_dir={tmp_path / 'out'}"], capsys)
+    assert not marker.exists()
+    assert rc == 2
+    assert_one_line(err, "index.json", "'input_ids'", "listed more than once")
 
 
 def test_yaml_recipe_cannot_build_objects(world, tmp_path, capsys):
@@ -732,6 +795,75 @@ def test_pack_workers_die_with_their_parent(world, tmp_path):
     assert not (tmp_path / "packed" / "index.json").exists()
 
 
+def test_second_pack_into_one_out_fails_at_once(world, tmp_path, capsys):
+    """Two `mtrain pack` into one --out at once: the second fails at once with one line (it used to race the first
+    over its work files); the first finishes cleanly (index.json and manifest.json, no .work left)."""
+    out = tmp_path / "packed"
+    script = (
+        "import sys, time\n"
+        "import mtrain.data.tokenize as tk\n"
+        "real = tk.tokenize_chunk\n"
+        "def slow(chunk):\n    time.sleep(4)\n    return real(chunk)\n"
+        "tk.tokenize_chunk = slow\n"
+        "from mtrain.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["pack", "--source", f"{world / 'docs.jsonl'}:jsonl", "--tokenizer", str(TOKENIZER_DIR), "--seq-len",
+            "128", "--out", str(out), "--workers", "1", "--no-progress"]
+    first = subprocess.Popen([sys.executable, "-c", script, *argv], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (out / ".work" / "config.json").exists():  # the first holds the folder and is tokenizing
+        assert first.poll() is None and time.time() < deadline, first.communicate()
+        time.sleep(0.05)
+    started = time.time()
+    rc, err = run_cli(argv, capsys)
+    assert time.time() - started < 2.0 and first.poll() is None  # refused at once, while the first still runs
+    assert rc == 2
+    assert_one_line(err, str(out), "another `mtrain pack`", "another --out")
+    _, first_err = first.communicate(timeout=120)
+    assert first.returncode == 0, first_err[-3000:]
+    assert (out / "index.json").is_file() and (out / "manifest.json").is_file() and not (out / ".work").exists()
+
+
+def test_export_from_another_directory_after_the_data_is_gone(world, tmp_path, capsys, monkeypatch):
+    """A run launched with relative paths exports from any directory, also once its training data is deleted (export
+    never reads it): the saved config.yaml holds absolute paths. A run saved with relative ones (older mtrain) is
+    refused from elsewhere in one line that names the key and says where to run export."""
+    from mtrain.train.run_folder import write_file_list
+
+    shutil.copytree(world / "packed", tmp_path / "data")
+    shutil.copytree(TOKENIZER_DIR, tmp_path / "assets" / "tok")
+    shutil.copy(MODEL_CONFIG, tmp_path / "assets" / "config.json")
+    monkeypatch.chdir(tmp_path)
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", "model.config=assets/config.json", "--set",
+                       "model.tokenizer=assets/tok", "--set", "data.path=data", "--set", "train.output_dir=run",
+                       "--set", "train.max_steps=1", "--set", "train.export=false"], capsys)
+    assert rc == 0, err
+    saved = yaml.safe_load((tmp_path / "run" / "checkpoints" / "step-0000001" / "config.yaml").read_text())
+    assert saved["model"]["config"] == str(tmp_path / "assets" / "config.json")
+    assert saved["data"]["path"] == str(tmp_path / "data")
+    shutil.rmtree(tmp_path / "data")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    rc, err = run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")], capsys)
+    assert rc == 0, err
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-0000001"
+    saved["model"]["config"] = "assets/config.json"  # as older runs saved it
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(saved))
+    (ckpt / "files.json").unlink()
+    write_file_list(ckpt)
+    rc, err = run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")], capsys)
+    assert rc == 2
+    assert_one_line(err, f"{ckpt / 'config.yaml'}", "model.config", "assets/config.json",
+                    "from the directory the run was launched in")
+    monkeypatch.chdir(tmp_path)  # ... where it works
+    rc, err = run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")], capsys)
+    assert rc == 0, err
+
+
 def test_bare_mtrain_with_mistyped_path_never_touches_the_network(world, tmp_path):
     """No offline variables set, as a user's shell: a hub-shaped typo fails at once, naming the path, and
     nothing connects to the (local, recording) hub endpoint."""
@@ -775,3 +907,22 @@ def test_bare_mtrain_with_mistyped_path_never_touches_the_network(world, tmp_pat
         thread.join()
         server.close()
     assert not hits, "mtrain connected to the hub endpoint"
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch every process's connections")
+def test_wandb_offline_resolves_no_server_name(world, tmp_path):
+    """logging.wandb: offline (the default) opens no internet socket in any process (wandb's own service
+    included): no DNS query, no connection; its run log is still written."""
+    run = tmp_path / "run"
+    trace = tmp_path / "connect.trace"
+    env = _env(WANDB_SILENT="true")
+    env.pop("WANDB_ERROR_REPORTING", None)
+    proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmmsg", "-o", str(trace),
+                           sys.executable, "-m", "mtrain", "train", str(world / "recipe.yaml"), "--set",
+                           f"train.output_dir={run}", "--set", "train.max_steps=1", "--set", "logging.wandb=offline",
+                           "--set", "train.export=false"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(run.glob("wandb/offline-run-*/run-*.wandb")), "wandb wrote no offline run log"
+    internet = [line for line in trace.read_text().splitlines() if "AF_INET" in line or "htons(53)" in line]
+    assert not internet, internet[:5]

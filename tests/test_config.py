@@ -85,10 +85,23 @@ def test_one_device_engines_are_refused_under_context_parallelism(recipe_file):
     assert load_recipe(recipe_file, ["attention.engine=fa4", "parallel.cp_size=2"]).attention.engine == "fa4"
 
 
-def test_resolved_config_round_trips(recipe_file, tmp_path):
+def test_resolved_config_round_trips(recipe_file, tmp_path, monkeypatch):
+    """save then load gives the same recipe, local paths written absolute (the same files from any directory)."""
+    import os
+
+    from mtrain.config import LOCAL_PATH_KEYS
+
+    monkeypatch.chdir(recipe_file.parent)
     r = load_recipe(recipe_file, ["train.seed=3"])
+    assert not os.path.isabs(r.model.config)
     r.save(tmp_path / "resolved.yaml")
+    monkeypatch.chdir(tmp_path.parent)
     again = load_recipe(tmp_path / "resolved.yaml")
+    for section, key in LOCAL_PATH_KEYS:
+        given, saved = getattr(getattr(r, section), key), getattr(getattr(again, section), key)
+        if given is not None and (recipe_file.parent / given).exists():  # ("out" does not exist yet: kept as given)
+            assert saved == os.path.join(recipe_file.parent, given), (section, key)
+            setattr(getattr(again, section), key, given)
     assert again == r
 
 

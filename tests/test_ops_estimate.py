@@ -81,6 +81,16 @@ def test_diagonal_and_sink_always_present_and_caps_hold():
     assert (index.block_counts <= 3).all()
 
 
+def test_one_block_sequence():
+    """A sequence of one block has no slash offset besides the diagonal: the index is that block, the whole
+    causal triangle (it used to stop in torch.topk asking for one of no candidates)."""
+    q, k = planted(S=64, outlier=40)
+    index = estimate_vertical_slash(q, k, recall=0.9, last_q=16, block_size=64)
+    assert index.n_blocks == 1
+    assert torch.equal(index.to_mask(), torch.ones(64, 64, dtype=torch.bool).tril().expand_as(index.to_mask()))
+    assert index.density() == 1.0
+
+
 def test_scored_rows_spread_over_the_sequence():
     rows = scored_rows(1000, 40, 3, 64)
     assert torch.equal(rows[-40:], torch.arange(960, 1000))

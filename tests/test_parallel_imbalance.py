@@ -59,6 +59,25 @@ def test_sink_on_and_off_the_ring_by_hand():
     assert off["total"] == pytest.approx(on["total"])
 
 
+def test_rank_holding_only_the_sink_block():
+    """128 tokens, block 64, CP = 2 (block-stripe): rank 0 holds only the sink block, so nothing of its rows is
+    left on the ring; its measure is zeros, not an integer tensor (the CP = 2 short-shard crash of rank_work)."""
+    from mtrain.ops.index import rows_from_lines
+    from mtrain.parallel.imbalance import rank_work
+
+    index = _sink_and_diagonal(2, 64)
+    layout = Layout.create("block-stripe", world_size=2, granularity=64)
+    whole = imbalance(index, layout)
+    # rank 0's row 0 lists only the sink (attended off the ring); rank 1's row 1 keeps its diagonal at step 0
+    assert torch.equal(whole["work"], torch.tensor([[0.0, 0.0], [1.0, 0.0]], dtype=torch.float64))
+    assert torch.equal(whole["local"], torch.tensor([1.0, 1.0], dtype=torch.float64))
+    for rank in range(2):  # each rank holds only its own row, as under CP
+        mine = rank_work(rows_from_lines(torch.empty(1, 1, 0, dtype=torch.long), torch.empty(1, 1, 0, dtype=torch.long),
+                                         128, 64, torch.tensor([rank])), layout, rank)
+        assert mine.dtype == torch.float64
+        assert torch.equal(mine, torch.cat([whole["work"][rank], whole["local"][rank:rank + 1]]))
+
+
 def test_vertical_column_lands_on_its_owner_step():
     # token 85 lies in block 5 (rank 1); rows 6..15 attend it as an extra column (1/16 block each)
     index = _sink_and_diagonal(16, 16, vertical=[85])
@@ -147,3 +166,55 @@ def test_hierarchical_ring_balanced_only_with_the_node_aware_layout():
     assert by_hand["work"][3].tolist() == [10.0, 16.0, 16.0, 16.0]
     # rank 1 = node 0, local 1, slot 2: visits slots 2, 0, 1, 3 -> ranks 1, 0, 2, 3 (the last two in its future)
     assert by_hand["work"][1].tolist() == [10.0, 16.0, 0.0, 0.0]
+
+
+def test_bench_imbalance_bad_length_is_a_usage_error(capsys):
+    """`--lengths 12abc`: argparse's usage error naming the option (it was a traceback from inside parse_args)."""
+    from mtrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "imbalance", "--lengths", "12abc"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "argument --lengths: cannot read '12ABC' as a token count" in err
+
+
+def test_bench_imbalance_length_too_short_for_the_synthetic_index(capsys):
+    """--lengths 1000 (below 2 x the default 1024-token window): one line naming the lengths and the fix (it was an
+    internal error from torch.randint); a length the layout cannot split is a skipped row, not an error."""
+    from mtrain.cli import main
+
+    assert main(["bench", "imbalance", "--lengths", "1000,8K", "--cp", "3"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("mtrain ")]
+    assert len(lines) == 1 and "--lengths 1000:" in lines[0] and "smaller --window" in lines[0], err
+    assert main(["bench", "imbalance", "--lengths", "3000", "--cp", "3", "--window", "1000",
+                 "--layouts", "stripe,block-stripe"]) == 0
+    out = capsys.readouterr().out
+    assert "block-stripe  skipped: length not a multiple of 192" in out and " stripe " in out
+
+
+def test_bench_imbalance_index_file(capsys, tmp_path):
+    """--index: a saved index's fields give the table; a file that is not a torch file, or holds a pickled object
+    (its code would run under torch.load's old default), is refused in one line naming it, running nothing."""
+    from mtrain.cli import main
+    from planted import Payload
+
+    index = _sink_and_diagonal(8, 16)
+    fields = {k: getattr(index, k) for k in ("block_ids", "block_counts", "col_ids", "col_counts")}
+    torch.save({**fields, "seq_len": 128, "block_size": 16}, tmp_path / "index.pt")
+    assert main(["bench", "imbalance", "--index", str(tmp_path / "index.pt"), "--cp", "2", "--layouts", "zigzag"]) == 0
+    assert "zigzag" in capsys.readouterr().out
+
+    (tmp_path / "notes.txt").write_text("not an index\n")
+    marker = tmp_path / "PWNED"
+    torch.save({**fields, "seq_len": 128, "block_size": Payload(marker)}, tmp_path / "planted.pt")
+    for name, needle in (("notes.txt", "not a torch tensor file"), ("planted.pt", "holds a pickled object")):
+        assert main(["bench", "imbalance", "--index", str(tmp_path / name), "--cp", "2"]) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("mtrain ")]
+        assert len(lines) == 1 and name in lines[0] and needle in lines[0], err
+        assert "weights_only" not in err and "Traceback" not in err
+    assert not marker.exists()
+

@@ -13,6 +13,7 @@ import torch
 
 from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
 from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+from planted import Payload
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 256
@@ -239,3 +240,109 @@ def test_deepspeed_skips_and_counts_non_finite_updates(tmp_path, packed):
     rows = [json.loads(line) for line in (tmp_path / "ds-bad" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in rows] == [0, 1, 2], rows
     assert "update skipped (2 so far)" in out
+
+
+def _plant_in_zero_partition(ckpt: Path, marker: Path) -> Path:
+    """Add a payload to rank 0's ZeRO-2 optimizer partition (the rest of it intact) and rewrite files.json to vouch
+    for it, as a sender of the checkpoint could. Returns the planted file."""
+    import deepspeed  # noqa: F401  (load_tensors allows DeepSpeed's classes once it is imported)
+
+    from mtrain.safe_load import load_tensors
+    from mtrain.train.run_folder import write_file_list
+
+    planted = ckpt / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = load_tensors(planted)
+    state["ds_version"] = Payload(marker)
+    torch.save(state, planted)
+    (ckpt / "files.json").unlink()
+    write_file_list(ckpt)
+    return planted
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # three DeepSpeed launches; the first offload run on a machine also compiles cpu_adam
+@pytest.mark.parametrize("config", ["zero2.json", "zero2-offload.json"])
+def test_deepspeed_zero2_checkpoints_load_tensors_only(tmp_path, packed, config):
+    """Real ZeRO-2 checkpoints (CPU, gloo; with and without optimizer offload) resume and export through the
+    tensors-only check; a payload planted in a ZeRO partition is refused by resume (which falls back to the previous
+    checkpoint) and by export, and never runs. DeepSpeed itself unpickles these files with weights_only=False."""
+    ds = ["--set", f"train.deepspeed={REPO / 'configs' / 'deepspeed' / config}"]
+    recipe = _recipe(tmp_path, packed, "ds", max_steps=2, save_every=1, export=False, grad_accum=1)
+    returncode, out = _run_deepspeed(tmp_path, recipe, *ds)
+    assert returncode == 0, out[-3000:]
+    run, marker = tmp_path / "ds", tmp_path / "PWNED"
+    planted = _plant_in_zero_partition(run / "checkpoints" / "step-0000002", marker)
+
+    returncode, out = _run_deepspeed(tmp_path, recipe, *ds, "--set", "train.max_steps=3")
+    assert not marker.exists(), "code planted in a ZeRO partition ran on resume"
+    assert returncode == 0, out[-3000:]
+    assert f"step-0000002 is damaged: {planted}: holds a pickled object" in out
+    assert "resumed from the previous intact checkpoint" in out and "resumed from" in out
+    assert "weights_only" not in out
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+    # the intact step-3 checkpoint exports; planted, it is refused in one line
+    export = [sys.executable, "-m", "mtrain", "export", str(run), "--out"]
+    proc = subprocess.run([*export, str(tmp_path / "hf")], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    planted = _plant_in_zero_partition(run / "checkpoints" / "step-0000003", marker)
+    proc = subprocess.run([*export, str(tmp_path / "hf2")], capture_output=True, text=True, cwd=REPO)
+    assert not marker.exists(), "code planted in a ZeRO partition ran on export"
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("mtrain ")]
+    assert len(lines) == 1 and str(planted) in lines[0] and "holds a pickled object" in lines[0], proc.stderr[-3000:]
+    assert "weights_only" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _auto_policy_run(tmp_path: Path, packed: Path, out: str, world: int):
+    """`mtrain train` of the sparse kind under sparse_policy auto with dense holds (tests/workers/auto_policy_train.py:
+    sparse on every layer, the estimate paid on some), CP = world, in its own session (for kill -9)."""
+    recipe = _recipe(tmp_path, packed, out, max_steps=8, save_every=4, grad_accum=1, micro_batch_size=1, export=False)
+    sets = ["attention.kind=mtraining", "attention.sparse_policy=auto", "attention.dense_hold_steps=1",
+            "attention.block_size=64", "attention.recall=0.8", "attention.last_q=32", "parallel.granularity=64",
+            f"parallel.cp_size={world}", "logging.log_every=1"]
+    args = [a for s in sets for a in ("--set", s)]
+    cmd = ([sys.executable, "tests/workers/auto_policy_train.py"] if world == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+            "tests/workers/auto_policy_train.py"])
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([*cmd, "train", str(recipe), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _steps(run: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock figures."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "tflops")} for r in rows]
+
+
+@pytest.mark.slow  # about 2 minutes each on 2 cores: three runs of 8 steps
+@pytest.mark.parametrize("world", [1, 2])
+def test_sparse_auto_resume_is_bit_identical(tmp_path, packed, world):
+    """mtraining under sparse_policy auto with dense holds active: killed (kill -9) after the step-4 checkpoint and
+    rerun, the run logs what the uninterrupted one does, bit for bit: losses, per-layer paths, held layers, densities.
+    The holds and the lagged choice's statistics are saved with the checkpoint."""
+    full = _auto_policy_run(tmp_path, packed, "full", world)
+    out, _ = full.communicate(timeout=600)
+    assert full.returncode == 0, out[-3000:]
+    ref = _steps(tmp_path / "full")
+    assert [r["step"] for r in ref] == list(range(1, 9))
+    # the policy really moves: layers held dense after step 4 (state the resumed run must restore), sparse ones too
+    assert any(r.get("attention_held_layers", 0) > 0 for r in ref[4:]), ref
+    assert any("s" in r["attention_paths"] for r in ref[4:]), ref
+
+    marker = tmp_path / "killed" / "checkpoints" / "latest"
+    proc = _auto_policy_run(tmp_path, packed, "killed", world)
+    deadline = time.time() + 300
+    while not (marker.exists() and marker.read_text().strip() == "step-0000004"):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = _auto_policy_run(tmp_path, packed, "killed", world)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    assert _steps(tmp_path / "killed") == ref

@@ -80,9 +80,21 @@ def _hash(algo: str, data: bytes) -> str:
 UNSAFE_ENCODINGS = ("pkl",)
 
 
-def refuse_unsafe_columns(columns: dict[str, str], where: str) -> None:
-    """Refuse an MDS dataset whose columns would be unpickled on read."""
-    unsafe = sorted(name for name, enc in columns.items() if str(enc).split(":")[0] in UNSAFE_ENCODINGS)
+def refuse_unsafe_columns(info: dict[str, Any], where: str) -> None:
+    """Refuse an MDS shard (an entry of index.json's `shards`) whose columns would be unpickled on read.
+
+    The reader decodes column i with encoding i, whatever the names: every encoding is checked by position, and
+    names must be distinct strings matching the encodings one to one (a name listed twice would hide a column
+    from any lookup by name, and its value would replace the other's in the decoded sample)."""
+    names, encodings = info.get("column_names"), info.get("column_encodings")
+    if not isinstance(names, list) or not isinstance(encodings, list) or len(names) != len(encodings):
+        raise MtrainError(f"{where}: corrupt MDS index (column_names and column_encodings must be two lists of one "
+                          "entry per column); re-create the dataset")
+    if not all(isinstance(x, str) for x in names + encodings) or len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1}, key=str)
+        raise MtrainError(f"{where}: MDS column names must be distinct strings, got {names}"
+                          f"{f' ({twice} listed more than once)' if twice else ''}; re-create the dataset")
+    unsafe = [name for name, enc in zip(names, encodings) if enc.split(":")[0] in UNSAFE_ENCODINGS]
     if unsafe:
         raise MtrainError(
             f"{where}: column(s) {unsafe} are encoded as pickle (`pkl`), which runs code when read; mtrain does "
@@ -100,8 +112,8 @@ class MDSShard:
                 "supported; mtrain reads MDS shards (written by MDSWriter)"
             )
         self.info = info
+        refuse_unsafe_columns(info, os.path.join(dirname, "index.json"))
         self.columns = dict(zip(info["column_names"], info["column_encodings"]))
-        refuse_unsafe_columns(self.columns, os.path.join(dirname, "index.json"))
         raw = info["raw_data"]
         zipped = info.get("zip_data")
         raw_path = os.path.join(dirname, raw["basename"])
@@ -191,12 +203,11 @@ class MDSFolder:
             raise MtrainError(f"{index_path}: corrupt MDS index ({exc})") from exc
         if not self.shards_info:
             raise MtrainError(f"{index_path}: the MDS index lists no shards")
-        try:
-            self.columns = dict(zip(self.shards_info[0]["column_names"], self.shards_info[0]["column_encodings"]))
-        except (KeyError, TypeError, IndexError) as exc:
-            raise MtrainError(f"{index_path}: corrupt MDS index ({exc})") from None
-        for info in self.shards_info:
-            refuse_unsafe_columns(dict(zip(info.get("column_names", []), info.get("column_encodings", []))), index_path)
+        for info in self.shards_info:  # before anything is decoded
+            if not isinstance(info, dict):
+                raise MtrainError(f"{index_path}: corrupt MDS index (a shard entry is not a mapping)")
+            refuse_unsafe_columns(info, index_path)
+        self.columns = dict(zip(self.shards_info[0]["column_names"], self.shards_info[0]["column_encodings"]))
         counts = np.array([int(s["samples"]) for s in self.shards_info], dtype=np.int64)
         self.shard_starts = np.concatenate([[0], np.cumsum(counts)])
         self._open: OrderedDict[int, MDSShard] = OrderedDict()

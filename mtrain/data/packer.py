@@ -6,6 +6,8 @@ shards (parallel, one journal entry each) -> manifest.json, then index.json (the
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -121,6 +123,29 @@ def pack(
     opts = PackOptions(seed=seed, **options)
     return _Packer([_as_spec(s) for s in sources], str(tokenizer), int(seq_len), str(out_dir),
                    str(source_tokenizer) if source_tokenizer else None, opts).run()
+
+
+@contextlib.contextmanager
+def _out_lock(out_dir: str):
+    """Hold an exclusive lock on the --out folder for one pack (flock on the folder itself, so nothing is added to
+    it; the kernel drops it when the process dies, kill -9 included): a second `mtrain pack` into the same folder
+    fails at once instead of racing the first over its work files. A folder created here is removed again if the
+    pack leaves it empty."""
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MtrainError(f"pack: --out {out_dir} is being written by another `mtrain pack` right now; wait for "
+                              "it to finish (the same command then returns its result) or choose another --out") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)  # only if still empty
 
 
 @dataclass
@@ -412,6 +437,10 @@ class _Packer:
 
     # ---------------------------------------------------------------- driver
     def run(self) -> dict:
+        with _out_lock(self.out_dir):
+            return self._run()
+
+    def _run(self) -> dict:
         started = time.time()
         identity = self._identity()
         config_hash = self._hash(identity)

@@ -274,6 +274,28 @@ def _hold(layer_idx, prediction, policy: str, training: bool) -> None:
     CONTEXT.dense_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold * min(2 ** streak, HOLD_BACKOFF_MAX)
 
 
+def policy_state() -> dict:
+    """What sparse_policy "auto" carries from one training step to the next, as plain JSON data: each layer's dense
+    hold and its back-off streak, and the lagged choice's last statistics (LAGGED_CHOICE). Saved with every
+    checkpoint and given back to `load_policy_state`, so that a resumed run takes the paths the uninterrupted one
+    would have taken. (Per-step fields, `memo` and the logging lists, start afresh each step.)"""
+    stats = []
+    for (layer, shape, parts), (host, event) in sorted(CONTEXT.choice_stats.items(), key=repr):
+        if event is not None:
+            event.synchronize()
+        stats.append([layer, list(shape), parts, host.tolist()])
+    return {"dense_until": sorted(CONTEXT.dense_until.items()), "hold_streak": sorted(CONTEXT.hold_streak.items()),
+            "choice_stats": stats}
+
+
+def load_policy_state(state: dict) -> None:
+    """Restore what `policy_state` returned (after `register_kind`, which clears the holds)."""
+    CONTEXT.dense_until = {layer: step for layer, step in state["dense_until"]}
+    CONTEXT.hold_streak = {layer: streak for layer, streak in state["hold_streak"]}
+    CONTEXT.choice_stats = {(layer, tuple(shape), parts): (torch.tensor(values, dtype=torch.float64), None)
+                            for layer, shape, parts, values in state["choice_stats"]}
+
+
 def _record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None,
             true_recall=None) -> None:
     """Append this call's LayerRecord; on sample_recall steps measure the true recall of a sparse call on

@@ -109,6 +109,8 @@ def fewest(scores: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, cap: int
     """The fewest highest-scoring `ids` whose scores sum to `need` [...], kept within [minimum, cap] and only
     with positive scores: [..., width] -1 padded. `scores` need only hold the candidates. trim: cut the
     padding to the longest selection (reads a count back to the host); else width = min(cap, candidates)."""
+    if scores.shape[-1] == 0:  # no candidates (a one-block sequence has no slash offset but 0): one -1 pad
+        return torch.full((*scores.shape[:-1], 1), -1, dtype=ids.dtype, device=scores.device)
     width = max(1, min(cap, scores.shape[-1]))
     top, where = torch.topk(scores, width, dim=-1)
     chosen = torch.gather(ids, -1, where)

@@ -40,7 +40,9 @@ def _key_rank_sums(q_rows: torch.Tensor, k_blocks: torch.Tensor, tokens: torch.T
         rank_of = tokens.argmax(dim=1)
         flat = torch.bincount(q_rows * world + rank_of[k_blocks], weights=tokens.sum(dim=1)[k_blocks],
                               minlength=n_blocks * world)
-        return flat.view(n_blocks, world)
+        # float64 even when nothing is listed (a rank holding only the sink block): bincount of an empty input
+        # returns int64 whatever its weights, which the float64 products below refuse
+        return flat.to(torch.float64).view(n_blocks, world)
     if bool((tokens == tokens[0]).all()):  # every block split alike (token stripe with W | block size)
         return torch.bincount(q_rows, minlength=n_blocks).double()[:, None] * tokens[0][None, :]
     out = torch.zeros(n_blocks, world, dtype=torch.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtrain.errors import DamagedCheckpointError, MtrainError
+from mtrain.safe_load import check_checkpoint_files
 from mtrain.train.run_folder import checkpoint_candidates, verify_file_list
 
 
@@ -31,12 +32,27 @@ def _checkpoint_state_dict(ckpt: Path) -> dict:
     if ds_dirs:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        check_checkpoint_files(ckpt)  # zero_to_fp32 unpickles with weights_only=False: tensors only first
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=ds_dirs[0].name)
     raise MtrainError(f"{ckpt} holds neither model.safetensors nor DeepSpeed ZeRO partitions")
 
 
+def _saved_model_recipe(path: Path):
+    """The run's saved recipe, checked only for what export uses (the model section: it never reads the training
+    data, which may be gone). Older runs saved relative paths, taken from the directory they were launched in."""
+    from mtrain.config import check_model_section, parse_recipe
+    from mtrain.errors import ConfigError
+
+    try:
+        recipe = parse_recipe(path)
+        check_model_section(recipe.model)
+    except ConfigError as exc:
+        raise MtrainError(f"{path} (the run's recipe): {exc}; run export from the directory the run was launched "
+                          "in, or fix that path there") from None
+    return recipe
+
+
 def export_run(run_dir: str | Path, out: str | Path) -> Path:
-    from mtrain.config import load_recipe
     from mtrain.models import export_hf, load_model, load_tokenizer
 
     run_dir, out = Path(run_dir), Path(out)
@@ -57,7 +73,7 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
         offer = f"; the previous intact checkpoint is {intact}" if intact else ""
         raise MtrainError(f"checkpoint {ckpt} is damaged ({exc}){offer}: restore it, or point checkpoints/latest "
                           "at an intact one") from None
-    recipe = load_recipe(ckpt / "config.yaml")
+    recipe = _saved_model_recipe(ckpt / "config.yaml")
     model = load_model(recipe.model, "sdpa")
     # the trainer checkpoints the model inside its ChunkedLossLM wrapper: drop the wrapper's prefix
     state = {k.removeprefix("model."): v for k, v in raw_state.items()}

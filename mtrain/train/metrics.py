@@ -29,6 +29,10 @@ class MetricsLogger:
         self._truncate_after(resume_step)
         self._file = self.path.open("a", encoding="utf-8")
         if wandb_mode != "disabled":
+            if wandb_mode == "offline":
+                # offline means no network: wandb's error reporting would still resolve its collector's host name
+                # (wandb-core then runs with --no-observability)
+                os.environ["WANDB_ERROR_REPORTING"] = "false"
             import wandb
 
             run_id_file = Path(output_dir) / "wandb_run_id"

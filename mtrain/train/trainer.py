@@ -23,6 +23,7 @@ import torch
 
 from mtrain.config import RecipeConfig
 from mtrain.errors import DamagedCheckpointError, MtrainError, os_error_line
+from mtrain.safe_load import check_checkpoint_files
 from mtrain.train.loss import ChunkedLossLM
 from mtrain.train.metrics import MetricsLogger, usable_wandb_mode
 from mtrain.train.run_folder import RunLock, checkpoint_candidates, verify_file_list, write_file_list
@@ -212,6 +213,8 @@ class Trainer:
             return {}
 
     def _save_checkpoint(self, accelerator) -> None:
+        from mtrain.models.attention import policy_state
+
         name = f"step-{self.state.step:07d}"
         root = self._checkpoint_root()
         final, tmp = root / name, root / (name + ".tmp")
@@ -223,7 +226,8 @@ class Trainer:
             accelerator.wait_for_everyone()
             accelerator.save_state(str(tmp))
             (tmp / f"trainer_state_rank{accelerator.process_index}.json").write_text(
-                json.dumps({"state": self.state.state_dict(), "data": self.reader.state_dict()})
+                json.dumps({"state": self.state.state_dict(), "data": self.reader.state_dict(),
+                            "attention": policy_state()})
             )
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
@@ -247,9 +251,12 @@ class Trainer:
         accelerator.wait_for_everyone()
 
     def _load_checkpoint(self, accelerator, path: Path) -> None:
+        # Nothing executable is read: weights are safetensors, optimizer and RNG states load with
+        # torch.load(weights_only=True), the LR schedule is rebuilt from the step, counters are JSON. DeepSpeed's
+        # load_checkpoint unpickles its ZeRO files with weights_only=False: every torch file of the folder is
+        # loaded tensors-only first, so a planted object is refused (DamagedCheckpointError) before that.
+        check_checkpoint_files(path)
         try:
-            # nothing executable is read: weights are safetensors, optimizer and RNG states load with
-            # torch.load(weights_only=True), the LR schedule is rebuilt from the step, counters are JSON
             accelerator.load_state(str(path))
             saved = json.loads((path / f"trainer_state_rank{accelerator.process_index}.json").read_text())
             state = saved["state"]
@@ -263,6 +270,10 @@ class Trainer:
             )
         self.state.load_state_dict(state)
         self.reader.load_state_dict(saved["data"])
+        if "attention" in saved:  # checkpoints from before it was saved resume with fresh holds
+            from mtrain.models.attention import load_policy_state
+
+            load_policy_state(saved["attention"])
         log.info("resumed from %s at step %d", path, self.state.step)
 
     # ---- the loop -----------------------------------------------------------------------------
