@@ -288,15 +288,19 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
         except Exception as exc:  # noqa: BLE001
             raised("fa4-nocols", exc)
         lap("fa4-nocols")
-    if wanted("estimator"):
+    def line_case(name, fn):
+        """A case that reports one line of its own (ok / FAIL ...)."""
         try:
-            line = estimator_case(q, k, doc_ids, bs, tag)
+            line = fn()
             lines.append(line)
             if line.startswith("FAIL"):
                 failures.append(line)
         except Exception as exc:  # noqa: BLE001
-            raised("estimator", exc)
-        lap("estimator")
+            raised(name, exc)
+        lap(name)
+
+    if wanted("estimator"):
+        line_case("estimator", lambda: estimator_case(q, k, doc_ids, bs, tag))
     if wanted("ring-step"):
         try:
             want_step, got_step = ring_step_case(q, k, v, index, doc_ids, bs, dout)
@@ -311,14 +315,7 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
             raised("ring-fa4", exc)
         lap("ring-fa4")
     if wanted("ring-estimate") and device.type == "cuda":
-        try:
-            line = ring_estimator_case(q, k, doc_ids, bs, tag)
-            lines.append(line)
-            if line.startswith("FAIL"):
-                failures.append(line)
-        except Exception as exc:  # noqa: BLE001
-            raised("ring-estimate", exc)
-        lap("ring-estimate")
+        line_case("ring-estimate", lambda: ring_estimator_case(q, k, doc_ids, bs, tag))
     return lines, failures, seconds, compiles
 
 

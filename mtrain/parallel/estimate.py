@@ -80,13 +80,7 @@ def _estimate(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale:
     with torch.no_grad():
         rows = scored_rows(seq_len, settings.last_q, settings.sample_blocks, bs, dev, settings.sample_rows)
         n = rows.numel()
-        # the scored rows, wherever the layout put them, on every rank (one small all-reduce)
-        slot = torch.full((seq_len,), -1, dtype=torch.long, device=dev)
-        slot[rows] = torch.arange(n, device=dev)
-        mine = slot[q_pos] >= 0
-        scored_q = q.new_zeros(b, n, hq, d)
-        scored_q[:, slot[q_pos[mine]]] = q[:, mine]
-        dist.all_reduce(scored_q, group=group)
+        scored_q = _scored_queries(q, q_pos, rows, seq_len, group)
         docs = None if doc_ids is None else doc_ids.to(dev)
         logits = row_probs(scored_q, k, rows, scale, docs, k_pos)  # [B, Hkv, G, n, S_local]
         row_max = logits.amax(dim=-1)
