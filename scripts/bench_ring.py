@@ -247,7 +247,7 @@ def bench_tokens(tokens, rank, world, args, device, report):
 
     h, hkv, d = args.heads, args.kv_heads, args.dim
 
-    # dense, 16/16 heads as PERF.md's context-parallel figures
+    # dense, 16/16 heads x 128: the shape of BENCHMARKS.md "Ring attention on 2 GPUs" (PyTorch's context_parallel too)
     def cp1_dense():
         q, k, v, dout = inputs(tokens, h, h, d, device)
         run, _ = fwd_bwd(sdpa_cudnn, (q, k, v), dout)

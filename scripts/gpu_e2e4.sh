@@ -162,7 +162,7 @@ case "${1:-}" in
     PYTHON=$PY PART_SIZE=36M scripts/gpu_real_model.sh split  # part 2 (62 MB) travels alone in call 2
     rm -rf "$CARRY" && mkdir -p "$CARRY/wheels" "$CARRY/tokenizer"
     cp models/smollm2-135m/{config.json,tokenizer.json,tokenizer_config.json} "$CARRY/tokenizer/"
-    # what the GPU image lacks (KINDS.md's package list): DeepSpeed (built here: no binary wheel; it JIT-compiles
+    # what the GPU image does not have installed: DeepSpeed (built here: no binary wheel; it JIT-compiles
     # its ops there) and its needs, mosaicml-streaming (`mtrain pack` writes MDS) and its codecs
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

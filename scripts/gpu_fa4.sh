@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_fa4.sh split          # -> .fa4carry/p1 (part 1), .fa4carry/p2 (part 2, sha256)
 #
-# then on the GPU machine, two calls within its warm window (PERF.md):
+# then on the GPU machine, two calls within its warm window (it keeps its disk only ~30 s after a call):
 #
 #   scripts/gpu_fa4.sh stage          # call 1, carry .fa4carry/p1: keeps part 1 in /root/fa4parts
 #   scripts/gpu_fa4.sh install && ... # call 2, carry .fa4carry/p2: reassemble, check, install, then your command

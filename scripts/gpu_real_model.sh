@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_real_model.sh split            # -> .carry/p1 (part 1), .carry/p2 (part 2, sha256, gguf wheel)
 #
-# then on the GPU machine, two calls within the machine's warm window (PERF.md):
+# then on the GPU machine, two calls within the machine's warm window (see below):
 #
 #   scripts/gpu_real_model.sh stage            # call 1, carry .carry/p1: keeps part 1 in /root/parts; runs the
 #                                              # correctness gate and fits the estimator's cost on this GPU

@@ -1,8 +1,9 @@
 """Does a stage-1 setup teach the tiny model to copy? A plain training loop and a copy probe (issue #14, item 1).
 
 Trains the embedded default's tiny Qwen2 from scratch on copy drills (or the stage-1 retrieval mix) and prints the
-loss and held-out copy accuracy as it goes; README "What has been tried since" lists the settings tried and what
-each gave. Not part of `make train`: a quick way to search for a setup before moving it into the recipes.
+loss and held-out copy accuracy as it goes; README "How the copy curriculum was found" and "What was tried before
+the copy curriculum" list the settings tried and what each gave. Not part of `make train`: a quick way to search
+for a setup before moving it into the recipes.
 
     python scripts/induction_probe.py --rows 128 --batch 4 --lr 3e-3 --steps 4000 --every 500 --prev-token-head
 """

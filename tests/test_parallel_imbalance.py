@@ -111,7 +111,7 @@ def test_total_work_is_layout_independent(name):
 
 
 def test_block_stripe_balances_slashes_where_zigzag_does_not():
-    # 64K tokens, CP = 8: a 512-token window, far slashes, sinks and verticals (the DESIGN §3.3 setting)
+    # 64K tokens, CP = 8: a 512-token window, far slashes, sinks and verticals (as `mtrain bench imbalance`)
     seq_len, g = 1 << 16, torch.Generator().manual_seed(0)
     slash = torch.cat([torch.arange(512), torch.randint(512, seq_len // 2, (24,), generator=g)]).view(1, 1, -1)
     vertical = torch.randint(0, seq_len, (1, 1, 100), generator=g)

@@ -1,6 +1,7 @@
-"""Online vertical-slash pattern estimation (DESIGN §3.1): score sampled query rows (the last queries plus
-query blocks spread over the sequence) against all keys, count what the always-kept blocks cover, pick
-verticals, then block-level slashes on the mass still uncovered, and build the SparseIndex."""
+"""Online vertical-slash pattern estimation (README, "Sparse attention: the pattern, and where it runs"): score
+sampled query rows (the last queries plus query blocks spread over the sequence) against all keys, count what the
+always-kept blocks cover, pick verticals, then block-level slashes on the mass still uncovered, and build the
+SparseIndex."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from mtrain.errors import MtrainError
 
 @dataclass(frozen=True)
 class SparseSettings:
-    """Settings of the online budget approximation (DESIGN §3.1), estimated per layer and query head with the
-    same selection rule as `mtrain.ops.estimate_vertical_slash`, so one GPU and a CP group agree."""
+    """Settings of the online budget approximation (`mtrain.ops.estimate`), estimated per layer and query head
+    with the same selection rule as `mtrain.ops.estimate_vertical_slash`, so one GPU and a CP group agree."""
 
     recall: float = 0.99
     """Target mean per-row attention mass of the scored rows that the kept blocks, verticals and slashes reach
