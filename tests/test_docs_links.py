@@ -28,7 +28,7 @@ FILE_SUFFIXES = (".py", ".md", ".yaml", ".yml", ".json", ".sh")
 
 # Documents that were never in the repository (written split, so this file does not mention them itself).
 OUTSIDE = ("../" + "shared", "PERF" + ".md", "DESIGN" + ".md", "STYLE" + ".md", "ENV" + ".md", "KINDS" + ".md")
-OUTSIDE_SECTION = re.compile(r"\bDESIGN" + r"\s*§?\s*\d")  # "DESIGN §3.1", "DESIGN 3.8"
+OUTSIDE_SECTION = re.compile(r"\bDESIGN" + r"\s*§?\s*\d")  # a design-section citation: the word, an optional section sign, a number
 
 
 @functools.lru_cache(maxsize=1)
