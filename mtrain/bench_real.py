@@ -6,10 +6,13 @@ then per layer and for the whole model: the estimated pattern's density, estimat
 exact attention mass of the rows that the index keeps), forward+backward time of dense attention (cuDNN
 on the GPU) and of mtrain's attention as training calls it (estimate, per-layer sparse/dense choice,
 kernels), with the forced-sparse breakdown (index, forward, backward); and the whole-model perplexity of
-the same tokens dense vs mtrain. On the GPU, dense and mtrain's attention as trained (every step, and the
-steady state of a layer held dense between estimates) are timed with their calls queued back to back, as
-training queues them; the forced-sparse breakdown times each call alone. Works on the CPU at small lengths
-(slow; for smoke tests).
+the same tokens, in labelled rows: dense; at the TRAINING choice (each layer forced onto the path that the timed
+training-mode call took: the cost model priced forward + backward); at the INFERENCE choice (the model in eval mode
+under no_grad, where the cost model prices a forward only, so layers may go dense that training runs sparse); and
+with every layer sparse. Each row lists the layers that ran sparse in it. On the GPU, dense and mtrain's attention
+as trained (every step, and the steady state of a layer held dense between estimates) are timed with their calls
+queued back to back, as training queues them; the forced-sparse breakdown times each call alone. Works on the CPU
+at small lengths (slow; for smoke tests).
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ import torch
 from mtrain.errors import MtrainError
 
 BENCH_NAME = "mtrain-bench"
+
+PPL_LABELS = {
+    "dense": "dense",
+    "training_choice": "training choice (each layer on the path the timed training-mode call took, its choice priced "
+                       "forward + backward)",
+    "inference_choice": "inference choice (eval mode, no_grad: each layer's choice priced forward only)",
+    "all_sparse": "every layer sparse",
+}
+"""The perplexity rows `run` reports (summary["perplexity"]), by key."""
 
 
 # ----------------------------------------------------------------------------- model and text
@@ -244,7 +256,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     try:
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = 0, {}, {}
         mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters, warmup=3, back_to_back=True)  # graph captured first
-        path = CONTEXT.layers[-1].path if len(CONTEXT.layers) > marks[1] else "sparse"
+        path = _last_path(marks[1], policy)
         # steady state in training: hold + 1 steps in a row, one estimate then `hold` held-dense steps when the
         # estimate did not pay (else every step estimates); later holds double (HOLD_BACKOFF_MAX), so this is
         # the costliest stretch of a held layer. Queued back to back, as training steps are.
@@ -313,6 +325,72 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     )
 
 
+def _last_path(mark: int, policy: str) -> str:
+    """The path of the last mtrain attention call since CONTEXT.layers had `mark` records (policy "never" records
+    nothing: dense)."""
+    from mtrain.models.attention import CONTEXT
+
+    if len(CONTEXT.layers) > mark:
+        return CONTEXT.layers[-1].path
+    return "dense" if policy == "never" else "sparse"
+
+
+def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "auto", engine: str = "auto") -> str:
+    """The path ("sparse" / "dense") mtrain's attention takes for this layer's captured q/k/v [1, S, H, D] when a
+    training step calls it (module in training mode: the cost model prices forward + backward), from one untimed
+    call; for the layers `measure_layer` does not time. Leaves the policy state as it found it."""
+    from mtrain.models.attention import CONTEXT, mtrain_attention
+
+    class _Layer:
+        layer_idx = layer
+        training = True
+
+    marks = len(CONTEXT.densities), len(CONTEXT.layers)
+    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak
+    try:
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = 0, {}, {}
+        with torch.no_grad():
+            mtrain_attention(_Layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, scaling=scale,
+                             settings=settings, policy=policy, engine=engine)
+        return _last_path(marks[1], policy)
+    finally:
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = saved
+        del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
+
+
+def forced_paths_attention(paths: dict, settings, engine: str = "auto"):
+    """An HF attention function (for `register_bench_attention`) that runs layer i on `paths[i]` ("sparse": estimate
+    and sparse kernels, as policy "always"; "dense": dense, as policy "never") whatever the cost model would choose
+    in this mode: the training choice's paths in an eval-mode perplexity pass."""
+    from mtrain.models.attention import mtrain_attention
+
+    policies = {"sparse": "always", "dense": "never"}
+
+    def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        return mtrain_attention(module, query, key, value, attention_mask, scaling=scaling, settings=settings,
+                                policy=policies[paths[module.layer_idx]], engine=engine, **kwargs)
+
+    return attend
+
+
+def perplexity_as_run(model, ids: torch.Tensor, fn) -> tuple[float, list[int]]:
+    """(perplexity, the layers that ran sparse) of `model` over `ids` with the bench's attention name pointed at
+    `fn` (None: dense); what ran is read from the records mtrain's attention leaves (CONTEXT.layers). Each pass is
+    one forward: the lagged choice's statistics are cleared first, so every layer choosing reads its own estimate."""
+    from mtrain.models.attention import CONTEXT
+
+    marks = len(CONTEXT.densities), len(CONTEXT.layers)
+    CONTEXT.choice_stats.clear()
+    register_bench_attention(fn)
+    try:
+        value = perplexity(model, ids)
+        ran = {r.layer: r.path for r in CONTEXT.layers[marks[1]:]}
+    finally:
+        register_bench_attention(None)
+        del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
+    return value, sorted(layer for layer, path in ran.items() if path == "sparse")
+
+
 def _true_recall(q, k, index, scale, rows: int | None) -> torch.Tensor:
     """Per-head true recall [Hq] over all rows (or `rows` rows spread evenly over the sequence)."""
     from mtrain.ops.recall import true_recall
@@ -353,6 +431,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"{cfg.num_key_value_heads} kv heads x {head_dim}; S={seq_len}, YaRN factor {factor:g}, {dtype}, "
         f"{device.type}; engine {engine}; settings {settings}")
 
+    from mtrain.models.attention import CONTEXT
+
+    CONTEXT.choice_stats.clear()  # a fresh run: no layer's choice reads an estimate from before it (LAGGED_CHOICE)
     t0 = time.perf_counter()
     qkv = capture_qkv(net, ids)
     log(f"captured q/k/v of {len(qkv)} layers in {time.perf_counter() - t0:.1f} s")
@@ -369,22 +450,36 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
             f"(graph {r.extra['index_graph_ms']:5.2f}) "
             f"fwd {r.fwd_ms:6.2f} bwd {r.bwd_ms:6.2f} (deterministic {r.extra['bwd_deterministic_ms']:6.2f}, "
             f"atomic {r.extra['bwd_atomic_ms']:6.2f})")
+    # the training choice of every layer: the timed (training-mode) call's path for the measured layers, one untimed
+    # training-mode call for the others
+    training_paths = {r.layer: r.path for r in results}
+    for i, (q, k, v) in enumerate(qkv):
+        if i not in training_paths:
+            training_paths[i] = training_choice(i, q, k, v, settings, scale, policy, engine)
+    training_paths = [training_paths[i] for i in range(len(qkv))]
     del qkv
 
     import functools
 
     from mtrain.models.attention import mtrain_attention
 
-    ppl_dense = perplexity(net, ids)
-    ppl = {}
-    try:
-        for name in dict.fromkeys((policy, "always")):  # as configured, and sparse on every layer
-            register_bench_attention(functools.partial(mtrain_attention, settings=settings, policy=name,
-                                                       engine=engine))
-            ppl[name] = perplexity(net, ids)
-    finally:
-        register_bench_attention(None)
-    ppl_sparse = ppl[policy]
+    # perplexity rows (PPL_LABELS): key -> attention function; each row records the layers that ran sparse in it
+    rows = {
+        "dense": None,
+        # each layer on the path the training choice took (priced forward + backward), forced in the eval pass
+        "training_choice": forced_paths_attention(dict(enumerate(training_paths)), settings, engine),
+        # the model in eval mode under no_grad: the policy choosing again, priced as a forward only
+        "inference_choice": functools.partial(mtrain_attention, settings=settings, policy=policy, engine=engine),
+        "all_sparse": functools.partial(mtrain_attention, settings=settings, policy="always", engine=engine),
+    }
+    ppl, ran_sparse = {}, {}
+    for name, fn in rows.items():
+        ppl[name], ran_sparse[name] = perplexity_as_run(net, ids, fn)
+    ppl_dense = ppl["dense"]
+    want = [i for i, p in enumerate(training_paths) if p == "sparse"]
+    if ran_sparse["training_choice"] != want:  # the forced paths are what ran
+        raise MtrainError(f"the training-choice perplexity pass ran layers {ran_sparse['training_choice']} sparse, "
+                          f"the training choice {want}")
     dense_total = sum(r.dense_ms for r in results)
     mtrain_total = sum(r.mtrain_ms for r in results)
     steady_total = sum(r.steady_ms for r in results)
@@ -402,7 +497,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "mean_density": statistics.mean(r.density for r in results),
         "mean_true_recall": statistics.mean(r.true_recall for r in results),
         "min_layer_true_recall": min(r.true_recall for r in results),
-        # as run: a layer that runs dense keeps all of its attention (recall 1)
+        # as run in the timed pass (the training choice): a layer that runs dense keeps all of its attention (recall 1)
         "as_run_true_recall": statistics.mean(1.0 if r.path == "dense" else r.true_recall for r in results),
         "as_run_min_layer_true_recall": min(1.0 if r.path == "dense" else r.true_recall for r in results),
         "dense_ms": dense_total, "mtrain_ms": mtrain_total, "speedup": dense_total / mtrain_total,
@@ -414,8 +509,14 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
                                "long_run": slower("long_run_ms")},
         "held_layers": [r.layer for r in results if r.held], "dense_hold_steps": hold,
         "sparse_layers": sum(r.path == "sparse" for r in results),
-        "policy": policy, "engine": engine, "ppl_dense": ppl_dense, "ppl_mtrain": ppl_sparse, "ppl_rise": ppl_sparse / ppl_dense - 1,
-        "ppl_all_sparse": ppl["always"], "ppl_all_sparse_rise": ppl["always"] / ppl_dense - 1,
+        "policy": policy, "engine": engine, "ppl_dense": ppl_dense,
+        # the perplexity rows (see the module docstring): which choice each is, and the layers that ran sparse in it
+        "training_paths": training_paths,
+        "training_paths_timed": [r.layer for r in results],
+        **{f"ppl_{name}": ppl[name] for name in rows if name != "dense"},
+        **{f"ppl_{name}_rise": ppl[name] / ppl_dense - 1 for name in rows if name != "dense"},
+        "perplexity": {name: {"label": PPL_LABELS[name], "ppl": ppl[name], "rise": ppl[name] / ppl_dense - 1,
+                              "sparse_layers": ran_sparse[name]} for name in rows},
         "recall_rows": recall_rows,
         "index_ms_range": [min(r.index_ms for r in results), max(r.index_ms for r in results)],
         "index_graph_ms_range": [min(r.extra["index_graph_ms"] for r in results),
@@ -429,12 +530,11 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     log(f"whole model ({len(results)} layers): dense {dense_total:.1f} ms, mtrain {mtrain_total:.1f} ms "
         f"({summary['speedup']:.2f}x), steady state over {hold + 1} steps {steady_total:.1f} ms "
         f"({summary['steady_speedup']:.2f}x, held dense {summary['held_layers']}); {summary['sparse_layers']} "
-        f"layers sparse; mean density "
+        f"timed layers sparse (training choice); mean density "
         f"{summary['mean_density']:.3f}; true recall mean {summary['mean_true_recall']:.3f}, worst layer "
-        f"{summary['min_layer_true_recall']:.3f} (as run, dense layers whole: {summary['as_run_true_recall']:.3f} / "
-        f"{summary['as_run_min_layer_true_recall']:.3f}); perplexity dense {ppl_dense:.3f} mtrain {ppl_sparse:.3f} "
-        f"({100 * summary['ppl_rise']:+.2f}%), every layer sparse {ppl['always']:.3f} "
-        f"({100 * summary['ppl_all_sparse_rise']:+.2f}%); layers slower than dense: "
+        f"{summary['min_layer_true_recall']:.3f} (at the training choice, dense layers whole: "
+        f"{summary['as_run_true_recall']:.3f} / {summary['as_run_min_layer_true_recall']:.3f}); "
+        f"layers slower than dense: "
         f"{summary['layers_slower_than_dense']} (steady state: {summary['layers_slower_than_dense_steady']}; % over "
         f"dense {summary['percent_over_dense']}); long run (holds of {hold * HOLD_BACKOFF_MAX} steps) {long_total:.1f} "
         f"ms ({summary['long_run_speedup']:.2f}x); "
@@ -445,6 +545,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"{summary['index_graph_ms_range'][0]:.2f}-{summary['index_graph_ms_range'][1]:.2f} ms from the CUDA graph; "
         f"verticals per head at most {summary['verticals_max']}, columns per query block at most "
         f"{summary['columns_per_row_max']} (lists {summary['column_list_width']} wide)")
+    for name, row in summary["perplexity"].items():
+        log(f"perplexity, {row['label']}: {row['ppl']:.3f} ({100 * row['rise']:+.2f}% over dense); "
+            f"{len(row['sparse_layers'])} of {len(training_paths)} layers sparse {_ranges(row['sparse_layers'])}")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         target = Path(out_dir) / f"real_{seq_len}.json"
@@ -452,3 +555,15 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, target)
     return summary
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0-3, 5, 7-9] for [0, 1, 2, 3, 5, 7, 8, 9]."""
+    parts, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            parts.append(str(start) if start == layer else f"{start}-{layer}")
+            start = None
+    return "[" + ", ".join(parts) + "]"

@@ -418,7 +418,8 @@ def main() -> int:
     real.add_argument("--engine", default="auto", choices=("auto", "triton", "flex", "fa4"),
                       help="--model: block engine of the sparse path (vertical_slash_attention's impl)")
     real.add_argument("--policy", default="auto", choices=("auto", "always", "never"),
-                      help="attention.sparse_policy of the mtrain timings and perplexity (default auto)")
+                      help="attention.sparse_policy of the mtrain timings and of the training- and "
+                           "inference-choice perplexities (default auto)")
     real.add_argument("--sparse", action="append", default=[], metavar="KEY=VALUE",
                       help="sparse attention setting (SparseSettings field), e.g. --sparse recall=0.95 (repeatable)")
     args = ap.parse_args()

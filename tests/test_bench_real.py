@@ -30,7 +30,11 @@ def test_bench_real_reports_what_the_gpu_table_needs(tmp_path):
     over = summary["percent_over_dense"]
     assert set(over) == {"every_step", "steady", "long_run"}
     assert (1 in over["steady"]) == (layer["steady_ms"] > layer["dense_ms"])
-    assert math.isfinite(summary["ppl_dense"]) and math.isfinite(summary["ppl_mtrain"])
+    assert math.isfinite(summary["ppl_dense"]) and math.isfinite(summary["ppl_training_choice"])
+    assert set(summary["perplexity"]) == {"dense", "training_choice", "inference_choice", "all_sparse"}
+    assert summary["perplexity"]["training_choice"]["sparse_layers"] == [
+        i for i, path in enumerate(summary["training_paths"]) if path == "sparse"]
+    assert summary["training_paths"][1] == layer["path"]
     # how much of the vertical cap the estimate used: a row never lists more columns than its head has verticals,
     # nor than its list is wide
     extra = layer["extra"]
@@ -41,3 +45,131 @@ def test_bench_real_reports_what_the_gpu_table_needs(tmp_path):
     assert saved["seq_len"] == 256 and saved["layers"][0]["layer"] == 1
     assert not list(tmp_path.glob("*.tmp"))
     assert any(line.startswith("whole model (1 layers)") for line in lines)
+
+
+def _model_dir(tmp_path):
+    """The converted SmolLM2 when `make real-model` built it, else the tiny embedded model (random weights, seed 0)
+    saved with its tokenizer."""
+    from real_model import REAL_MODEL
+
+    if (REAL_MODEL / "config.json").is_file():
+        return REAL_MODEL
+    from mtrain.tiny import build_tiny_model, load_tokenizer
+
+    out = tmp_path / "tiny"
+    build_tiny_model(seed=0).save_pretrained(out)
+    load_tokenizer().save_pretrained(out)
+    return out
+
+
+class _ForcedPaths:
+    """An HF attention function written here, apart from mtrain's attention functions: layer i runs the sparse
+    kernels on its own estimate where paths[i] == "sparse", else dense; `work` records what each layer's estimate
+    listed (blocks, columns, mean estimated recall), whichever path it then ran."""
+
+    def __init__(self, settings):
+        self.settings, self.paths, self.work = settings, {}, {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        import dataclasses
+
+        import torch
+
+        from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
+
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        fields = {**dataclasses.asdict(self.settings), "last_q": min(self.settings.last_q, q.shape[1])}
+        with torch.no_grad():
+            index = estimate_vertical_slash(q.detach(), k.detach(), **fields, softmax_scale=scaling)
+        blocks, columns = index.work_tensor().tolist()
+        est = index._cache.get("est_recall")
+        self.work[module.layer_idx] = (int(blocks), int(columns), None if est is None else float(est.double().mean()))
+        if self.paths.get(module.layer_idx) == "sparse":
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scaling), None
+        return dense_attention(q, k, v, causal=True, softmax_scale=scaling), None
+
+
+@pytest.mark.slow
+def test_bench_real_perplexity_follows_the_training_choice(tmp_path, monkeypatch):
+    """A cost table under which training (forward + backward priced) runs some layers sparse while inference (forward
+    only) runs every layer dense: the benchmark's training-choice perplexity is the model's perplexity with exactly
+    the training choice's per-layer paths, computed here with an attention function of the test's own; the
+    inference-choice row is dense and differs from it; the every-layer-sparse row is a third, labelled row."""
+    import math
+
+    import torch
+    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from mtrain import bench_real
+    from mtrain.data.prose import prose_tokens
+    from mtrain.models.attention import RECALL_SLACK
+    from mtrain.ops.cost import SPARSE_MARGIN
+    from mtrain.parallel import SparseSettings
+
+    seq_len, block = 256, 64
+    settings = SparseSettings(block_size=block, last_q=32)
+    model_dir = _model_dir(tmp_path)
+    forced = _ForcedPaths(settings)
+    AttentionInterface.register("test-forced-paths", forced)
+    AttentionMaskInterface.register("test-forced-paths", lambda *args, **kwargs: None)
+    net = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                               attn_implementation="test-forced-paths").eval()
+    net.config.use_cache = False
+    ids = torch.tensor([prose_tokens(AutoTokenizer.from_pretrained(str(model_dir)), seq_len)])
+
+    def ppl(paths):
+        forced.paths = dict(enumerate(paths))
+        with torch.no_grad():
+            logits = net(input_ids=ids).logits[0, :-1].float()
+        return math.exp(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:])))
+
+    n_layers = net.config.num_hidden_layers
+    ppl_dense = ppl(["dense"] * n_layers)  # also records each layer's estimate on the dense model's q/k
+    # training prices sparse by its listed columns: the layers listing at most `cut` columns pay; inference never
+    columns = sorted({forced.work[i][1] for i in range(n_layers)})
+    cut = columns[0] + 0.5 if len(columns) == 1 else (columns[len(columns) // 2 - 1] + columns[len(columns) // 2]) / 2
+    head_dim = getattr(net.config, "head_dim", None) or net.config.hidden_size // net.config.num_attention_heads
+    per_column = SPARSE_MARGIN * 1e12 / (cut * block * head_dim)  # sparse = margin x dense (1 ms) at `cut` columns
+    table = tmp_path / "cost.json"
+    table.write_text(json.dumps({
+        "source": "test: training sparse by listed columns, inference dense",
+        "dense": {str(head_dim): {"train": [1.0, 0.0], "eval": [1.0, 0.0]}},
+        "sparse": {f"{head_dim},{block}": {"train": [0.0, 0.0, 0.0, per_column], "eval": [1000.0, 0.0, 0.0, 0.0]}},
+        "index": [0.0, 0.0, 0.0, 0.0], "estimate": [0.0, 0.0]}))
+    monkeypatch.setenv("MTRAIN_COST_TABLE", str(table))
+    expected = ["sparse" if columns_ <= cut and (est is None or est >= settings.recall - RECALL_SLACK) else "dense"
+                for _, columns_, est in (forced.work[i] for i in range(n_layers))]
+    assert "sparse" in expected  # the two choices differ somewhere
+    timed = [expected.index("sparse")] + ([expected.index("dense")] if "dense" in expected else [])
+
+    lines = []
+    summary = bench_real.run(str(model_dir), seq_len, settings=settings, layers=sorted(timed), iters=1, hold=2,
+                             recall_rows=32, log=lines.append)
+    # the training choice as the timed pass took it, and for the untimed layers as a training call takes it
+    assert summary["training_paths"] == expected
+    assert {r["layer"]: r["path"] for r in summary["layers"]} == {i: expected[i] for i in timed}
+    rows = summary["perplexity"]
+    sparse_layers = [i for i, path in enumerate(expected) if path == "sparse"]
+    assert rows["training_choice"]["sparse_layers"] == sparse_layers
+    assert rows["inference_choice"]["sparse_layers"] == []
+    assert rows["all_sparse"]["sparse_layers"] == list(range(n_layers))
+    # the reported training-choice perplexity is the perplexity at exactly those paths, computed independently
+    ours = ppl(expected)
+    assert summary["ppl_training_choice"] == pytest.approx(ours, rel=1e-5)
+    assert rows["training_choice"]["ppl"] == summary["ppl_training_choice"]
+    assert summary["ppl_dense"] == pytest.approx(ppl_dense, rel=1e-5)
+    assert summary["ppl_inference_choice"] == pytest.approx(ppl_dense, rel=1e-5)  # inference ran every layer dense
+    # where the paths differ, so does the perplexity
+    assert abs(summary["ppl_training_choice"] / summary["ppl_inference_choice"] - 1) > 1e-4
+    if "dense" in expected:
+        assert summary["ppl_all_sparse"] == pytest.approx(ppl(["sparse"] * n_layers), rel=1e-5)
+        assert abs(summary["ppl_training_choice"] / summary["ppl_all_sparse"] - 1) > 1e-4
+    rise = summary["ppl_training_choice"] / summary["ppl_dense"] - 1
+    assert summary["ppl_training_choice_rise"] == pytest.approx(rise)
+    # the output says which choice each perplexity is
+    said = [line for line in lines if line.startswith("perplexity, ")]
+    assert len(said) == len(rows) == 4
+    assert all(line.startswith(f"perplexity, {rows[name]['label']}: ") for line, name in zip(said, rows))
+    assert any("training choice" in line and f"{len(sparse_layers)} of {n_layers} layers sparse" in line
+               for line in said)
