@@ -5,6 +5,7 @@ against CP=1 at equal tokens per GPU, PyTorch's context_parallel in the same run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -162,10 +163,8 @@ def _settings(args) -> SparseSettings:
 
 
 def _estimate_one_device(q, k, settings: SparseSettings):
-    return estimate_vertical_slash(q, k, recall=settings.recall, last_q=settings.last_q,
-                                   max_vertical=settings.max_vertical, max_slash=settings.max_slash,
-                                   block_size=settings.block_size, min_vertical=settings.min_vertical,
-                                   min_slash=settings.min_slash, sample_blocks=settings.sample_blocks)
+    # every SparseSettings field is an estimate_vertical_slash keyword of the same name
+    return estimate_vertical_slash(q, k, **dataclasses.asdict(settings))
 
 
 def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse):

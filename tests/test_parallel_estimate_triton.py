@@ -113,15 +113,6 @@ def test_triton_cp_estimate_gives_one_devices_lines_cp4(tmp_path, monkeypatch):
     _run(tmp_path, 4, ("block-stripe", "zigzag"), monkeypatch)
 
 
-@pytest.fixture
-def single_process_group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_ring_fa4_engine_falls_back_where_fa4_cannot_run(single_process_group):
     """On the CPU (no FA4, fp32) engine='fa4' and 'auto' run our kernels: the same output as engine='triton'."""
     from mtrain.ops import SparseIndex

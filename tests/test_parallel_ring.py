@@ -268,13 +268,6 @@ def test_ring_matches_single_device(ring_results, case):
         assert max(r["gap_to_dense"] for r in records) > 1e-2, f"{case}: sparse output equals dense attention"
 
 
-@pytest.fixture
-def single_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_ring_attention_argument_errors(single_process_group):
     from mtrain.errors import MtrainError
 

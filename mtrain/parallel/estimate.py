@@ -71,7 +71,7 @@ def _estimate(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale:
     from mtrain.ops.estimate import (block_slash_mass, fewest, line_caps, residual_parts,
                                      row_probs, scored_rows, uncovered_blocks)
 
-    b, _, hq, d = q.shape
+    b, _, hq, _ = q.shape
     hkv = k.shape[2]
     g = hq // hkv
     bs = settings.block_size
@@ -150,12 +150,12 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
                      doc_ids, key_blocks: torch.Tensor):
     """`_estimate`'s lines through the Triton scorer (`mtrain.ops._triton_estimate.score_rows` over this rank's key
     blocks `key_blocks`, the global softmax normaliser from every rank's max / sum combined in rank order), with
-    no [rows x S_local] tensor: (vertical [B, Hq, Nv], slash [B, Hq, Ns], covered [B, Hq] = the scored rows' mass
-    inside the index, summed over rows). The per-head sums cross ranks as rank-ordered gathers (`_rank_sum`)."""
+    no [rows x S_local] tensor: (vertical [B, Hq, Nv], slash [B, Hq, Ns], est_recall [B, Hq] = the scored rows' mean
+    mass inside the index). The per-head sums cross ranks as rank-ordered gathers (`_rank_sum`)."""
     from mtrain.ops._triton_estimate import combine_stats, group_column_mass, score_rows
     from mtrain.ops.estimate import _row_plan, fewest, line_caps, offset_mass
 
-    b, _, hq, d = q.shape
+    b, _, hq, _ = q.shape
     hkv = k.shape[2]
     g = hq // hkv
     bs = settings.block_size
@@ -222,9 +222,8 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
         s_heads = blocks.expand(b, hkv, g, -1)
         in_slash = torch.where(s_heads >= 0, torch.gather(slash1_heads, -1, s_heads.clamp(min=0)), 0.0).sum(-1)
         covered = mandatory_heads.reshape(b, hq) + _rank_sum(in_cols, group) + in_slash.reshape(b, hq)
-        vertical = v_heads
         slash = slash.expand(b, hkv, g, -1).reshape(b, hq, -1)
-    return vertical, slash, covered
+    return v_heads, slash, covered / n
 
 
 def _use_triton(scorer: str, q: torch.Tensor, block_size: int, key_blocks) -> bool:
@@ -321,14 +320,17 @@ def _global_verticals(vert, k_pos, slash0, need, cap_v: int, min_v: int, block_s
 
 
 def _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks):
-    """(vertical, slash, est_recall [B, Hq] or a function of the index giving it) by the chosen scorer."""
+    """(vertical, slash, est_recall, torch_parts) by the chosen scorer: the Triton scorer gives est_recall [B, Hq]
+    itself (torch_parts None); the torch one gives est_recall None and torch_parts = (probs, pooled, scored rows),
+    from which the caller measures the recall inside the index it builds."""
     if key_blocks is None and scorer != "torch":
         key_blocks = shard_key_blocks(k_pos, settings.block_size)
     if _use_triton(scorer, q, settings.block_size, key_blocks):
-        vertical, slash, covered = _estimate_triton(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids,
-                                                    key_blocks)
-        return vertical, slash, covered
-    return _estimate(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids)
+        vertical, slash, recall = _estimate_triton(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids,
+                                                   key_blocks)
+        return vertical, slash, recall, None
+    vertical, slash, probs, pooled, rows = _estimate(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids)
+    return vertical, slash, None, (probs, pooled, rows)
 
 
 def estimate_lines(
@@ -349,8 +351,8 @@ def estimate_lines(
     shard is made of whole key blocks (key_blocks: their global ids, `mtrain.parallel.plan.shard_key_blocks`; else
     derived from k_pos with one host read).
     """
-    vertical, slash = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer,
-                                        key_blocks)[:2]
+    vertical, slash, _, _ = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer,
+                                              key_blocks)
     return vertical, slash
 
 
@@ -362,12 +364,13 @@ def estimate_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, s
     from mtrain.ops import SparseIndex
     from mtrain.ops.estimate import covered_mass
 
-    got = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks)
-    index = SparseIndex.from_lines(got[0], got[1], seq_len, settings.block_size)
-    if len(got) == 3:  # the Triton scorer's covered mass
-        index._cache["est_recall"] = got[2] / _scored_count(seq_len, settings, q.device)
+    vertical, slash, recall, parts = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids,
+                                                       scorer, key_blocks)
+    index = SparseIndex.from_lines(vertical, slash, seq_len, settings.block_size)
+    if recall is not None:
+        index._cache["est_recall"] = recall
         return index
-    vertical, slash, probs, pooled, rows = got
+    probs, pooled, rows = parts
     with torch.no_grad():
         covered = covered_mass(index, rows, probs, pooled, k_pos.to(probs.device))
         dist.all_reduce(covered, group=group)
@@ -388,13 +391,6 @@ def _covered_rows(lists, rows, probs, pooled, k_pos) -> torch.Tensor:
     return covered_mass(lists, rows, probs, pooled, k_pos, slot=slot)
 
 
-def _scored_count(seq_len: int, settings: SparseSettings, device) -> int:
-    from mtrain.ops.estimate import _row_plan
-
-    return _row_plan(seq_len, settings.last_q, settings.sample_blocks, settings.block_size, device,
-                     settings.sample_rows)[0].numel()
-
-
 def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
                         doc_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None, scorer: str = "auto",
                         key_blocks: torch.Tensor | None = None):
@@ -406,16 +402,16 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
     per layout), else computed here. scorer, key_blocks: as `estimate_lines`."""
     from mtrain.ops.index import rows_from_lines
 
-    got = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks)
-    vertical, slash = got[:2]
+    vertical, slash, recall, parts = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids,
+                                                       scorer, key_blocks)
     bs = settings.block_size
     rows = rank_rows(q_pos, bs) if rows is None else rows
     index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False)
     index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
-    if len(got) == 3:  # the Triton scorer's covered mass
-        index._cache["est_recall"] = got[2] / _scored_count(seq_len, settings, q.device)
+    if recall is not None:
+        index._cache["est_recall"] = recall
         return index
-    _, _, probs, pooled, scored = got
+    probs, pooled, scored = parts
     with torch.no_grad():
         # the scored rows' lists (a few query blocks, whichever rank holds them) for the recall figure
         lists = rows_from_lines(vertical, slash, seq_len, bs, torch.unique(scored // bs), totals=False, check=False)

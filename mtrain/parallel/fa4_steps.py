@@ -32,7 +32,7 @@ def resolve_engine(engine: str, plan: RingPlan, q: torch.Tensor) -> str:
     one step of a call its other ranks are running."""
     if engine not in ENGINES:
         raise ValueError(f"ring engine must be one of {ENGINES}; got {engine!r}")
-    if engine == "triton" or plan.columns is None and not any(s is not None for s in plan.steps.values()):
+    if engine == "triton":
         return "triton"
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and plan.block_size == BLOCK_SIZE
             and plan.doc_ids is None and all(s is not None for s in plan.steps.values())):

@@ -142,6 +142,8 @@ def ring_attention(
     hierarchy = _pick_groups(group, inner_group, outer_group)
     seq_len = _check_shapes(q, k, v, layout, world)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if engine not in ENGINES:
+        raise ValueError(f"ring engine must be one of {ENGINES}; got {engine!r}")
     if index is not None and sparse is not None:
         raise MtrainError("ring_attention: give either a SparseIndex (index=) or estimation settings (sparse=)")
     if doc_ids is not None:
@@ -163,8 +165,6 @@ def ring_attention(
         chosen = resolve_engine(engine, plan, q)
         if chosen != plan.engine:
             plan = dataclasses.replace(plan, engine=chosen)  # shares the plan's caches
-    elif engine not in ENGINES:
-        resolve_engine(engine, plan, q)  # the ValueError naming the engines
     if hierarchy is None:
         out, _ = ring_flat_attention(q, k, v, plan, group, scale)
     else:

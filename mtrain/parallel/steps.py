@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain.ops import partial
+from mtrain.parallel import fa4_steps
 from mtrain.parallel.dense_rects import rect_backward, rect_forward
 from mtrain.parallel.merge import GradSum, PartialAccumulator
 from mtrain.parallel.plan import RingPlan
@@ -43,8 +44,6 @@ def step_forward(acc: PartialAccumulator, q, k, v, plan: RingPlan, origin: int, 
         return
     k, v, kwargs = _step_args(plan, origin, q, k, v, columns_kv)
     if plan.engine == "fa4":
-        from mtrain.parallel import fa4_steps
-
         acc.add(*fa4_steps.forward(q, k, v, plan, origin, kwargs["k_pos"], kwargs["columns"], scale), final=final)
         return
     acc.add(*partial.attention_forward(q, k, v, softmax_scale=scale, **kwargs), final=final)
@@ -66,8 +65,6 @@ def step_backward(dq: GradSum, dk: GradSum, dv: GradSum, dout, q, k, v, out, lse
     n_local = k.shape[1]
     k, v, kwargs = _step_args(plan, origin, q, k, v, columns_kv)
     if plan.engine == "fa4":
-        from mtrain.parallel import fa4_steps
-
         dq_s, dk_s, dv_s = fa4_steps.backward(dout, q, k, v, out, lse, plan, origin, kwargs["k_pos"],
                                               kwargs["columns"], scale)
     else:
