@@ -70,7 +70,7 @@ $(VLLM_VENV)/.setup-done: constraints-cpu.txt Makefile
 	touch $@
 
 # ---- the embedded default -------------------------------------------------------------------------
-# stage 1 in four short runs (README "What it learns today"): copy drills of one period, then of mixed periods
+# stage 1 in four short runs (docs/embedded-default.md; how it was found: docs/history.md): copy drills of one period, then of mixed periods
 # (128-token samples), then at 1K (periods up to 500, runs of prose and digits), then the eval's NIAH prompts at
 # up to 2K mixed with those drills (2K rows); stage 2 (8K, 48 steps): NIAH prompts of exactly 8K, 4K and 2K tokens, 8K copy
 # drills and the 1K drills

@@ -13,10 +13,7 @@ import os
 import sys
 
 from mtrain.errors import MtrainError, os_error_line
-
-# The hub libraries read these at import: set before any stage imports them. `--online` (or MTRAIN_ONLINE=1)
-# lets transformers / datasets reach the model hub; without it a path that is not on disk fails at once.
-OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+from mtrain.offline import OFFLINE_VARS, set_offline  # noqa: F401  (OFFLINE_VARS: re-exported, its old home)
 
 # subcommand module -> registered in this order in `mtrain --help`
 STAGE_MODULES = (
@@ -49,19 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(sub)
     return parser
-
-
-def set_offline(argv: list[str]) -> bool:
-    """Offline unless `--online` comes before the subcommand or MTRAIN_ONLINE=1; returns whether online.
-
-    Variables the user set explicitly are kept (HF_HUB_OFFLINE=0 stays online).
-    """
-    head = argv[: next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))]
-    online = "--online" in head or os.environ.get("MTRAIN_ONLINE") == "1"
-    if not online:
-        for name in OFFLINE_VARS:
-            os.environ.setdefault(name, "1")
-    return online
 
 
 def _one_line(text: str) -> str:

@@ -460,9 +460,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
 
 def _check_hub_id(key: str, value: str) -> None:
     """A missing local path shaped like a hub id: fine online; offline only when the hub cache holds it."""
-    from mtrain.cli import OFFLINE_VARS
+    from mtrain.offline import hub_offline
 
-    if not any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in OFFLINE_VARS):
+    if not hub_offline():
         return  # online: transformers resolves it from the hub
     from huggingface_hub import try_to_load_from_cache
 

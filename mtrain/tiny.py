@@ -1,7 +1,8 @@
 """The embedded default's tiny model and tokenizer: shipped in the repo, rebuilt deterministically offline.
 
-`load_tokenizer()` and `tiny_config()` read `mtrain/assets/`; `build_tokenizer()` regenerates the
-tokenizer from the synthetic corpus (`python -m mtrain.tiny --rebuild-tokenizer`).
+`load_tokenizer()` and `tiny_config()` read `mtrain/assets/`; `mtrain.data.tiny_tokenizer.build_tokenizer()`
+regenerates the tokenizer from the synthetic corpus (`python -m mtrain.data.tiny_tokenizer`). This module
+imports no other part of mtrain, so every stage may import it.
 """
 
 from __future__ import annotations
@@ -16,37 +17,6 @@ MODEL_CONFIG = ASSETS / "tiny-qwen2" / "config.json"
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 1024
-
-
-def build_tokenizer(out_dir: str | Path = TOKENIZER_DIR, vocab_size: int = VOCAB_SIZE):
-    """Train a byte-level BPE (single-digit numbers, like Qwen's) on the synthetic corpus and save it.
-
-    Training input and settings are fixed, so the result is the same file every time.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from mtrain.data.synthetic import CorpusSpec, generate
-
-    docs = generate(CorpusSpec(num_docs=400, max_sentences=60, seed=1234))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(docs, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, model_max_length=1 << 20
-    )
-    out_dir = Path(out_dir)
-    fast.save_pretrained(out_dir)
-    return fast
 
 
 def load_tokenizer(path: str | Path = TOKENIZER_DIR):
@@ -75,11 +45,12 @@ def build_tiny_model(seed: int = 0, **overrides):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mtrain.tiny", description=__doc__)
-    parser.add_argument("--rebuild-tokenizer", action="store_true", help="retrain and overwrite the shipped tokenizer")
+    parser.add_argument("--rebuild-tokenizer", action="store_true",
+                        help="moved: python -m mtrain.data.tiny_tokenizer retrains and overwrites the shipped tokenizer")
     args = parser.parse_args(argv)
     if args.rebuild_tokenizer:
-        tok = build_tokenizer()
-        print(f"wrote {TOKENIZER_DIR} ({len(tok)} tokens)")
+        # the builder reads the synthetic corpus, so it lives in the data stage (this module imports no stage)
+        parser.error("the tokenizer builder moved to the data stage: run python -m mtrain.data.tiny_tokenizer")
     return 0
 
 

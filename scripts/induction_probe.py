@@ -1,7 +1,7 @@
 """Does a stage-1 setup teach the tiny model to copy? A plain training loop and a copy probe (issue #14, item 1).
 
 Trains the embedded default's tiny Qwen2 from scratch on copy drills (or the stage-1 retrieval mix) and prints the
-loss and held-out copy accuracy as it goes; README "How the copy curriculum was found" and "What was tried before
+loss and held-out copy accuracy as it goes; docs/history.md, "How the copy curriculum was found" and "What was tried before
 the copy curriculum" list the settings tried and what each gave. Not part of `make train`: a quick way to search
 for a setup before moving it into the recipes.
 

@@ -1,4 +1,5 @@
-"""Resumable eval runs: one append-only, flushed jsonl of predictions per task, guarded by a run manifest.
+"""Resumable eval runs: one append-only, flushed jsonl of predictions per task (`mtrain.eval.predictions`), guarded
+by a run manifest.
 
 A rerun skips every (task, length, index) already written; a manifest that disagrees with this run is refused.
 """
@@ -14,13 +15,14 @@ from typing import Any
 
 from mtrain.errors import MtrainError
 from mtrain.eval.backends.base import Backend, PromptTooLongError, rope_config
+# the predictions file format, re-exported: callers import PREDICTIONS, predictions_path and read_records from here
+from mtrain.eval.predictions import PREDICTIONS, append_records, drop_torn_tail, predictions_path, read_records
 from mtrain.eval.registry import BuildContext, get_task
 from mtrain.eval.suite import Suite, TaskRun
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-PREDICTIONS = "predictions"
 
 
 class ManifestMismatchError(MtrainError):
@@ -39,42 +41,6 @@ def checkpoint_hash(model_path: str) -> str:
             for block in iter(lambda: f.read(1 << 24), b""):
                 digest.update(block)
     return digest.hexdigest()
-
-
-def predictions_path(out_dir: str, task: str) -> str:
-    return os.path.join(out_dir, PREDICTIONS, task.replace("/", "__") + ".jsonl")
-
-
-def read_records(path: str) -> list[dict]:
-    """Complete records of a predictions file; a torn last line (killed mid-write) is ignored."""
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.endswith("\n"):
-                continue
-            try:
-                record = json.loads(line)
-                record["task"], record["length"], record["index"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise MtrainError(
-                    f"{path}:{number}: damaged prediction record ({type(exc).__name__}: {exc}); delete that line "
-                    "(its sample is rerun on resume) or the file"
-                ) from None
-            records.append(record)
-    return records
-
-
-def _drop_torn_tail(path: str) -> None:
-    """Cut a partial last line so the next append starts on a fresh line."""
-    if not os.path.exists(path):
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end != len(data):
-            f.truncate(end)
 
 
 def task_settings(run: TaskRun) -> dict:
@@ -218,7 +184,7 @@ def run_suite(suite: Suite, model_path: str, out_dir: str, *, backend: str = "hf
     pending, total = [], 0
     for run in suite.tasks:
         path = predictions_path(out_dir, run.name)
-        _drop_torn_tail(path)
+        drop_torn_tail(path)
         done = {(r["length"], r["index"]) for r in read_records(path)}
         task = get_task(run.name)
         for length in run.lengths:
@@ -233,11 +199,7 @@ def run_suite(suite: Suite, model_path: str, out_dir: str, *, backend: str = "hf
         for batch in _batches(pending, engine.batch_size):
             run, length = batch[0][0], batch[0][1]
             records = evaluate_samples(engine, run, contexts[run.name], length, [index for _, _, index in batch])
-            with open(predictions_path(out_dir, run.name), "a", encoding="utf-8") as f:
-                for record in records:
-                    f.write(json.dumps(record) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            append_records(predictions_path(out_dir, run.name), records)
             bar.update(len(batch))
     return score_run(out_dir)
 

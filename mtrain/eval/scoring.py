@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from mtrain.eval.metrics import METRICS, ruler_postprocess
 from mtrain.eval.registry import get_task
-from mtrain.eval.runner import PREDICTIONS, read_records
+from mtrain.eval.predictions import PREDICTIONS, read_records
 
 RULER_TASKS = (
     "ruler/niah_single_1", "ruler/niah_single_2", "ruler/niah_single_3",

@@ -1,0 +1,201 @@
+"""The import graph of `mtrain/`, read with `ast` (nothing is imported): no import circles beyond a documented list.
+
+Two graphs are built. The module-level one (the imports a module runs when it is imported) must have no circle at
+all. The full one also holds the imports inside functions: they run when the function is called, so a circle
+through them is still two modules that each need the other, and the circles the codebase had were of that kind.
+Its circles must each lie inside one group of KNOWN_CYCLES, so a new circle fails here; a group that no longer
+forms a circle is fine (remove it from the list when its rewrite lands).
+
+Imports under `if TYPE_CHECKING:` are not edges. An import of a package's name (`from mtrain.eval import plots`)
+is an edge to the submodule when one of that name exists, else to the package's `__init__`.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "mtrain"
+
+# Circles still in the code, each a group of modules that import one another. New ones fail the test.
+KNOWN_CYCLES = (
+    # plugin registration: the registry imports its task modules so they register; they import the registry
+    frozenset({"mtrain.eval.registry", "mtrain.eval.tasks.haystack", "mtrain.eval.tasks.infbench",
+               "mtrain.eval.tasks.niah", "mtrain.eval.tasks.pg19", "mtrain.eval.tasks.ruler"}),
+    # the partial-attention autograd function and its packing helpers live in the dispatcher (issue #31, item 3)
+    frozenset({"mtrain.ops.attention", "mtrain.ops.dense", "mtrain.ops.fa4"}),
+    # the shared per-call context is also one of the plugins (issue #31, item 1)
+    frozenset({"mtrain.models.attention", "mtrain.models.baselines"}),
+)
+
+# Pairs that once formed circles and must not again (issue #31, item 4): each the module that reads a format or
+# setting, and the one that used to hold it.
+BROKEN_CYCLES = (
+    ("mtrain.eval.runner", "mtrain.eval.scoring"),  # the predictions file format: mtrain.eval.predictions
+    ("mtrain.tiny", "mtrain.data.synthetic"),  # the tiny tokenizer builder: mtrain.data.tiny_tokenizer
+    ("mtrain.config", "mtrain.cli"),  # the offline settings: mtrain.offline
+)
+
+
+def module_files() -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, whether it is a package's __init__)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts.pop()
+        out[".".join(parts)] = (path, is_package)
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported_names(node: ast.Import | ast.ImportFrom, package: str, modules) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:  # relative: from . import x, from ..data import y
+        parts = package.split(".")
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([base] if base else []))
+    return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+
+
+def _owner(name: str, modules) -> str | None:
+    """The module of `modules` that `name` (a module, or a name inside one) lives in."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+@functools.lru_cache(maxsize=2)
+def import_graph(module_level_only: bool) -> dict[str, frozenset[str]]:
+    modules = module_files()
+    graph = {}
+    for name, (path, is_package) in modules.items():
+        package = name if is_package else name.rpartition(".")[0]
+        edges: set[str] = set()
+
+        def visit(nodes):
+            for node in nodes:
+                if isinstance(node, ast.If) and _is_type_checking(node):
+                    visit(node.orelse)
+                    continue
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    for target in _imported_names(node, package, modules):
+                        owner = _owner(target, modules) if target.split(".")[0] == "mtrain" else None
+                        if owner and owner != name:
+                            edges.add(owner)
+                    continue
+                if module_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    continue
+                visit(ast.iter_child_nodes(node))
+
+        visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body)
+        graph[name] = frozenset(edges)
+    return graph
+
+
+def cycles(graph: dict[str, frozenset[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(frozenset(component))
+    return out
+
+
+def reaches(graph, source: str, target: str) -> bool:
+    seen, todo = {source}, [source]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt == target:
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return False
+
+
+def test_graph_sees_the_package():
+    graph = import_graph(False)
+    assert {"mtrain.cli", "mtrain.config", "mtrain.eval.runner", "mtrain.eval.predictions", "mtrain.offline",
+            "mtrain.tiny", "mtrain.data.tiny_tokenizer"} <= set(graph)
+    # a function-level import is an edge of the full graph only (runner imports scoring inside run_suite)
+    assert "mtrain.eval.scoring" in graph["mtrain.eval.runner"]
+    assert "mtrain.eval.scoring" not in import_graph(True)["mtrain.eval.runner"]
+
+
+def test_no_module_level_cycles():
+    found = cycles(import_graph(True))
+    assert not found, "import circles among module-level imports:\n" + "\n".join(sorted(map(str, map(sorted, found))))
+
+
+def test_only_known_cycles():
+    new = [sorted(c) for c in cycles(import_graph(False)) if not any(c <= known for known in KNOWN_CYCLES)]
+    assert not new, ("import circles not in KNOWN_CYCLES (break them: move what both sides need into a module "
+                     "that both import):\n" + "\n".join(map(str, new)))
+
+
+@pytest.mark.parametrize("a, b", BROKEN_CYCLES)
+def test_broken_cycles_stay_broken(a, b):
+    graph = import_graph(False)
+    assert a in graph and b in graph
+    assert not (reaches(graph, a, b) and reaches(graph, b, a)), f"{a} and {b} import each other again"
+
+
+def test_config_does_not_import_the_command_line():
+    graph = import_graph(False)
+    assert not reaches(graph, "mtrain.config", "mtrain.cli")
+    assert graph["mtrain.offline"] == frozenset()  # a leaf: anything may import it
+
+
+def test_tiny_imports_no_stage():
+    assert import_graph(False)["mtrain.tiny"] == frozenset()
+
+
+def test_cycles_finds_a_planted_circle():
+    graph = {"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a"}), "d": frozenset({"a"})}
+    assert cycles(graph) == [frozenset({"a", "b", "c"})]
