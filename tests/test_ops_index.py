@@ -83,11 +83,45 @@ def test_transposed_and_column_plan_are_consistent():
         assert got == want and len(want) > 0
 
 
+def _plan_pairs(plan: ColumnPlan, h: int) -> set:
+    """(query block, column token) pairs a ColumnPlan lists for head h of batch row 0."""
+    got = set()
+    for c in range(plan.q_ids.shape[2]):
+        for e in range(int(plan.counts[0, h, c])):
+            i, bits = int(plan.q_ids[0, h, c, e]), int(plan.bits[0, h, c, e])
+            got |= {(i, int(plan.universe[0, h, c * plan.chunk + t])) for t in range(plan.chunk) if bits >> t & 1}
+    return got
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_column_plan_with_a_known_width_lists_the_same_pairs(chunk):
+    """The bounded column plan (no host read: universe as wide as the bound, q_ids as wide as the query blocks)
+    holds the same universe and (query block, column) pairs as the trimmed one."""
+    gen = torch.Generator().manual_seed(chunk)
+    S, bs = 160, 16
+    index = SparseIndex.from_lines(torch.randint(-3, S, (2, 3, 11), generator=gen),
+                                   torch.randint(0, S, (2, 3, 4), generator=gen), S, bs)
+    want = column_plan(index.col_ids, index.col_counts, S, chunk)
+    got = column_plan(index.col_ids, index.col_counts, S, chunk, width=11)  # a head's columns are among its 11 lines
+    assert got.universe.shape[-1] == 11 and got.q_ids.shape[-1] == S // bs
+    for b in range(2):
+        for h in range(3):
+            u = want.universe[b, h]
+            assert torch.equal(got.universe[b, h, : u.numel()], u) and (got.universe[b, h, u.numel():] == -1).all()
+    for h in range(3):
+        assert _plan_pairs(got, h) == _plan_pairs(want, h) and _plan_pairs(want, h)
+    assert torch.equal(got.counts[..., : want.counts.shape[-1]], want.counts)
+
+
 def test_compact_keeps_order_and_pads():
     flags = torch.tensor([[True, False, True, True], [False, False, False, False]])
     ids, counts = compact(flags)
     assert ids.tolist() == [[0, 2, 3], [-1, -1, -1]] and counts.tolist() == [3, 0]
     vals, _ = compact(flags, torch.tensor([10, 11, 12, 13]))
+    assert vals.tolist() == [[10, 12, 13], [-1, -1, -1]]
+    ids, counts = compact(flags, width=5)  # a known bound: wider, the same entries
+    assert ids.tolist() == [[0, 2, 3, -1, -1], [-1] * 5] and counts.tolist() == [3, 0]
+    vals, _ = compact(flags, torch.tensor([10, 11, 12, 13]), width=3)
     assert vals.tolist() == [[10, 12, 13], [-1, -1, -1]]
 
 

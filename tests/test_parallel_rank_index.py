@@ -51,6 +51,28 @@ def test_rows_from_lines_are_the_rows_of_from_lines(S, bs, nv, ns):
             assert torch.equal(part.column_union, torch.unique(full.col_ids[full.col_ids >= 0].long()))
 
 
+@pytest.mark.parametrize("S,bs", [(256, 16), (250, 16), (100, 32), (64, 64), (33, 16)])
+@pytest.mark.parametrize("nv,ns", [(0, 2), (5, 3), (40, 20)])
+def test_rows_from_lines_bounded_widths_hold_the_same_lists(S, bs, nv, ns):
+    """bound_widths (one host read, list widths from the lines' bounds) lists the same entries, counts, totals and
+    column union as the trimmed lists, and its widths are the bounds (offsets + 1, the most verticals of a head)."""
+    for seed in range(2):
+        vertical, slash = _lines(S, nv, ns, seed)
+        n = -(-S // bs)
+        for rows in (torch.arange(n), torch.arange(0, n, 3), torch.tensor([n - 1])):
+            want = rows_from_lines(vertical, slash, S, bs, rows)
+            got = rows_from_lines(vertical, slash, S, bs, rows, bound_widths=True)
+            assert got._cache.get("bounded_widths") and not want._cache.get("bounded_widths")
+            for name in ("block_ids", "col_ids"):
+                assert _same_rows(getattr(want, name), getattr(got, name)), (name, rows)
+                assert getattr(got, name).shape[-1] >= getattr(want, name).shape[-1]
+            assert torch.equal(want.block_counts, got.block_counts) and torch.equal(want.col_counts, got.col_counts)
+            assert torch.equal(want.totals, got.totals)
+            assert torch.equal(want.column_union, got.column_union)
+            distinct_v = max(int(((vertical >= 0) & (vertical < S)).sum(-1).max()), 1)
+            assert got.col_ids.shape[-1] <= distinct_v
+
+
 def test_rows_from_lines_rejects_bad_rows():
     vertical, slash = _lines(128, 4, 2, 0)
     for rows in (torch.tensor([3, 1]), torch.tensor([0, 8]), torch.tensor([2, 2]), torch.tensor([], dtype=torch.long)):
@@ -84,17 +106,36 @@ def _planted(seed: int):
     return q, k
 
 
+def _gathers_each_slot_from_its_owner(cols) -> bool:
+    """Every real slot of the off-ring columns is read from the gathered row its owner sends (src -> by_rank)."""
+    real = cols.owner >= 0
+    src = cols.src[real]
+    sender, j = src // cols.per_rank, src % cols.per_rank
+    return bool(torch.equal(sender, cols.owner[real])
+                and torch.equal(cols.by_rank[sender, j], torch.nonzero(real).flatten()))
+
+
 def _plan_equal(a, b) -> bool:
-    """Same steps, lists (up to -1 padding: widths follow the rows an index holds), columns and gather tables."""
-    if a.skip != b.skip or a.column_origin != b.column_origin:
+    """Same steps, lists (up to -1 padding: widths follow the rows an index holds), columns and gathers. A step
+    skipped in one plan has no entries in the other (a bounded plan runs every step); the gather tables may be
+    sized differently (a bounded plan's per_rank is every slot) but each must read every slot from its owner."""
+    if a.column_origin != b.column_origin:
         return False
     for origin in a.steps:
         sa, sb = a.steps[origin], b.steps[origin]
         if not (_same_rows(sa.ids, sb.ids) and torch.equal(sa.counts, sb.counts) and torch.equal(sa.k_pos, sb.k_pos)):
             return False
+    for x, y in ((a, b), (b, a)):
+        if any(o not in y.skip and int(y.steps[o].counts.sum()) and y.steps[o].columns is None for o in x.skip):
+            return False
     ca, cb = a.columns, b.columns
-    return _same_rows(ca.ids, cb.ids) and all(
-        torch.equal(getattr(ca, f), getattr(cb, f)) for f in ("positions", "counts", "send_local", "src", "by_rank"))
+    if not (_same_rows(ca.ids, cb.ids) and all(torch.equal(getattr(ca, f), getattr(cb, f))
+                                                for f in ("positions", "owner", "local", "counts"))):
+        return False
+    if a.bounded == b.bounded and not all(torch.equal(getattr(ca, f), getattr(cb, f))
+                                          for f in ("send_local", "src", "by_rank")):
+        return False
+    return _gathers_each_slot_from_its_owner(ca) and _gathers_each_slot_from_its_owner(cb)
 
 
 def _worker(rank, world, init_file, out_file):

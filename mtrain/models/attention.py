@@ -489,7 +489,8 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         path, lines = replay
         if path == "sparse":
             vertical, slash, rows = lines
-            index = rows_from_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows, check=False)
+            index = rows_from_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows, check=False,
+                                    bound_widths=True)
     elif settings is not None and policy != "never" and not _skip_estimate(q, settings, layer_idx, policy=policy,
                                                                            training=training, world=world):
         # Estimated across the group (no rank does it for the others; the lines are identical on every rank);

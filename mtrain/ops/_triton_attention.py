@@ -9,7 +9,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mtrain.ops._triton_estimate import dot_precision
-from mtrain.ops.index import ColumnPlan, column_plan, compact, transpose_blocks_csr
+from mtrain.ops.index import BOUNDED, ColumnPlan, column_plan, compact, transpose_blocks_csr
 
 _LOG2E = 1.4426950408889634
 # Positions of padded keys: larger than any real position, so the causal test drops them.
@@ -734,17 +734,21 @@ def _doc_ranges(doc: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch
     return lo.view(B, n, block_size).amin(-1), hi.view(B, n, block_size).amax(-1)
 
 
-def _keep_left(ids: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack the kept entries of each -1 padded list [..., M] to the left, in order; trim the padding."""
+def _keep_left(ids: torch.Tensor, keep: torch.Tensor, trim: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack the kept entries of each -1 padded list [..., M] to the left, in order; trim the padding (a host
+    read), or keep the width M (trim=False)."""
     counts = keep.sum(-1, dtype=torch.int32)
-    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    if not trim:
+        width = max(ids.shape[-1], 1)
+    else:
+        width = max(int(counts.max()) if counts.numel() else 0, 1)
     slot = torch.where(keep, keep.cumsum(-1) - 1, width)  # dropped entries land in a dump slot
     out = torch.full((*ids.shape[:-1], width + 1), -1, dtype=torch.int32, device=ids.device)
     out.scatter_(-1, slot, torch.where(keep, ids, -1).to(torch.int32))
     return out[..., :width].contiguous(), counts
 
 
-def _doc_filter(bi, bc, ci, cc, has_cols, qd, kd, block_size):
+def _doc_filter(bi, bc, ci, cc, has_cols, qd, kd, block_size, trim: bool = True):
     """Drop listed key blocks and columns whose document ids cannot meet the query block's: a block is
     kept only when its doc-id range overlaps the query block's (exact for any ids: equal ids need
     overlapping ranges). Tiles that survive still test the ids pair by pair in the kernels."""
@@ -760,14 +764,14 @@ def _doc_filter(bi, bc, ci, cc, has_cols, qd, kd, block_size):
     j = ids.long().clamp(min=0)
     bidx = torch.arange(B, device=ids.device)[:, None, None, None]
     keep = valid & (k_lo[bidx, j] <= q_hi[:, None, :, None]) & (k_hi[bidx, j] >= q_lo[:, None, :, None])
-    bi, bc = _keep_left(ids, keep)
+    bi, bc = _keep_left(ids, keep, trim)
     if shared:
         bi, bc = bi.expand(B, H, *bi.shape[2:]), bc.expand(B, H, bc.shape[2])
     if has_cols:
         valid = (torch.arange(ci.shape[-1], device=ci.device) < cc[..., None].long()) & (ci >= 0)
         cdoc = kd[bidx, ci.long().clamp(min=0)]
         keep = valid & (cdoc >= q_lo[:, None, :, None]) & (cdoc <= q_hi[:, None, :, None])
-        ci, cc = _keep_left(ci, keep)
+        ci, cc = _keep_left(ci, keep, trim)
     return bi, bc, ci, cc
 
 
@@ -794,9 +798,10 @@ def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, 
     else:
         qd = q_doc.to(device=q.device, dtype=torch.int64).contiguous()
         kd = k_doc.to(device=q.device, dtype=torch.int64).contiguous()
-        plans = plans.setdefault("doc", {})
+        bounded = bool(plans.get(BOUNDED))
+        plans = plans.setdefault("doc", {BOUNDED: True} if bounded else {})
         if "lists" not in plans:
-            plans["lists"] = _doc_filter(bi, bc, ci, cc, columns is not None, qd, kd, block_size)
+            plans["lists"] = _doc_filter(bi, bc, ci, cc, columns is not None, qd, kd, block_size, trim=not bounded)
         bi, bc, ci, cc = plans["lists"]
         tr = None
     return bi, bc, tr, ci, cc, columns is not None, qp, kp, qd, kd, plans
@@ -900,7 +905,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         chunk = min(_tile(block_size), 64)
         sub = _subtiles(block_size, "col", D, _tile_cap(q))
         if ("c", chunk) not in plans:
-            plans[("c", chunk)] = column_plan(ci, cc, Sk, chunk)
+            plans[("c", chunk)] = column_plan(ci, cc, Sk, chunk, width=ci.shape[-1] if plans.get(BOUNDED) else None)
         plan = plans[("c", chunk)]
         universe = plan.universe
         u_cap = universe.shape[-1]
@@ -938,7 +943,7 @@ def _block_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, qp, kp, qd, kd, bi, bc, t
     Sk, Hkv = k.shape[1], k.shape[2]
     if tr is None:
         if "t" not in plans:
-            plans["t"] = transpose_blocks_csr(bi, bc, nkb)
+            plans["t"] = transpose_blocks_csr(bi, bc, nkb, every_slot=bool(plans.get(BOUNDED)))
         tr = plans["t"]
     ti, ts, tc = tr
     kv_plan = _kv_work_plan(tc, B, Hkv, group, nqb, nkb, dk, block_size, plans)

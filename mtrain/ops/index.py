@@ -8,14 +8,27 @@ from dataclasses import dataclass, field
 import torch
 
 
-def compact(flags: torch.Tensor, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+# plans[BOUNDED] = True in the kernels' cache (`mtrain.ops.partial`'s `plans`): the lists come from a bounded ring
+# plan (`mtrain.parallel.plan.RingPlan.bounded`), and what the kernels derive from them is sized from their widths
+# instead of read-back counts (no host synchronisation): the document filter keeps each list's width, the
+# transposed lists sort every slot, and a head's column universe fits in its column lists' width (its columns are
+# the sink block's and its verticals', every row drawing from them).
+BOUNDED = "bounded"
+
+
+def compact(flags: torch.Tensor, values: torch.Tensor | None = None,
+            width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack the True positions of `flags` [..., N] to the left, keeping their order.
 
     Returns (ids [..., M] int32, padded with -1, M = max count (at least 1); counts [...] int32).
     `ids` holds the positions (0..N-1), or `values[..., pos]` when `values` (same shape as flags,
     or broadcastable) is given. Vectorized and proportional to the number of True entries: one
     nonzero() over the flags, then one indexed write (no loop over rows, no writes for False entries).
+    width: a bound the caller knows on every row's count: M = width, and no host synchronisation (one
+    cumulative sum and one scatter over all N entries instead of the nonzero()).
     """
+    if width is not None:
+        return _compact_to(flags, values, width)
     n = flags.shape[-1]
     lead = flags.shape[:-1]
     counts = flags.sum(-1, dtype=torch.int32)
@@ -32,6 +45,20 @@ def compact(flags: torch.Tensor, values: torch.Tensor | None = None) -> tuple[to
     out = torch.full((flat.shape[0], width), -1, dtype=torch.int32, device=flags.device)
     out[row, pos] = vals
     return out.view(*lead, width), counts
+
+
+def _compact_to(flags: torch.Tensor, values: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compact` into a given width (entries past it are dropped: the caller's bound must hold)."""
+    width = max(int(width), 1)
+    counts = flags.sum(-1, dtype=torch.int32)
+    slot = torch.where(flags, flags.cumsum(-1) - 1, width).clamp_(max=width)  # the rest land in a dump column
+    if values is None:
+        vals = torch.arange(flags.shape[-1], device=flags.device).expand(flags.shape)
+    else:
+        vals = values.expand(flags.shape)
+    out = torch.full((*flags.shape[:-1], width + 1), -1, dtype=torch.int32, device=flags.device)
+    out.scatter_(-1, slot, torch.where(flags, vals, -1).to(torch.int32))
+    return out[..., :width].contiguous(), counts.clamp_(max=width)
 
 
 def group_entries(group: torch.Tensor, values: torch.Tensor, n_groups: int):
@@ -65,7 +92,7 @@ def pad_groups(flat: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -
 
 
 def transpose_blocks_csr(
-    block_ids: torch.Tensor, block_counts: torch.Tensor, n_kblocks: int
+    block_ids: torch.Tensor, block_counts: torch.Tensor, n_kblocks: int, *, every_slot: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per (b, h, key block j) the sorted query blocks whose list contains j, as ragged lists.
 
@@ -73,10 +100,24 @@ def transpose_blocks_csr(
     one after another; starts int64 [B, H, nKB] into q_ids; counts int32 [B, H, nKB]). Works on the
     listed entries only: no [nKB, nQB] matrix (the sink block's list alone is nQB long, so a padded
     transposed index would be nKB x nQB).
+    every_slot: sort every list slot (padding into a spare list after the others) instead of finding the
+    listed entries first: E = B * H * nQB * MAXB, and no host synchronisation.
     """
     B, H, nqb, maxb = block_ids.shape
     dev = block_ids.device
     valid = (torch.arange(maxb, device=dev) < block_counts[..., None].long()) & (block_ids >= 0)
+    if every_slot:
+        n_groups = B * H * n_kblocks
+        bh = torch.arange(B * H, device=dev).view(B, H, 1, 1)
+        i = torch.arange(nqb, device=dev).view(1, 1, nqb, 1).expand_as(block_ids)
+        group = torch.where(valid, bh * n_kblocks + block_ids.long(), n_groups).flatten()
+        key = group.to(torch.int32) if n_groups < 2**31 else group
+        order = torch.sort(key, stable=True).indices  # row-major slots: i ascending within each list
+        counts = torch.zeros(n_groups + 1, dtype=torch.long, device=dev).scatter_add_(0, group, torch.ones_like(group))
+        starts = torch.cumsum(counts, 0) - counts
+        q_ids = i.flatten()[order].to(torch.int32)
+        return (q_ids, starts[:n_groups].view(B, H, n_kblocks),
+                counts[:n_groups].to(torch.int32).view(B, H, n_kblocks))
     flat = torch.nonzero(valid.reshape(-1)).flatten()  # row-major: i ascending within each (b, h)
     j = block_ids.reshape(-1)[flat].long()
     row = flat // maxb  # (b * H + h) * nQB + i
@@ -115,14 +156,20 @@ class ColumnPlan:
     chunk: int
 
 
-def column_plan(col_ids: torch.Tensor, col_counts: torch.Tensor, seq_k: int, chunk: int) -> ColumnPlan:
-    """Build the `ColumnPlan` of per-query-block column lists (see `ColumnPlan`); chunk <= 64."""
+def column_plan(col_ids: torch.Tensor, col_counts: torch.Tensor, seq_k: int, chunk: int,
+                width: int | None = None) -> ColumnPlan:
+    """Build the `ColumnPlan` of per-query-block column lists (see `ColumnPlan`); chunk <= 64.
+    width: a bound the caller knows on each head's distinct columns (the universe's width; e.g. the lists' width
+    when every row of a head draws from the same columns): then no host synchronisation, and the plan's
+    q_ids are as wide as the query blocks."""
     if not 1 <= chunk <= 64:
         raise ValueError(f"column chunk must be in 1..64 (one int64 bit mask per entry); got {chunk}")
     B, H, nqb, maxc = col_ids.shape
     dev = col_ids.device
     slot = torch.arange(maxc, device=dev)
     valid = (slot < col_counts[..., None].long()) & (col_ids >= 0) & (col_ids < seq_k)
+    if width is not None:
+        return _column_plan_bounded(col_ids, valid, seq_k, chunk, max(int(width), 1))
     # Work on the listed entries only (the padded lists can be ~20x larger than their content).
     b, h, i, n = torch.nonzero(valid, as_tuple=True)
     cols = col_ids[b, h, i, n].long()
@@ -141,13 +188,38 @@ def column_plan(col_ids: torch.Tensor, col_counts: torch.Tensor, seq_k: int, chu
     return ColumnPlan(universe, q_ids, packed_bits.contiguous(), counts, chunk)
 
 
+def _column_plan_bounded(col_ids, valid, seq_k: int, chunk: int, width: int) -> ColumnPlan:
+    """`column_plan` over every list slot (invalid ones routed to spare rows) with a known universe width."""
+    B, H, nqb, maxc = col_ids.shape
+    dev = col_ids.device
+    cols = torch.where(valid, col_ids.long(), seq_k)
+    used = torch.zeros(B, H, seq_k + 1, dtype=torch.bool, device=dev)
+    used.scatter_(-1, cols.flatten(2), True)
+    used = used[..., :seq_k]
+    universe, _ = compact(used, width=width)
+    rank = used.cumsum(-1) - 1  # universe slot of every used token
+    u = torch.gather(rank, -1, cols.clamp(max=seq_k - 1).flatten(2)).view_as(cols)
+    n_chunks = -(-width // chunk)
+    bits = torch.zeros(B, H, n_chunks + 1, nqb, dtype=torch.int64, device=dev)  # chunk row n_chunks: the spare
+    bi = torch.arange(B, device=dev).view(B, 1, 1, 1).expand_as(cols)
+    hi = torch.arange(H, device=dev).view(1, H, 1, 1).expand_as(cols)
+    qi = torch.arange(nqb, device=dev).view(1, 1, nqb, 1).expand_as(cols)
+    # Each (query block, column) pair is unique, so adding bits is an exact, order-free OR.
+    bits.index_put_((bi, hi, torch.where(valid, u // chunk, n_chunks), qi),
+                    torch.where(valid, torch.ones_like(u) << (u % chunk), 0), accumulate=True)
+    bits = bits[:, :, :n_chunks]
+    q_ids, counts = compact(bits != 0, width=nqb)
+    packed_bits = torch.where(q_ids >= 0, torch.gather(bits, -1, q_ids.long().clamp(min=0)), 0)
+    return ColumnPlan(universe, q_ids, packed_bits.contiguous(), counts, chunk)
+
+
 def kernel_column_chunk(block_size: int) -> int:
     """The column chunk the deterministic column backward reads (`min(_tile(block_size), 64)` in
     `mtrain.ops._triton_attention`): the GPU builder makes that plan in its pass."""
     return min(max(16, 1 << (block_size - 1).bit_length()), 64)
 
 
-def _block_offsets(slash: torch.Tensor, seq_len: int, block_size: int):
+def _block_offsets(slash: torch.Tensor, seq_len: int, block_size: int, trim: bool = True):
     """(O [B, H, K], O_last or None): the per-head sets of BLOCK offsets of the slashes, holding 0 (the diagonal),
     ascending, _NONE padded; O_last is the set of a short last query block (None when the last block is full).
 
@@ -161,11 +233,12 @@ def _block_offsets(slash: torch.Tensor, seq_len: int, block_size: int):
     ok = (d >= 0) & (d < seq_len)
     a, r = d // block_size, d % block_size
     zero = torch.zeros(B, H, 1, dtype=torch.long, device=slash.device)
-    offs = _offset_set(torch.cat([zero, torch.where(ok, a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1))
+    offs = _offset_set(torch.cat([zero, torch.where(ok, a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1),
+                       trim)
     if tail == block_size:
         return offs, None
     offs_last = _offset_set(torch.cat(
-        [zero, torch.where(ok & (r < tail), a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1))
+        [zero, torch.where(ok & (r < tail), a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1), trim)
     return offs, offs_last
 
 
@@ -185,12 +258,15 @@ _NONE = 1 << 62
 _SCATTER_ELEMS = 1 << 24
 
 
-def _offset_set(offsets: torch.Tensor) -> torch.Tensor:
-    """Sorted distinct offsets per (b, h): [B, H, K] (padding _NONE) -> [B, H, K'] ascending, _NONE padded."""
+def _offset_set(offsets: torch.Tensor, trim: bool = True) -> torch.Tensor:
+    """Sorted distinct offsets per (b, h): [B, H, K] (padding _NONE) -> [B, H, K'] ascending, _NONE padded
+    (K' = the most any head has, read back to the host; trim=False keeps K' = K, no host read)."""
     o, _ = torch.sort(offsets, dim=-1)
     dup = torch.zeros_like(o, dtype=torch.bool)
     dup[..., 1:] = o[..., 1:] == o[..., :-1]
     o, _ = torch.sort(torch.where(dup, _NONE, o), dim=-1)
+    if not trim:
+        return o
     width = max(int((o < _NONE).sum(-1).max()), 1)
     return o[..., :width].contiguous()
 
@@ -475,9 +551,10 @@ class RowIndex:
         return float(self.density_tensor())
 
 
-def _row_columns(v, v_blk, offs, offs_last, rows, n: int):
+def _row_columns(v, v_blk, offs, offs_last, rows, n: int, width: int | None = None):
     """Column lists of query blocks `rows` [R]: (col_ids [B, H, R, MAXC] int32, counts). A vertical of key
-    block j > 0 is a column of a later row i whose list misses block j, i.e. whose offset set lacks i - j."""
+    block j > 0 is a column of a later row i whose list misses block j, i.e. whose offset set lacks i - j.
+    width: MAXC when the caller knows a bound (no host read), else the longest list."""
     B, H, nv = v.shape
     R = rows.numel()
     active = torch.empty(B, H, R, nv, dtype=torch.bool, device=v.device)
@@ -492,14 +569,15 @@ def _row_columns(v, v_blk, offs, offs_last, rows, n: int):
             covered_last = (torch.gather(offs_last, -1, at) == o.flatten(2)).view_as(o)
             covered = torch.where((r == n - 1)[:, None], covered_last, covered)
         active[:, :, r0:r0 + step] = (o > 0) & (v_blk > 0)[:, :, None, :] & ~covered
-    slots, counts = compact(active)
+    slots, counts = compact(active, width=width)
     ids = torch.where(slots >= 0, torch.gather(v, -1, slots.long().clamp(min=0).flatten(2)).view_as(slots), -1)
     return ids.to(torch.int32), counts
 
 
 def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
-    """(totals float64 [B, H, 3] as `RowIndex.totals`, column union [U]) of the whole index, without its lists:
-    per row the list length from the offsets, per vertical the rows it is a column of by counting offsets."""
+    """(totals float64 [B, H, 3] as `RowIndex.totals`, used bool [seq_len]: the positions that are a column of
+    some query block) of the whole index, without its lists: per row the list length from the offsets, per
+    vertical the rows it is a column of by counting offsets."""
     B, H, _ = offs.shape
     dev = offs.device
     n = -(-seq_len // block_size)
@@ -516,7 +594,7 @@ def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
     full_rows = n if offs_last is None else n - 1
     if v.shape[-1] == 0:
         zero = torch.zeros(B, H, dtype=torch.float64, device=dev)
-        return torch.stack([blocks, zero, pairs], -1), torch.zeros(0, dtype=torch.long, device=dev)
+        return torch.stack([blocks, zero, pairs], -1), torch.zeros(seq_len, dtype=torch.bool, device=dev)
     ok = v_blk > 0  # excludes padding (v_blk = n) only below; sink-block verticals are never columns
     later = (full_rows - 1 - v_blk).clamp(min=0)  # full rows after the vertical's block
     have = torch.searchsorted(offs, later, right=True) - 1  # offsets in [1, later] (offs holds 0 once)
@@ -530,19 +608,23 @@ def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
     col_pairs = (in_full * block_size + in_last * tail).sum(-1)
     used = torch.zeros(seq_len + 1, dtype=torch.bool, device=dev)
     used[torch.where(in_full + in_last > 0, v, seq_len).flatten()] = True
-    union = torch.nonzero(used[:seq_len]).flatten()
-    return torch.stack([blocks, columns, pairs + col_pairs], -1), union
+    return torch.stack([blocks, columns, pairs + col_pairs], -1), used[:seq_len]
 
 
 def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
-                    rows: torch.Tensor, *, totals: bool = True, check: bool = True) -> RowIndex:
+                    rows: torch.Tensor, *, totals: bool = True, check: bool = True,
+                    bound_widths: bool = False) -> RowIndex:
     """The lists of the query blocks `rows` of `SparseIndex.from_lines(vertical, slash, seq_len, block_size)`,
     without building the others: time and memory follow len(rows) (plus O(lines + nQB) per head for the
     totals and the column union of the whole index, skipped with totals=False).
 
     rows: LongTensor [R] of global query blocks, ascending and distinct (checked unless check=False: the check
     reads them back to the host). Vectorised tensor ops on any device; list widths are trimmed to these rows'
-    longest (reads counts back to the host).
+    longest (reads counts back to the host, several times).
+    bound_widths: read back to the host once (the most block offsets and verticals any head has, and the size
+    of the column union) and size every list from those bounds: block lists as wide as a head's offsets + 1
+    (the sink), column lists as its verticals, so more -1 padding than the trimmed lists, the same entries
+    (the RowIndex's `_cache["bounded_widths"]` is then True: a ring plan built from it reads nothing back either).
     """
     if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
         raise ValueError(
@@ -555,7 +637,26 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
     if rows.dim() != 1 or rows.numel() == 0 or (check and (not bool(((rows >= 0) & (rows < n)).all())
                                                            or not bool((rows[1:] > rows[:-1]).all()))):
         raise ValueError(f"rows must be a non-empty ascending list of distinct query blocks in [0, {n})")
-    offs, offs_last = _block_offsets(slash, seq_len, block_size)
+    offs, offs_last = _block_offsets(slash, seq_len, block_size, trim=not bound_widths)
+    v, v_blk = _sorted_verticals(vertical, seq_len, block_size)
+    work = used = None
+    if totals:
+        work, used = _line_totals(v, v_blk, offs, offs_last, seq_len, block_size)
+    list_width = col_width = None
+    if bound_widths:  # the one host read: the widths every later step sizes its lists from
+        sizes = [(offs < _NONE).sum(-1).amax(), (v < seq_len).sum(-1).amax() if v.shape[-1] else offs.new_zeros(())]
+        if offs_last is not None:
+            sizes.append((offs_last < _NONE).sum(-1).amax())
+        if used is not None:
+            sizes.append(used.sum())
+        sizes = torch.stack([t.reshape(()).long() for t in sizes]).tolist()
+        n_offs, n_v = sizes[0], sizes[1]
+        offs = offs[..., :max(n_offs, 1)].contiguous()
+        if offs_last is not None:
+            offs_last = offs_last[..., :max(sizes[2], 1)].contiguous()
+            n_offs = max(n_offs, sizes[2])
+        v, v_blk = v[..., :n_v].contiguous(), v_blk[..., :n_v].contiguous()
+        list_width, col_width = max(1, min(n_offs + 1, n)), max(1, n_v)
     counts, pick, sink = _rows_from_offsets(offs, rows)
     last = None
     if offs_last is not None:  # a short last block: its own offsets, if the rows hold it (no host read to know)
@@ -563,22 +664,27 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
         last = _rows_from_offsets(offs_last, rows[-1:])
         for mine, theirs in zip((counts, pick, sink), last):
             mine[..., -1:] = torch.where(is_last, theirs, mine[..., -1:])
-    width = max(int(counts.max()), 1)
+    width = max(int(counts.max()), 1) if list_width is None else list_width
     block_ids = _expand_rows(offs, rows, counts, pick, sink, width)
     if last is not None:
         tail_ids = _expand_rows(offs_last, rows[-1:], counts[..., -1:], pick[..., -1:], sink[..., -1:], width)
         block_ids[:, :, -1:] = torch.where(is_last[:, None], tail_ids, block_ids[:, :, -1:])
-    v, v_blk = _sorted_verticals(vertical, seq_len, block_size)
     B, H, _ = vertical.shape
     if v.shape[-1] > 0:
-        col_ids, col_counts = _row_columns(v, v_blk, offs, offs_last, rows, n)
+        col_ids, col_counts = _row_columns(v, v_blk, offs, offs_last, rows, n, col_width)
     else:
         col_ids = torch.full((B, H, rows.numel(), 1), -1, dtype=torch.int32, device=vertical.device)
         col_counts = torch.zeros(B, H, rows.numel(), dtype=torch.int32, device=vertical.device)
-    union = work = None
-    if totals:
-        work, union = _line_totals(v, v_blk, offs, offs_last, seq_len, block_size)
-    return RowIndex(rows, block_ids, counts.to(torch.int32), col_ids, col_counts, seq_len, block_size, union, work)
+    union = None
+    if used is not None:
+        if bound_widths:
+            union = compact(used[None], width=max(sizes[-1], 1))[0][0, :sizes[-1]].long()
+        else:
+            union = torch.nonzero(used).flatten()
+    index = RowIndex(rows, block_ids, counts.to(torch.int32), col_ids, col_counts, seq_len, block_size, union, work)
+    if bound_widths:
+        index._cache["bounded_widths"] = True
+    return index
 
 
 def blocks_for_causal_dense(seq_len: int, block_size: int, batch: int, heads: int, device=None) -> SparseIndex:

@@ -135,13 +135,10 @@ def _rank_gather(t: torch.Tensor, group) -> torch.Tensor:
 def _scored_queries(q, q_pos, rows, seq_len: int, group):
     """[B, n, Hq, D]: the scored rows' queries, wherever the layout put them, on every rank (one small all-reduce
     of exact values: every row is non-zero on one rank only)."""
-    b, _, hq, d = q.shape
-    n = rows.numel()
-    slot = torch.full((seq_len,), -1, dtype=torch.long, device=q.device)
-    slot[rows] = torch.arange(n, device=q.device)
-    mine = slot[q_pos] >= 0
-    scored_q = q.new_zeros(b, n, hq, d)
-    scored_q[:, slot[q_pos[mine]]] = q[:, mine]
+    local = torch.full((seq_len,), -1, dtype=torch.long, device=q.device)
+    local[q_pos] = torch.arange(q_pos.numel(), device=q.device)  # where each position lies in this shard
+    at = local[rows]  # [n]: the scored rows' local index, -1 where another rank holds them (gathers only: no sync)
+    scored_q = torch.where((at >= 0)[None, :, None, None], q[:, at.clamp(min=0)], 0).to(q.dtype)
     dist.all_reduce(scored_q, group=group)
     return scored_q
 
@@ -399,14 +396,15 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
     lines, and `_cache["est_recall"]` as `estimate_index` sets it. No rank builds the other ranks' rows: index
     time and memory per rank fall as 1/CP (the lines and O(nQB) per head are what every rank still holds).
     rows: `rank_rows(q_pos, block_size)` made once by the caller (`mtrain.parallel.plan.rank_blocks` caches them
-    per layout), else computed here. scorer, key_blocks: as `estimate_lines`."""
+    per layout), else computed here. scorer, key_blocks: as `estimate_lines`. The lists' widths are bounds from
+    one host read (`rows_from_lines(bound_widths=True)`), so the ring plan built from the index reads nothing back."""
     from mtrain.ops.index import rows_from_lines
 
     vertical, slash, recall, parts = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids,
                                                        scorer, key_blocks)
     bs = settings.block_size
     rows = rank_rows(q_pos, bs) if rows is None else rows
-    index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False)
+    index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False, bound_widths=True)
     index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
     if recall is not None:
         index._cache["est_recall"] = recall

@@ -55,9 +55,14 @@ class StepLists:
     col_plans: dict
 
 
-def _trim(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _trim(ids: torch.Tensor, counts: torch.Tensor, bound: int | None = None) -> torch.Tensor:
     """Transposed lists cut to their longest (one host read, with the plan): about the number of slash offsets,
-    where the untrimmed width is every query block of the shard."""
+    where the untrimmed width is every query block of the shard. bound: a width known to hold every list (no host
+    read): in a bounded plan (`RingPlan.bounded`) a key block is listed once per block offset at most (query block
+    i lists key block j when i - j is one of the head's offsets), and a row's list holds every offset it
+    can use, so a step's list width bounds the transposed lists too."""
+    if bound is not None:
+        return ids[..., :max(1, min(bound, ids.shape[-1]))].contiguous()
     width = max(1, int(counts.max())) if counts.numel() else 1
     return ids[..., :width].contiguous()
 
@@ -83,7 +88,7 @@ def step_lists(plan: RingPlan, origin: int, q: torch.Tensor, k: torch.Tensor) ->
     full_idx, full_cnt = _left_pack(ids, full, max(1, width))
     mask_idx = torch.arange(nq, device=dev, dtype=torch.int32).view(1, 1, nq, 1).expand(b, h, nq, 1).contiguous()
     full_q_idx, full_q_cnt = _transposed(full_idx, full_cnt, nk)
-    full_q_idx = _trim(full_q_idx, full_q_cnt)
+    full_q_idx = _trim(full_q_idx, full_q_cnt, width if plan.bounded else None)
     blocks = torch.arange(nk, device=dev)
     mask_q_cnt = torch.zeros(b, h, nk, dtype=torch.int32, device=dev)
     mask_q_cnt[..., :nq] = mask_cnt
@@ -91,10 +96,11 @@ def step_lists(plan: RingPlan, origin: int, q: torch.Tensor, k: torch.Tensor) ->
     no_blocks = (torch.full((b, h, nq, 1), -1, dtype=torch.int32, device=dev),
                  torch.zeros(b, h, nq, dtype=torch.int32, device=dev))
     from mtrain.ops._triton_attention import NO_BLOCKS
+    from mtrain.ops.index import BOUNDED
 
     lists = StepLists(_sparse_tensors(mask_cnt, mask_idx, full_cnt, full_idx, bs),
                       _sparse_tensors(mask_q_cnt, mask_q_idx, full_q_cnt, full_q_idx, bs),
-                      no_blocks, {NO_BLOCKS: True})
+                      no_blocks, {NO_BLOCKS: True, BOUNDED: plan.bounded})
     cache["fa4"] = lists
     return lists
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtrain.errors import MtrainError
-from mtrain.ops.index import RowIndex
+from mtrain.ops.index import BOUNDED, RowIndex
 from mtrain.parallel.dense_rects import Rect, dense_rects
 from mtrain.parallel.layout import Layout
 
@@ -82,6 +82,11 @@ class RingPlan:
     engine: str = "triton"
     """The block kernels of the sparse steps: "triton" (`mtrain.ops.partial`) or "fa4" (`mtrain.parallel.fa4_steps`);
     set per call by `ring_attention` on a copy that shares the caches."""
+    bounded: bool = False
+    """Built from a RowIndex with bounded widths (`rows_from_lines(bound_widths=True)`): list widths are bounds
+    known on the host, nothing was read back to build the plan, every origin's step runs (`skip` is empty), and
+    the kernels' derived lists are sized from the same bounds (each step's lists hold at most one entry per
+    block offset; each head's columns are the sink block's and its verticals)."""
 
     @property
     def q_pos(self) -> torch.Tensor:
@@ -106,7 +111,10 @@ class RingPlan:
         and column plan the kernels derive from its lists), filled on first use and shared by forward,
         backward and every later call with this plan and these shapes (B, Hq, Hkv, D: a cached dense plan
         serves any batch)."""
-        return self.kernel_caches.setdefault((origin, q.shape[0], q.shape[2], k.shape[2], q.shape[3]), {})
+        key = (origin, q.shape[0], q.shape[2], k.shape[2], q.shape[3])
+        if key not in self.kernel_caches:
+            self.kernel_caches[key] = {BOUNDED: True} if self.bounded and self.steps.get(origin) is not None else {}
+        return self.kernel_caches[key]
 
 
 @functools.lru_cache(maxsize=16)
@@ -223,6 +231,8 @@ def _rank_lists(index, my_global_blocks: torch.Tensor, rank: int, device) -> tup
         return (index.block_ids.to(device).long()[:, :, my_global_blocks, :],
                 index.col_ids.to(device).long()[:, :, my_global_blocks, :])
     held = index.rows.to(device)
+    if held is my_global_blocks:  # the rows the rank's cached block list names: nothing to look up or check
+        return index.block_ids.to(device).long(), index.col_ids.to(device).long()
     slot = torch.searchsorted(held, my_global_blocks).clamp(max=held.numel() - 1)
     if not torch.equal(held[slot], my_global_blocks):
         raise MtrainError(f"the RowIndex does not hold the query blocks of rank {rank}'s shard; build it from "
@@ -236,16 +246,21 @@ def _build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, c
     local_block = layout.local_block_size(seq_len, block_size)
     positions = _all_positions(layout, seq_len, device)
 
-    my_global_blocks = positions[rank].view(-1, local_block)[:, 0] // block_size
+    bounded = isinstance(index, RowIndex) and bool(index._cache.get("bounded_widths"))
+    if local_block == block_size:  # the cached tensor `estimate_rank_index` was given as rows
+        my_global_blocks = rank_blocks(layout, seq_len, rank, block_size, device)
+    else:
+        my_global_blocks = positions[rank].view(-1, local_block)[:, 0] // block_size
     rows, my_cols = _rank_lists(index, my_global_blocks, rank, device)  # [B, H, nLQB, *] global ids
     had_sink = (rows == 0).any(dim=-1)
     rows = torch.where(rows == 0, -1, rows)
 
-    columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device)
-    steps: dict[int, StepBlocks | None] = {}
     owners = _block_owners(layout.spec, seq_len, local_block, block_size, str(device))
+    bounded = bounded and owners is not None  # (other layouts remap through tables, trimmed with host reads)
+    columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device, bounded)
+    steps: dict[int, StepBlocks | None] = {}
     if owners is not None:  # every global block is one local block of one rank: split the lists once
-        per_origin, longest = _split_by_origin(rows, *owners, layout.world_size)
+        per_origin, longest = _split_by_origin(rows, *owners, layout.world_size, bounded)
     else:
         per_origin, longest = _remap_per_origin(rows, layout, seq_len, local_block, block_size, device)
     for origin in range(layout.world_size):
@@ -259,9 +274,9 @@ def _build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, c
             k_pos = torch.cat([k_pos, columns.positions])
         steps[origin] = StepBlocks(ids, counts, k_pos, step_columns)
     # the step carrying the columns always runs
-    skip = {o for o, n in enumerate(longest) if n == 0 and steps[o].columns is None}
+    skip = set() if longest is None else {o for o, n in enumerate(longest) if n == 0 and steps[o].columns is None}
     return RingPlan(seq_len, rank, local_block, positions, steps, skip, columns,
-                    column_origin=column_origin if columns is not None else None)
+                    column_origin=column_origin if columns is not None else None, bounded=bounded)
 
 
 def _remap_per_origin(rows, layout: Layout, seq_len: int, local_block: int, block_size: int, device):
@@ -274,14 +289,30 @@ def _remap_per_origin(rows, layout: Layout, seq_len: int, local_block: int, bloc
     return lists, torch.stack([counts.max() for _, counts in lists]).tolist()
 
 
-def _split_by_origin(rows: torch.Tensor, owner: torch.Tensor, local: torch.Tensor, world: int):
+def _split_by_origin(rows: torch.Tensor, owner: torch.Tensor, local: torch.Tensor, world: int, bounded: bool = False):
     """`_remap_per_origin` where global key block j is local block local[j] of rank owner[j] alone: every
     listed entry goes to one origin, so one stable sort by (origin, list) splits the lists (ascending within
     each, as the layouts keep a rank's blocks ascending) in time and memory of the entries, not W x them.
     Widths are trimmed to the longest list of all origins (one host sync, which also gives the per-origin
-    longest lists)."""
-    b, h, n, _ = rows.shape
+    longest lists); bounded: every origin's lists as wide as the rank's (no host read; longest is None)."""
+    b, h, n, m = rows.shape
     lists = b * h * n
+    if bounded:
+        valid = rows >= 0
+        spare = world * lists  # invalid entries sort last, into a spare list that is dropped
+        key = torch.where(valid, owner[rows.clamp(min=0)] * lists + torch.arange(lists, device=rows.device)
+                          .view(b, h, n, 1), spare).flatten()
+        loc = local[rows.clamp(min=0)].flatten()
+        key, order = torch.sort(key, stable=True)
+        loc = loc[order]
+        counts = torch.zeros(spare + 1, dtype=torch.long, device=rows.device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        pos = torch.arange(key.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[key]
+        ids = torch.full((spare + 1, m), -1, dtype=torch.int32, device=rows.device)
+        ids[key, pos.clamp(max=m - 1)] = loc.to(torch.int32)
+        ids = ids[:spare].view(world, b, h, n, m)
+        counts = counts[:spare].view(world, b, h, n).to(torch.int32)
+        return [(ids[o], counts[o]) for o in range(world)], None
     valid = rows >= 0
     key = owner[rows.clamp(min=0)] * lists + torch.arange(lists, device=rows.device).view(b, h, n, 1)
     key, loc = key[valid], local[rows[valid]]
@@ -340,30 +371,36 @@ def _column_union(index, seq_len: int, device) -> tuple[torch.Tensor, int]:
     return torch.nonzero(used[:seq_len]).flatten(), n_sink
 
 
-def _gather_tables(owner: torch.Tensor, local: torch.Tensor, world: int, rank: int):
-    """(per_rank, send_local, src, by_rank) of `OffRingColumns` for slots owned as `owner` [U] says (-1: padding)."""
+def _gather_tables(owner: torch.Tensor, local: torch.Tensor, world: int, rank: int, bounded: bool = False):
+    """(per_rank, send_local, src, by_rank) of `OffRingColumns` for slots owned as `owner` [U] says (-1: padding).
+    per_rank: the most slots one rank owns (one host read), or with `bounded` every slot (no host read; the
+    gather then carries padding rows)."""
     u = owner.numel()
     dev = owner.device
     real = owner >= 0
     group = torch.where(real, owner, world)
-    counts = torch.bincount(group, minlength=world + 1)[:world]
-    per_rank = max(1, int(counts.max()))
+    if bounded:
+        counts = torch.zeros(world + 1, dtype=torch.long, device=dev).scatter_add_(0, group, torch.ones_like(group))
+        per_rank = max(1, u)
+    else:
+        counts = torch.bincount(group, minlength=world + 1)
+        per_rank = max(1, int(counts[:world].max()))
     order = torch.sort(group, stable=True).indices  # slots grouped by owner, ascending within each
     starts = torch.cumsum(counts, 0) - counts
     slot_rank = group[order]
-    keep = slot_rank < world
-    order, slot_rank = order[keep], slot_rank[keep]
-    j = torch.arange(order.numel(), device=dev) - starts[slot_rank]
-    by_rank = torch.full((world, per_rank), u, dtype=torch.long, device=dev)
-    by_rank[slot_rank, j] = order
+    j = torch.arange(order.numel(), device=dev) - starts[slot_rank]  # padding slots: in a spare last row
+    by_rank = torch.full((world + 1, per_rank), u, dtype=torch.long, device=dev)
+    by_rank[slot_rank, j.clamp(max=per_rank - 1)] = order  # (only the spare row's can pass the width)
+    by_rank = by_rank[:world]
     src = torch.zeros(u, dtype=torch.long, device=dev)
-    src[order] = slot_rank * per_rank + j
+    src[order] = torch.where(slot_rank < world, slot_rank * per_rank + j, 0)
     mine = by_rank[rank]
     send_local = torch.where(mine < u, local[mine.clamp(max=u - 1)], 0)
     return per_rank, send_local, src, by_rank
 
 
-def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device) -> OffRingColumns | None:
+def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device,
+                      bounded: bool = False) -> OffRingColumns | None:
     union, n_sink = _column_union(index, seq_len, device)
     if union.numel() == 0:  # decided from the whole index, so every rank skips the gather alike
         return None
@@ -381,5 +418,5 @@ def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_l
     sink_slots = torch.arange(n_sink, device=device).expand(b, h, n, n_sink)
     sink_slots = torch.where(had_sink.unsqueeze(-1), sink_slots, -1)
     ids, counts = _pack(torch.cat([sink_slots, col_slots], dim=-1))
-    per_rank, send_local, src, by_rank = _gather_tables(owner, local, layout.world_size, rank)
+    per_rank, send_local, src, by_rank = _gather_tables(owner, local, layout.world_size, rank, bounded)
     return OffRingColumns(positions, owner, local, ids, counts, per_rank, send_local, src, by_rank)
