@@ -4,7 +4,7 @@ it fits. Attention times come from `mtrain.ops.cost` (kernel figures measured on
 relative speed); linear layers from an achieved matmul rate; links from their bandwidths.
 
 Every number is a model, not a measurement: `check()` (`mtrain bench plan --check`) sets it against the runs
-measured in BENCHMARKS.md and states the error."""
+measured in BENCHMARKS.md and docs/benchmarks-history.md and states the error."""
 
 from __future__ import annotations
 
@@ -396,7 +396,8 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-# Runs measured in BENCHMARKS.md (H200; dates there): (label, spec overrides, what was measured, value, unit).
+# Runs measured in BENCHMARKS.md and docs/benchmarks-history.md (H200; dates there): (label, spec overrides,
+# what was measured, value, unit).
 # "step" = seconds per training step (1 sequence, no accumulation), "attn" = ms of one attention call (fwd+bwd,
 # no checkpointing, index given: kernels + ring), "mem" = peak GPU GB.
 # The training-step runs below (2026-11-22) predate the estimator rewrite of 2026-11-24, which cut the

@@ -19,8 +19,9 @@
 # Results (metrics, eval results, the compare table and loss plot) are copied to OUT as they appear. Wrap each
 # call in `timeout -s TERM N` (N well inside the call's limit): training checkpoints on SIGTERM and stops.
 #
-# Measured on one H200 (2026-11-24, BENCHMARKS.md "Fidelity"): convert + pack 80 s; 200 steps at 32K take
-# 5.2 min per run (mtraining and dense alike, ~1.3 s/step); eval at EVAL_ARGS="--samples 3" 4.5 min per model
+# Measured on one H200 (2026-11-24, docs/benchmarks-history.md "Continued pretraining, dense vs MTraining"):
+# convert + pack 80 s; 200 steps at 32K take 5.2 min per run (mtraining and dense alike, ~1.3 s/step); eval at
+# EVAL_ARGS="--samples 3" 4.5 min per model
 # (198 generations, RULER decodes its full max_new_tokens), run for the three models side by side. The whole
 # study is about 20 minutes of machine time: calls of up to ~9 min after `stage`, each within the warm window of
 # the last.
