@@ -399,6 +399,106 @@ def bench_tokens(tokens, rank, world, args, device, report):
     report.append(row)
 
 
+def bench_model(rank, world, args, device, report) -> None:
+    """The ring on a real model's attention (`--model`): every rank runs one dense forward over stdlib prose of
+    tokens-per-gpu x CP tokens (YaRN from the model's trained length) and keeps each layer's post-RoPE q/k/v; per
+    layer, the ring's online estimate (this rank's rows) is checked against one device's estimate of the whole
+    sequence (the same lists), its true recall is measured on sampled rows across the group, and the estimated
+    sparse ring's fwd+bwd is timed; the dense ring is timed on one layer (its time does not depend on the data).
+    Whole model = the sum over layers (attention only)."""
+    from transformers import AutoTokenizer
+
+    from mtrain.bench_real import capture_qkv, load_model, resolve_model
+    from mtrain.data.prose import prose_tokens
+    from mtrain.ops.recall import gathered_true_recall
+
+    tokens = args.tokens_per_gpu[0]
+    seq = tokens * world
+    if rank == 0:
+        path = resolve_model(args.model)  # a .gguf is converted once, by rank 0
+    dist.barrier()
+    path = resolve_model(args.model)
+    model, factor = load_model(path, seq, "auto", device, DTYPE)
+    ids = torch.tensor([prose_tokens(AutoTokenizer.from_pretrained(str(path)), seq)], device=device)
+    layers = capture_qkv(model, ids)
+    if args.layers:
+        layers = layers[:args.layers]
+    cfg = model.config
+    del model, ids
+    scale = getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads) ** -0.5
+    layout = Layout.create("block-stripe", world_size=world, granularity=args.block_size)
+    settings = SparseSettings(block_size=args.block_size, recall=args.recall)
+    pos = layout.indices(seq, rank).to(device)
+    est = dict(rows=rank_blocks(layout, seq, rank, args.block_size, device),
+               key_blocks=shard_key_blocks(layout, seq, rank, args.block_size, device))
+    per_layer = []
+    dense_ms = None
+    for n in range(len(layers)):
+        q, k, v = layers[n]
+        layers[n] = None
+        one = _estimate_one_device(q, k, settings)  # the reference: one device's estimate of the whole sequence
+        shard = [layout.shard(t, rank).contiguous() for t in (q, k, v)]
+        del q, k, v
+        mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None, **est)
+        want = one.block_ids[:, :, mine.rows]
+        width = max(want.shape[-1], mine.block_ids.shape[-1], one.col_ids.shape[-1], mine.col_ids.shape[-1])
+        pad = lambda t: F.pad(t, (0, width - t.shape[-1]), value=-1)  # noqa: E731
+        same = bool(torch.equal(pad(want), pad(mine.block_ids))
+                    and torch.equal(pad(one.col_ids[:, :, mine.rows]), pad(mine.col_ids))
+                    and torch.equal(one.block_counts[:, :, mine.rows], mine.block_counts)
+                    and torch.equal(one.col_counts[:, :, mine.rows], mine.col_counts))
+        same_all = torch.tensor(float(same), device=device)
+        dist.all_reduce(same_all, op=dist.ReduceOp.MIN)
+        with torch.no_grad():
+            recall = gathered_true_recall(shard[0], shard[1], pos, mine._cache["lines"], seq, args.block_size, None,
+                                          softmax_scale=scale, n_rows=args.recall_rows)
+        dout = torch.randn_like(shard[0])
+        run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
+                                                       softmax_scale=scale, engine=args.engine), shard, dout)
+        ms = timed(run, args.iters, args.warmup)
+        if dense_ms is None and not args.skip_dense:
+            # zigzag, the dense ring's best layout; its time does not depend on the values, so this layer's
+            # block-stripe shards stand in for zigzag ones
+            dense_layout = Layout.create("zigzag", world_size=world)
+            drun, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=dense_layout,
+                                                            softmax_scale=scale), shard, dout)
+            dense_ms = timed(drun, max(1, args.iters // 2), 1)
+        row = {"layer": n, "ring_sparse_estimated_ms": ms, "same_lines_as_one_device": bool(same_all.item()),
+               "true_recall_mean": float(recall.mean()), "true_recall_min": float(recall.min()),
+               "density": mine.density(), "est_recall": float(mine._cache["est_recall"].mean()),
+               "index_bytes": sum(t.numel() * t.element_size() for t in (mine.block_ids, mine.block_counts,
+                                                                          mine.col_ids, mine.col_counts)),
+               "index_bytes_cap_wide_cols": (mine.col_ids.shape[0] * mine.col_ids.shape[1] * mine.col_ids.shape[2]
+                                             * settings.max_vertical * 4)}
+        per_layer.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+        del shard, dout, mine, one
+    total = sum(r["ring_sparse_estimated_ms"] for r in per_layer)
+    summary = {"model": str(args.model), "tokens": seq, "cp": world, "yarn": factor, "layers": len(per_layer),
+               "block_size": args.block_size, "engine": args.engine, "recall_target": args.recall,
+               "sparse_ring_model_ms": total, "dense_ring_layer_ms": dense_ms,
+               "dense_ring_model_ms": None if dense_ms is None else dense_ms * len(per_layer),
+               "same_lines_all_layers": all(r["same_lines_as_one_device"] for r in per_layer),
+               "true_recall_mean": statistics.mean(r["true_recall_mean"] for r in per_layer),
+               "true_recall_worst_layer": min(r["true_recall_mean"] for r in per_layer),
+               "density_mean": statistics.mean(r["density"] for r in per_layer),
+               "index_mib_per_layer_max": max(r["index_bytes"] for r in per_layer) / 2**20,
+               "index_mib_cap_wide_cols": per_layer[0]["index_bytes_cap_wide_cols"] / 2**20,
+               "per_layer": per_layer}
+    report.append(summary)
+    if rank == 0:
+        speed = "" if dense_ms is None else f", dense ring {summary['dense_ring_model_ms']:.0f} ms " \
+            f"({summary['dense_ring_model_ms'] / total:.2f}x the sparse ring's time)"
+        print(f"MODEL {args.model}: {seq} tokens, CP={world}, YaRN x{factor:g}, block {args.block_size}, "
+              f"{len(per_layer)} layers: sparse ring (online estimate) {total:.0f} ms fwd+bwd{speed}; "
+              f"lines equal one device's on every layer and rank: {summary['same_lines_all_layers']}; true recall "
+              f"mean {summary['true_recall_mean']:.4f}, worst layer {summary['true_recall_worst_layer']:.4f}; "
+              f"density {summary['density_mean']:.4f}; index {summary['index_mib_per_layer_max']:.1f} MiB per layer "
+              f"(column lists as wide as the {settings.max_vertical} cap: {summary['index_mib_cap_wide_cols']:.0f} "
+              "MiB)", flush=True)
+
+
 def _profile(run, rank: int, label: str) -> None:
     """One call under torch.profiler on every rank; rank 0 prints its ops by GPU time and by host time."""
     from torch.profiler import ProfilerActivity, profile
@@ -601,6 +701,13 @@ def main() -> int:
     parser.add_argument("--skip-phases", action="store_true", help="no per-phase breakdown")
     parser.add_argument("--profile", action="store_true",
                         help="profile one call of the estimated sparse ring and print rank 0's top ops")
+    parser.add_argument("--model", default=None,
+                        help="HF checkpoint folder or .gguf: time the ring on this model's captured q/k/v at "
+                             "tokens-per-gpu x CP tokens of prose (first --tokens-per-gpu value) instead of the "
+                             "synthetic variants (see bench_model)")
+    parser.add_argument("--recall", type=float, default=0.99, help="--model: the online estimate's recall target")
+    parser.add_argument("--recall-rows", type=int, default=64, help="--model: sampled rows of the true recall")
+    parser.add_argument("--layers", type=int, default=0, help="--model: only the first N layers (0: all)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.check_len = args.check_len[0]
@@ -623,6 +730,14 @@ def main() -> int:
     if rank == 0:
         print(f"torch {torch.__version__}, {name} x {world}, heads {args.heads}/{args.kv_heads} x {args.dim}, "
               f"{DTYPE}", flush=True)
+    if args.model:
+        bench_model(rank, world, args, device, report)
+        if rank == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     if not args.skip_check:
         try:
             check(rank, world, args, device, report)
