@@ -348,6 +348,9 @@ TRAIN = [
     ("tokenizer-larger-than-embedding", lambda c: (_small_embedding(c, 512),
                                                    ["model.tokenizer", "tokens", "small.json", "512 rows",
                                                     "vocab_size >="], 2)),
+    ("model-path-weights-truncated", lambda c: (c.train("model.config=null", "model.path=" + str(_eval_model(
+        c, lambda m: _truncate(m / "model.safetensors")))), ["model.path", "model.safetensors", "truncated",
+                                                             "restore the checkpoint"], 2)),
     ("max_steps-below-resumed-step", lambda c: (c.train(f"train.output_dir={c.run_copy()}", "train.max_steps=1"),
                                                 ["train.max_steps=1", "below step 2", "step-0000002",
                                                  "train.max_steps >= 2", "train.output_dir"], 2)),
