@@ -255,18 +255,20 @@ def run_plan(args) -> int:
 
     if args.check:
         rows = planner.check()
-        print(f"{'measured run (BENCHMARKS.md)':<54} {'metric':<7} {'measured':>9} {'model':>9} {'error':>7}")
+        print(f"{'measured run (BENCHMARKS.md)':<54} {'metric':<7} {'measured':>9} {'model':>9} {'error':>7} sample")
         for r in rows:
             unit = {"step": "s", "attn": "ms", "mem": "GB"}[r["metric"]]
             print(f"{r['run']:<54} {r['metric'] + ' ' + unit:<7} {r['measured']:9.2f} {r['predicted']:9.2f} "
-                  f"{r['error']:+7.1%}")
-        for metric in ("step", "attn", "mem"):
-            for device in ("GPU", "CPU"):
-                errs = [abs(r["error"]) for r in rows if r["metric"] == metric and r["run"].startswith("CPU") ==
-                        (device == "CPU")]
-                if errs:
-                    print(f"{device} {metric}: mean |error| {sum(errs) / len(errs):.1%}, worst {max(errs):.1%} "
-                          f"over {len(errs)} runs")
+                  f"{r['error']:+7.1%} {r['sample']}")
+        for sample in ("in", "out"):
+            for metric in ("step", "attn", "mem"):
+                for device in ("GPU", "CPU"):
+                    errs = [abs(r["error"]) for r in rows if r["metric"] == metric and r["sample"] == sample
+                            and r["run"].startswith("CPU") == (device == "CPU")]
+                    if errs:
+                        where = "in sample" if sample == "in" else "out of sample"
+                        print(f"{device} {metric}, {where}: mean |error| {sum(errs) / len(errs):.1%}, "
+                              f"worst {max(errs):.1%} over {len(errs)} runs")
         payload = rows
     else:
         result = planner.plan(_plan_spec(args))

@@ -4,7 +4,8 @@ it fits. Attention times come from `mtrain.ops.cost` (kernel figures measured on
 relative speed); linear layers from an achieved matmul rate; links from their bandwidths.
 
 Every number is a model, not a measurement: `check()` (`mtrain bench plan --check`) sets it against the runs
-measured in BENCHMARKS.md and docs/benchmarks-history.md and states the error."""
+measured in BENCHMARKS.md and docs/benchmarks-history.md and states the error, apart for the runs its figures were
+fitted on (MEASURED) and the runs they were not (OUT_OF_SAMPLE)."""
 
 from __future__ import annotations
 
@@ -444,6 +445,20 @@ for _cp, _ms in ((2, (231.4, 920.4, 47.2, 97.6)), (4, (464.2, 1827.5, 57.6, 116.
                          "attn", _ms[2 + _i]))
 
 
+# Runs the model was NOT fitted on (out of sample): SmolLM2-135M on 4 H100s of one node, CP=4, ZeRO-2 without
+# offload, activation checkpointing, 64-token blocks (BENCHMARKS.md, "End to end on 4 GPUs", 2026-11-27; density as
+# measured). Step = tokens per sequence / the median tokens/s; peak memory converted from GiB to GB.
+_E2E4 = dict(shape="smollm2-135m", gpus=4, cp=4, node_size=4, ring="flat", gpu=GPUS["h100"], offload=False,
+             loss_chunk=8192, scored_rows=64 + 16 * 64)
+OUT_OF_SAMPLE = []
+for _len, _kind, _dens, _tokens_s, _peak_gib in ((256, "sparse", 0.094, 37098, 22.9), (256, "dense", 0.05, 15813, 10.6),
+                                                 (512, "sparse", 0.054, 19566, 41.5), (512, "dense", 0.05, 8362, 26.3)):
+    _label = f"4 H100 CP=4 SmolLM2-135M {'mtraining' if _kind == 'sparse' else 'dense ring'} {_len}K"
+    _spec = dict(_E2E4, seq_len=_len << 10, attention=_kind, density=_dens)
+    OUT_OF_SAMPLE.append((_label, _spec, "step", (_len << 10) / _tokens_s))
+    OUT_OF_SAMPLE.append((_label + " peak", _spec, "mem", _peak_gib * GiB / GB))
+
+
 def spec_from(overrides: dict, **extra) -> PlanSpec:
     kw = {**overrides, **extra}
     shape = kw.pop("shape")
@@ -465,10 +480,12 @@ def predicted(spec: PlanSpec, metric: str) -> float:
 
 
 def check() -> list[dict]:
-    """Every measured run of MEASURED against the model: rows of label, metric, measured, predicted, error."""
+    """Every measured run against the model: rows of label, metric, measured, predicted, error and sample ("in":
+    MEASURED, the runs its fitted figures come from; "out": OUT_OF_SAMPLE, runs it was not fitted on)."""
     rows = []
-    for label, overrides, metric, value in MEASURED:
-        got = predicted(spec_from(overrides), metric)
-        rows.append({"run": label, "metric": metric, "measured": value, "predicted": got,
-                     "error": (got - value) / value})
+    for sample, runs in (("in", MEASURED), ("out", OUT_OF_SAMPLE)):
+        for label, overrides, metric, value in runs:
+            got = predicted(spec_from(overrides), metric)
+            rows.append({"run": label, "metric": metric, "measured": value, "predicted": got,
+                         "error": (got - value) / value, "sample": sample})
     return rows

@@ -17,6 +17,9 @@ The pattern estimator's Triton scorer is checked in each case too: its est_recal
 the scored rows inside its index, its density against the PyTorch scorer's. On CUDA two ring cases run on a
 one-rank process group: "ring-fa4", `ring_attention` with the fa4 engine (FA4 steps, our column path; our kernels
 where FA4 cannot run), and "ring-estimate", the distributed Triton estimate giving the single-device lines.
+"repeat" runs the deterministic engines (triton-det, fa4-det, the ring on a one-rank group) twice under
+torch.use_deterministic_algorithms(True) and fails unless out and every gradient are bitwise equal; the atomic
+backwards (triton-atomic, fa4) run twice too, labelled atomic, their differences reported but not failed.
 """
 
 from __future__ import annotations
@@ -202,6 +205,62 @@ def ring_estimator_case(q, k, doc_ids, bs, tag) -> str:
             f"device's: {same}, est_recall diff {err:.1e} (tol 1e-4)")
 
 
+def repeat_case(q, k, v, index, doc_ids, bs, dout, tag, remake) -> list[str]:
+    """Bitwise repeatability on the device: the deterministic engines' forward + backward run twice under
+    `torch.use_deterministic_algorithms(True)` must give identical out, dq, dk, dv (FAIL otherwise): "triton-det"
+    (`vertical_slash_attention`, our deterministic backward), "fa4-det" where FA4 runs, and "ring" (`ring_attention`
+    on a one-rank group: its step kernels, column path and merges). The atomic backwards ("triton-atomic", and "fa4"
+    where it runs: fp32 atomics add dQ) run twice too, with the deterministic setting as it was, and are labelled
+    atomic: a last-bit difference there is reported, never failed. One line per engine. The ring runs the case
+    remade at whole blocks (`remake(S)`; the layout splits whole blocks only)."""
+    from mtrain.parallel import Layout, ring_attention
+
+    device, dtype = q.device, q.dtype
+    whole = q.shape[1] // bs * bs
+    q_w, k_w, v_w, index_w, doc_w = remake(whole)
+
+    def ring(a, b, c):
+        _one_rank_group(device)
+        layout = Layout.create("block-stripe", world_size=1, granularity=bs)
+        return ring_attention(a, b, c, layout=layout, index=index_w, engine="auto", doc_ids=doc_w)
+
+    deterministic = {"triton-det": lambda a, b, c: vertical_slash_attention(a, b, c, index, impl="triton",
+                                                                             doc_ids=doc_ids)}
+    atomic = {"triton-atomic": lambda a, b, c: vertical_slash_attention(a, b, c, index, impl="triton",
+                                                                         deterministic=False, doc_ids=doc_ids)}
+    if fa4_eligible(device, index, dtype):
+        deterministic["fa4-det"] = lambda a, b, c: vertical_slash_attention(a, b, c, index, impl="fa4",
+                                                                            doc_ids=doc_ids)
+        atomic["fa4"] = lambda a, b, c: vertical_slash_attention(a, b, c, index, impl="fa4", deterministic=False,
+                                                                 doc_ids=doc_ids)
+    deterministic["ring"] = ring
+
+    def twice(fn, ring=False):
+        args = (q_w, k_w, v_w, dout[:, :whole].contiguous()) if ring else (q, k, v, dout)
+        first, second = engine_grads(fn, *args), engine_grads(fn, *args)
+        return [float((a.double() - b.double()).abs().max()) if not torch.equal(a, b) else 0.0
+                for a, b in zip(first, second)], all(torch.equal(a, b) for a, b in zip(first, second))
+
+    lines = []
+    # cuBLAS refuses to run under deterministic algorithms without a fixed workspace (our kernels are Triton)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for name, fn in deterministic.items():
+            diffs, same = twice(fn, ring=name == "ring")
+            lines.append(f"{'ok  ' if same else 'FAIL'} {'repeat':13s} {tag} {name}: two runs bitwise equal: {same}"
+                         + ("" if same else " (max |diff| out/dq/dk/dv " + "/".join(f"{d:.1e}" for d in diffs) + ")"))
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    for name, fn in atomic.items():
+        diffs, same = twice(fn)
+        lines.append(f"ok   {'repeat':13s} {tag} {name} (atomic backward, not required to repeat): two runs bitwise "
+                     f"equal: {same}" + ("" if same else " (max |diff| out/dq/dk/dv "
+                                                        + "/".join(f"{d:.1e}" for d in diffs) + ")"))
+    return lines
+
+
 def compile_listener(record: dict):
     """Register a Triton compilation listener that sums, per kernel name, [compiles, seconds] into `record` (cache
     hits are not counted). Returns False where this Triton has no listener hook."""
@@ -316,6 +375,16 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
         lap("ring-fa4")
     if wanted("ring-estimate") and device.type == "cuda":
         line_case("ring-estimate", lambda: ring_estimator_case(q, k, doc_ids, bs, tag))
+    if wanted("repeat"):
+        try:
+            remake = lambda n: make_case(n, Hq, Hkv, D, bs, dtype, doc, device, seed=seed)  # noqa: E731
+            for line in repeat_case(q, k, v, index, doc_ids, bs, dout, tag, remake):
+                lines.append(line)
+                if line.startswith("FAIL"):
+                    failures.append(line)
+        except Exception as exc:  # noqa: BLE001
+            raised("repeat", exc)
+        lap("repeat")
     return lines, failures, seconds, compiles
 
 
@@ -336,7 +405,7 @@ def main() -> int:
                     help="head shapes (default 4x4x64 8x2x128; --quick: 4x2x64)")
     ap.add_argument("--engines", nargs="+", metavar="NAME",
                     help="check only these (triton-det triton-atomic dense flex fa4 fa4-det fa4-nocols estimator "
-                         "ring-step ring-fa4 ring-estimate); default all that apply")
+                         "ring-step ring-fa4 ring-estimate repeat); default all that apply")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

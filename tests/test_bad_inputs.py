@@ -78,7 +78,8 @@ def copy_run(world: Path, dest: Path) -> Path:
 
 
 def completion_markers(root: Path) -> set[str]:
-    return {str(p) for p in root.rglob("*") if p.name in COMPLETE}
+    """Finished-looking files, outside a pack's `.work/` (kept on failure so a rerun resumes; never read as a pack)."""
+    return {str(p) for p in root.rglob("*") if p.name in COMPLETE and ".work" not in p.relative_to(root).parts}
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
@@ -249,6 +250,14 @@ CONFIG = [
 ]
 
 
+def _latin1_jsonl(c: Ctx) -> list[str]:
+    """Good lines around one written in Latin-1 (an e-acute as the single byte 0xe9, not UTF-8)."""
+    lines = (c.world / "docs.jsonl").read_bytes().splitlines()
+    bad = c.file("latin.jsonl", b"\n".join([*lines[:3], '{"text": "caf\u00e9 au lait"}'.encode("latin-1"),
+                                            *lines[3:6]]) + b"\n")
+    return c.pack()[:1] + ["--source", f"{bad}:jsonl"] + c.pack()[3:]
+
+
 def _pack_manifest(c: Ctx, text: str) -> list[str]:
     return ["pack", str(c.file("mix.yaml", text)), "--no-progress"]
 
@@ -280,6 +289,7 @@ PACK = [
     ("out-is-a-file", lambda c: (c.pack(out=str(c.file("pfile", "x"))), ["--out", "pfile", "is a file"], 2)),
     ("out-not-empty", lambda c: (c.pack(out=str(c.folder("busy", {"notes.txt": "mine"}))),
                                  ["busy", "not empty"], 2)),
+    ("source-not-utf8", lambda c: (_latin1_jsonl(c), ["latin.jsonl", "at byte", "not UTF-8", "e9", "re-encode"], 2)),
     ("manifest-missing", lambda c: (["pack", str(c.tmp / "mix.yaml")], ["mix.yaml", "no such manifest"], 2)),
     ("manifest-torn-yaml", lambda c: (_pack_manifest(c, "sources: [unclosed\n"), ["mix.yaml", "not valid YAML"], 2)),
     ("manifest-unknown-key", lambda c: (_pack_manifest(c, "sources: []\nseq_lenn: 4\n"), ["mix.yaml", "seq_lenn"], 2)),
@@ -327,7 +337,23 @@ def _escape_link(c: Ctx) -> list[str]:
     return c.train(f"train.output_dir={run}", "train.max_steps=3")
 
 
+def _small_embedding(c: Ctx, rows: int) -> list[str]:
+    """The tiny model with fewer embedding rows than the tiny tokenizer (and the packed data) has tokens."""
+    config = json.loads(MODEL_CONFIG.read_text())
+    config["vocab_size"] = rows
+    return c.train(f"model.config={c.file('small.json', json.dumps(config))}")
+
+
 TRAIN = [
+    ("tokenizer-larger-than-embedding", lambda c: (_small_embedding(c, 512),
+                                                   ["model.tokenizer", "tokens", "small.json", "512 rows",
+                                                    "vocab_size >="], 2)),
+    ("model-path-weights-truncated", lambda c: (c.train("model.config=null", "model.path=" + str(_eval_model(
+        c, lambda m: _truncate(m / "model.safetensors")))), ["model.path", "model.safetensors", "truncated",
+                                                             "restore the checkpoint"], 2)),
+    ("max_steps-below-resumed-step", lambda c: (c.train(f"train.output_dir={c.run_copy()}", "train.max_steps=1"),
+                                                ["train.max_steps=1", "below step 2", "step-0000002",
+                                                 "train.max_steps >= 2", "train.output_dir"], 2)),
     ("data-seq_len-mismatch", lambda c: (c.train("data.seq_len=64"), ["data.seq_len=64", "seq_len=128"], 2)),
     ("data-shard-truncated", lambda c: (_with_broken_data(c, lambda d: _truncate(next(d.glob("shard.*.mds")))),
                                         ["shard.00000.mds", "truncated"], 2)),
@@ -392,6 +418,8 @@ EVAL = [
                                      ["config.json", "not valid JSON"], 2)),
     ("model-no-tokenizer", lambda c: (_eval(c, _eval_model(c, lambda m: (m / "tokenizer.json").unlink())),
                                       ["model", "no tokenizer files"], 2)),
+    ("model-weights-truncated", lambda c: (_eval(c, _eval_model(c, lambda m: _truncate(m / "model.safetensors"))),
+                                           ["--model", "model.safetensors", "truncated", "export the run again"], 2)),
     ("model-no-weights", lambda c: (_eval(c, _eval_model(c, lambda m: (m / "model.safetensors").unlink())),
                                     ["model", "no weights"], 2)),
     ("predictions-torn-line", lambda c: (_torn_predictions(c), ["niah.jsonl:2", "damaged prediction record"], 2)),
@@ -516,6 +544,104 @@ def test_os_error_outside_checks_is_one_line(tmp_path, capsys, monkeypatch):
     rc, err = run_cli(["compare", str(tmp_path)], capsys)
     assert rc == 1
     assert_one_line(err, "/ro/metrics.jsonl", "read-only", "writable")
+
+
+def test_max_steps_below_the_resumed_step_leaves_the_run_as_it_was(world, tmp_path, capsys):
+    """Resuming a run at step 2 with train.max_steps=1 is refused before anything is written: config.yaml keeps the
+    run's settings and final/ its weights (it used to exit 0, re-export final/ from step 2 and record max_steps 1)."""
+    run = copy_run(world, tmp_path / "run")
+    config, weights = (run / "config.yaml").read_bytes(), (run / "final" / "model.safetensors").read_bytes()
+    stamp = (run / "final" / "model.safetensors").stat().st_mtime_ns
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}",
+                       "--set", "train.max_steps=1"], capsys)
+    assert rc == 2
+    assert_one_line(err, "train.max_steps=1", "below step 2")
+    assert (run / "config.yaml").read_bytes() == config
+    assert (run / "final" / "model.safetensors").read_bytes() == weights
+    assert (run / "final" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000002"
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}",
+                       "--set", "train.max_steps=2"], capsys)  # equal: nothing to train, final/ written again
+    assert rc == 0, err
+
+
+def test_data_packed_with_a_larger_tokenizer_is_refused(world, tmp_path, capsys):
+    """The model's tokenizer fits its embedding but the data was packed with a larger one: refused at load from the
+    manifest's tokenizer size; without a manifest (an MDS folder of another tool) at the first batch holding an id
+    past the embedding, naming data.path, instead of an IndexError."""
+    from mtrain.tiny import build_tokenizer
+
+    small_tok = tmp_path / "tok300"
+    build_tokenizer(small_tok, vocab_size=300)
+    config = json.loads(MODEL_CONFIG.read_text())
+    config["vocab_size"] = 512  # the tokenizer's 300 tokens fit, the packed data's 731 do not
+    (tmp_path / "small.json").write_text(json.dumps(config))
+    data = Path(shutil.copytree(world / "packed", tmp_path / "data"))
+    base = ["train", str(world / "recipe.yaml"), "--set", f"model.config={tmp_path / 'small.json'}",
+            "--set", f"model.tokenizer={small_tok}", "--set", f"data.path={data}"]
+    rc, err = run_cli([*base, "--set", f"train.output_dir={tmp_path / 'a'}"], capsys)
+    assert rc == 2
+    assert_one_line(err, "data.path", "731-token tokenizer", "512 rows", "pack the data with the model's tokenizer")
+    (data / "manifest.json").unlink()
+    rc, err = run_cli([*base, "--set", f"train.output_dir={tmp_path / 'b'}"], capsys)
+    assert rc == 2
+    assert_one_line(err, "data.path", "token id", "512-row embedding", "pack the data with the model's tokenizer")
+
+
+def test_deepspeed_without_a_launcher_or_mpi4py_says_how_to_launch(world, tmp_path, capsys, monkeypatch):
+    """`mtrain train` of a DeepSpeed recipe in a bare process: DeepSpeed would look for MPI and stop, after the model
+    is built, with "No module named 'mpi4py'"; mtrain names the launcher to use and the accelerate configs."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # this machine without mpi4py, whether or not it is installed
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={tmp_path / 'run'}",
+                       "--set", f"train.deepspeed={REPO / 'configs' / 'deepspeed' / 'zero2.json'}"], capsys)
+    assert rc == 2
+    assert_one_line(err, "train.deepspeed", "zero2.json", "launcher", "mpi4py",
+                    "accelerate launch --config_file configs/accelerate/", "recipes/train.py")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _tiny_gguf(path: Path) -> Path:
+    """A small llama GGUF: header, metadata and two float32 tensors (about 40 KB)."""
+    import numpy as np
+    gguf = pytest.importorskip("gguf")
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_vocab_size(100)
+    writer.add_tensor("token_embd.weight", np.ones((100, 64), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", np.ones((64, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("keep", [0, 2, 100, 0.5, 0.99], ids=["empty", "in-magic", "in-metadata", "in-tensors",
+                                                               "last-bytes"])
+def test_truncated_gguf_is_named(tmp_path, capsys, keep):
+    """`mtrain convert` of a GGUF file cut short anywhere: one line naming the file, the word truncated and the fix
+    (before: "internal error: error: unpack_from requires a buffer ..." or "transformers cannot read a model
+    config: cannot reshape array ...")."""
+    whole = _tiny_gguf(tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "model.gguf"
+    cut.write_bytes(whole[: keep if isinstance(keep, int) else int(len(whole) * keep)])
+    rc, err = run_cli(["convert", str(cut), "--out", str(tmp_path / "hf")], capsys)
+    assert rc == 2, err
+    assert_one_line(err, "model.gguf", "truncated", "download it again")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_whole_gguf_passes_the_truncation_check(tmp_path):
+    from mtrain.models.convert import check_gguf
+
+    check_gguf(_tiny_gguf(tmp_path / "whole.gguf"))
 
 
 def test_debug_shows_the_traceback(world, tmp_path):

@@ -295,11 +295,12 @@ def test_deepspeed_zero2_checkpoints_load_tensors_only(tmp_path, packed, config)
     assert "weights_only" not in proc.stderr and "Traceback" not in proc.stderr
 
 
-def _auto_policy_run(tmp_path: Path, packed: Path, out: str, world: int):
-    """`mtrain train` of the sparse kind under sparse_policy auto with dense holds (tests/workers/auto_policy_train.py:
-    sparse on every layer, the estimate paid on some), CP = world, in its own session (for kill -9)."""
+def _auto_policy_run(tmp_path: Path, packed: Path, out: str, world: int, policy: str = "auto"):
+    """`mtrain train` of the sparse kind under sparse_policy `policy` (auto: with dense holds; the stand-in cost model
+    of tests/workers/auto_policy_train.py runs every layer sparse and finds the estimate paid on some), CP = world,
+    in its own session (for kill -9)."""
     recipe = _recipe(tmp_path, packed, out, max_steps=8, save_every=4, grad_accum=1, micro_batch_size=1, export=False)
-    sets = ["attention.kind=mtraining", "attention.sparse_policy=auto", "attention.dense_hold_steps=1",
+    sets = ["attention.kind=mtraining", f"attention.sparse_policy={policy}", "attention.dense_hold_steps=1",
             "attention.block_size=64", "attention.recall=0.8", "attention.last_q=32", "parallel.granularity=64",
             f"parallel.cp_size={world}", "logging.log_every=1"]
     args = [a for s in sets for a in ("--set", s)]
@@ -319,21 +320,26 @@ def _steps(run: Path) -> list[dict]:
 
 @pytest.mark.slow  # about 2 minutes each on 2 cores: three runs of 8 steps
 @pytest.mark.parametrize("world", [1, 2])
-def test_sparse_auto_resume_is_bit_identical(tmp_path, packed, world):
-    """mtraining under sparse_policy auto with dense holds active: killed (kill -9) after the step-4 checkpoint and
-    rerun, the run logs what the uninterrupted one does, bit for bit: losses, per-layer paths, held layers, densities.
-    The holds and the lagged choice's statistics are saved with the checkpoint."""
-    full = _auto_policy_run(tmp_path, packed, "full", world)
+@pytest.mark.parametrize("policy", ["auto", "always"])
+def test_sparse_resume_is_bit_identical(tmp_path, packed, world, policy):
+    """mtraining under sparse_policy auto with dense holds active, and under always: killed (kill -9) after the
+    step-4 checkpoint and rerun, the run logs what the uninterrupted one does, bit for bit: losses, per-layer paths,
+    held layers, densities. The holds and the lagged choice's statistics are saved with the checkpoint."""
+    full = _auto_policy_run(tmp_path, packed, "full", world, policy)
     out, _ = full.communicate(timeout=600)
     assert full.returncode == 0, out[-3000:]
     ref = _steps(tmp_path / "full")
     assert [r["step"] for r in ref] == list(range(1, 9))
-    # the policy really moves: layers held dense after step 4 (state the resumed run must restore), sparse ones too
-    assert any(r.get("attention_held_layers", 0) > 0 for r in ref[4:]), ref
-    assert any("s" in r["attention_paths"] for r in ref[4:]), ref
+    if policy == "auto":
+        # the policy really moves: layers held dense after step 4 (state the resumed run must restore), sparse too
+        assert any(r.get("attention_held_layers", 0) > 0 for r in ref[4:]), ref
+        assert any("s" in r["attention_paths"] for r in ref[4:]), ref
+    else:  # every layer sparse on every step, none held
+        assert all(set(r["attention_paths"]) == {"s"} for r in ref), ref
+        assert not any(r.get("attention_held_layers", 0) for r in ref), ref
 
     marker = tmp_path / "killed" / "checkpoints" / "latest"
-    proc = _auto_policy_run(tmp_path, packed, "killed", world)
+    proc = _auto_policy_run(tmp_path, packed, "killed", world, policy)
     deadline = time.time() + 300
     while not (marker.exists() and marker.read_text().strip() == "step-0000004"):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -341,7 +347,7 @@ def test_sparse_auto_resume_is_bit_identical(tmp_path, packed, world):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed = _auto_policy_run(tmp_path, packed, "killed", world)
+    resumed = _auto_policy_run(tmp_path, packed, "killed", world, policy)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out[-3000:]
     assert "resumed from" in out

@@ -254,6 +254,11 @@ def read_chunk(chunk: Chunk, field_name: str) -> Iterator[tuple[str, object]]:
             except json.JSONDecodeError as exc:
                 raise MtrainError(f"{where}: not a valid JSON line ({exc.msg}); is the file truncated or not "
                                   "JSON Lines?") from None
+            except UnicodeDecodeError as exc:  # json.loads decodes bytes as UTF-8 (or UTF-16/32 by their BOM)
+                bad = line[exc.start:exc.end].hex(" ")
+                raise MtrainError(f"{chunk.path} at byte {offset - len(line) - 1 + exc.start}: not UTF-8 text (bytes "
+                                  f"{bad}); JSON Lines must be UTF-8: re-encode the file (e.g. iconv -f latin1 -t "
+                                  "utf-8) or drop that line") from None
             yield where, _text(record, field_name, where)
     elif chunk.format == "parquet":
         import pyarrow.parquet as pq

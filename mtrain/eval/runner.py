@@ -19,6 +19,7 @@ from mtrain.eval.backends.base import Backend, PromptTooLongError, rope_config
 from mtrain.eval.predictions import PREDICTIONS, append_records, drop_torn_tail, predictions_path, read_records
 from mtrain.eval.registry import BuildContext, get_task
 from mtrain.eval.suite import Suite, TaskRun
+from mtrain.models.loading import check_weight_files
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ def check_checkpoint_folder(model_path: str) -> None:
     names = os.listdir(model_path)
     if not any(n.endswith(".safetensors") or n.endswith(".bin") for n in names):
         raise MtrainError(f"--model {model_path!r} holds no weights (*.safetensors); export the run again")
+    check_weight_files(model_path, "--model", "export the run again (mtrain export RUN --out FOLDER) or copy the "
+                       "file again")
     if not any(n in TOKENIZER_FILES for n in names):
         raise MtrainError(f"--model {model_path!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy "
                           "the model's tokenizer into it (tokenizer.save_pretrained)")

@@ -20,6 +20,31 @@ log = logging.getLogger(__name__)
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
+def check_gguf(src: Path) -> None:
+    """A whole GGUF file: its magic, a header the gguf reader parses, and every tensor's bytes present. Raises
+    MtrainError naming the file (a short file otherwise fails inside transformers as a reshape or struct error)."""
+    import gguf
+
+    size = src.stat().st_size
+    with open(src, "rb") as fh:
+        magic = fh.read(4)
+    fix = "download it again and compare its size and sha256 with the source's"
+    if len(magic) < 4 and b"GGUF".startswith(magic):
+        raise MtrainError(f"{src}: truncated GGUF file ({size} bytes); {fix}")
+    if magic != b"GGUF":
+        raise MtrainError(f"{src}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); give the .gguf model "
+                          "file itself")
+    try:
+        reader = gguf.GGUFReader(src)
+    except Exception as exc:  # struct.error, ValueError, IndexError...: the reader stops where the bytes end
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:120]
+        raise MtrainError(f"{src}: truncated or damaged GGUF file ({size} bytes; its header or tensor table cannot "
+                          f"be read: {reason}); {fix}") from None
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=int(reader.data_offset))
+    if end > size:
+        raise MtrainError(f"{src}: truncated GGUF file ({size} bytes, its tensors end at byte {end}); {fix}")
+
+
 def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
     """Convert `gguf_file` to a plain HF checkpoint in `out_dir` (written atomically); returns `out_dir`."""
     import torch
@@ -38,6 +63,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
         import gguf  # noqa: F401  (transformers reads GGUF through it)
     except ImportError:
         raise MtrainError("reading GGUF needs the 'gguf' package: pip install gguf (or: make real-model)") from None
+    check_gguf(src)
     out = Path(out_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise MtrainError(f"--out '{out_dir}' exists and is not a folder")
@@ -53,7 +79,11 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
         )
     torch_dtype = getattr(torch, dtype)
     log.info("reading %s (%s, dequantized to %s)", src.name, config.model_type, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    except (OSError, ValueError, KeyError) as exc:
+        raise MtrainError(f"transformers cannot read a tokenizer from '{src}' ({' '.join(str(exc).split())[:200]}); "
+                          "mtrain convert needs a GGUF file that carries its tokenizer (tokenizer.ggml.* fields)") from None
     loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch_dtype)
     state = loaded.state_dict()
     clean = loaded.config

@@ -64,6 +64,20 @@ def _apply_rope(config, model_cfg) -> None:
         config.max_position_embeddings = fields["max_position_embeddings"]
 
 
+def check_weight_files(folder: str | os.PathLike, key: str, fix: str) -> None:
+    """Open the header of every `*.safetensors` file in `folder` (no tensor is read): a truncated or damaged file
+    raises MtrainError naming `key`, the file and `fix`, before transformers reports it without the file's name."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="np"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            reason = " ".join(str(exc).split())[:160]
+            raise MtrainError(f"{key}: {path} is truncated or damaged ({reason}); {fix}") from None
+
+
 def load_model(model_cfg, attn_implementation: str):
     """The model the recipe names: a checkpoint (`model.path`) or a fresh init from `model.config`."""
     import torch
@@ -87,6 +101,7 @@ def load_model(model_cfg, attn_implementation: str):
     _apply_rope(config, model_cfg)
     dtype = getattr(torch, _DTYPES[model_cfg.dtype])
     if model_cfg.path is not None:
+        check_weight_files(model_cfg.path, "model.path", "restore the checkpoint (or export its run again)")
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 model_cfg.path, config=config, dtype=dtype, attn_implementation=attn_implementation

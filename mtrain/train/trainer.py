@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from mtrain.config import RecipeConfig
-from mtrain.errors import DamagedCheckpointError, MtrainError, os_error_line
+from mtrain.errors import ConfigError, DamagedCheckpointError, MtrainError, os_error_line
 from mtrain.safe_load import check_checkpoint_files
 from mtrain.train.loss import ChunkedLossLM
 from mtrain.train.metrics import MetricsLogger, usable_wandb_mode
@@ -58,6 +58,28 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=False)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+# what a launcher (accelerate launch, torchrun, deepspeed) sets; without all of them DeepSpeed looks for MPI instead
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def check_deepspeed_launch(ds_file: str) -> None:
+    """A DeepSpeed run started without a launcher finds its processes through MPI (mpi4py): without mpi4py it would
+    stop deep inside DeepSpeed, after the model is built, with a bare ModuleNotFoundError. Say how to launch it."""
+    if all(name in os.environ for name in LAUNCHER_VARS):
+        return
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        launch = ("accelerate launch --config_file configs/accelerate/1gpu.yaml" if torch.cuda.is_available()
+                  else "DS_ACCELERATOR=cpu accelerate launch --config_file configs/accelerate/cpu.yaml")
+        raise MtrainError(
+            f"train.deepspeed ({ds_file}) needs a launcher: this process was started without one ("
+            f"{', '.join(n for n in LAUNCHER_VARS if n not in os.environ)} unset) and mpi4py, DeepSpeed's other way "
+            f"to find its processes, is not installed; start it with `{launch} "
+            "recipes/train.py RECIPE` (see configs/accelerate/), or set train.deepspeed=null for a one-process run "
+            "without DeepSpeed") from None
 
 
 def git_revision() -> str | None:
@@ -134,6 +156,7 @@ class Trainer:
             ds = json.loads(Path(ds_file).read_text())
         except (OSError, ValueError) as exc:
             raise MtrainError(f"DeepSpeed config '{ds_file}' cannot be read as JSON: {exc}") from None
+        check_deepspeed_launch(ds_file)
         ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
         ds["gradient_accumulation_steps"] = t.grad_accum
         ds["gradient_clipping"] = self.recipe.optim.grad_clip
@@ -366,16 +389,24 @@ class Trainer:
             raise MtrainError(f"data.seq_len={r.data.seq_len} but {r.data.path} was packed at seq_len={self.reader.seq_len}")
         tokenizer = load_tokenizer(r.model)
         hf_model = load_model(r.model, self._attn_implementation())
+        self.embedding_rows = check_vocabulary(r, len(tokenizer), hf_model.get_input_embeddings().num_embeddings,
+                                               self.reader.manifest)
         model = ChunkedLossLM(hf_model, chunk=t.loss_chunk)
         base_optimizer = self._optimizer(model)
         model, optimizer = accelerator.prepare(model, base_optimizer)
         if accelerator.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            r.save(self.out / "config.yaml")
             log.info("training on %d process(es): DP %d x CP %d, %s, attention %s", world, self.mesh.dp_size,
                      self.mesh.cp_size, _engine_name(accelerator), r.attention.kind)
 
         ckpt = self._resume(accelerator)
+        if self.state.step > t.max_steps:
+            raise ConfigError(
+                f"train.max_steps={t.max_steps} is below step {self.state.step} of checkpoint {ckpt}, which this run "
+                f"resumes: nothing would be trained and final/ would hold step {self.state.step}; set train.max_steps "
+                f">= {self.state.step} (equal re-exports that step), or give a new train.output_dir to start over")
+        if accelerator.is_main_process:  # after the checks: a refused run leaves the folder's config.yaml as it was
+            self.out.mkdir(parents=True, exist_ok=True)
+            r.save(self.out / "config.yaml")
         if ckpt is not None:
             old = self._saved_optim(ckpt)
             changed = {k: (old[k], v) for k, v in r.to_dict()["optim"].items() if k in old and old[k] != v}
@@ -425,6 +456,11 @@ class Trainer:
                 loss_sum_local = torch.zeros((), dtype=torch.float64)
                 grad_norm = None
                 for cpu_batch in micro:
+                    top = int(cpu_batch["input_ids"].max())
+                    if top >= self.embedding_rows:  # data from a tokenizer larger than the embedding (no manifest)
+                        raise MtrainError(f"data.path {r.data.path}: token id {top} at step {self.state.step + 1} is "
+                                          f"outside the model's {self.embedding_rows}-row embedding; pack the data "
+                                          "with the model's tokenizer")
                     batch = {k: v.to(device) for k, v in cpu_batch.items()}
                     CONTEXT.doc_ids = batch.pop("doc_ids", None)
                     with accelerator.accumulate(model):
@@ -508,6 +544,23 @@ class Trainer:
                 log.info("exported HF checkpoint to %s", self.out / "final")
         accelerator.wait_for_everyone()
         return last
+
+
+def check_vocabulary(r: RecipeConfig, tokenizer_size: int, rows: int, manifest: dict | None) -> int:
+    """The tokenizer and the packed data's tokenizer fit in the model's embedding (`rows`); returns `rows`.
+
+    A larger tokenizer gives ids past the embedding: the first batch holding one would stop with an IndexError."""
+    model_key = f"model.config {r.model.config}" if r.model.config is not None else f"model.path {r.model.path}"
+    if tokenizer_size > rows:
+        raise ConfigError(f"model.tokenizer {r.model.tokenizer or r.model.path} has {tokenizer_size} tokens but the "
+                          f"embedding of {model_key} has {rows} rows; use the tokenizer the model was built with, or "
+                          f"a model with vocab_size >= {tokenizer_size}")
+    packed = ((manifest or {}).get("tokenizer") or {}).get("vocab_size")
+    if packed is not None and int(packed) > rows:
+        raise ConfigError(f"data.path {r.data.path} was packed with a {packed}-token tokenizer "
+                          f"({manifest['tokenizer'].get('path')}) but the embedding of {model_key} has {rows} rows; "
+                          f"pack the data with the model's tokenizer, or use a model with vocab_size >= {packed}")
+    return rows
 
 
 def _peak_memory(accelerator, device) -> dict:
