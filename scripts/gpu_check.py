@@ -368,8 +368,15 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
             raised("ring-step", exc)
         lap("ring-step")
     if wanted("ring-fa4") and device.type == "cuda":
-        try:
-            report("ring-fa4", [rel(a, b) for a, b in zip(ring_engine_case(q, k, v, index, doc_ids, bs, dout), want)])
+        try:  # the case remade at whole blocks (a layout splits whole blocks only), with its own reference
+            q_w, k_w, v_w, index_w, doc_w = make_case(S // bs * bs, Hq, Hkv, D, bs, dtype, doc, device, seed=seed)
+            dout_w = torch.randn_like(q_w)
+            mask_w = index_w.to_mask()
+            if doc_w is not None:
+                mask_w = mask_w & (doc_w[0][:, None] == doc_w[0][None, :])
+            want_w = reference_grads(q_w, k_w, v_w, mask_w, dout_w)
+            got_w = ring_engine_case(q_w, k_w, v_w, index_w, doc_w, bs, dout_w)
+            report("ring-fa4", [rel(a, b) for a, b in zip(got_w, want_w)])
         except Exception as exc:  # noqa: BLE001
             raised("ring-fa4", exc)
         lap("ring-fa4")
