@@ -383,12 +383,14 @@ def bench_tokens(tokens, rank, world, args, device, report):
     def sync_counts():
         """Host syncs of one fwd+bwd call after warm-up (plan and kernel data cached with the index)."""
         counts = {}
-        for label, hk, layout_name, sparse in (("dense", h, "zigzag", False), ("sparse", hkv, "block-stripe", True)):
+        for label, hk, layout_name, sparse in (("dense", h, "zigzag", False), ("sparse", hkv, "block-stripe", True),
+                                              ("estimated", hkv, "block-stripe", "estimate")):
             q, k, v, dout = inputs(tokens, h, hk, d, device)
             layout = Layout.create(layout_name, world_size=world, granularity=args.block_size)
-            index = make_index(seq, args, device) if sparse else None
-            run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index),
-                             (q, k, v), dout)
+            index = make_index(seq, args, device) if sparse is True else None
+            settings = _settings(args) if sparse == "estimate" else None
+            run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
+                                                           sparse=settings, engine=args.engine), (q, k, v), dout)
             run()
             counts[f"{label}_ring_host_syncs"] = count_host_syncs(run)
         return counts

@@ -35,6 +35,7 @@
 # Environment (defaults): LENGTHS ("262144 524288"), STEPS (20: steps of a run shorter than 512K), STEPS_512K (5: at
 # 512K and longer), DEADLINE (510 s), WEIGHT_DENSE (2), WARMUP (2: steps left out of the tokens/s medians), KINDS
 # ("dense mtraining"), TRAIN_ARGS (extra --set for every SmolLM2 run, e.g. "--set attention.sparse_policy=always"),
+# SUFFIX (appended to the mtraining run's folder, e.g. "-always": a variant kept beside the recipe's own run),
 # QWEN_BUDGET (330 s), QWEN_MIN (150 s), QWEN_STEPS (2), QWEN_LENGTHS ("1048576 1572864 2097152": in order,
 # stopping at the first that fails), QWEN_FALLBACK ("786432 524288": tried in order when the first length fails),
 # QWEN_ARGS (extra --set for the Qwen runs), MODEL_DIR (/root/smollm2), PACKAGES (torch,transformers: installed
@@ -210,6 +211,7 @@ case "${1:-}" in
       steps=$(steps_at "$seq")
       for kind in $KINDS; do
         run=runs/e2e4-$(k "$seq")-$kind
+        if [ "$kind" = mtraining ]; then run=$run${SUFFIX:-}; fi
         budget=$(( (DEADLINE - SECONDS) * $(weight "$kind") / todo ))
         todo=$(( todo - $(weight "$kind") ))
         if [ "$budget" -lt 60 ]; then mark "$run not run: $budget s left for it"; continue; fi
@@ -228,13 +230,13 @@ case "${1:-}" in
     for seq in $LENGTHS; do
       target=3  # the issue's targets: >= 3x dense's tokens/s at 256K, >= 5x at 512K
       [ "$seq" -lt 524288 ] || target=5
-      args+=(--pair "$(k "$seq" | tr k K)" "runs/e2e4-$(k "$seq")-mtraining" "runs/e2e4-$(k "$seq")-dense" --target "$target")
+      args+=(--pair "$(k "$seq" | tr k K)" "runs/e2e4-$(k "$seq")-mtraining${SUFFIX:-}" "runs/e2e4-$(k "$seq")-dense" --target "$target")
     done
     "$PYTHON" scripts/e2e4_table.py "${args[@]}" --warmup "$WARMUP" --out "$summary.tables" | tee -a "$LOG"
     { cat "$summary.tables"; rm -f "$summary.tables"
       for seq in $LENGTHS; do
         echo; echo "### mtrain compare, $(k "$seq")"; echo; echo '```'
-        "$PYTHON" -m mtrain compare "runs/e2e4-$(k "$seq")-mtraining" "runs/e2e4-$(k "$seq")-dense" \
+        "$PYTHON" -m mtrain compare "runs/e2e4-$(k "$seq")-mtraining${SUFFIX:-}" "runs/e2e4-$(k "$seq")-dense" \
           --plot "$RESULTS/loss-$(k "$seq").png" 2>&1 || true
         echo '```'
       done; } > "$summary"

@@ -6,7 +6,8 @@
 #   call 2, carry .fa4carry/p2:  scripts/gpu_ring.sh          (results in $OUT)
 #
 # CP=4 at 128K tokens per GPU with the fa4 engine (128-token blocks) and the hierarchical 2 x 2 ring, then CP=2 on
-# two of the GPUs; every run checks the ring against one device before it times anything.
+# two of the GPUs; every run checks the ring against one device before it times anything. CP4=0 / CP2=0 skip a run;
+# MODEL=DIR adds the ring on a real model's captured q/k/v (bench_ring.py --model, MODEL_TOKENS per GPU, 64K).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/gpu_fa4.sh install
@@ -18,9 +19,16 @@ nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 NGPU=$(nvidia-smi -L | wc -l)
 common=(--tokens-per-gpu "$TOKENS" --block-size 128 --engine "${ENGINE:-auto}" --iters "$ITERS" --warmup 1)
-if [ "$NGPU" -ge 4 ]; then
+if [ "$NGPU" -ge 4 ] && [ "${CP4:-1}" = 1 ]; then
   torchrun --nproc_per_node 4 scripts/bench_ring.py "${common[@]}" --node-size 2 ${RING_EXTRA:-} \
     --json "$OUT/ring_cp4.json" 2>&1 | grep -v Warning | tee "$OUT/ring_cp4.log"
 fi
-CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 scripts/bench_ring.py "${common[@]}" --skip-check \
-  --json "$OUT/ring_cp2.json" 2>&1 | grep -v Warning | tee "$OUT/ring_cp2.log"
+if [ "${CP2:-1}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 scripts/bench_ring.py "${common[@]}" --skip-check \
+    --json "$OUT/ring_cp2.json" 2>&1 | grep -v Warning | tee "$OUT/ring_cp2.log"
+fi
+if [ -n "${MODEL:-}" ]; then  # the real model's captured q/k/v (an HF folder, e.g. gpu_e2e4.sh's /root/smollm2)
+  torchrun --nproc_per_node "$(( NGPU < 4 ? NGPU : 4 ))" scripts/bench_ring.py --model "$MODEL" \
+    --tokens-per-gpu "${MODEL_TOKENS:-64K}" --block-size 128 --engine "${ENGINE:-auto}" --iters 2 --warmup 1 \
+    ${MODEL_EXTRA:-} --json "$OUT/ring_model.json" 2>&1 | grep -v Warning | tee "$OUT/ring_model.log"
+fi

@@ -73,6 +73,24 @@ def test_rows_from_lines_bounded_widths_hold_the_same_lists(S, bs, nv, ns):
             assert got.col_ids.shape[-1] <= distinct_v
 
 
+def test_bounded_rows_read_the_choice_statistics_with_their_widths():
+    """The one host read of bound_widths also carries the whole index's work and the values asked for: what a
+    layer's dense/sparse choice reads (`_choice_stats`), so a CP layer reads back once."""
+    from mtrain.models.attention import _choice_stats
+
+    vertical, slash = _lines(256, 12, 5, 3)
+    rows = torch.arange(1, 16, 2)
+    est = torch.rand(1, vertical.shape[1], dtype=torch.float32)
+    index = rows_from_lines(vertical, slash, 256, 16, rows, bound_widths=True, read_also=(est.double().mean(),))
+    index._cache["est_recall"] = est
+    assert index._cache["host_read"] == index.work_tensor().tolist() + [est.double().mean().item()]
+    plain = rows_from_lines(vertical, slash, 256, 16, rows)
+    plain._cache["est_recall"] = est
+    q = torch.zeros(1, 8, vertical.shape[1], 4)
+    assert _choice_stats(index, q, 0.99, None) == _choice_stats(plain, q, 0.99, None)
+    assert _choice_stats(index, q, None, None) == _choice_stats(plain, q, None, None)
+
+
 def test_rows_from_lines_rejects_bad_rows():
     vertical, slash = _lines(128, 4, 2, 0)
     for rows in (torch.tensor([3, 1]), torch.tensor([0, 8]), torch.tensor([2, 2]), torch.tensor([], dtype=torch.long)):

@@ -613,7 +613,7 @@ def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
 
 def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
                     rows: torch.Tensor, *, totals: bool = True, check: bool = True,
-                    bound_widths: bool = False) -> RowIndex:
+                    bound_widths: bool = False, read_also: tuple = ()) -> RowIndex:
     """The lists of the query blocks `rows` of `SparseIndex.from_lines(vertical, slash, seq_len, block_size)`,
     without building the others: time and memory follow len(rows) (plus O(lines + nQB) per head for the
     totals and the column union of the whole index, skipped with totals=False).
@@ -625,6 +625,8 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
     of the column union) and size every list from those bounds: block lists as wide as a head's offsets + 1
     (the sink), column lists as its verticals, so more -1 padding than the trimmed lists, the same entries
     (the RowIndex's `_cache["bounded_widths"]` is then True: a ring plan built from it reads nothing back either).
+    read_also: with bound_widths and totals, small float tensors read in the same host read; the RowIndex's
+    `_cache["host_read"]` is then [listed block entries, listed column entries (`work_tensor()`), *their values].
     """
     if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
         raise ValueError(
@@ -649,7 +651,11 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
             sizes.append((offs_last < _NONE).sum(-1).amax())
         if used is not None:
             sizes.append(used.sum())
-        sizes = torch.stack([t.reshape(()).long() for t in sizes]).tolist()
+        read = [torch.stack([t.reshape(()).double() for t in sizes])]
+        if work is not None:
+            read += [work[..., :2].sum((0, 1))] + [t.reshape(-1).double() for t in read_also]
+        read = torch.cat(read).tolist()
+        sizes, host_read = [int(x) for x in read[:len(sizes)]], read[len(sizes):]
         n_offs, n_v = sizes[0], sizes[1]
         offs = offs[..., :max(n_offs, 1)].contiguous()
         if offs_last is not None:
@@ -684,6 +690,8 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
     index = RowIndex(rows, block_ids, counts.to(torch.int32), col_ids, col_counts, seq_len, block_size, union, work)
     if bound_widths:
         index._cache["bounded_widths"] = True
+        if work is not None:
+            index._cache["host_read"] = host_read
     return index
 
 

@@ -404,7 +404,8 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
                                                        scorer, key_blocks)
     bs = settings.block_size
     rows = rank_rows(q_pos, bs) if rows is None else rows
-    index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False, bound_widths=True)
+    also = () if recall is None else (recall.double().mean(),)  # what a layer's dense/sparse choice reads
+    index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False, bound_widths=True, read_also=also)
     index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
     if recall is not None:
         index._cache["est_recall"] = recall
