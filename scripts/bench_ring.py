@@ -710,6 +710,9 @@ def main() -> int:
     parser.add_argument("--recall", type=float, default=0.99, help="--model: the online estimate's recall target")
     parser.add_argument("--recall-rows", type=int, default=64, help="--model: sampled rows of the true recall")
     parser.add_argument("--layers", type=int, default=0, help="--model: only the first N layers (0: all)")
+    parser.add_argument("--check-only", action="store_true", help="the correctness check alone (no timing)")
+    parser.add_argument("--torch-merge", action="store_true",
+                        help="merge the ring's partial results with the torch merge instead of the fused Triton one")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.check_len = args.check_len[0]
@@ -740,12 +743,18 @@ def main() -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
+    if args.torch_merge:
+        from mtrain.parallel import merge
+
+        merge.FUSED = False
     if not args.skip_check:
         try:
             check(rank, world, args, device, report)
         except Exception:
             if rank == 0:
                 traceback.print_exc()
+    if args.check_only:
+        args.tokens_per_gpu = []
     for tokens in args.tokens_per_gpu:
         bench_tokens(tokens, rank, world, args, device, report)
         if rank == 0:

@@ -17,7 +17,8 @@ The pattern estimator's Triton scorer is checked in each case too: its est_recal
 the scored rows inside its index, its density against the PyTorch scorer's. On CUDA two ring cases run on a
 one-rank process group: "ring-fa4", `ring_attention` with the fa4 engine (FA4 steps, our column path; our kernels
 where FA4 cannot run), and "ring-estimate", the distributed Triton estimate giving the single-device lines.
-"repeat" runs the deterministic engines (triton-det, fa4-det, the ring on a one-rank group) twice under
+"merge" checks the ring's running LSE merge (fused Triton and torch) against float64 on CUDA. "repeat" runs the
+deterministic engines (triton-det, fa4-det, the ring on a one-rank group) twice under
 torch.use_deterministic_algorithms(True) and fails unless out and every gradient are bitwise equal; the atomic
 backwards (triton-atomic, fa4) run twice too, labelled atomic, their differences reported but not failed.
 """
@@ -205,6 +206,48 @@ def ring_estimator_case(q, k, doc_ids, bs, tag) -> str:
             f"device's: {same}, est_recall diff {err:.1e} (tol 1e-4)")
 
 
+def merge_case(device, dtype, tag) -> list[str]:
+    """The ring's running LSE merge (`mtrain.parallel.merge.PartialAccumulator`: the first part taken as it came,
+    fp32 in between, the last merged into the output dtype) over four parts, fused Triton merge and torch merge,
+    each against a float64 reference; parts in [B, S, H, D] and in [B, H, S, D] memory (as attention kernels may
+    return them), some rows without keys in a part (lse -inf, out 0)."""
+    from mtrain.parallel import merge as merge_mod
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    B, S, H, D = 2, 1000, 8, 128
+    lines = []
+    for layout in ("bshd", "bhsd"):
+        parts = []
+        for i in range(4):
+            o = torch.randn(B, S, H, D, generator=gen, device=device).to(dtype)
+            if layout == "bhsd":
+                o = o.transpose(1, 2).contiguous().transpose(1, 2)
+            lse = torch.randn(B, H, S, generator=gen, device=device) * 3
+            if i == 1:
+                lse[:, :, :100] = float("-inf")
+                o[:, :100] = 0
+            parts.append((o, lse))
+        lse64 = torch.logsumexp(torch.stack([l.double() for _, l in parts]), 0)  # [B, H, S]
+        want = sum(o.double() * torch.exp(l.double() - lse64).transpose(1, 2)[..., None] for o, l in parts)
+        saved = merge_mod.FUSED
+        for fused in (True, False):
+            merge_mod.FUSED = fused
+            try:
+                acc = merge_mod.PartialAccumulator(parts[0][0])
+                for i, (o, l) in enumerate(parts):
+                    acc.add(o.clone(), l.clone(), final=i == len(parts) - 1)
+                out, lse = acc.result(dtype)
+                torch.cuda.synchronize(device) if device.type == "cuda" else None
+            finally:
+                merge_mod.FUSED = saved
+            err = rel(out, want)
+            lse_err = float((lse.double() - lse64).abs().max())
+            bad = err > TOL[dtype][0] or lse_err > 1e-4 or not math.isfinite(err)
+            lines.append(f"{'FAIL' if bad else 'ok  '} {'merge':13s} {tag} {'fused' if fused else 'torch'} {layout}: "
+                         f"out {err:.1e} lse {lse_err:.1e}")
+    return lines
+
+
 def repeat_case(q, k, v, index, doc_ids, bs, dout, tag, remake) -> list[str]:
     """Bitwise repeatability on the device: the deterministic engines' forward + backward run twice under
     `torch.use_deterministic_algorithms(True)` must give identical out, dq, dk, dv (FAIL otherwise): "triton-det"
@@ -382,6 +425,15 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
         lap("ring-fa4")
     if wanted("ring-estimate") and device.type == "cuda":
         line_case("ring-estimate", lambda: ring_estimator_case(q, k, doc_ids, bs, tag))
+    if wanted("merge") and device.type == "cuda" and doc:
+        try:
+            for line in merge_case(device, dtype, tag):
+                lines.append(line)
+                if line.startswith("FAIL"):
+                    failures.append(line)
+        except Exception as exc:  # noqa: BLE001
+            raised("merge", exc)
+        lap("merge")
     if wanted("repeat"):
         try:
             remake = lambda n: make_case(n, Hq, Hkv, D, bs, dtype, doc, device, seed=seed)  # noqa: E731
@@ -412,7 +464,7 @@ def main() -> int:
                     help="head shapes (default 4x4x64 8x2x128; --quick: 4x2x64)")
     ap.add_argument("--engines", nargs="+", metavar="NAME",
                     help="check only these (triton-det triton-atomic dense flex fa4 fa4-det fa4-nocols estimator "
-                         "ring-step ring-fa4 ring-estimate repeat); default all that apply")
+                         "ring-step ring-fa4 ring-estimate merge repeat); default all that apply")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
