@@ -21,8 +21,17 @@ def _merge_kernel(A, LA, P, LP, O, LO, S, H, D, sab, sas, sah, spb, sps, sph, so
     h = bh % H
     s = t * BLOCK_S + tl.arange(0, BLOCK_S)
     s_ok = s < S
+    d = tl.arange(0, BLOCK_D)
+    ok = s_ok[:, None] & (d < D)[None, :]
     la = tl.load(LA + bh.to(tl.int64) * S + s, mask=s_ok, other=float("-inf"))
     lp = tl.load(LP + bh.to(tl.int64) * S + s, mask=s_ok, other=float("-inf"))
+    a = tl.load(A + b * sab + s[:, None].to(tl.int64) * sas + h * sah + d[None, :], mask=ok, other=0.0)
+    p = tl.load(P + b * spb + s[:, None].to(tl.int64) * sps + h * sph + d[None, :], mask=ok, other=0.0)
+    # Every load before any store: the merge runs in place (LO is LA, O may be A), and a row's lse is held by
+    # several warps at once (a [BLOCK_S] vector over the program's threads), so without this barrier a warp that
+    # stores the merged lse early can be read back by another warp as its `la` (on the GPU; the interpreter runs
+    # a program's threads as one, which is why only the GPU showed it).
+    tl.debug_barrier()
     m = tl.maximum(la, lp)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     wa = tl.exp(la - m_safe)
@@ -31,10 +40,6 @@ def _merge_kernel(A, LA, P, LP, O, LO, S, H, D, sab, sas, sah, spb, sps, sph, so
     inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
     lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
     tl.store(LO + bh.to(tl.int64) * S + s, lse, mask=s_ok)
-    d = tl.arange(0, BLOCK_D)
-    ok = s_ok[:, None] & (d < D)[None, :]
-    a = tl.load(A + b * sab + s[:, None].to(tl.int64) * sas + h * sah + d[None, :], mask=ok, other=0.0)
-    p = tl.load(P + b * spb + s[:, None].to(tl.int64) * sps + h * sph + d[None, :], mask=ok, other=0.0)
     out = a.to(tl.float32) * (wa * inv)[:, None] + p.to(tl.float32) * (wp * inv)[:, None]
     tl.store(O + b * sob + s[:, None].to(tl.int64) * sos + h * soh + d[None, :], out.to(O.dtype.element_ty), mask=ok)
 
