@@ -394,16 +394,20 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
         except Exception as exc:  # noqa: BLE001
             raised("fa4-nocols", exc)
         lap("fa4-nocols")
-    def line_case(name, fn):
-        """A case that reports one line of its own (ok / FAIL ...)."""
+    def lines_case(name, fn):
+        """A case that reports lines of its own (ok / FAIL ...)."""
         try:
-            line = fn()
-            lines.append(line)
-            if line.startswith("FAIL"):
-                failures.append(line)
+            for line in fn():
+                lines.append(line)
+                if line.startswith("FAIL"):
+                    failures.append(line)
         except Exception as exc:  # noqa: BLE001
             raised(name, exc)
         lap(name)
+
+    def line_case(name, fn):
+        """A case that reports one line of its own."""
+        lines_case(name, lambda: [fn()])
 
     if wanted("estimator"):
         line_case("estimator", lambda: estimator_case(q, k, doc_ids, bs, tag))
@@ -430,24 +434,10 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
     if wanted("ring-estimate") and device.type == "cuda":
         line_case("ring-estimate", lambda: ring_estimator_case(q, k, doc_ids, bs, tag))
     if wanted("merge") and device.type == "cuda" and doc:
-        try:
-            for line in merge_case(device, dtype, tag):
-                lines.append(line)
-                if line.startswith("FAIL"):
-                    failures.append(line)
-        except Exception as exc:  # noqa: BLE001
-            raised("merge", exc)
-        lap("merge")
+        lines_case("merge", lambda: merge_case(device, dtype, tag))
     if wanted("repeat"):
-        try:
-            remake = lambda n: make_case(n, Hq, Hkv, D, bs, dtype, doc, device, seed=seed)  # noqa: E731
-            for line in repeat_case(q, k, v, index, doc_ids, bs, dout, tag, remake):
-                lines.append(line)
-                if line.startswith("FAIL"):
-                    failures.append(line)
-        except Exception as exc:  # noqa: BLE001
-            raised("repeat", exc)
-        lap("repeat")
+        remake = lambda n: make_case(n, Hq, Hkv, D, bs, dtype, doc, device, seed=seed)  # noqa: E731
+        lines_case("repeat", lambda: repeat_case(q, k, v, index, doc_ids, bs, dout, tag, remake))
     return lines, failures, seconds, compiles
 
 
