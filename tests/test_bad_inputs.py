@@ -569,7 +569,7 @@ def test_data_packed_with_a_larger_tokenizer_is_refused(world, tmp_path, capsys)
     """The model's tokenizer fits its embedding but the data was packed with a larger one: refused at load from the
     manifest's tokenizer size; without a manifest (an MDS folder of another tool) at the first batch holding an id
     past the embedding, naming data.path, instead of an IndexError."""
-    from mtrain.tiny import build_tokenizer
+    from mtrain.data.tiny_tokenizer import build_tokenizer
 
     small_tok = tmp_path / "tok300"
     build_tokenizer(small_tok, vocab_size=300)
