@@ -3,8 +3,9 @@
 For each length, kind of text (`mtrain.data.texts`) and setting: whole-model perplexity with every layer sparse
 (policy "always": what the training choice runs at its worst) against dense on the same tokens, the mean
 density of the estimated patterns, and the true recall (the exact attention mass the index keeps, on
---recall-rows rows spread evenly over the sequence) as the mean over layers and heads and the worst layer.
-Prints one markdown table (and writes every cell to --json).
+--recall-rows rows spread evenly over the sequence) as the mean over layers and heads, the worst layer and the
+worst head, and its tail: the share of (head, sampled row) pairs whose own recall is below 0.9, and the 1st
+percentile of the rows' recall. Prints one markdown table (and writes every cell to --json).
 
   python scripts/sweep_quality.py --model models/smollm2-135m --seq-len 4096 8192 \\
       --texts prose docs code dialogue --set default --set last_q=256 --set recall=0.995
@@ -48,44 +49,86 @@ def parse_setting(text: str) -> dict:
     return out
 
 
-def sparse_pass(net, ids, settings, recall_rows: int) -> dict:
+def row_recalls(q, k, index, scale: float, n_rows: int) -> torch.Tensor:
+    """Each (head, sampled row)'s own true recall, fp32 [Hq, R] (batch 1): the share of the row's exact causal
+    attention mass inside `index`, on `n_rows` rows spread evenly over the sequence (`sampled_rows`). The mean of
+    it is `true_recall`; its tail shows rows that lose much of their mass while the mean stays near the target."""
+    from mtrain.ops.recall import index_row_mask, sampled_rows
+
+    S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+    Hkv = k.shape[2]
+    rows = sampled_rows(S, n_rows, q.device)
+    kp = torch.arange(S, device=q.device)
+    qr = q[0, rows].float().reshape(rows.numel(), Hkv, Hq // Hkv, D)
+    scale = scale if scale is not None else D ** -0.5
+    s = torch.einsum("qhgd,khd->hgqk", qr, k[0].float()).reshape(Hq, rows.numel(), S) * scale
+    s = s.masked_fill(kp[None, None, :] > rows[None, :, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.where(index_row_mask(index, rows, kp)[0], p, 0.0).sum(-1)
+
+
+def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9) -> dict:
     """Perplexity of `net` over `ids` with every layer sparse under `settings`, with each layer's density and true
-    recall on `recall_rows` sampled rows (read from the records mtrain's attention leaves)."""
+    recall on `recall_rows` sampled rows (read from the records mtrain's attention leaves), and the share of
+    (head, sampled row) pairs whose own recall is below `low`."""
     from mtrain import bench_real
+    from mtrain.models import attention
     from mtrain.models.attention import CONTEXT, mtrain_attention
 
     marks = len(CONTEXT.densities), len(CONTEXT.layers)
     saved = CONTEXT.sample_recall, CONTEXT.recall_rows
+    plain_record = attention._record
+    per_row = []
+
+    def record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, *args, **kwargs):
+        plain_record(layer_idx, path, index, prediction, q, k, scaling, *args, **kwargs)
+        if path == "sparse" and q is not None:
+            with torch.no_grad():
+                per_row.append(row_recalls(q.detach(), k.detach(), index, scaling, recall_rows))
+
     CONTEXT.choice_stats.clear()
     CONTEXT.sample_recall, CONTEXT.recall_rows = True, recall_rows
+    attention._record = record  # module global, looked up at each call
     bench_real.register_bench_attention(functools.partial(mtrain_attention, settings=settings, policy="always"))
     try:
         ppl = bench_real.perplexity(net, ids)
         records = CONTEXT.layers[marks[1]:]
-        if not records or any(r.path != "sparse" for r in records):
+        if not records or any(r.path != "sparse" for r in records) or len(per_row) != len(records):
             raise RuntimeError("not every layer ran sparse")
         density = [float(r.density) for r in records]
         recall = [r.true_recall.float().mean(-1).squeeze(0) for r in records]  # [Hq] per layer (batch 1)
         layer_recall = [float(r.mean()) for r in recall]
         head_min = min(float(r.min()) for r in recall)
+        rows = torch.stack(per_row)  # [layers, Hq, R]
     finally:
+        attention._record = plain_record
         bench_real.register_bench_attention(None)
         CONTEXT.sample_recall, CONTEXT.recall_rows = saved
         del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
     return {"ppl": ppl, "density": sum(density) / len(density), "true_recall_mean": sum(layer_recall) / len(layer_recall),
             "true_recall_worst_layer": min(layer_recall), "true_recall_worst_head": head_min,
-            "layers": len(records)}
+            "rows_below": float((rows < low).float().mean()), "rows_below_at": low,
+            "row_recall_p01": float(torch.quantile(rows.flatten(), 0.01)), "layers": len(records)}
 
 
 HEADER = ("| S | text | setting | ppl dense | ppl sparse | rise | density | true recall mean | worst layer | "
-          "worst head | s |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "worst head | rows < 0.9 | row p1 | s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def row(c: dict) -> str:
     """One markdown table row of a sweep cell."""
     return (f"| {c['seq_len'] // 1024}K | {c['text']} | {c['setting']} | {c['ppl_dense']:.3f} | {c['ppl']:.3f} | "
             f"{100 * c['rise']:+.2f}% | {c['density']:.3f} | {c['true_recall_mean']:.4f} | "
-            f"{c['true_recall_worst_layer']:.4f} | {c['true_recall_worst_head']:.3f} | {c['seconds']:.0f} |")
+            f"{c['true_recall_worst_layer']:.4f} | {c['true_recall_worst_head']:.3f} | "
+            f"{_pct(c.get('rows_below'))} | {_num(c.get('row_recall_p01'))} | {c['seconds']:.0f} |")
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.2f}%"
+
+
+def _num(x) -> str:
+    return "–" if x is None else f"{x:.3f}"
 
 
 def table(cells: list[dict]) -> str:
