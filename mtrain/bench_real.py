@@ -406,8 +406,9 @@ def _true_recall(q, k, index, scale, rows: int | None) -> torch.Tensor:
 def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="auto", device=None, dtype=None,
         iters: int = 5, hold: int | None = None, engine: str = "auto",
         layers: list[int] | None = None, recall_rows: int | None = None, out_dir: str | None = None,
-        log=print) -> dict:
-    """Benchmark one model at one length; returns (and writes to out_dir/real_<S>.json) the results."""
+        text: str = "prose", log=print) -> dict:
+    """Benchmark one model at one length on text of kind `text` (`mtrain.data.texts.TEXT_KINDS`); returns (and
+    writes to out_dir/real_<S>.json, or real_<S>_<text>.json for a kind other than prose) the results."""
     from mtrain.config import AttentionConfig
     from mtrain.parallel import SparseSettings
 
@@ -419,17 +420,17 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     path = resolve_model(model)
     from transformers import AutoTokenizer
 
-    from mtrain.data.prose import prose_tokens
+    from mtrain.data.texts import TEXT_LABELS, text_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    ids = torch.tensor([prose_tokens(tokenizer, seq_len)], device=device)
+    ids = torch.tensor([text_tokens(tokenizer, seq_len, text)], device=device)
     net, factor = load_model(path, seq_len, yarn, device, dtype)
     cfg = net.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     scale = head_dim ** -0.5
     log(f"model {path.name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
         f"{cfg.num_key_value_heads} kv heads x {head_dim}; S={seq_len}, YaRN factor {factor:g}, {dtype}, "
-        f"{device.type}; engine {engine}; settings {settings}")
+        f"{device.type}; engine {engine}; text {text}: {TEXT_LABELS[text]}; settings {settings}")
 
     from mtrain.models.attention import CONTEXT
 
@@ -490,7 +491,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         return {r.layer: round(100 * (getattr(r, attr) / r.dense_ms - 1), 2) for r in results
                 if getattr(r, attr) > r.dense_ms}
     summary = {
-        "model": str(path), "seq_len": seq_len, "yarn_factor": factor, "dtype": str(dtype), "device": device.type,
+        "model": str(path), "seq_len": seq_len, "text": text, "yarn_factor": factor, "dtype": str(dtype), "device": device.type,
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
         "torch": torch.__version__, "settings": _settings_kwargs(settings),
         "layers": [asdict(r) for r in results],
@@ -550,7 +551,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
             f"{len(row['sparse_layers'])} of {len(training_paths)} layers sparse {_ranges(row['sparse_layers'])}")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        target = Path(out_dir) / f"real_{seq_len}.json"
+        target = Path(out_dir) / (f"real_{seq_len}.json" if text == "prose" else f"real_{seq_len}_{text}.json")
         tmp = target.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, target)

@@ -20,6 +20,7 @@ from mtrain.ops import SparseIndex, estimate_vertical_slash, partial, reference 
 from mtrain.ops import _triton_attention  # noqa: E402
 from mtrain.ops.index import transpose_blocks_csr  # noqa: E402
 from mtrain.ops import flex as flex_engine  # noqa: E402
+from mtrain.data.texts import TEXT_KINDS  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -365,7 +366,7 @@ def real_main(args) -> int:
         for seq_len in args.seq_len:
             bench_real.run(args.model, seq_len, settings=settings, policy=args.policy, engine=args.engine,
                            yarn=args.yarn, iters=args.iters, hold=args.hold, layers=args.layers,
-                           recall_rows=args.recall_rows, out_dir=args.out, log=log)
+                           recall_rows=args.recall_rows, out_dir=args.out, text=args.text, log=log)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return 0
@@ -407,6 +408,9 @@ def main() -> int:
     real.add_argument("--model", help="HF checkpoint folder or .gguf file: benchmark on this model's attention "
                                       "over real prose instead of synthetic inputs")
     real.add_argument("--seq-len", type=int, nargs="+", help="sequence lengths for --model (one run each)")
+    real.add_argument("--text", default="prose", choices=TEXT_KINDS,
+                      help="kind of text the model reads (mtrain.data.texts; shipped with Python or a package; "
+                           "default prose)")
     real.add_argument("--yarn", default="auto", help="YaRN factor for --model: auto (seq_len / trained length), "
                                                      "none, or a number")
     real.add_argument("--layers", type=int, nargs="*", help="layers to measure (default: all)")

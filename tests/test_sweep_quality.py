@@ -1,0 +1,41 @@
+"""scripts/sweep_quality.py: its settings parse (bad ones refused before any run) and its one table."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import sweep_quality  # noqa: E402
+
+
+def test_settings_parse_and_bad_ones_are_refused():
+    assert sweep_quality.parse_setting("default") == {}
+    assert sweep_quality.parse_setting("last_q=256,recall=0.995,share_kv_group=true") == {
+        "last_q": 256, "recall": 0.995, "share_kv_group": True}
+    with pytest.raises(SystemExit, match="not FIELD=VALUE"):
+        sweep_quality.parse_setting("lastq=256")
+    with pytest.raises(Exception, match="recall"):
+        sweep_quality.parse_setting("recall=1.5")  # SparseSettings refuses it
+
+
+def test_table_merges_runs_in_length_and_text_order(tmp_path):
+    def cell(seq_len, text, setting, rise):
+        return {"seq_len": seq_len, "text": text, "setting": setting, "ppl_dense": 10.0, "ppl": 10.0 * (1 + rise),
+                "rise": rise, "density": 0.5, "true_recall_mean": 0.99, "true_recall_worst_layer": 0.985,
+                "true_recall_worst_head": 0.98, "seconds": 80.0}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"cells": [cell(8192, "prose", "default", 0.01), cell(4096, "dialogue", "default", 0.0114)]}))
+    b.write_text(json.dumps({"cells": [cell(4096, "prose", "last_q=256", -0.0004)]}))
+    run = subprocess.run([sys.executable, str(Path(sweep_quality.__file__)), "--table", str(a), str(b)],
+                         capture_output=True, text=True, check=True)
+    lines = run.stdout.strip().splitlines()
+    assert lines[0].startswith("| S | text | setting |") and len(lines) == 5
+    assert [line.split(" | ")[:3] for line in lines[2:]] == [["| 4K", "prose", "last_q=256"],
+                                                             ["| 4K", "dialogue", "default"],
+                                                             ["| 8K", "prose", "default"]]
+    assert "| +1.14% |" in lines[3] and "| -0.04% |" in lines[2]
