@@ -54,19 +54,26 @@ def stdlib_prose(min_chars: int) -> str:
     return "".join(parts)
 
 
-def prose_tokens(tokenizer, n_tokens: int, *, bos: bool = True) -> list[int]:
-    """`n_tokens` token ids of stdlib prose (with the tokenizer's BOS first when it has one and `bos`)."""
+def tokens_of(tokenizer, n_tokens: int, text_of, *, bos: bool = True) -> list[int]:
+    """Up to `n_tokens` token ids of `text_of(min_chars)` (with the tokenizer's BOS first when it has one and
+    `bos`), asking for twice the characters until the tokens suffice or the text runs out; fewer when it ran out
+    (the caller names what ran short)."""
     ids: list[int] = []
     if bos and getattr(tokenizer, "bos_token_id", None) is not None:
         ids.append(tokenizer.bos_token_id)
     chars = 6 * n_tokens
     while True:
-        text = stdlib_prose(chars)
+        text = text_of(chars)
         body = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) + len(body) >= n_tokens or len(text) < chars:
             break
         chars *= 2
-    out = (ids + body)[:n_tokens]
+    return (ids + body)[:n_tokens]
+
+
+def prose_tokens(tokenizer, n_tokens: int, *, bos: bool = True) -> list[int]:
+    """`n_tokens` token ids of stdlib prose (with the tokenizer's BOS first when it has one and `bos`)."""
+    out = tokens_of(tokenizer, n_tokens, stdlib_prose, bos=bos)
     if len(out) < n_tokens:
         raise ValueError(f"this Python's files hold only {len(out)} tokens of prose; asked for {n_tokens}")
     return out

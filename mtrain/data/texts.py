@@ -22,6 +22,7 @@ import random
 import sysconfig
 from collections.abc import Callable, Iterator
 
+from mtrain.data.prose import tokens_of
 from mtrain.errors import MtrainError
 
 TEXT_KINDS = ("prose", "docs", "code", "dialogue")
@@ -125,17 +126,7 @@ def kind_text(kind: str, min_chars: int) -> str:
 def text_tokens(tokenizer, n_tokens: int, kind: str = "prose", *, bos: bool = True) -> list[int]:
     """`n_tokens` token ids of text of `kind` (TEXT_KINDS), with the tokenizer's BOS first when it has one and
     `bos`. `prose` gives exactly `mtrain.data.prose.prose_tokens`."""
-    ids: list[int] = []
-    if bos and getattr(tokenizer, "bos_token_id", None) is not None:
-        ids.append(tokenizer.bos_token_id)
-    chars = 6 * n_tokens
-    while True:
-        text = kind_text(kind, chars)
-        body = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) + len(body) >= n_tokens or len(text) < chars:
-            break
-        chars *= 2
-    out = (ids + body)[:n_tokens]
+    out = tokens_of(tokenizer, n_tokens, lambda chars: kind_text(kind, chars), bos=bos)
     if len(out) < n_tokens:
         raise MtrainError(f"this installation holds only {len(out)} tokens of {kind}; asked for {n_tokens}")
     return out
