@@ -163,9 +163,10 @@ def _choice_stats(index, q, target, layer_idx) -> list:
     estimate's, or with LAGGED_CHOICE and a layer index the previous estimate's of this layer and shape (this one's
     copy starts now, without waiting, for the next call)."""
     est = index._cache.get("est_recall")
+    wanted = 3 if target is not None and est is not None else 2
     read = index._cache.get("host_read")  # a CP rank's RowIndex read these with its lists' widths: no second read
-    if read is not None and (target is None or est is None or len(read) == 3):
-        return read[:2] if target is None or est is None else read[:3]
+    if read is not None and len(read) >= wanted:
+        return read[:wanted]
     parts = [index.work_tensor()]  # the whole index's work (a CP rank's RowIndex knows it from the lines)
     if target is not None and est is not None:
         parts.append(est.double().mean().view(1))

@@ -61,6 +61,12 @@ def _compact_to(flags: torch.Tensor, values: torch.Tensor | None, width: int) ->
     return out[..., :width].contiguous(), counts.clamp_(max=width)
 
 
+def group_counts(group: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """`torch.bincount(group, minlength=n_groups)` (int64, group in [0, n_groups)) without the host read CUDA's
+    bincount makes to size its result."""
+    return torch.zeros(n_groups, dtype=torch.long, device=group.device).scatter_add_(0, group, torch.ones_like(group))
+
+
 def group_entries(group: torch.Tensor, values: torch.Tensor, n_groups: int):
     """Ragged (CSR) lists: entry e goes to list group[e], keeping the order of e within a list.
 
@@ -113,7 +119,7 @@ def transpose_blocks_csr(
         group = torch.where(valid, bh * n_kblocks + block_ids.long(), n_groups).flatten()
         key = group.to(torch.int32) if n_groups < 2**31 else group
         order = torch.sort(key, stable=True).indices  # row-major slots: i ascending within each list
-        counts = torch.zeros(n_groups + 1, dtype=torch.long, device=dev).scatter_add_(0, group, torch.ones_like(group))
+        counts = group_counts(group, n_groups + 1)
         starts = torch.cumsum(counts, 0) - counts
         q_ids = i.flatten()[order].to(torch.int32)
         return (q_ids, starts[:n_groups].view(B, H, n_kblocks),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtrain.errors import MtrainError
-from mtrain.ops.index import BOUNDED, RowIndex
+from mtrain.ops.index import BOUNDED, RowIndex, group_counts
 from mtrain.parallel.dense_rects import Rect, dense_rects
 from mtrain.parallel.layout import Layout
 
@@ -292,39 +292,27 @@ def _remap_per_origin(rows, layout: Layout, seq_len: int, local_block: int, bloc
 def _split_by_origin(rows: torch.Tensor, owner: torch.Tensor, local: torch.Tensor, world: int, bounded: bool = False):
     """`_remap_per_origin` where global key block j is local block local[j] of rank owner[j] alone: every
     listed entry goes to one origin, so one stable sort by (origin, list) splits the lists (ascending within
-    each, as the layouts keep a rank's blocks ascending) in time and memory of the entries, not W x them.
-    Widths are trimmed to the longest list of all origins (one host sync, which also gives the per-origin
-    longest lists); bounded: every origin's lists as wide as the rank's (no host read; longest is None)."""
+    each, as the layouts keep a rank's blocks ascending; empty slots sort last, into a spare list that is
+    dropped) in time and memory of the rank's list slots, not W x them. Widths are trimmed to the longest list of
+    all origins (one host read, which also gives the per-origin longest lists); bounded: every origin's lists as
+    wide as the rank's (no host read; longest is None)."""
     b, h, n, m = rows.shape
     lists = b * h * n
-    if bounded:
-        valid = rows >= 0
-        spare = world * lists  # invalid entries sort last, into a spare list that is dropped
-        key = torch.where(valid, owner[rows.clamp(min=0)] * lists + torch.arange(lists, device=rows.device)
-                          .view(b, h, n, 1), spare).flatten()
-        loc = local[rows.clamp(min=0)].flatten()
-        key, order = torch.sort(key, stable=True)
-        loc = loc[order]
-        counts = torch.zeros(spare + 1, dtype=torch.long, device=rows.device)
-        counts.scatter_add_(0, key, torch.ones_like(key))
-        pos = torch.arange(key.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[key]
-        ids = torch.full((spare + 1, m), -1, dtype=torch.int32, device=rows.device)
-        ids[key, pos.clamp(max=m - 1)] = loc.to(torch.int32)
-        ids = ids[:spare].view(world, b, h, n, m)
-        counts = counts[:spare].view(world, b, h, n).to(torch.int32)
-        return [(ids[o], counts[o]) for o in range(world)], None
-    valid = rows >= 0
-    key = owner[rows.clamp(min=0)] * lists + torch.arange(lists, device=rows.device).view(b, h, n, 1)
-    key, loc = key[valid], local[rows[valid]]
-    order = torch.sort(key, stable=True).indices
-    key, loc = key[order], loc[order]
-    counts = torch.bincount(key, minlength=world * lists)
-    longest = counts.view(world, lists).amax(1).tolist()
-    width = max(1, max(longest))
+    spare = world * lists
+    key = torch.where(rows >= 0, owner[rows.clamp(min=0)] * lists
+                      + torch.arange(lists, device=rows.device).view(b, h, n, 1), spare).flatten()
+    key, order = torch.sort(key, stable=True)
+    loc = local[rows.clamp(min=0)].flatten()[order]
+    counts = group_counts(key, spare + 1)
     pos = torch.arange(key.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[key]
-    ids = torch.full((world * lists, width), -1, dtype=torch.int32, device=rows.device)
-    ids[key, pos] = loc.to(torch.int32)
-    ids, counts = ids.view(world, b, h, n, width), counts.view(world, b, h, n).to(torch.int32)
+    ids = torch.full((spare + 1, m), -1, dtype=torch.int32, device=rows.device)
+    ids[key, pos.clamp(max=m - 1)] = loc.to(torch.int32)  # (only the spare list's can pass the width)
+    ids = ids[:spare].view(world, b, h, n, m)
+    counts = counts[:spare].view(world, b, h, n).to(torch.int32)
+    longest = None
+    if not bounded:
+        longest = counts.view(world, lists).amax(1).tolist()
+        ids = ids[..., :max(1, max(longest))].contiguous()
     return [(ids[o], counts[o]) for o in range(world)], longest
 
 
@@ -379,12 +367,8 @@ def _gather_tables(owner: torch.Tensor, local: torch.Tensor, world: int, rank: i
     dev = owner.device
     real = owner >= 0
     group = torch.where(real, owner, world)
-    if bounded:
-        counts = torch.zeros(world + 1, dtype=torch.long, device=dev).scatter_add_(0, group, torch.ones_like(group))
-        per_rank = max(1, u)
-    else:
-        counts = torch.bincount(group, minlength=world + 1)
-        per_rank = max(1, int(counts[:world].max()))
+    counts = group_counts(group, world + 1)
+    per_rank = max(1, u) if bounded else max(1, int(counts[:world].max()))
     order = torch.sort(group, stable=True).indices  # slots grouped by owner, ascending within each
     starts = torch.cumsum(counts, 0) - counts
     slot_rank = group[order]
