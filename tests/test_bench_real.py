@@ -1,4 +1,4 @@
-"""The real-model benchmark (`scripts/bench_attention.py --model`) end to end on the CPU at a short length: one layer
+"""The real-model benchmark (`mtrain bench real`) end to end on the CPU at a short length: one layer
 of the converted SmolLM2, its per-layer record and the whole-model summary the GPU runs report, written atomically."""
 
 import json
@@ -11,7 +11,7 @@ from real_model import require_real_model
 
 @pytest.mark.slow
 def test_bench_real_reports_what_the_gpu_table_needs(tmp_path):
-    from mtrain import bench_real
+    from mtrain.bench import real as bench_real
     from mtrain.parallel import SparseSettings
 
     lines = []
@@ -101,7 +101,7 @@ def test_bench_real_perplexity_follows_the_training_choice(tmp_path, monkeypatch
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.masking_utils import AttentionMaskInterface
 
-    from mtrain import bench_real
+    from mtrain.bench import real as bench_real
     from mtrain.data.prose import prose_tokens
     from mtrain.models.attention import RECALL_SLACK
     from mtrain.ops.cost import SPARSE_MARGIN

@@ -1,16 +1,11 @@
-"""scripts/induction_probe.py: the previous-token head it sets at init, and its copy drills."""
+"""mtrain/bench/dev/induction_probe.py: the previous-token head it sets at init, and its copy drills."""
 
 import random
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import induction_probe  # noqa: E402
-
-from mtrain.tiny import build_tiny_model  # noqa: E402
+from mtrain.bench.dev import induction_probe
+from mtrain.tiny import build_tiny_model
 
 
 def test_previous_token_head_attends_to_the_previous_token():

@@ -3,7 +3,6 @@ the work, and chooses dense at high density and sparse at low density."""
 
 import dataclasses
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ def causal_blocks(seq_len, block_size, heads, batch=1):
     return batch * heads * n * (n + 1) // 2
 
 
-# Measured on the H200 by scripts/bench_cost.py (2026-11-23), rows independent of the fitted formula: (S, Hq, D,
+# Measured on the H200 by mtrain/bench/cost.py (2026-11-23), rows independent of the fitted formula: (S, Hq, D,
 # ms fwd+bwd, ms fwd). The fits claim <= 10% on dense.
 DENSE_H200 = [(32768, 9, 64, 10.17, 3.01), (131072, 9, 64, 158.69, 43.97), (131072, 16, 128, 462.25, 125.33),
               (65536, 16, 128, 112.32, 29.90)]
@@ -162,13 +161,10 @@ def test_worth_estimating_weighs_the_estimate_against_dense(monkeypatch):
 
 
 def test_cost_table_override_from_measured_rows(tmp_path, monkeypatch):
-    """bench_cost.py --fit ... --write-table writes figures that MTRAIN_COST_TABLE puts in place of the built-in
+    """mtrain bench cost --fit ... --write-table writes figures that MTRAIN_COST_TABLE puts in place of the built-in
     ones they cover (the rest stay); a broken file is refused in one line naming the variable."""
     import json
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import bench_cost
+    from mtrain.bench import cost as bench_cost
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps(dict(kind="estimate", S=S, Hq=9, Hkv=3, D=64, bs=64, rows=1088,

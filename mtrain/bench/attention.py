@@ -5,96 +5,27 @@ then times every variant in one run (GPU). FA4 rows appear when flash_attn.cute 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import math
 import os
-import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from mtrain.ops import SparseIndex, estimate_vertical_slash, partial, reference  # noqa: E402
-from mtrain.ops import _triton_attention  # noqa: E402
-from mtrain.ops.index import transpose_blocks_csr  # noqa: E402
-from mtrain.ops import flex as flex_engine  # noqa: E402
-from mtrain.data.texts import TEXT_KINDS  # noqa: E402
+from mtrain.bench import real as bench_real
+from mtrain.bench import timing
+from mtrain.bench.synthetic import make_inputs
+from mtrain.ops import SparseIndex, estimate_vertical_slash, partial, reference
+from mtrain.ops import _triton_attention
+from mtrain.ops import flex as flex_engine
+from mtrain.ops.index import transpose_blocks_csr
 
 
 # ----------------------------------------------------------------------------- inputs
-def rope(x: torch.Tensor, theta: float = 1e6) -> torch.Tensor:
-    """Rotary embedding (half-split convention, as in Qwen2/Llama) of x [B, S, H, D] at positions 0..S-1."""
-    B, S, H, D = x.shape
-    inv = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    ang = torch.arange(S, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
-    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def make_inputs(S, Hq=16, Hkv=2, D=128, seed=0, device="cuda", dtype=torch.bfloat16):
-    """RoPE'd queries/keys with vertical-slash structure (logits of 15-30 over a small noise floor, like
-    trained heads): a shared per-kv-head direction in the fast-rotating RoPE dims (a local window with
-    ripples), 4 attention sinks, 32 outlier keys per kv head (verticals), and 3 periodic offsets per
-    query head planted as q_t += 0.8 k_{t-d} (slashes; periods 256..2048, shifted per head)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    G = Hq // Hkv
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32)
-
-    def unit(*shape):
-        x = randn(*shape)
-        return x / x.norm(dim=-1, keepdim=True) * math.sqrt(shape[-1])
-
-    fast = 16  # RoPE pairs 0..15 turn at least once every ~200 tokens
-    u = torch.zeros(1, 1, Hkv, D, device=device)
-    u[..., :fast] = randn(1, 1, Hkv, fast)
-    u[..., D // 2 : D // 2 + fast] = randn(1, 1, Hkv, fast)
-    u = u / u.norm(dim=-1, keepdim=True) * math.sqrt(D)
-    k = rope(u.expand(1, S, Hkv, D).contiguous()) + 0.5 * randn(1, S, Hkv, D)
-    q = rope(u.repeat_interleave(G, 2).expand(1, S, Hq, D).contiguous()) + 0.5 * randn(1, S, Hq, D)
-    w = unit(1, 1, Hkv, D)
-    k[:, :4] += 3 * w
-    q += 0.5 * w.repeat_interleave(G, 2)
-    w2 = unit(1, 1, Hkv, D)
-    for h in range(Hkv):
-        idx = torch.randint(4, S, (32,), generator=g, device=device)
-        k[:, idx, h] += 3 * w2[:, :, h]
-    q += 0.4 * w2.repeat_interleave(G, 2)
-    planted = k.clone()
-    for h in range(Hq):
-        period = [256, 512, 1024, 2048][h % 4]
-        for m in range(1, 4):
-            d = period * m + 17 * (h // 4)
-            if d < S:
-                q[:, d:, h] += 0.8 * planted[:, : S - d, h // G]
-    v = randn(1, S, Hkv, D)
-    return (1.6 * q).to(dtype), k.to(dtype), v.to(dtype)
-
-
 # ----------------------------------------------------------------------------- timing
-def timed(fn, iters: int, warmup: int = 2) -> float:
-    """Median milliseconds of fn() over `iters` runs, measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():  # CPU smoke runs of this script: wall clock
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+# two untimed calls before the timed ones: the first call of a kernel compiles it
+timed = functools.partial(timing.timed, warmup=2)
 
 
 def iters_for(S):
@@ -342,39 +273,9 @@ def tile_sweep(q, k, v, dout, pos, bs, log):
         log(f"tile sweep bs={bs} {kernel}: keep {_triton_attention.SUBTILE[kernel]}")
 
 
-# ----------------------------------------------------------------------------- real attention
-def real_main(args) -> int:
-    import yaml
-
-    from mtrain import bench_real
-    from mtrain.parallel import SparseSettings
-
-    if not args.seq_len:
-        raise SystemExit("--model needs --seq-len N [N ...]")
-    overrides = {}
-    for item in args.sparse:
-        key, _, value = item.partition("=")
-        overrides[key] = yaml.safe_load(value)
-    settings = SparseSettings(**overrides)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_real.log"), "a") as logf:
-        def log(msg):
-            print(msg, flush=True)
-            logf.write(msg + "\n")
-            logf.flush()
-
-        for seq_len in args.seq_len:
-            bench_real.run(args.model, seq_len, settings=settings, policy=args.policy, engine=args.engine,
-                           yarn=args.yarn, iters=args.iters, hold=args.hold, layers=args.layers,
-                           recall_rows=args.recall_rows, out_dir=args.out, text=args.text, log=log)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    return 0
-
-
 # ----------------------------------------------------------------------------- main
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mtrain bench attention", description=__doc__)
     ap.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--heads", type=int, nargs=3, default=[16, 2, 128], metavar=("HQ", "HKV", "D"),
                     help="query heads, KV heads and head dim of the synthetic inputs (default: Qwen2.5-3B's)")
@@ -401,34 +302,12 @@ def main() -> int:
     ap.add_argument("--densities-only", action="store_true", help="print index densities (CPU ok) and stop")
     ap.add_argument("--index-build", nargs=2, type=int, metavar=("NV", "NS"),
                     help="time and peak memory of SparseIndex.from_lines + the transposed index for one head with NV "
-                         "verticals and NS slashes: offset builder (ragged transpose) vs the previous flag-matrix "
-                         "builder (padded transpose); CPU ok; then stop")
-    ap.add_argument("--index-build-one", nargs=5, metavar=("BUILDER", "S", "NV", "NS", "BS"), help=argparse.SUPPRESS)
-    real = ap.add_argument_group("real attention (mtrain.bench_real): a pretrained model's captured q/k/v")
-    real.add_argument("--model", help="HF checkpoint folder or .gguf file: benchmark on this model's attention "
-                                      "over real prose instead of synthetic inputs")
-    real.add_argument("--seq-len", type=int, nargs="+", help="sequence lengths for --model (one run each)")
-    real.add_argument("--text", default="prose", choices=TEXT_KINDS,
-                      help="kind of text the model reads (mtrain.data.texts; shipped with Python or a package; "
-                           "default prose)")
-    real.add_argument("--yarn", default="auto", help="YaRN factor for --model: auto (seq_len / trained length), "
-                                                     "none, or a number")
-    real.add_argument("--layers", type=int, nargs="*", help="layers to measure (default: all)")
-    real.add_argument("--iters", type=int, default=5, help="timed iterations per variant")
-    real.add_argument("--hold", type=int, help="attention.dense_hold_steps of the steady-state timing (default: the "
-                                               "config default)")
-    real.add_argument("--recall-rows", type=int, help="true recall from this many rows spread over the sequence "
-                                                      "(default: every row)")
-    real.add_argument("--engine", default="auto", choices=("auto", "triton", "flex", "fa4"),
-                      help="--model: block engine of the sparse path (vertical_slash_attention's impl)")
-    real.add_argument("--policy", default="auto", choices=("auto", "always", "never"),
-                      help="attention.sparse_policy of the mtrain timings and of the training- and "
-                           "inference-choice perplexities (default auto)")
-    real.add_argument("--sparse", action="append", default=[], metavar="KEY=VALUE",
-                      help="sparse attention setting (SparseSettings field), e.g. --sparse recall=0.95 (repeatable)")
-    args = ap.parse_args()
+                         "verticals and NS slashes (the offset builder, ragged transpose); CPU ok; then stop")
+    ap.add_argument("--index-build-one", nargs=4, metavar=("S", "NV", "NS", "BS"), help=argparse.SUPPRESS)
+    bench_real.add_arguments(ap)
+    args = ap.parse_args(argv)
     if args.model:
-        return real_main(args)
+        return bench_real.run_cli(args)
     if args.index_build_one:
         return index_build_one(*args.index_build_one)
     if args.index_build:
@@ -609,8 +488,8 @@ def main() -> int:
     return 0
 
 
-def index_build_one(builder: str, S: str, nv: str, ns: str, bs: str) -> int:
-    """Child process of --index-build: one builder at one size; prints a JSON line (own process, so that
+def index_build_one(S: str, nv: str, ns: str, bs: str) -> int:
+    """Child process of --index-build: one size; prints a JSON line (own process, so that
     ru_maxrss measures this build alone: peak resident memory above the inputs' baseline)."""
     import resource
 
@@ -621,21 +500,11 @@ def index_build_one(builder: str, S: str, nv: str, ns: str, bs: str) -> int:
     # Half the slashes local (offsets < 4096, many share blocks), half anywhere: like estimated indices.
     slash = torch.cat([torch.randint(0, 4096, (1, 1, ns // 2), generator=g),
                        torch.randint(0, S, (1, 1, ns - ns // 2), generator=g)], -1)
-    if builder == "flags":
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-        from test_ops_index import flag_matrix_from_lines, flag_matrix_transpose
+    def build():
+        return SparseIndex.from_lines(vertical, slash, S, bs)
 
-        def build():
-            return SparseIndex(*flag_matrix_from_lines(vertical, slash, S, bs), S, bs)
-
-        def transpose(index):
-            return flag_matrix_transpose(index.block_ids, index.block_counts, index.n_blocks)
-    else:
-        def build():
-            return SparseIndex.from_lines(vertical, slash, S, bs)
-
-        def transpose(index):
-            return transpose_blocks_csr(index.block_ids, index.block_counts, index.n_blocks)
+    def transpose(index):
+        return transpose_blocks_csr(index.block_ids, index.block_counts, index.n_blocks)
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t_build, t_t = [], []
@@ -655,7 +524,7 @@ def index_build_one(builder: str, S: str, nv: str, ns: str, bs: str) -> int:
 
 
 def index_build(seqs, block_sizes, nv: int, ns: int) -> int:
-    """--index-build: the table of index building cost per size, flag-matrix builder vs offset builder."""
+    """--index-build: the table of index building cost per size (SparseIndex.from_lines, the offset builder)."""
     import subprocess
 
     print(f"# index build, one head, {nv} verticals, {ns} slashes, CPU threads {torch.get_num_threads()}, "
@@ -664,8 +533,8 @@ def index_build(seqs, block_sizes, nv: int, ns: int) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for S in seqs:
         for bs in block_sizes:
-            for builder in ("flags", "offsets"):
-                run = subprocess.run([sys.executable, os.path.abspath(__file__), "--index-build-one", builder, str(S),
+            for builder in ("offsets",):
+                run = subprocess.run([sys.executable, "-m", "mtrain.bench.attention", "--index-build-one", str(S),
                                       str(nv), str(ns), str(bs)], capture_output=True, text=True)
                 if run.returncode:
                     print(f"| {S} | {bs} | {builder} | failed: {run.stderr.strip().splitlines()[-1][:120]} |")
@@ -752,4 +621,4 @@ def sweep(q, k, v, dout, pos, bs, log):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

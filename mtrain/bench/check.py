@@ -1,8 +1,8 @@
 """GPU correctness gate: every attention engine x dtype x block size x GQA x document masking against a float64
 reference, on short ragged sequences. Exits non-zero on any failure. Run it in every GPU session before timing:
 
-    python scripts/gpu_check.py            # on the GPU machine (each case in its own process: compiles dominate)
-    TRITON_INTERPRET=1 python scripts/gpu_check.py --device cpu --quick   # smoke on a CPU (fp32/fp16 only)
+    mtrain bench check            # on the GPU machine (each case in its own process: compiles dominate)
+    TRITON_INTERPRET=1 mtrain bench check --device cpu --quick   # smoke on a CPU (fp32/fp16 only)
 
 Engines: mtrain's Triton kernels with the deterministic and the atomic backward, FlexAttention driven by the same
 index (CUDA only), the ring's partial entry point on a shard with global positions (block-stripe: the query shard
@@ -33,8 +33,6 @@ import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mtrain.ops import SparseIndex, dense_attention, partial, reference, vertical_slash_attention  # noqa: E402
 from mtrain.ops.attention import partial_attention  # noqa: E402
@@ -441,7 +439,7 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
     return lines, failures, seconds, compiles
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seq", type=int, default=2100, help="sequence length (ragged on purpose)")
@@ -459,7 +457,7 @@ def main() -> int:
     ap.add_argument("--engines", nargs="+", metavar="NAME",
                     help="check only these (triton-det triton-atomic dense flex fa4 fa4-det fa4-nocols estimator "
                          "ring-step ring-fa4 ring-estimate merge repeat); default all that apply")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("on the CPU the Triton kernels need TRITON_INTERPRET=1")

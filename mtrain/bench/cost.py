@@ -10,37 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from mtrain.ops import SparseIndex, dense_attention, estimate_vertical_slash, vertical_slash_attention  # noqa: E402
-
-
-def timed(fn, iters: int, warmup: int = 1) -> float:
-    """Median ms of fn() (CUDA events on the GPU, wall clock on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from mtrain.bench.synthetic import band_lines
+from mtrain.bench.timing import timed
+from mtrain.ops import SparseIndex, dense_attention, estimate_vertical_slash, vertical_slash_attention
 
 
 def qkv(S, Hq, Hkv, D, device, dtype, grad):
@@ -51,17 +27,6 @@ def qkv(S, Hq, Hkv, D, device, dtype, grad):
     for t in (q, k, v):
         t.requires_grad_(grad)
     return q, k, v
-
-
-def lines(S, Hq, bs, frac, n_vert, device):
-    """Vertical and slash lines giving about `frac` of the causal key blocks: a local band of slashes
-    (block aligned) plus `n_vert` spread vertical columns per head."""
-    n = -(-S // bs)
-    width = max(1, int(frac * (n + 1) / 2))
-    slash = (torch.arange(width, device=device) * bs).expand(1, Hq, -1).contiguous()
-    vert = torch.linspace(bs, S - 1, max(n_vert, 1), device=device).long()[:n_vert]
-    vert = vert.expand(1, Hq, -1).contiguous() if n_vert else torch.empty(1, Hq, 0, dtype=torch.long, device=device)
-    return vert, slash
 
 
 def build_index(vert, slash, S, bs, Hkv, D, device, engine="auto"):
@@ -101,7 +66,7 @@ def bench_sparse(S, Hq, Hkv, D, bs, frac, n_vert, device, dtype, it, engine="tri
     (fa4: FA4's own, see mtrain.models.attention._deterministic_backward)."""
     q, k, v = qkv(S, Hq, Hkv, D, device, dtype, True)
     dout = torch.randn_like(q)
-    vert, slash = lines(S, Hq, bs, frac, n_vert, device)
+    vert, slash = band_lines(S, Hq, bs, frac, n_vert, device)
     index = build_index(vert, slash, S, bs, Hkv, D, device, engine)
     blocks, cols = work(index)
     kw = dict(impl=engine, deterministic=engine != "fa4")
@@ -292,12 +257,12 @@ def fit(path: str, table_json: str | None = None) -> dict:
     if table_json:
         from mtrain.ops.cost import write_override
 
-        write_override(table_json, out, source=f"scripts/bench_cost.py --fit {path}")
+        write_override(table_json, out, source=f"mtrain bench cost --fit {path}")
         print(f"# wrote {table_json}: MTRAIN_COST_TABLE={table_json} makes the cost model use these figures")
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cpu", action="store_true", help="measure the CPU path (fp32) instead of the GPU")
     ap.add_argument("--out", default=None, help="also write the JSON lines here")
@@ -312,7 +277,7 @@ def main() -> int:
     ap.add_argument("--engine", default="triton", choices=("triton", "fa4"),
                     help="block engine of the sparse rows (fa4: its sparse rows at block 128 only; fit them into "
                     "mtrain.ops.cost's CostTable.engines)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.fit:
         fit(args.fit, args.write_table)
         return 0
@@ -356,4 +321,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""Sparse attention on a REAL model's attention: `scripts/bench_attention.py --model DIR --seq-len N`.
+"""Sparse attention on a REAL model's attention: `mtrain bench real --model DIR --seq-len N` (the same as
+`mtrain bench attention --model DIR --seq-len N`).
 
 One run: load a pretrained HF Llama/Qwen2 checkpoint (or a .gguf file, converted on the fly) with YaRN set
 for the sequence length, run real prose through it once and capture the post-RoPE q/k/v of every layer;
@@ -17,6 +18,7 @@ at small lengths (slow; for smoke tests).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from mtrain.bench.timing import timed
 from mtrain.errors import MtrainError
 
 BENCH_NAME = "mtrain-bench"
@@ -141,39 +144,6 @@ def perplexity(model, ids: torch.Tensor, chunk: int = 4096) -> float:
             nll += float(torch.nn.functional.cross_entropy(logits, ids[0, start + 1 : stop + 1], reduction="sum"))
             count += stop - start
     return math.exp(nll / count)
-
-
-# ----------------------------------------------------------------------------- timing
-def timed(fn, iters: int, warmup: int = 1, back_to_back: bool = False) -> float:
-    """Median milliseconds of fn() (CUDA events on the GPU, wall clock on the CPU). back_to_back (GPU): the mean of
-    `iters` calls queued one after another, as a training loop runs them with the host ahead of the GPU; per-call
-    timing instead waits for each call, so the GPU idles while the host launches the next and that host time counts."""
-    for _ in range(warmup):
-        fn()
-    cuda = torch.cuda.is_available()
-    if cuda and back_to_back:
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / iters
-    times = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _fwd_bwd(fn, q, k, v, dout):
@@ -568,3 +538,73 @@ def _ranges(layers: list[int]) -> str:
             parts.append(str(start) if start == layer else f"{start}-{layer}")
             start = None
     return "[" + ", ".join(parts) + "]"
+
+
+# ----------------------------------------------------------------------------- command line
+def add_arguments(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    """The real-model options (`mtrain bench real`; `mtrain bench attention --model`)."""
+    from mtrain.data.texts import TEXT_KINDS
+
+    real = parser.add_argument_group("real attention (mtrain.bench.real): a pretrained model's captured q/k/v")
+    real.add_argument("--model", required=required, help="HF checkpoint folder or .gguf file: benchmark on this model's attention "
+                                      "over real prose instead of synthetic inputs")
+    real.add_argument("--seq-len", type=int, nargs="+", help="sequence lengths for --model (one run each)")
+    real.add_argument("--text", default="prose", choices=TEXT_KINDS,
+                      help="kind of text the model reads (mtrain.data.texts; shipped with Python or a package; "
+                           "default prose)")
+    real.add_argument("--yarn", default="auto", help="YaRN factor for --model: auto (seq_len / trained length), "
+                                                     "none, or a number")
+    real.add_argument("--layers", type=int, nargs="*", help="layers to measure (default: all)")
+    real.add_argument("--iters", type=int, default=5, help="timed iterations per variant")
+    real.add_argument("--hold", type=int, help="attention.dense_hold_steps of the steady-state timing (default: the "
+                                               "config default)")
+    real.add_argument("--recall-rows", type=int, help="true recall from this many rows spread over the sequence "
+                                                      "(default: every row)")
+    real.add_argument("--engine", default="auto", choices=("auto", "triton", "flex", "fa4"),
+                      help="--model: block engine of the sparse path (vertical_slash_attention's impl)")
+    real.add_argument("--policy", default="auto", choices=("auto", "always", "never"),
+                      help="attention.sparse_policy of the mtrain timings and of the training- and "
+                           "inference-choice perplexities (default auto)")
+    real.add_argument("--sparse", action="append", default=[], metavar="KEY=VALUE",
+                      help="sparse attention setting (SparseSettings field), e.g. --sparse recall=0.95 (repeatable)")
+
+
+def run_cli(args) -> int:
+    """Run the benchmark at every --seq-len, logging to OUT/bench_real.log."""
+    import yaml
+
+    from mtrain.parallel import SparseSettings
+
+    if not args.seq_len:
+        raise SystemExit("--model needs --seq-len N [N ...]")
+    overrides = {}
+    for item in args.sparse:
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
+    settings = SparseSettings(**overrides)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_real.log"), "a") as logf:
+        def log(msg):
+            print(msg, flush=True)
+            logf.write(msg + "\n")
+            logf.flush()
+
+        for seq_len in args.seq_len:
+            run(args.model, seq_len, settings=settings, policy=args.policy, engine=args.engine,
+                yarn=args.yarn, iters=args.iters, hold=args.hold, layers=args.layers,
+                recall_rows=args.recall_rows, out_dir=args.out, text=args.text, log=log)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtrain bench real", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "runs/bench"), help="folder for the log and json")
+    add_arguments(parser, required=True)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

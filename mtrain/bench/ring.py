@@ -1,4 +1,4 @@
-"""Ring attention on one host's GPUs (torchrun --nproc_per_node 2 scripts/bench_ring.py): dense and sparse ring
+"""Ring attention on one host's GPUs (torchrun --nproc_per_node 2 -m mtrain.bench.ring): dense and sparse ring
 against CP=1 at equal tokens per GPU, PyTorch's context_parallel in the same run, and a per-phase breakdown.
 `--cpu` runs the same code on gloo + the Triton interpreter at tiny sizes (a smoke test of the script)."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
 import statistics
 import sys
-import time
 import traceback
 import warnings
 
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
+from mtrain.bench import timing  # noqa: E402
+from mtrain.bench.synthetic import window_slash_lines  # noqa: E402
 from mtrain.ops import SparseIndex  # noqa: E402
 from mtrain.ops.attention import resolve_impl, vertical_slash_attention  # noqa: E402
 from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
@@ -49,32 +49,9 @@ def _tokens(text: str) -> list[int]:
     return out
 
 
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def timed(fn, iters: int, warmup: int) -> float:
-    """Median milliseconds of fn() over iters runs after warmup runs, all ranks in step (CUDA events on the
-    GPU, wall clock on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        _sync()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+_sync = timing.sync
+# median ms per call, every rank in step before each call (a barrier, then the GPU idle)
+timed = functools.partial(timing.timed, before=dist.barrier)
 
 
 def count_host_syncs(fn) -> int | None:
@@ -96,11 +73,7 @@ def count_host_syncs(fn) -> int | None:
 def lines(seq_len: int, heads: int, seed: int, window: int, far: int, verticals: int):
     """A fixed per-head budget (window + far slashes + verticals + sinks): the work per query row does not
     depend on the length, so tokens/s at CP=1 and CP=2 compare like for like."""
-    g = torch.Generator().manual_seed(seed)
-    slash = torch.stack([torch.cat([torch.arange(window), torch.randint(window, seq_len // 2, (far,), generator=g)])
-                         for _ in range(heads)])[None]
-    vertical = torch.randint(0, seq_len, (1, heads, verticals), generator=g)
-    return vertical, slash
+    return window_slash_lines(seq_len, heads, window=window, far=far, verticals=verticals, seed=seed)
 
 
 def make_index(seq_len, args, device):
@@ -675,7 +648,7 @@ def print_table(report):
                 print(f"{'':>9}{key} failed: {r[key + '_error'][:100]}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens-per-gpu", type=_tokens, default=_tokens("64K,128K"))
     parser.add_argument("--heads", type=int, default=16)
@@ -714,7 +687,7 @@ def main() -> int:
     parser.add_argument("--torch-merge", action="store_true",
                         help="merge the ring's partial results with the torch merge instead of the fused Triton one")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.check_len = args.check_len[0]
 
     global DTYPE

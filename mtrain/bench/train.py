@@ -6,12 +6,12 @@ for each attention kind in the same process, and prints tokens/s, model TFLOP/s,
 ratio to dense. Before timing it checks on a short sequence that both kinds give the same loss with an
 index that keeps every block (recall 1).
 
-    python scripts/bench_train.py --shape qwen2.5-0.5b --seq-lens 65536 131072 --steps 3
+    mtrain bench train --shape qwen2.5-0.5b --seq-lens 65536 131072 --steps 3
 
 With --find-max it instead finds the longest context one device trains with DeepSpeed (ZeRO-2 with CPU
 optimizer offload), running the trainer's own Accelerator + DeepSpeedPlugin path:
 
-    python scripts/bench_train.py --shape qwen2.5-3b --deepspeed configs/deepspeed/zero2-offload.json \
+    mtrain bench train --shape qwen2.5-3b --deepspeed configs/deepspeed/zero2-offload.json \
         --find-max 131072,262144,393216,524288 --steps 2 --max-lines 32
 """
 
@@ -21,12 +21,9 @@ import argparse
 import gc
 import os
 import resource
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # mtrain from this checkout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script only
 
@@ -274,7 +271,7 @@ def find_max(args) -> None:
               f"{total:.0f} s in all)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     p.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 131072])
@@ -291,12 +288,12 @@ def main() -> None:
                    help="--find-max: skip lengths below the longest predicted to peak under this share of GPU memory")
     p.add_argument("--time-budget", type=float, default=330.0,
                    help="--find-max: seconds; a length predicted to end later is not started")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.find_max:
         if not args.deepspeed:
             p.error("--find-max needs --deepspeed CONFIG (the ZeRO-2 offload path is what it measures)")
         find_max(args)
-        return
+        return 0
     rel = check(args.shape)
     print(f"check: |loss(dense) - loss(mtraining, recall 1)| / loss = {rel:.2e}")
     assert rel < 2e-2, "sparse path with a full index disagrees with dense"
@@ -314,7 +311,8 @@ def main() -> None:
             print(f"{s:>8} {r['kind']:<10} {r['step_s']:>8.2f} {r['tokens_per_s']:>10.0f} {r['tflops']:>9.1f} "
                   f"{r['peak_gb']:>8.1f} {r['density']:>8.3f} {ratio:>8.2f}")
     print("* dense-equivalent model FLOPs (6N + causal attention) per second, recomputation not counted")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,7 +5,7 @@ block-sparse kernels), on the benchmark's planted long-context inputs.
 First a correctness check per method on a short sequence: each method's output and gradients against a float64
 reference that applies the method's own index as a mask (`mtrain.ops.reference`); exits non-zero on a failure.
 
-    python scripts/bench_baselines.py --seqs 65536 131072 [--heads 16 2 128] [--out DIR]
+    python -m mtrain.bench.dev.bench_baselines --seqs 65536 131072 [--heads 16 2 128] [--out DIR]
 
 Settings are the recipe defaults (attention.recall 0.99; moba 4096-token chunks, top 12; xattention stride 8,
 threshold 0.9) unless given.
@@ -20,14 +20,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import make_inputs, sdpa_fn, timed  # noqa: E402
+from mtrain.bench.attention import sdpa_fn, timed
+from mtrain.bench.synthetic import make_inputs
 
-from mtrain.ops import estimate_vertical_slash, vertical_slash_attention  # noqa: E402
-from mtrain.ops.moba import moba_index  # noqa: E402
-from mtrain.ops.xattention import xattention_index  # noqa: E402
+from mtrain.ops import estimate_vertical_slash, vertical_slash_attention
+from mtrain.ops.moba import moba_index
+from mtrain.ops.xattention import xattention_index
 
 
 def selectors(args, short: bool = False):

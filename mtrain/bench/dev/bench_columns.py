@@ -2,33 +2,30 @@
 column-only index): each candidate's kernels timed on an estimated index, its results checked against the
 current settings'.
 
-    python scripts/bench_columns.py --seq 131072 --heads 16 2 128 --recall 0.96
+    python -m mtrain.bench.dev.bench_columns --seq 131072 --heads 16 2 128 --recall 0.96
 
 Three kernels are swept: the column forward merged into a block result ("colfwd": query rows x column chunk,
 warps, stages), the column dQ pass with another pass's gradients added ("coldq": the same), and the column
 dK/dV pass ("col": query rows per step, warps, stages; 64-column chunks). Times are GPU time per call from the
-profiler (mean over --iters calls), so one kernel's setting does not blur another's. Inputs: bench_attention's
-planted vertical-slash q/k/v (bf16), block 128, the estimate's index and the fa4 engine's column-only plans.
+profiler (mean over --iters calls), so one kernel's setting does not blur another's. Inputs: the
+planted (`mtrain.bench.synthetic.make_inputs`) vertical-slash q/k/v (bf16), block 128, the estimate's index and the fa4 engine's column-only plans.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import make_inputs  # noqa: E402
-from gpu_check import rel  # noqa: E402
+from mtrain.bench.synthetic import make_inputs
+from mtrain.bench.check import rel
 
-from mtrain.ops import _triton_attention as ta  # noqa: E402
-from mtrain.ops import estimate_vertical_slash, partial  # noqa: E402
-from mtrain.ops.fa4 import prepare_fa4  # noqa: E402
+from mtrain.ops import _triton_attention as ta
+from mtrain.ops import estimate_vertical_slash, partial
+from mtrain.ops.fa4 import prepare_fa4
 
 # (query rows, column chunk, warps, stages); the first entry of each list is compared against the current setting.
 FWD = [(128, 32, 4, 2), (128, 32, 4, 1), (128, 32, 4, 3), (128, 16, 4, 2), (128, 32, 2, 2), (64, 32, 4, 1),

@@ -2,8 +2,8 @@
 backward's work plans on top (`prepare_backward`: everything the sparse kernels read from an index), reference
 builder vs the Triton builder, checked equal and for host syncs, plus the estimator's own cost. One table per run.
 
-    python scripts/bench_index.py                       # 32K/64K/128K, SmolLM2 and Qwen2.5-3B heads
-    python scripts/bench_index.py --seqs 4096 --reps 2  # quick (CPU: add TRITON_INTERPRET=1, tiny sizes)
+    python -m mtrain.bench.dev.bench_index                       # 32K/64K/128K, SmolLM2 and Qwen2.5-3B heads
+    python -m mtrain.bench.dev.bench_index --seqs 4096 --reps 2  # quick (CPU: add TRITON_INTERPRET=1, tiny sizes)
 
 Columns: "wall" = call to finished GPU work, from an idle GPU (host launch time included); "host" = time
 until the call returns (the new builder does not wait for the GPU); "stream" = GPU stream time of the
@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mtrain.ops import SparseIndex, estimate_vertical_slash  # noqa: E402
-from mtrain.ops.index import column_plan, kernel_column_chunk, pad_groups, transpose_blocks_csr  # noqa: E402
+from mtrain.bench.timing import wall_host_stream as timed
+from mtrain.ops import SparseIndex, estimate_vertical_slash
+from mtrain.ops.index import column_plan, kernel_column_chunk, pad_groups, transpose_blocks_csr
 
 # name: (query heads, kv heads, head dim, block size)
 MODELS = {"smollm2-135m": (9, 3, 64, 64), "qwen2.5-3b": (16, 2, 128, 128)}
@@ -162,30 +159,6 @@ def nbytes(built) -> float:
     ts = [index.block_ids, index.block_counts, index.col_ids, index.col_counts, *transposed,
           plan.universe, plan.q_ids, plan.bits, plan.counts]
     return sum(t.numel() * t.element_size() for t in ts) / 2**20
-
-
-def timed(fn, reps: int) -> dict:
-    """Medians (ms) of wall, host and stream time of fn() on CUDA (see the module docstring)."""
-    fn()
-    torch.cuda.synchronize()
-    wall, host, stream = [], [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        wall.append(time.perf_counter() - t0)
-        host.append(t1 - t0)
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU work ahead of the call: the host runs ahead
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        stream.append(start.elapsed_time(end) / 1e3)
-    return {k: 1e3 * statistics.median(v) for k, v in (("wall", wall), ("host", host), ("stream", stream))}
 
 
 def syncs_of(fn) -> str:

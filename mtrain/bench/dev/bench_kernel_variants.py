@@ -2,7 +2,7 @@
 attributes of `mtrain.ops._triton_attention` (e.g. CUDA_LAUNCH, SUBTILE), and every variant is checked
 against the first one (same index, same inputs) before it is timed, next to cuDNN dense causal attention.
 
-    python scripts/bench_kernel_variants.py --seqs 32768 --heads 9 3 64 --block-sizes 64 --variants base tma
+    python -m mtrain.bench.dev.bench_kernel_variants --seqs 32768 --heads 9 3 64 --block-sizes 64 --variants base tma
 
 Variants are named in VARIANTS below. Prints per (S, heads, block size, variant): density, forward / backward ms
 (deterministic backward), ms per 1% of causal pairs, the ratio to dense, and the largest relative difference to
@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import make_inputs, timed  # noqa: E402
+from mtrain.bench.attention import timed
+from mtrain.bench.synthetic import band_lines, make_inputs
 
-from mtrain.ops import _triton_attention as ta  # noqa: E402
-from mtrain.ops import dense_attention, estimate_vertical_slash, partial  # noqa: E402
+from mtrain.ops import _triton_attention as ta
+from mtrain.ops import dense_attention, estimate_vertical_slash, partial
 
 # name -> {module attribute: value}; values replace the attribute for that variant only.
 # A variant that sets SUBTILE or CUDA_LAUNCH_WIDE also clears the head-dim-64 overrides (SUBTILE_SMALL_HEADS,
@@ -79,15 +77,10 @@ def run_variant(name, q, k, v, dout, index):
 
 
 def band_index(S, Hq, bs, frac, n_vert, device):
-    """A local band of block-aligned slashes covering about `frac` of the causal key blocks plus `n_vert` vertical
-    columns spread over the sequence, the same for every head (what scripts/bench_cost.py times)."""
+    """The band index that `mtrain bench cost` times (`mtrain.bench.synthetic.band_lines`)."""
     from mtrain.ops.index import SparseIndex
 
-    n = -(-S // bs)
-    width = max(1, int(frac * (n + 1) / 2))
-    slash = (torch.arange(width, device=device) * bs).expand(1, Hq, -1).contiguous()
-    vert = torch.linspace(bs, S - 1, max(n_vert, 1), device=device).long()[:n_vert].expand(1, Hq, -1).contiguous()
-    return SparseIndex.from_lines(vert, slash, S, bs)
+    return SparseIndex.from_lines(*band_lines(S, Hq, bs, frac, n_vert, device), S, bs)
 
 
 def profile(name, q, k, v, dout, index):

@@ -11,7 +11,7 @@ It also prints the rank's side-traffic bytes per layer from its real plan (`plan
 and after (all-gather + reduce-scatter). The lines are synthetic: per head `--verticals` random columns and a
 local window of `--window` tokens plus `--far` random far slashes (the estimator's caps bound real ones).
 
-    python scripts/bench_rank_index.py --seq 524288 1048576 --cp 32 128 --heads 16 --verticals 1024
+    python -m mtrain.bench.dev.bench_rank_index --seq 524288 1048576 --cp 32 128 --heads 16 --verticals 1024
 """
 
 from __future__ import annotations
@@ -24,17 +24,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from mtrain.bench.synthetic import window_slash_lines
 
 
 def lines(seq: int, heads: int, verticals: int, window: int, far: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed + seq)
-    vertical = torch.randint(0, seq, (1, heads, verticals), generator=g)
-    local = torch.arange(0, window, 64).expand(1, heads, -1)
-    far_offsets = torch.randint(window, seq // 2, (1, heads, far), generator=g)
-    return vertical, torch.cat([local, far_offsets], -1)
+    """The synthetic lines (`mtrain.bench.synthetic.window_slash_lines`), the window in 64-token steps."""
+    return window_slash_lines(seq, heads, window=window, far=far, verticals=verticals, seed=seed + seq, window_step=64)
 
 
 def _peak_mb(device: str = "cpu") -> float:
@@ -127,7 +124,7 @@ def main() -> None:
     for seq in args.seq:
         for cp in args.cp:
             for mode in args.modes:
-                cmd = [sys.executable, __file__, "--mode", mode, "--one-seq", str(seq), "--one-cp", str(cp)]
+                cmd = [sys.executable, "-m", "mtrain.bench.dev.bench_rank_index", "--mode", mode, "--one-seq", str(seq), "--one-cp", str(cp)]
                 for flag in ("rank", "heads", "kv_heads", "head_dim", "verticals", "window", "far", "block_size",
                              "vertical_cap", "repeat", "threads", "device"):
                     cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

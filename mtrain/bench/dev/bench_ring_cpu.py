@@ -1,7 +1,7 @@
 """Ring attention forward + backward on CPU gloo ranks (PyTorch paths, fp32): the CPU row of `mtrain bench plan
 --check`. Dense on zigzag, sparse on block-stripe with a given index (local window + far slashes + verticals).
 
-    python scripts/bench_ring_cpu.py --world 2 --tokens 8192 --heads 4 --kv-heads 2 --dim 32
+    python -m mtrain.bench.dev.bench_ring_cpu --world 2 --tokens 8192 --heads 4 --kv-heads 2 --dim 32
 """
 
 from __future__ import annotations
@@ -9,19 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def _worker(rank, args, init, out):
+    from mtrain.bench.synthetic import window_slash_lines
     from mtrain.ops import SparseIndex
     from mtrain.parallel import Layout, ring_attention
 
@@ -31,8 +29,9 @@ def _worker(rank, args, init, out):
     S, bs = args.tokens, args.block_size
     q, dout = (torch.randn(1, S, args.heads, args.dim, generator=g) for _ in range(2))
     k, v = (torch.randn(1, S, args.kv_heads, args.dim, generator=g) for _ in range(2))
-    slash = torch.cat([torch.arange(0, args.window, bs), torch.randint(args.window, S, (args.far,), generator=g)])
-    vertical = torch.randint(0, S, (args.verticals,), generator=g)
+    # one pattern for every head: the window in block steps, far slashes anywhere below S
+    vertical, slash = window_slash_lines(S, 1, window=args.window, far=args.far, verticals=args.verticals, seed=0,
+                                         window_step=bs, far_high=S)
     index = SparseIndex.from_lines(vertical.expand(1, args.heads, -1), slash.expand(1, args.heads, -1), S, bs)
     rows = {}
     for mode, layout_name in (("dense", "zigzag"), ("sparse", "block-stripe")):

@@ -1,8 +1,8 @@
 """The estimator's Triton scorer (`mtrain.ops._triton_estimate.score_rows`) under several launch settings, on the
 rows the estimate scores (`estimate_rows`): GPU time per call and the largest difference from the first setting,
-for every shape asked. One process, one shape at a time; the inputs are bench_attention's planted q/k.
+for every shape asked. One process, one shape at a time; the inputs are the planted (`mtrain.bench.synthetic.make_inputs`) q/k.
 
-    python scripts/bench_scorer.py --shapes 131072x16x2x128 32768x9x3x64 --block-size 128 \\
+    python -m mtrain.bench.dev.bench_scorer --shapes 131072x16x2x128 32768x9x3x64 --block-size 128 \\
         --variants r64-w8-nosplit r64-w8 r128-w8 r128-w8-s3
 
 A variant names its settings joined by '-': rN rows per program, wN warps, sN pipeline stages, kN keys per program,
@@ -13,18 +13,16 @@ nosplit (every key tile masked; the default runs the keys all rows see without m
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import make_inputs, timed  # noqa: E402
+from mtrain.bench.attention import timed
+from mtrain.bench.synthetic import make_inputs
 
-from mtrain.ops._triton_estimate import score_rows  # noqa: E402
-from mtrain.ops.estimate import estimate_rows  # noqa: E402
+from mtrain.ops._triton_estimate import score_rows
+from mtrain.ops.estimate import estimate_rows
 
 
 def parse_variant(name: str) -> dict:

@@ -2,26 +2,24 @@
 forward + backward by total time, for the index as estimated, for the same index with its column lists cut to
 their longest row (the estimate pads them to the vertical cap), and for its blocks alone.
 
-    python scripts/profile_engine.py --seq 131072 --heads 16 2 128 --recall 0.96 --engine fa4
+    python -m mtrain.bench.dev.profile_engine --seq 131072 --heads 16 2 128 --recall 0.96 --engine fa4
 
-Inputs: bench_attention's planted vertical-slash q/k/v (bf16); block 128 for fa4.
+Inputs: the planted (`mtrain.bench.synthetic.make_inputs`) vertical-slash q/k/v (bf16); block 128 for fa4.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import blocks_only, make_inputs  # noqa: E402
+from mtrain.bench.attention import blocks_only
+from mtrain.bench.synthetic import make_inputs
 
-from mtrain.bench_real import timed  # noqa: E402
-from mtrain.ops import SparseIndex, estimate_vertical_slash, vertical_slash_attention  # noqa: E402
+from mtrain.bench.timing import timed
+from mtrain.ops import SparseIndex, estimate_vertical_slash, vertical_slash_attention
 
 
 def trimmed(index: SparseIndex) -> SparseIndex:

@@ -2,13 +2,13 @@
 `estimate_vertical_slash`), per kernel, the host-side enqueue time against the GPU time, and every host
 synchronisation (with the line that caused it).
 
-    python scripts/profile_estimate.py --seqs 32768 131072 [--heads 9 3 64] [--block-size 128] [--engine fa4]
+    python -m mtrain.bench.dev.profile_estimate --seqs 32768 131072 [--heads 9 3 64] [--block-size 128] [--engine fa4]
 
 It also times the estimate as model layers run it: replayed from a CUDA graph (`estimate_graphed`), alone and with
 the engine's plans built in the same graph (`prepare=`), copies of the outputs included.
 
 A run whose enqueue time is close to its GPU time is launch-bound: fewer, larger kernels help; a run whose
-GPU time dominates needs faster kernels. Inputs: the benchmark's planted vertical-slash q/k (bench_attention).
+GPU time dominates needs faster kernels. Inputs: the benchmark's planted vertical-slash q/k (`mtrain.bench.synthetic.make_inputs`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import make_inputs  # noqa: E402
+from mtrain.bench.synthetic import make_inputs
 
-from mtrain.ops import estimate_vertical_slash  # noqa: E402
-from mtrain.ops.graphed import estimate_graphed, prepare_engine  # noqa: E402
+from mtrain.ops import estimate_vertical_slash
+from mtrain.ops.graphed import estimate_graphed, prepare_engine
 
 
 def gpu_ms(fn, iters=5):

@@ -1,9 +1,9 @@
 """One real-model layer's attention as training calls it (estimate, choice, kernels, backward), queued back to back:
 GPU time per call, host time per call, the host synchronisations (with the line that caused each), and the host
-and GPU ops that cost most. For a layer whose back-to-back time (bench_attention.py --model's "mtrain" column)
+and GPU ops that cost most. For a layer whose back-to-back time (`mtrain bench real`'s "mtrain" column)
 exceeds its kernels.
 
-    python scripts/profile_layer.py --model DIR --seq-len 32768 --layer 0 [--engine fa4] [--sparse block_size=128]
+    python -m mtrain.bench.dev.profile_layer --model DIR --seq-len 32768 --layer 0 [--engine fa4] [--sparse block_size=128]
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def main() -> int:
@@ -34,7 +33,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from mtrain import bench_real
+    from mtrain.bench import real as bench_real
     from mtrain.data.prose import prose_tokens
     from mtrain.models.attention import CONTEXT, mtrain_attention
     from mtrain.parallel import SparseSettings

@@ -1,7 +1,7 @@
 """Estimated vs true recall of the online vertical-slash estimate on a real model, per layer, and whole-model
 perplexity dense vs sparse, on real prose (CPython's pydoc_data topics) at fp32 on the CPU.
 
-  .venv/bin/python scripts/real_recall.py --model models/smollm2-135m --seq-len 4096 [--ppl] [--set key=value ...]
+  .venv/bin/python -m mtrain.bench.dev.real_recall --model models/smollm2-135m --seq-len 4096 [--ppl] [--set key=value ...]
 
 --set passes SparseSettings fields to the estimator (e.g. --set last_q=256 --set sample_blocks=0).
 """
@@ -11,16 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtrain.ops import estimate_vertical_slash, true_recall  # noqa: E402
-from mtrain.parallel import SparseSettings  # noqa: E402
+from mtrain.ops import estimate_vertical_slash, true_recall
+from mtrain.parallel import SparseSettings
 
 
 def prose_ids(tokenizer, n_tokens: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ density of the estimated patterns, and the true recall (the exact attention mass
 worst head, and its tail: the share of (head, sampled row) pairs whose own recall is below 0.9, and the 1st
 percentile of the rows' recall. Prints one markdown table (and writes every cell to --json).
 
-  python scripts/sweep_quality.py --model models/smollm2-135m --seq-len 4096 8192 \\
+  python -m mtrain.bench.dev.sweep_quality --model models/smollm2-135m --seq-len 4096 8192 \\
       --texts prose docs code dialogue --set default --set last_q=256 --set recall=0.995
 
 A setting is `default` (SparseSettings as shipped) or comma-separated SparseSettings fields,
@@ -20,14 +20,12 @@ import argparse
 import functools
 import json
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mtrain.data.texts import TEXT_KINDS  # noqa: E402
+from mtrain.data.texts import TEXT_KINDS
 
 
 def parse_setting(text: str) -> dict:
@@ -71,7 +69,7 @@ def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9) -> dict:
     """Perplexity of `net` over `ids` with every layer sparse under `settings`, with each layer's density and true
     recall on `recall_rows` sampled rows (read from the records mtrain's attention leaves), and the share of
     (head, sampled row) pairs whose own recall is below `low`."""
-    from mtrain import bench_real
+    from mtrain.bench import real as bench_real
     from mtrain.models import attention
     from mtrain.models.attention import CONTEXT, mtrain_attention
 
@@ -169,7 +167,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from mtrain import bench_real
+    from mtrain.bench import real as bench_real
     from mtrain.data.texts import text_tokens
     from mtrain.parallel import SparseSettings
 
