@@ -44,7 +44,7 @@ help:
 	@echo "make baselines  after make train: stage 2 with MoBA and XAttention too, all four evaluated and compared"
 	@echo "make data-long  long real documents (code repositories, books) from this Python, packed at 256K and 512K for $(REAL_MODEL)"
 	@echo "make gpu-e2e4-prepare  the 4-GPU run's carry folders (scripts/gpu_e2e4.sh: model parts, wheels, tokenizer)"
-	@echo "make bench   imbalance table (CPU); kernel and training benchmarks when a GPU is present"
+	@echo "make bench   imbalance table (CPU); kernel and training benchmarks when a GPU is present (mtrain bench --help)"
 	@echo "make clean   remove runs/ and packed/synthetic data (keeps $(VENV))"
 
 setup: $(STAMP) $(VLLM_STAMP)
@@ -161,8 +161,8 @@ baselines: $(STAMP) $(VLLM_STAMP)
 bench: $(STAMP)
 	$(MTRAIN) bench imbalance
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-		$(PY) scripts/bench_attention.py && $(PY) scripts/bench_train.py; \
-	else echo "no GPU here: run scripts/bench_attention.py, scripts/bench_train.py and scripts/bench_ring.py on a GPU machine"; fi
+		$(MTRAIN) bench attention && $(MTRAIN) bench train; \
+	else echo "no GPU here: run mtrain bench attention, mtrain bench train and mtrain bench ring (torchrun -m mtrain.bench.ring) on a GPU machine"; fi
 
 real-model: $(REAL_STAMP)
 

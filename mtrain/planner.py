@@ -425,7 +425,7 @@ MEASURED = [
 ]
 _HEADS_16 = ModelShape("attention 16/16 x 128", 1, 2048, 16, 16, 128, 1, 1)
 _HEADS_16_2 = ModelShape("attention 16/2 x 128", 1, 2048, 16, 2, 128, 1, 1)
-# CPU gloo, 2 ranks, fp32, 8K tokens, 4/2 heads x 32 (scripts/bench_ring_cpu.py, 2026-11-24, median of 3, twice)
+# CPU gloo, 2 ranks, fp32, 8K tokens, 4/2 heads x 32 (mtrain/bench/dev/bench_ring_cpu.py, 2026-11-24, median of 3, twice)
 _CPU_HEADS = ModelShape("attention 4/2 x 32", 1, 128, 4, 2, 32, 1, 1)
 MEASURED += [
     ("CPU gloo 2 ranks ring attention dense 4K/rank", dict(shape=_CPU_HEADS, seq_len=8192, gpus=2, cp=2,

@@ -37,15 +37,15 @@ case "${1:-}" in
     # estimator's cost figures (EST=0 skips), fitted into /root/cost_table.json that `run` then uses
     mkdir -p /root/parts "$RESULTS" && cp .carry/p1/part.aa /root/parts/
     if [ "${CHECK:-1}" = 1 ]; then
-      python scripts/gpu_check.py ${CHECK_ARGS:-} 2>&1 | grep -v "^ \|Warning\|warn\|AUTOTUNE\|Autotune\|strides\|dtypes\|^{" | tee "$RESULTS/gpu_check.txt"
+      python -m mtrain.bench.check ${CHECK_ARGS:-} 2>&1 | grep -v "^ \|Warning\|warn\|AUTOTUNE\|Autotune\|strides\|dtypes\|^{" | tee "$RESULTS/gpu_check.txt"
     fi
     if [ "${PROFILE:-1}" = 1 ]; then  # the estimator's stages, kernels and host synchronisations
-      python scripts/profile_estimate.py --seqs 32768 131072 --rows 20 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate.txt" | grep "^===\|^CUDA\|^host\|^  est\|launched\|^ *[0-9]*x "
-      python scripts/profile_estimate.py --seqs 32768 131072 --rows 20 --block-size 128 --engine fa4 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate_128.txt" | grep "^===\|^CUDA\|^host\|^  est\|launched\|^ *[0-9]*x "
+      python -m mtrain.bench.dev.profile_estimate --seqs 32768 131072 --rows 20 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate.txt" | grep "^===\|^CUDA\|^host\|^  est\|launched\|^ *[0-9]*x "
+      python -m mtrain.bench.dev.profile_estimate --seqs 32768 131072 --rows 20 --block-size 128 --engine fa4 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate_128.txt" | grep "^===\|^CUDA\|^host\|^  est\|launched\|^ *[0-9]*x "
     fi
     if [ "${EST:-1}" = 1 ]; then
-      python scripts/bench_cost.py --only estimate graphed --out "$RESULTS/cost_estimate.jsonl" | tail -28
-      python scripts/bench_cost.py --fit "$RESULTS/cost_estimate.jsonl" --write-table /root/cost_table.json
+      python -m mtrain.bench.cost --only estimate graphed --out "$RESULTS/cost_estimate.jsonl" | tail -28
+      python -m mtrain.bench.cost --fit "$RESULTS/cost_estimate.jsonl" --write-table /root/cost_table.json
       cp /root/cost_table.json "$RESULTS/"
     fi ;;
   convert)  # call 2's first half (also used by scripts/gpu_train_real.sh): the checkpoint in MODEL_DIR
@@ -60,7 +60,7 @@ case "${1:-}" in
     "$0" convert
     mkdir -p "$RESULTS"
     if [ -f /root/cost_table.json ]; then export MTRAIN_COST_TABLE=/root/cost_table.json; fi
-    python scripts/bench_attention.py --model "$MODEL_DIR" --seq-len "${@:-32768}" --out "$RESULTS" ${BENCH_ARGS:-} ;;
+    python -m mtrain.bench.attention --model "$MODEL_DIR" --seq-len "${@:-32768}" --out "$RESULTS" ${BENCH_ARGS:-} ;;
   *)
     echo "usage: $0 split | stage | convert | run [SEQ_LEN ...]" >&2; exit 2 ;;
 esac

@@ -20,15 +20,15 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 NGPU=$(nvidia-smi -L | wc -l)
 common=(--tokens-per-gpu "$TOKENS" --block-size 128 --engine "${ENGINE:-auto}" --iters "$ITERS" --warmup 1)
 if [ "$NGPU" -ge 4 ] && [ "${CP4:-1}" = 1 ]; then
-  torchrun --nproc_per_node 4 scripts/bench_ring.py "${common[@]}" --node-size 2 ${RING_EXTRA:-} \
+  torchrun --nproc_per_node 4 -m mtrain.bench.ring "${common[@]}" --node-size 2 ${RING_EXTRA:-} \
     --json "$OUT/ring_cp4.json" 2>&1 | grep -v Warning | tee "$OUT/ring_cp4.log"
 fi
 if [ "${CP2:-1}" = 1 ]; then
-  CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 scripts/bench_ring.py "${common[@]}" --skip-check \
+  CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 -m mtrain.bench.ring "${common[@]}" --skip-check \
     --json "$OUT/ring_cp2.json" 2>&1 | grep -v Warning | tee "$OUT/ring_cp2.log"
 fi
 if [ -n "${MODEL:-}" ]; then  # the real model's captured q/k/v (an HF folder, e.g. gpu_e2e4.sh's /root/smollm2)
-  torchrun --nproc_per_node "$(( NGPU < 4 ? NGPU : 4 ))" scripts/bench_ring.py --model "$MODEL" \
+  torchrun --nproc_per_node "$(( NGPU < 4 ? NGPU : 4 ))" -m mtrain.bench.ring --model "$MODEL" \
     --tokens-per-gpu "${MODEL_TOKENS:-64K}" --block-size 128 --engine "${ENGINE:-auto}" --iters 2 --warmup 1 \
     ${MODEL_EXTRA:-} --json "$OUT/ring_model.json" 2>&1 | grep -v Warning | tee "$OUT/ring_model.log"
 fi

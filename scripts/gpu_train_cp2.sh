@@ -8,7 +8,7 @@
 #   CPU=1 SHAPE=tiny SEQ=4096 STEPS=3 scripts/gpu_train_cp2.sh   # smoke test: 2 gloo processes on a CPU
 #
 # Environment: SEQ (tokens per sequence, both ranks together), STEPS, SHAPE (a key of SHAPES in
-# scripts/bench_train.py), KIND (attention.kind), MAX_LINES (sparse budget: max_vertical = max_slash),
+# mtrain/bench/train.py), KIND (attention.kind), MAX_LINES (sparse budget: max_vertical = max_slash),
 # DS (a DeepSpeed JSON, or empty), RUN_DIR (run folder), WORK (data + model config folder), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,11 +42,9 @@ fi
 DTYPE=bfloat16
 [ "$CPU" = 1 ] && DTYPE=float32
 "$PYTHON" - "$SHAPE" "$SEQ" "$WORK/model" <<'EOF'
-import importlib.util, sys
+import sys
 from transformers import Qwen2Config
-spec = importlib.util.spec_from_file_location("bench_train", "scripts/bench_train.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from mtrain.bench import train as bench
 shape, seq, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 Qwen2Config(**bench.SHAPES[shape], max_position_embeddings=max(seq, 32768), rope_theta=1e6).save_pretrained(out)
 EOF

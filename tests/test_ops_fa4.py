@@ -2,7 +2,7 @@
 block-sparse format (forward lists and transposed backward lists) rebuilds exactly the index's token mask (with
 documents too); the block + column split the engine computes, merged by LSE and differentiated from the merged
 out / lse, equals attention over the whole index; and the engine's refusals name their fix. The kernels
-themselves are checked on the GPU by scripts/gpu_check.py."""
+themselves are checked on the GPU by mtrain/bench/check.py."""
 
 import importlib.util
 import os

@@ -383,7 +383,7 @@ def bench_model(rank, world, args, device, report) -> None:
     Whole model = the sum over layers (attention only)."""
     from transformers import AutoTokenizer
 
-    from mtrain.bench_real import capture_qkv, load_model, resolve_model
+    from mtrain.bench.real import capture_qkv, load_model, resolve_model
     from mtrain.data.prose import prose_tokens
     from mtrain.ops.recall import gathered_true_recall
 

@@ -587,16 +587,16 @@ SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (32, 64), 
            "coldq": (64, 32)}
 # Head dims <= 64 (less matrix work per tile): the forward runs a 128-token block as one 128-row query tile with
 # 4 warps (H200, SmolLM2's 9 q / 3 KV heads x 64, 128-blocks, 25% / 15% of pairs: 1.91 -> 1.68 ms at 32K, 14.2 ->
-# 12.4 ms at 128K, bit for bit the same; scripts/bench_kernel_variants.py, BENCHMARKS.md). The dQ and dK/dV
+# 12.4 ms at 128K, bit for bit the same; mtrain/bench/dev/bench_kernel_variants.py, BENCHMARKS.md). The dQ and dK/dV
 # choices above measured best there too.
 SUBTILE_SMALL_HEADS = {"fwd": (128, 64), "colfwd": (128, 64)}
 # "colfwd" / "coldq": the forward and dQ passes of a column-only index (plans[NO_BLOCKS], the fa4 engine's
 # columns): a few gathered key columns per query tile, where the list-walking passes read whole key blocks.
 # "col": the column dK/dV pass (query rows per step; its chunks are 64 columns). Measured on the H200 at 128K,
-# 16 / 2 heads x 128, ~93 columns per query block (scripts/bench_columns.py, BENCHMARKS.md): colfwd 128 x 32 rows
+# 16 / 2 heads x 128, ~93 columns per query block (mtrain/bench/dev/bench_columns.py, BENCHMARKS.md): colfwd 128 x 32 rows
 # x columns, 4 warps, 1 stage 1.01 ms against 64 x 64 / 4 / 3 1.38; coldq 64 x 32 / 4 / 1 1.39 (with the rows'
 # delta) against 64 x 64 / 4 / 2 1.51 (without); col 32 rows / 4 / 3 0.91 against 64 / 4 / 3 1.26.
-# (num_warps, num_stages) per kernel on CUDA; scripts/bench_attention.py measures the choices.
+# (num_warps, num_stages) per kernel on CUDA; mtrain/bench/attention.py measures the choices.
 CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3), "colfwd": (4, 1), "coldq": (4, 1)}
 # Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);
 # tests set a small number to force splitting.
@@ -670,7 +670,7 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
 def _prec(q: torch.Tensor) -> str:
     """tl.dot's input precision (`dot_precision`): fp32 inputs run three tf32 products per dot, 16-bit inputs
     one. Full-precision fp32 dots ("ieee", FMA loops) took up to ~4 minutes of Triton compiles per case at head dim
-    128 in scripts/gpu_check.py."""
+    128 in mtrain/bench/check.py."""
     return dot_precision(q.dtype)
 
 

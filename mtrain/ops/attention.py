@@ -18,7 +18,7 @@ from mtrain.ops.index import SparseIndex
 # 128K (Qwen2.5-3B heads, bf16, p = 0.90) our kernels beat Flex on the identical 128-token-block mask
 # 70.1 vs 128.4 ms (kernels 60.1 vs 117.5), and Flex's backward does not lower for 64-token blocks with
 # its default configurations (under max_autotune it had not finished compiling after ~220 s), while ours
-# run them (50.4 ms all in). scripts/bench_attention.py; BENCHMARKS.md "Sparse attention kernel".
+# run them (50.4 ms all in). mtrain/bench/attention.py; BENCHMARKS.md "Sparse attention kernel".
 AUTO_FLEX_BLOCK_SIZES: frozenset[int] = frozenset()
 # Index block sizes for which impl="auto" runs the fa4 engine (FlashAttention-4 for the listed blocks) where FA4 is
 # installed, on a GPU of compute capability >= 9, with 16-bit inputs. Measured on the H200 (BENCHMARKS.md, 2026-11-25):

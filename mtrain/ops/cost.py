@@ -1,7 +1,7 @@
 """Cost model of one attention call: predicted milliseconds of dense causal attention and of vertical-slash
 sparse attention (index building + kernels) from measured coefficients, and `choose` between the two.
 
-Every figure below was measured with `scripts/bench_cost.py` and fitted with `scripts/bench_cost.py --fit`;
+Every figure below was measured with `mtrain bench cost` and fitted with `mtrain bench cost --fit`;
 rerun both after a kernel or index change and paste the printed tables here.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 # up to ~15% (35% on the smallest sparse calls), and a wrong "sparse" costs more than a wrong "dense" (a dense
 # layer is exact and at worst as slow as dense).
 SPARSE_MARGIN = 0.85
-# Checked on index shapes the fits never saw (`scripts/bench_cost.py --validate`, H200, 2026-11-23, twice:
+# Checked on index shapes the fits never saw (`mtrain bench cost --validate`, H200, 2026-11-23, twice:
 # random slashes + verticals, 32K-128K, heads 9 x 64 and 16 x 128, densities 3-100%): predicted index + forward
 # + backward within ~7% of the measured; 23 of 25 choices optimal, the other two picked dense where sparse was
 # 6-14% faster (near break-even, inside the margin); no choice ran slower than dense. The estimate is not in
@@ -57,7 +57,7 @@ class CostTable:
     engines: dict = dataclasses.field(default_factory=dict)
 
 
-# One NVIDIA H200, torch 2.11, triton 3.6, bf16; measured 2026-11-23 by `python scripts/bench_cost.py`
+# One NVIDIA H200, torch 2.11, triton 3.6, bf16; measured 2026-11-23 by `python -m mtrain.bench.cost`
 # (heads 9q/3kv x 64 = SmolLM2-135M and 16q/2kv x 128 = Qwen2.5-3B; dense through `dense_attention` = SDPA
 # cuDNN, 4K-128K; sparse = our Triton kernels, deterministic backward, local band + 2048 verticals, 1-28% of
 # causal blocks, 8K-128K; index = from_lines with the GPU builder (commit 89a959c) + the backward's plans;
@@ -79,7 +79,7 @@ class CostTable:
 # ~ GPU time); on SmolLM2 the whole index (estimate + build) took 3.5-8.4 ms per layer at 32K-128K.
 H200 = CostTable(
     name="cuda (H200)",
-    source="scripts/bench_cost.py on one H200, 2026-11-23",
+    source="mtrain/bench/cost.py on one H200, 2026-11-23",
     dense={64: {"train": (0.5881, 31.5157), "eval": (0.297, 8.4706)},
            128: {"train": (0.4931, 24.2342), "eval": (0.1638, 6.525)}},
     sparse={(64, 64): {"train": (1.1619, 0.7599, 56.2294, 106.9363), "eval": (0.1537, 0.4463, 18.3446, 35.5958)},
@@ -94,7 +94,7 @@ H200 = CostTable(
     estimate=(4.3726, 1.8161),
     graphed=(1.964, 2.0683),
     # FlashAttention-4 for the listed blocks + our column kernels (impl="fa4", FA4's own backward as training runs
-    # it), block 128: `python scripts/bench_cost.py --engine fa4 --only sparse` then `--fit` on one H200,
+    # it), block 128: `python -m mtrain.bench.cost --engine fa4 --only sparse` then `--fit` on one H200,
     # 2026-11-25 (flash-attn-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1, torch 2.11, triton 3.6; 32K and 128K, 1.2-28% of
     # blocks, 9/3 x 64 and 16/2 x 128); worst relative error 8-18%. Per listed block ~2.4x (64) / 2.0x (128)
     # cheaper than our kernels; examples: 128K x 16 heads x 128 at 5% of blocks 24.7 ms fwd+bwd (ours ~50 ms).
@@ -104,14 +104,14 @@ H200 = CostTable(
 
 # The CPU path (fp32; dense = PyTorch SDPA, sparse = mtrain.ops.partial's PyTorch path over the listed blocks,
 # index = from_lines), measured 2026-11-23 on this workplace's CPU machine (2 cores shared with other jobs,
-# torch 2.13) by `python scripts/bench_cost.py --cpu` twice, heads 4/2 x 32, 1K-8K, fitted together
+# torch 2.13) by `python -m mtrain.bench.cost --cpu` twice, heads 4/2 x 32, 1K-8K, fitted together
 # (`--fit` on both files). The machine was loaded: single timings varied 2-3x, so the fit is an order of
 # magnitude (worst relative error ~65% dense, ~95% sparse); its robust content is the ratio: the PyTorch
 # sparse path costs ~2.1x dense per computed pair (a SmolLM2-shaped 9/3 x 64 run gave ~3x), so on a CPU
 # sparse pays only below ~40% density and never for short sequences. Other head dims use these rates.
 CPU = CostTable(
     name="cpu",
-    source="scripts/bench_cost.py --cpu on the 2-core CPU machine (loaded), 2026-11-23",
+    source="mtrain/bench/cost.py --cpu on the 2-core CPU machine (loaded), 2026-11-23",
     dense={32: {"train": (0.0, 267886.0248), "eval": (0.0, 71155.7291)}},
     sparse={(32, 64): {"train": (0.6148, 0.0, 573988.8701, 915806.3729), "eval": (0.0, 0.0, 228095.5965, 299461.9548)}},
     index=(0.368, 0.2239, 13.2548, 42.9433),
@@ -123,7 +123,7 @@ def table_for(device) -> CostTable:
     """The cost table of a device (a torch.device or its type string): CUDA -> H200, anything else -> CPU.
     Other GPUs use the H200 figures: the choice depends on the ratio of sparse to dense, which moves less
     between GPUs than either time. The environment variable MTRAIN_COST_TABLE names a JSON file of figures
-    measured on this machine (`scripts/bench_cost.py --fit ROWS --write-table FILE`) that replace the built-in
+    measured on this machine (`mtrain bench cost --fit ROWS --write-table FILE`) that replace the built-in
     ones they cover."""
     kind = device if isinstance(device, str) else device.type
     path = os.environ.get("MTRAIN_COST_TABLE")
@@ -180,7 +180,7 @@ def _with_override(cuda: bool, path: str, mtime) -> CostTable:
             raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise MtrainError(f"MTRAIN_COST_TABLE={path}: not a cost-table override ({exc}); write one with "
-                          "scripts/bench_cost.py --fit ROWS --write-table FILE, or unset the variable") from exc
+                          "mtrain bench cost --fit ROWS --write-table FILE, or unset the variable") from exc
     return dataclasses.replace(base, name=f"{base.name} + {os.path.basename(path)}",
                                source=f"{base.source}; overridden by {doc.get('source', path)}", **changes)
 

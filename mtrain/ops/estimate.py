@@ -400,7 +400,7 @@ def estimate_vertical_slash(
         n_blocks = -(-S // block_size)
         k_pos = torch.arange(S, device=q.device)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-        stage = torch.profiler.record_function  # labels for scripts/profile_estimate.py (free when not profiling)
+        stage = torch.profiler.record_function  # labels for mtrain/bench/dev/profile_estimate.py (free when not profiling)
         if scorer == "triton":
             from mtrain.ops._triton_estimate import group_column_mass, score_rows
 
