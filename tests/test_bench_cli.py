@@ -1,0 +1,131 @@
+"""`mtrain bench`: one home for measurement. `mtrain bench --help` lists the eight subcommands; each runs a CPU smoke
+test here (tiny sizes: they check that the subcommand runs end to end and prints its table, not its numbers); the
+benchmarks edit no `sys.path` and import nothing from tests/; `scripts/` holds launch helpers only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUBCOMMANDS = ("attention", "real", "ring", "train", "cost", "plan", "imbalance", "check")
+
+
+def mtrain(*args, env=None, timeout=300):
+    """`python -m mtrain ARGS` from the repository root; returns the finished process (its exit status checked)."""
+    run = subprocess.run([sys.executable, "-m", "mtrain", *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, **(env or {})})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return run
+
+
+def test_help_lists_every_subcommand():
+    out = mtrain("bench", "--help").stdout
+    for name in SUBCOMMANDS:
+        assert f"    {name}" in out, out
+    from mtrain.bench import SUBCOMMANDS as registered
+
+    assert tuple(registered) == SUBCOMMANDS
+
+
+def test_options_and_help_pass_through_to_the_subcommand():
+    """Everything after a subcommand's name reaches its own parser, --help included; `python -m mtrain.bench.NAME`
+    is the same program."""
+    assert "--densities-only" in mtrain("bench", "attention", "--help").stdout
+    assert "--tokens-per-gpu" in mtrain("bench", "ring", "--help").stdout
+    assert "--find-max" in mtrain("bench", "train", "--help").stdout
+    assert "--model" in mtrain("bench", "real", "--help").stdout
+    assert "--write-table" in mtrain("bench", "cost", "--help").stdout
+    assert "--quick" in mtrain("bench", "check", "--help").stdout
+    run = subprocess.run([sys.executable, "-m", "mtrain.bench.plan", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and "--node-size" in run.stdout
+
+
+def test_plan_and_imbalance(capsys):
+    from mtrain.cli import main
+
+    assert main(["bench", "plan", "--seq-len", "128K", "--cp", "2", "--gpu", "h100"]) == 0
+    assert "expected: micro-step" in capsys.readouterr().out
+    assert main(["bench", "imbalance", "--lengths", "8K", "--cp", "2", "--layouts", "zigzag"]) == 0
+    out = capsys.readouterr().out
+    assert "zigzag" in out and "8K" in out
+
+
+def test_attention_smoke(tmp_path):
+    out = mtrain("bench", "attention", "--densities-only", "--seqs", "1024", "--block-sizes", "64", "--recalls", "0.9",
+                 "--out", str(tmp_path)).stdout
+    assert "S=1024 bs=64 recall=0.9: block density" in out
+    assert (tmp_path / "bench_attention.log").is_file()
+
+
+def test_real_smoke(tmp_path):
+    from mtrain.tiny import build_tiny_model, load_tokenizer
+
+    model = tmp_path / "tiny"
+    build_tiny_model(seed=0).save_pretrained(model)
+    load_tokenizer().save_pretrained(model)
+    out = mtrain("bench", "real", "--model", str(model), "--seq-len", "256", "--layers", "0", "--iters", "1",
+                 "--hold", "2", "--recall-rows", "32", "--sparse", "block_size=64", "--sparse", "last_q=32",
+                 "--out", str(tmp_path / "out")).stdout
+    assert "perplexity, dense:" in out and "perplexity, every layer sparse:" in out
+    assert (tmp_path / "out" / "real_256.json").is_file()
+
+
+def test_train_smoke():
+    out = mtrain("bench", "train", "--shape", "tiny", "--seq-lens", "256", "--steps", "1").stdout
+    assert "check: |loss(dense) - loss(mtraining, recall 1)|" in out
+    assert [line.split()[1] for line in out.splitlines() if line.strip().startswith("256 ")] == ["dense", "mtraining"]
+
+
+def test_cost_fit_smoke(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(dict(kind="estimate", S=S, Hq=9, Hkv=3, D=64, bs=64, rows=1088, scorer="triton",
+                                            ms_estimate=0.5 + 3.0 * 9 * 1088 * S / 1e9)) + "\n"
+                            for S in (8192, 32768, 131072)))
+    mtrain("bench", "cost", "--fit", str(rows), "--write-table", str(tmp_path / "table.json"))
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["estimate"] == pytest.approx([0.5, 3.0], rel=1e-3)
+
+
+def test_check_smoke():
+    out = mtrain("bench", "check", "--device", "cpu", "--quick", "--jobs", "1", "--block-sizes", "64", "--dtypes",
+                 "float32", "--engines", "triton-det", env={"TRITON_INTERPRET": "1"}).stdout
+    assert "0 failures" in out
+
+
+@pytest.mark.slow
+def test_ring_smoke():
+    """Two gloo ranks under torchrun with the Triton interpreter (`--cpu`), the sizes of the script's smoke run."""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "mtrain.bench.ring", "--cpu", "--tokens-per-gpu", "256", "--heads", "2", "--kv-heads",
+                          "1", "--dim", "16", "--block-size", "32", "--window", "64", "--far-slashes", "2",
+                          "--verticals", "4", "--iters", "1", "--warmup", "0", "--check-len", "256"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "HEADLINE" in run.stdout
+
+
+def test_benchmarks_edit_no_import_path_and_import_nothing_from_tests():
+    bad = []
+    for path in sorted((REPO / "mtrain" / "bench").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if "sys.path" in text or "from tests" in text or "import tests" in text:
+            bad.append(str(path.relative_to(REPO)))
+    assert not bad, bad
+
+
+def test_scripts_holds_launch_helpers_only():
+    """Benchmarks live in mtrain/bench/, developer tools in mtrain/bench/dev/; scripts/ keeps the shell launchers and
+    the table builder of the 4-GPU launcher."""
+    tracked = subprocess.run(["git", "ls-files", "scripts"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    extra = [p for p in tracked if not (p.endswith(".sh") or p == "scripts/e2e4_table.py")]
+    assert not extra, extra
