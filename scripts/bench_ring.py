@@ -320,7 +320,10 @@ def bench_tokens(tokens, rank, world, args, device, report):
         row["estimate_cp1_ms"] = timed(lambda: _estimate_one_device(q, k, settings), args.iters, args.warmup)
         run, _ = fwd_bwd(lambda a, b, c: vertical_slash_attention(a, b, c, _estimate_one_device(a, b, settings),
                                                                   impl=impl), (q, k, v), dout)
-        return timed(run, args.iters, args.warmup)
+        ms = timed(run, args.iters, args.warmup)
+        if args.profile and device.type == "cuda":
+            _profile(run, rank, f"cp1_sparse_estimated {tokens} tokens")
+        return ms
 
     def ring_sparse(estimate: bool, schedule: str = "ring"):
         def go():

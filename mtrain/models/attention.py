@@ -476,14 +476,14 @@ def _dense_per_document(q, k, v, scaling, doc_ids):
     return torch.cat(rows, dim=0)
 
 
-def _start_gather(k, v, world: int):
+def _start_gather(q, k, v, world: int, settings):
     """Under parallel.schedule gather, the group's K/V all-gather started before a sparse layer's estimate (a
     layer the choice then sends dense drops it), else None."""
     if CONTEXT.schedule != "gather" or world == 1:
         return None
-    from mtrain.parallel.ring_gather import KVGather
+    from mtrain.parallel.ring_gather import KVGather, spare_bound
 
-    return KVGather(k, v, CONTEXT.group)
+    return KVGather(k, v, CONTEXT.group, spare=spare_bound(settings, q.shape[0] * q.shape[2], q.shape[1] * world))
 
 
 def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True, engine="auto"):
@@ -505,7 +505,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and rows
         path, lines = replay
         if path == "sparse":
-            gather = _start_gather(k, v, world)
+            gather = _start_gather(q, k, v, world, settings)
             vertical, slash, rows = lines
             index = rows_from_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows, check=False,
                                     bound_widths=True)
@@ -513,7 +513,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                                                                            training=training, world=world):
         # Estimated across the group (no rank does it for the others; the lines are identical on every rank);
         # each rank builds only its own rows of the index, whose whole work and density come from the lines.
-        gather = _start_gather(k, v, world)  # the gathered schedule's K/V travel while the estimate runs
+        gather = _start_gather(q, k, v, world, settings)  # the gathered schedule's K/V travel while the estimate runs
         rank = dist.get_rank(CONTEXT.group)
         seq_len = q.shape[1] * world
         positions = CONTEXT.layout.indices(seq_len, rank).to(q.device)

@@ -19,7 +19,7 @@ from mtrain.parallel.layout import Layout
 from mtrain.parallel.plan import dense_plan, rank_blocks, shard_key_blocks, sparse_plan
 from mtrain.parallel.ring_flat import ring_flat_attention
 from mtrain.parallel.ring_hierarchical import ring_hierarchical_attention
-from mtrain.parallel.ring_gather import SCHEDULES, KVGather, ring_gather_attention
+from mtrain.parallel.ring_gather import SCHEDULES, KVGather, ring_gather_attention, spare_bound
 
 
 def _check_shapes(q, k, v, layout: Layout, world: int) -> int:
@@ -160,7 +160,8 @@ def ring_attention(
         doc_ids = _check_docs(doc_ids, q, seq_len)
     gather = kv_gather if schedule == "gather" else None
     if gather is None and schedule == "gather" and (index is not None or sparse is not None) and world > 1:
-        gather = KVGather(k, v, group)  # in flight while the estimate runs
+        spare = 0 if sparse is None else spare_bound(sparse, q.shape[0] * q.shape[2], seq_len)
+        gather = KVGather(k, v, group, spare=spare)  # in flight while the estimate runs
     if gather is not None and index is None and sparse is None:
         gather.drop()
         gather = None

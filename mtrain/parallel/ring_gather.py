@@ -26,36 +26,74 @@ import torch.distributed as dist
 
 from mtrain.ops import partial
 from mtrain.parallel import fa4_steps
+from mtrain.parallel.comm import TAG_GRAD, TAG_KV
 from mtrain.parallel.merge import accum_dtype
 from mtrain.parallel.plan import RingPlan, StepBlocks
+from mtrain.parallel.steps import finish_column_grads, start_column_grad_reduce
 
 SCHEDULES = ("ring", "gather")
 
 
 class KVGather:
-    """The group's K/V shards gathered into one buffer [2, B, W * S_local + U, Hkv, D] in the ring's step order, with
-    `spare` (U) rows left after them for the off-ring columns; started at once (async), waited for by `wait()`."""
+    """The group's K/V shards gathered into K and V buffers [B, W * S_local + spare, Hkv, D] in the ring's step order
+    (this rank's shard first), with `spare` rows after them for the off-ring columns. Point-to-point: every rank
+    sends its shard to each other rank and receives theirs straight into their place (one NCCL group of sends and
+    receives; no reordering copy where B = 1), started at once, waited for by `wait()`."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, group):
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.sent = torch.stack([k.detach(), v.detach()])  # [2, B, S, H, D]
-        self.received = self.sent.new_empty(self.world, *self.sent.shape)
-        self.work = dist.all_gather(list(self.received.unbind(0)), self.sent, group=group, async_op=True)
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, group, spare: int = 0):
+        self.group = group if group is not None else dist.group.WORLD
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        b, s, h, d = k.shape
+        self.n_local = s
+        self.bufs = [k.new_empty(b, self.world * s + spare, h, d), v.new_empty(b, self.world * s + spare, h, d)]
+        sent = [k.detach().contiguous(), v.detach().contiguous()]
+        for buf, t in zip(self.bufs, sent):
+            buf[:, :s] = t
+        self.staged = []  # (receive buffer, destination view) where a step's rows are not contiguous (B > 1)
+        ops = []
+        for step in range(1, self.world):
+            peer = dist.get_global_rank(self.group, (self.rank - step) % self.world)
+            to_peer = dist.get_global_rank(self.group, (self.rank + step) % self.world)
+            for t in sent:
+                ops.append(dist.P2POp(dist.isend, t, peer=to_peer, group=self.group, tag=TAG_KV))
+            for buf in self.bufs:
+                dst = buf[:, step * s:(step + 1) * s]
+                if not dst.is_contiguous():
+                    tmp = torch.empty_like(sent[0])
+                    self.staged.append((tmp, dst))
+                    dst = tmp
+                ops.append(dist.P2POp(dist.irecv, dst, peer=peer, group=self.group, tag=TAG_KV))
+        self.works = dist.batch_isend_irecv(ops) if ops else []
+        self.sent = sent  # kept alive until the sends complete
+        self.spare = spare
 
     def drop(self) -> None:
-        """Finish the transfer and free its buffers without using them (a layer that runs the ring after all)."""
-        if self.work is not None:
-            self.work.wait()
-        self.work, self.received, self.sent = None, None, None
+        """Finish the transfers and free the buffers without using them (a layer that runs the ring after all)."""
+        for work in self.works:
+            work.wait()
+        self.works, self.sent, self.bufs, self.staged = [], None, None, []
 
-    def wait(self, spare: int = 0) -> torch.Tensor:
-        self.work.wait()
-        w, two, b, s, h, d = self.received.shape
-        buf = self.received.new_empty(two, b, w * s + spare, h, d)
-        for step in range(w):  # [W, 2, B, S, H, D] by rank -> [2, B, W * S, H, D] in step order: one pass
-            buf[:, :, step * s:(step + 1) * s].copy_(self.received[(self.rank - step) % w])
-        self.received, self.sent = None, None
-        return buf
+    def wait(self, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) [B, W * S_local + spare, Hkv, D], contiguous; the spare rows are uninitialised. Views of the
+        buffers where they were started with at least that room (and B = 1), else one copy."""
+        for work in self.works:
+            work.wait()
+        for tmp, dst in self.staged:
+            dst.copy_(tmp)
+        self.works, self.sent, self.staged = [], None, []
+        rows = self.world * self.n_local
+        if spare > self.spare:
+            return tuple(torch.cat([buf[:, :rows], buf.new_empty(buf.shape[0], spare, *buf.shape[2:])], 1)
+                         for buf in self.bufs)
+        return tuple(buf[:, :rows + spare].contiguous() for buf in self.bufs)
+
+
+def spare_bound(settings, lists: int, seq_len: int) -> int:
+    """Rows to reserve after the gathered shards for the off-ring columns of an index estimated with `settings`
+    (`SparseSettings`) before it exists: the sink block and the verticals of `lists` (batch x heads) lists, in whole
+    blocks. (A union that outgrows it still works, at the cost of one copy.)"""
+    bs = settings.block_size
+    return min(-(-(bs + lists * settings.max_vertical) // bs), -(-seq_len // bs) + 1) * bs
 
 
 def gathered_plan(plan: RingPlan, world: int) -> RingPlan:
@@ -103,9 +141,8 @@ def _kernel_args(plan: RingPlan, q, keys):
                 q_doc=plan.docs(plan.q_pos), k_doc=plan.docs(step.k_pos))
 
 
-def _fill_columns(buf: torch.Tensor, col_src: torch.Tensor | None, n_rows: int) -> None:
-    if col_src is not None:
-        buf[:, :, n_rows:] = buf[:, :, col_src]
+def _spare_rows(plan: RingPlan) -> int:
+    return 0 if plan.columns is None else plan.columns.positions.numel()
 
 
 class RingGatherAttention(torch.autograd.Function):
@@ -115,27 +152,27 @@ class RingGatherAttention(torch.autograd.Function):
         merged = gathered_plan(plan, world)
         info = plan.kernel_caches[("gathered", world)]
         col_src, n_rows = info["col_src"], world * info["n_local"]
-        gather = gather if gather is not None else KVGather(k, v, group)
-        buf = gather.wait(spare=0 if col_src is None else col_src.numel())
-        _fill_columns(buf, col_src, n_rows)
-        keys, values = buf[0], buf[1]
+        gather = gather if gather is not None else KVGather(k, v, group, spare=_spare_rows(plan))
+        keys, values = gather.wait(spare=_spare_rows(plan))
+        if col_src is not None:  # the off-ring columns: copies of gathered rows in the slots after the shards
+            keys[:, n_rows:] = keys[:, col_src]
+            values[:, n_rows:] = values[:, col_src]
         args = _kernel_args(merged, q, keys)
         if merged.engine == "fa4":
             out, lse = fa4_steps.forward(q, keys, values, merged, plan.rank, args["k_pos"], args["columns"], scale)
         else:
             out, lse = partial.attention_forward(q, keys, values, softmax_scale=scale, **args)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, out, lse, buf)
+        ctx.save_for_backward(q, out, lse, keys, values)
         ctx.plan, ctx.merged, ctx.group, ctx.scale, ctx.n_rows = plan, merged, group, scale, n_rows
-        ctx.col_src, ctx.kdtype = col_src, k.dtype
+        ctx.kdtype = k.dtype
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, out, lse, buf = ctx.saved_tensors
+        q, out, lse, keys, values = ctx.saved_tensors
         merged, group, scale, n_rows = ctx.merged, ctx.group, ctx.scale, ctx.n_rows
-        keys, values = buf[0], buf[1]
         dout = dout.contiguous()
         args = _kernel_args(merged, q, keys)
         if merged.engine == "fa4":
@@ -143,26 +180,47 @@ class RingGatherAttention(torch.autograd.Function):
                                             args["columns"], scale)
         else:
             dq, dk, dv = partial.attention_backward(dout, q, keys, values, out, lse, softmax_scale=scale, **args)
-        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, ctx.col_src, n_rows, group, ctx.kdtype), None, None, None,
+        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, ctx.plan, n_rows, group, ctx.kdtype), None, None, None,
                 None)
 
 
-def _reduce_kv_grads(dk, dv, col_src, n_rows: int, group, dtype):
-    """Fold the column slots' gradients into their rows, then sum every shard's dK/dV over the group (fp32), each
-    rank receiving its own shard's: (dk, dv) [B, S_local, Hkv, D] in `dtype`."""
+def _reduce_kv_grads(dk, dv, plan: RingPlan, n_rows: int, group, dtype):
+    """Sum every shard's dK/dV over the group, each rank receiving its own shard's: the column slots' gradients
+    through the ring's fp32 column reduce-scatter, the shards' rows point-to-point in the kernels' dtype (each rank's
+    part of a row is rounded once, as one ring step's part is), summed in fp32 by the owner in rank order.
+    Returns (dk, dv) [B, S_local, Hkv, D] in `dtype`."""
+    group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = accum_dtype(dk)
-    grads = torch.stack([dk[:, :n_rows], dv[:, :n_rows]]).to(acc)  # [2, B, W * S, H, D]
-    if col_src is not None:
-        grads.index_add_(2, col_src, torch.stack([dk[:, n_rows:], dv[:, n_rows:]]).to(acc))
-    two, b, _, h, d = grads.shape
     s = n_rows // world
-    by_step = grads.view(two, b, world, s, h, d)
+    column_reduce = None
+    if plan.columns is not None:
+        column_reduce = start_column_grad_reduce((dk[:, n_rows:].to(acc), dv[:, n_rows:].to(acc)), plan, group)
     # the shard of rank o sits at step (rank - o) % W of this rank's gathered rows
-    chunks = [by_step[:, :, (rank - o) % world].contiguous() for o in range(world)]
-    received = grads.new_empty(two, b, s, h, d)
-    dist.reduce_scatter(received, chunks, group=group)
-    return received[0].to(dtype), received[1].to(dtype)
+    rows = lambda t, o: t[:, ((rank - o) % world) * s:((rank - o) % world + 1) * s]  # noqa: E731
+    received = {}
+    ops = []
+    for o in range(world):
+        if o == rank:
+            continue
+        peer = dist.get_global_rank(group, o)
+        for t in (dk, dv):
+            ops.append(dist.P2POp(dist.isend, rows(t, o).contiguous(), peer=peer, group=group, tag=TAG_GRAD))
+        received[o] = [torch.empty_like(rows(dk, rank)), torch.empty_like(rows(dv, rank))]
+        for t in received[o]:
+            ops.append(dist.P2POp(dist.irecv, t, peer=peer, group=group, tag=TAG_GRAD))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    received[rank] = [rows(dk, rank), rows(dv, rank)]
+    total_k, total_v = rows(dk, rank).to(acc, copy=True), rows(dv, rank).to(acc, copy=True)
+    total_k.zero_()
+    total_v.zero_()
+    for o in range(world):  # a fixed order: the same sum on every run
+        total_k.add_(received[o][0])
+        total_v.add_(received[o][1])
+    if column_reduce is not None:
+        finish_column_grads(column_reduce, plan, total_k, total_v)
+    return total_k.to(dtype), total_v.to(dtype)
 
 
 def ring_gather_attention(q, k, v, plan: RingPlan, group, scale: float, gather: KVGather | None = None):
