@@ -24,7 +24,7 @@ if [ "$NGPU" -ge 4 ] && [ "${CP4:-1}" = 1 ]; then
     --json "$OUT/ring_cp4.json" 2>&1 | grep -v Warning | tee "$OUT/ring_cp4.log"
 fi
 if [ "${CP2:-1}" = 1 ]; then
-  CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 scripts/bench_ring.py "${common[@]}" --skip-check \
+  CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 scripts/bench_ring.py "${common[@]}" --skip-check ${CP2_EXTRA:-} \
     --json "$OUT/ring_cp2.json" 2>&1 | grep -v Warning | tee "$OUT/ring_cp2.log"
 fi
 if [ -n "${MODEL:-}" ]; then  # the real model's captured q/k/v (an HF folder, e.g. gpu_e2e4.sh's /root/smollm2)
