@@ -120,6 +120,11 @@ class ParallelConfig:
     """Sequence layout over a CP group: contiguous, zigzag, stripe, block-stripe."""
     granularity: int = 64
     """Stripe width (tokens) for block-stripe."""
+    schedule: Literal["ring", "gather"] = "ring"
+    """How a sparse layer's ranks share K/V: ring (the flat ring, or the hierarchical one across nodes: each rank
+    holds two shards at a time) or gather (every rank all-gathers the group's K/V and runs its rows in one call,
+    without the ring's per-step merge: cp_size x the shard's K/V per layer in memory; for one node's GPUs).
+    Dense layers run the ring either way."""
 
 
 @dataclass

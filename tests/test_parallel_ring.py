@@ -75,8 +75,10 @@ def _max_err(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_world_size=None, docs=False):
-    """One ring run (fwd + bwd) against the float64 reference; docs: with document ids (`make_docs`)."""
+def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_world_size=None, docs=False,
+              ring_schedule="ring"):
+    """One ring run (fwd + bwd) against the float64 reference; docs: with document ids (`make_docs`);
+    ring_schedule: `ring_attention`'s schedule ("gather": one call over the group's gathered K/V)."""
     batch, seed = 2, 7
     doc_ids = make_docs() if docs else None
     q, k, v, dout = _inputs(batch, seed)
@@ -95,7 +97,7 @@ def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_w
         kwargs = {"inner_group": groups[0], "outer_group": groups[1]}
     shards = [layout.shard(t.float(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
     out = ring_attention(shards[0], shards[1], shards[2], group=None, layout=layout, index=index,
-                         sparse=settings, doc_ids=doc_ids, **kwargs)
+                         sparse=settings, doc_ids=doc_ids, schedule=ring_schedule, **kwargs)
     out.backward(shards[3])
 
     record = {}
@@ -181,7 +183,14 @@ def _worker(rank, world, init_file, out_dir, hierarchies):
     for layout_name in LAYOUT_NAMES:
         for mode in ("dense", "sparse"):
             _run_case(rank, world, layout_name, mode, "flat", None, results)
+        # the gathered schedule: sparse layers in one call over the group's K/V (dense ones run the ring)
+        for mode in ("dense", "sparse"):
+            _run_case(rank, world, layout_name, mode, "gather", None, results, ring_schedule="gather")
+    if world in (2, 4):
+        _run_case(rank, world, "block-stripe", "estimate", "gather", None, results, ring_schedule="gather")
     if world == 4:
+        for layout_name, mode in (("block-stripe", "sparse"), ("zigzag", "estimate"), ("contiguous", "estimate")):
+            _run_case(rank, world, layout_name, mode, "gather", None, results, docs=True, ring_schedule="gather")
         # document masking: every layout x dense / given index / estimated index x flat / hierarchical 2x2
         for schedule, doc_groups, local in (("flat", None, None), ("hierarchical2x2", hierarchical_groups(None, 2), 2)):
             for layout_name in LAYOUT_NAMES:
@@ -231,13 +240,15 @@ def ring_results(tmp_path_factory):
 def _cases():
     cases = []
     for world, hierarchies in _WORLDS.items():
-        schedules = ["flat"] + [f"hierarchical{world // local}x{local}" for local in hierarchies]
+        schedules = ["flat", "gather"] + [f"hierarchical{world // local}x{local}" for local in hierarchies]
         for schedule in schedules:
             for layout_name in LAYOUT_NAMES:
                 for mode in ("dense", "sparse"):
                     cases.append(f"{world}/{layout_name}/{mode}/{schedule}")
     cases += [f"4/{layout_name}/{mode}-docs/{schedule}" for schedule in ("flat", "hierarchical2x2")
               for layout_name in LAYOUT_NAMES for mode in DOC_MODES]
+    cases += ["2/block-stripe/estimate/gather", "4/block-stripe/estimate/gather", "4/block-stripe/sparse-docs/gather",
+              "4/zigzag/estimate-docs/gather", "4/contiguous/estimate-docs/gather"]
     return cases + ["4/block-stripe/sparse/hierarchical2x2-local-outer", "4/block-stripe/estimate/flat", "4/zigzag/estimate-shared/flat", "4/zigzag/sparse/derived"]
 
 

@@ -119,6 +119,9 @@ def check(rank, world, args, device, report):
              ("estimated", args.heads, args.kv_heads, "block-stripe", "estimate")]
     if _hierarchical(args, world):
         cases.append(("sparse-h", args.heads, args.kv_heads, "block-stripe", True))
+    if "gather" in args.schedules:  # the gathered schedule on the same indexes
+        cases += [("sparse-g", args.heads, args.kv_heads, "block-stripe", True),
+                  ("estimated-g", args.heads, args.kv_heads, "block-stripe", "estimate")]
     for name, hq, hkv, layout_name, sparse in cases:
         try:
             report.append(_check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse))
@@ -155,6 +158,7 @@ def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, s
     ref_out = (vertical_slash_attention(q, k, v, index, impl=impl) if sparse else sdpa_cudnn(q, k, v)).float()
     run_ref()
     hier = name.endswith("-h")
+    schedule = "gather" if name.endswith("-g") else "ring"
     layout = _layout(layout_name, world, args, hier)
     shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
     leaves = [t.detach().requires_grad_(True) for t in shard[:3]]
@@ -171,9 +175,9 @@ def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, s
                                  and torch.equal(index.block_counts[:, :, mine.rows], mine.block_counts)
                                  and torch.equal(index.col_counts[:, :, mine.rows], mine.col_counts))
         index = mine
-        out = ring_attention(*leaves, group=None, layout=layout, index=index, engine=args.engine)
+        out = ring_attention(*leaves, group=None, layout=layout, index=index, engine=args.engine, schedule=schedule)
     else:
-        out = ring_attention(*leaves, group=None, layout=layout, index=index, engine=args.engine,
+        out = ring_attention(*leaves, group=None, layout=layout, index=index, engine=args.engine, schedule=schedule,
                              **_groups(args, hier))
     out.backward(shard[3])
     row["max_err_out"] = float((out.detach().float() - layout.shard(ref_out.detach(), rank)).abs().max())
@@ -289,9 +293,12 @@ def bench_tokens(tokens, rank, world, args, device, report):
         row["estimate_cp1_ms"] = timed(lambda: _estimate_one_device(q, k, settings), args.iters, args.warmup)
         run, _ = fwd_bwd(lambda a, b, c: vertical_slash_attention(a, b, c, _estimate_one_device(a, b, settings),
                                                                   impl=impl), (q, k, v), dout)
-        return timed(run, args.iters, args.warmup)
+        ms = timed(run, args.iters, args.warmup)
+        if args.profile and device.type == "cuda":
+            _profile(run, rank, f"cp1_sparse_estimated {tokens} tokens")
+        return ms
 
-    def ring_sparse(estimate: bool):
+    def ring_sparse(estimate: bool, schedule: str = "ring"):
         def go():
             q, k, v, dout = inputs(seq, h, hkv, d, device)
             layout = Layout.create("block-stripe", world_size=world, granularity=args.block_size)
@@ -301,7 +308,7 @@ def bench_tokens(tokens, rank, world, args, device, report):
             settings = _settings(args) if estimate else None
             shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
             del q, k, v, dout
-            if estimate:
+            if estimate and schedule == "ring":  # the estimate's own figures, once
                 pos = layout.indices(seq, rank).to(device)
                 scale = 1.0 / math.sqrt(d)
                 est = dict(rows=rank_blocks(layout, seq, rank, args.block_size, device),
@@ -327,17 +334,22 @@ def bench_tokens(tokens, rank, world, args, device, report):
                         shard[0], shard[1], pos, pos, seq, settings, scale, None, scorer="torch", **est),
                         args.iters, args.warmup)
             run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
-                                                           sparse=settings, engine=args.engine), shard[:3], shard[3])
+                                                           sparse=settings, engine=args.engine, schedule=schedule),
+                             shard[:3], shard[3])
             ms = timed(run, args.iters, args.warmup)
             if estimate and args.profile and device.type == "cuda":
-                _profile(run, rank, f"ring_sparse_estimated CP={world} {tokens} tokens/GPU")
+                _profile(run, rank, f"ring_sparse_estimated ({schedule}) CP={world} {tokens} tokens/GPU")
             return ms
         return go
 
     attempt("cp1_sparse_ms", cp1_sparse)
     attempt("cp1_sparse_estimated_ms", cp1_sparse_estimated)
-    attempt("ring_sparse_ms", ring_sparse(False))
-    attempt("ring_sparse_estimated_ms", ring_sparse(True))
+    if "ring" in args.schedules:
+        attempt("ring_sparse_ms", ring_sparse(False))
+        attempt("ring_sparse_estimated_ms", ring_sparse(True))
+    if "gather" in args.schedules:
+        attempt("ring_sparse_gather_ms", ring_sparse(False, "gather"))
+        attempt("ring_sparse_estimated_gather_ms", ring_sparse(True, "gather"))
 
     def ring_sparse_hierarchical():
         q, k, v, dout = inputs(seq, h, hkv, d, device)
@@ -431,6 +443,12 @@ def bench_model(rank, world, args, device, report) -> None:
         run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
                                                        softmax_scale=scale, engine=args.engine), shard, dout)
         ms = timed(run, args.iters, args.warmup)
+        gather_ms = None
+        if "gather" in args.schedules:
+            grun, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
+                                                            softmax_scale=scale, engine=args.engine,
+                                                            schedule="gather"), shard, dout)
+            gather_ms = timed(grun, args.iters, args.warmup)
         if dense_ms is None and not args.skip_dense:
             # zigzag, the dense ring's best layout; its time does not depend on the values, so this layer's
             # block-stripe shards stand in for zigzag ones
@@ -438,7 +456,8 @@ def bench_model(rank, world, args, device, report) -> None:
             drun, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=dense_layout,
                                                             softmax_scale=scale), shard, dout)
             dense_ms = timed(drun, max(1, args.iters // 2), 1)
-        row = {"layer": n, "ring_sparse_estimated_ms": ms, "same_lines_as_one_device": bool(same_all.item()),
+        row = {"layer": n, "ring_sparse_estimated_ms": ms, "gather_sparse_estimated_ms": gather_ms,
+               "same_lines_as_one_device": bool(same_all.item()),
                "true_recall_mean": float(recall.mean()), "true_recall_min": float(recall.min()),
                "density": mine.density(), "est_recall": float(mine._cache["est_recall"].mean()),
                "index_bytes": sum(t.numel() * t.element_size() for t in (mine.block_ids, mine.block_counts,
@@ -450,9 +469,10 @@ def bench_model(rank, world, args, device, report) -> None:
             print(json.dumps(row), flush=True)
         del shard, dout, mine, one
     total = sum(r["ring_sparse_estimated_ms"] for r in per_layer)
+    gather_total = None if "gather" not in args.schedules else sum(r["gather_sparse_estimated_ms"] for r in per_layer)
     summary = {"model": str(args.model), "tokens": seq, "cp": world, "yarn": factor, "layers": len(per_layer),
                "block_size": args.block_size, "engine": args.engine, "recall_target": args.recall,
-               "sparse_ring_model_ms": total, "dense_ring_layer_ms": dense_ms,
+               "sparse_ring_model_ms": total, "sparse_gather_model_ms": gather_total, "dense_ring_layer_ms": dense_ms,
                "dense_ring_model_ms": None if dense_ms is None else dense_ms * len(per_layer),
                "same_lines_all_layers": all(r["same_lines_as_one_device"] for r in per_layer),
                "true_recall_mean": statistics.mean(r["true_recall_mean"] for r in per_layer),
@@ -465,8 +485,10 @@ def bench_model(rank, world, args, device, report) -> None:
     if rank == 0:
         speed = "" if dense_ms is None else f", dense ring {summary['dense_ring_model_ms']:.0f} ms " \
             f"({summary['dense_ring_model_ms'] / total:.2f}x the sparse ring's time)"
+        gathered = "" if gather_total is None else f"; gathered schedule {gather_total:.0f} ms" + (
+            "" if dense_ms is None else f" ({summary['dense_ring_model_ms'] / gather_total:.2f}x)")
         print(f"MODEL {args.model}: {seq} tokens, CP={world}, YaRN x{factor:g}, block {args.block_size}, "
-              f"{len(per_layer)} layers: sparse ring (online estimate) {total:.0f} ms fwd+bwd{speed}; "
+              f"{len(per_layer)} layers: sparse ring (online estimate) {total:.0f} ms fwd+bwd{speed}{gathered}; "
               f"lines equal one device's on every layer and rank: {summary['same_lines_all_layers']}; true recall "
               f"mean {summary['true_recall_mean']:.4f}, worst layer {summary['true_recall_worst_layer']:.4f}; "
               f"density {summary['density_mean']:.4f}; index {summary['index_mib_per_layer_max']:.1f} MiB per layer "
@@ -600,10 +622,12 @@ def print_table(report):
         t_label = f"{t // 1024}K" if t >= 1024 else str(t)
         for key, base in (("cp1_dense", None), ("ring_dense", "cp1_dense"), ("torch_cp_dense", "cp1_dense"),
                           ("cp1_sparse", None), ("ring_sparse", "cp1_sparse"), ("ring_sparse_hierarchical", "cp1_sparse"),
-                          ("cp1_sparse_estimated", None), ("ring_sparse_estimated", "cp1_sparse_estimated")):
+                          ("ring_sparse_gather", "cp1_sparse"), ("cp1_sparse_estimated", None),
+                          ("ring_sparse_estimated", "cp1_sparse_estimated"),
+                          ("ring_sparse_estimated_gather", "cp1_sparse_estimated")):
             ms = r.get(key + "_ms")
-            if ms is None and key + "_ms_error" not in r and key == "ring_sparse_hierarchical":
-                continue  # not asked for (--node-size)
+            if ms is None and key + "_ms_error" not in r:
+                continue  # not asked for (--node-size, --schedules, --skip-dense)
             if ms is None:
                 print(f"{t_label:>8} {key:<28} failed: {r.get(key + '_ms_error', '')[:80]}")
                 continue
@@ -615,9 +639,10 @@ def print_table(report):
                 ratio = tf / r[base + "_tflops_per_gpu"] if tf else r[base + "_ms"] / ms
             print(f"{t_label:>8} {key:<28} {ms:>9.2f} {tf if tf else float('nan'):>12.1f} "
                   f"{(f'{ratio:.3f}' if ratio else '-'):>8}")
-        if r.get("ring_sparse_estimated_ms") and r.get("cp1_sparse_estimated_ms"):
-            print(f"{'':>9}HEADLINE sparse ring with online estimate vs CP=1 with its own: "
-                  f"{r['cp1_sparse_estimated_ms'] / r['ring_sparse_estimated_ms']:.3f} (engine {r.get('engine')})")
+        for sched, key in (("ring", "ring_sparse_estimated_ms"), ("gather", "ring_sparse_estimated_gather_ms")):
+            if r.get(key) and r.get("cp1_sparse_estimated_ms"):
+                print(f"{'':>9}HEADLINE sparse CP={r['cp']} with online estimate ({sched} schedule) vs CP=1 with its "
+                      f"own: {r['cp1_sparse_estimated_ms'] / r[key]:.3f} (engine {r.get('engine')})")
         if r.get("estimate_ring_ms") and r.get("estimate_cp1_ms"):
             torch_part = (f", torch scorer {r['estimate_ring_torch_ms']:.2f} ms" if r.get("estimate_ring_torch_ms")
                           else "")
@@ -686,6 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-only", action="store_true", help="the correctness check alone (no timing)")
     parser.add_argument("--torch-merge", action="store_true",
                         help="merge the ring's partial results with the torch merge instead of the fused Triton one")
+    parser.add_argument("--schedules", type=lambda s: s.split(","), default=["ring", "gather"],
+                        help="comma list of ring_attention schedules to check and time: ring, gather")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     args.check_len = args.check_len[0]

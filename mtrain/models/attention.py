@@ -58,6 +58,8 @@ class AttentionContext:
     """Hierarchical ring groups (inner = one node, outer = across nodes), or None for a flat ring."""
     local_world_size: object = None
     """Ranks per node of a hierarchical ring (None: flat)."""
+    schedule: str = "ring"
+    """parallel.schedule: how sparse layers of a CP group share K/V ("ring" or "gather", `ring_attention`'s)."""
     doc_ids: object = None
     """LongTensor [B, S] of document ids over the WHOLE (global) sequence, or None for one document per row."""
     densities: list = field(default_factory=list)
@@ -474,6 +476,16 @@ def _dense_per_document(q, k, v, scaling, doc_ids):
     return torch.cat(rows, dim=0)
 
 
+def _start_gather(q, k, v, world: int, settings):
+    """Under parallel.schedule gather, the group's K/V all-gather started before a sparse layer's estimate (a
+    layer the choice then sends dense drops it), else None."""
+    if CONTEXT.schedule != "gather" or world == 1:
+        return None
+    from mtrain.parallel.ring_gather import KVGather, spare_bound
+
+    return KVGather(k, v, CONTEXT.group, spare=spare_bound(settings, q.shape[0] * q.shape[2], q.shape[1] * world))
+
+
 def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True, engine="auto"):
     """This rank's shard of a context-parallel group: dense ring, or sparse with SparseSettings `settings`, run
     sparse or dense per `policy` (the same path on every rank: see `_choose_path`); the sparse steps' block kernels
@@ -489,9 +501,11 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     index = None
     world = dist.get_world_size(CONTEXT.group)
     replay = _replay(layer_idx) if settings is not None else None
+    gather = None
     if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and rows
         path, lines = replay
         if path == "sparse":
+            gather = _start_gather(q, k, v, world, settings)
             vertical, slash, rows = lines
             index = rows_from_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows, check=False,
                                     bound_widths=True)
@@ -499,6 +513,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                                                                            training=training, world=world):
         # Estimated across the group (no rank does it for the others; the lines are identical on every rank);
         # each rank builds only its own rows of the index, whose whole work and density come from the lines.
+        gather = _start_gather(q, k, v, world, settings)  # the gathered schedule's K/V travel while the estimate runs
         rank = dist.get_rank(CONTEXT.group)
         seq_len = q.shape[1] * world
         positions = CONTEXT.layout.indices(seq_len, rank).to(q.device)
@@ -533,7 +548,8 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         _remember(layer_idx, "dense", None, training)
     return ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, index=index, softmax_scale=scaling,
                           inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group, doc_ids=CONTEXT.doc_ids,
-                          engine=engine if engine in ("auto", "triton", "fa4") else "triton")
+                          engine=engine if engine in ("auto", "triton", "fa4") else "triton",
+                          schedule=CONTEXT.schedule, kv_gather=gather)
 
 
 def _hf_inputs(module, query, key, value, scaling, dropout):

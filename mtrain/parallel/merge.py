@@ -13,13 +13,11 @@ def accum_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-# The one-pass Triton merge of full-row parts on the GPU (`PartialAccumulator._fused`). Off: on 4 H200s (2026-11-27)
-# the ring's results with it were wrong and varied from run to run (max |error| of out 0.45-0.64 against one device,
-# where the torch merge gives 3.9e-3; mtrain/bench/check.py's "merge" case checks it against float64). The likely
-# cause, in-place stores racing other warps' loads of the same lse rows, is fixed in the kernel (a barrier between
-# its loads and its stores) but not yet checked on a GPU: the ring merges with torch until the gate's merge case
-# passes there.
-FUSED = False
+# The one-pass Triton merge of full-row parts on the GPU (`PartialAccumulator._fused`). Its first version stored the
+# merged lse in place while other warps could still load the same rows, and gave wrong results on 4 H200s; the kernel
+# now loads everything before it stores (a barrier between), and mtrain/bench/check.py's "merge" case (fused and torch
+# against float64) passes on the H200. Set False to merge with torch.
+FUSED = True
 
 
 def _covers(rows: slice, n: int) -> bool:

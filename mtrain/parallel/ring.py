@@ -19,6 +19,7 @@ from mtrain.parallel.layout import Layout
 from mtrain.parallel.plan import dense_plan, rank_blocks, shard_key_blocks, sparse_plan
 from mtrain.parallel.ring_flat import ring_flat_attention
 from mtrain.parallel.ring_hierarchical import ring_hierarchical_attention
+from mtrain.parallel.ring_gather import SCHEDULES, KVGather, ring_gather_attention, spare_bound
 
 
 def _check_shapes(q, k, v, layout: Layout, world: int) -> int:
@@ -112,6 +113,8 @@ def ring_attention(
     doc_ids: torch.Tensor | None = None,
     engine: str = "auto",
     scorer: str = "auto",
+    schedule: str = "ring",
+    kv_gather=None,
 ) -> torch.Tensor:
     """Causal attention over a sequence sharded across a context-parallel group; differentiable.
 
@@ -135,6 +138,11 @@ def ring_attention(
     kernels, the columns in ours; `mtrain.parallel.fa4_steps`) where it runs, "triton" (ours), "auto" (fa4 where it
     runs, else triton); fa4 falls back to triton where it cannot run (CPU, fp32, 64-token blocks, documents).
     scorer: how the online estimate scores its rows (`mtrain.parallel.estimate.estimate_lines`).
+    schedule: "ring" (the flat or hierarchical ring above), or "gather" for sparse layers: every rank all-gathers
+    the group's K/V (started before the estimate) and runs its rows against them in one sparse call, with no LSE
+    merge (`mtrain.parallel.ring_gather`; W x the shard's K/V in memory); dense layers always run the ring.
+    kv_gather: with schedule "gather", a `ring_gather.KVGather` of these k, v the caller started earlier (e.g.
+    before its own estimate), used instead of starting one here (dropped if the layer runs dense).
     Returns out [B, S_local, Hq, D] in q.dtype; partial results are merged in fp32 through the LSE.
     """
     world = dist.get_world_size(group)
@@ -146,8 +154,17 @@ def ring_attention(
         raise ValueError(f"ring engine must be one of {ENGINES}; got {engine!r}")
     if index is not None and sparse is not None:
         raise MtrainError("ring_attention: give either a SparseIndex (index=) or estimation settings (sparse=)")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"ring schedule must be one of {SCHEDULES}; got {schedule!r}")
     if doc_ids is not None:
         doc_ids = _check_docs(doc_ids, q, seq_len)
+    gather = kv_gather if schedule == "gather" else None
+    if gather is None and schedule == "gather" and (index is not None or sparse is not None) and world > 1:
+        spare = 0 if sparse is None else spare_bound(sparse, q.shape[0] * q.shape[2], seq_len)
+        gather = KVGather(k, v, group, spare=spare)  # in flight while the estimate runs
+    if gather is not None and index is None and sparse is None:
+        gather.drop()
+        gather = None
     if sparse is not None:
         positions = layout.indices(seq_len, rank).to(q.device)
         index = estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
@@ -165,7 +182,9 @@ def ring_attention(
         chosen = resolve_engine(engine, plan, q)
         if chosen != plan.engine:
             plan = dataclasses.replace(plan, engine=chosen)  # shares the plan's caches
-    if hierarchy is None:
+    if index is not None and gather is not None:
+        out, _ = ring_gather_attention(q, k, v, plan, group, scale, gather)
+    elif hierarchy is None:
         out, _ = ring_flat_attention(q, k, v, plan, group, scale)
     else:
         _warn_unbalanced(layout, hierarchy[0])

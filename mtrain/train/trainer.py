@@ -341,6 +341,7 @@ class Trainer:
         CONTEXT.group, CONTEXT.layout = mesh.cp_group, layout
         CONTEXT.inner_group, CONTEXT.outer_group = mesh.inner_group, mesh.outer_group
         CONTEXT.local_world_size = node
+        CONTEXT.schedule = r.parallel.schedule
         return mesh, layout
 
     def _micro_batch(self, samples: list[dict]) -> dict:

@@ -1,0 +1,234 @@
+"""Gathered schedule (`parallel.schedule: gather`) for the sparse layers of a context-parallel group: every rank
+all-gathers the group's K/V once and runs its query rows against them in ONE sparse call (all the ring's steps in
+one list per query block), instead of W ring steps whose partial results are merged by LSE.
+
+What it saves against the ring: the LSE merge of W partial outputs (fp32 passes over the whole output), W - 1
+kernel launches of every kind per call, and the per-step pre/post-processing of the block kernels' backward.
+What it costs: the group's K/V of the layer in memory on every rank (W x the shard's; held from forward to
+backward, so with activation checkpointing one layer's at a time), one all-gather of K/V (started before the
+estimate, so it overlaps it) and one reduce-scatter of dK/dV in fp32 (summed over the ranks in a fixed order).
+Within one node (NVLink) the traffic is small against the attention; across nodes the ring's bounded memory and
+overlapped transfers are the better schedule, so the ring stays the default.
+
+The plan is the ring's (`mtrain.parallel.plan.sparse_plan`): the gathered K/V are laid out in the ring's step order
+(this rank's shard first, then the shards of ranks r - 1, r - 2, ...), so step s's local key block j is block
+s * nLB + j of the gathered keys, and the local step's diagonal block keeps its place (FA4's causal mask block). The
+off-ring columns (sink block + verticals) are copied from the gathered rows into slots after them: no column
+gather of their own, and their gradients fold back into their rows before the reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from mtrain.ops import partial
+from mtrain.parallel import fa4_steps
+from mtrain.parallel.comm import TAG_GRAD, TAG_KV
+from mtrain.parallel.merge import accum_dtype
+from mtrain.parallel.plan import RingPlan, StepBlocks
+from mtrain.parallel.steps import finish_column_grads, start_column_grad_reduce
+
+SCHEDULES = ("ring", "gather")
+
+
+class KVGather:
+    """The group's K/V shards gathered into K and V buffers [B, W * S_local + spare, Hkv, D] in the ring's step order
+    (this rank's shard first), with `spare` rows after them for the off-ring columns. Point-to-point: every rank
+    sends its shard to each other rank and receives theirs straight into their place (one NCCL group of sends and
+    receives; no reordering copy where B = 1), started at once, waited for by `wait()`."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, group, spare: int = 0):
+        self.group = group if group is not None else dist.group.WORLD
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        b, s, h, d = k.shape
+        self.n_local = s
+        self.bufs = [k.new_empty(b, self.world * s + spare, h, d), v.new_empty(b, self.world * s + spare, h, d)]
+        sent = [k.detach().contiguous(), v.detach().contiguous()]
+        for buf, t in zip(self.bufs, sent):
+            buf[:, :s] = t
+        self.staged = []  # (receive buffer, destination view) where a step's rows are not contiguous (B > 1)
+        ops = []
+        for step in range(1, self.world):
+            peer = dist.get_global_rank(self.group, (self.rank - step) % self.world)
+            to_peer = dist.get_global_rank(self.group, (self.rank + step) % self.world)
+            for t in sent:
+                ops.append(dist.P2POp(dist.isend, t, peer=to_peer, group=self.group, tag=TAG_KV))
+            for buf in self.bufs:
+                dst = buf[:, step * s:(step + 1) * s]
+                if not dst.is_contiguous():
+                    tmp = torch.empty_like(sent[0])
+                    self.staged.append((tmp, dst))
+                    dst = tmp
+                ops.append(dist.P2POp(dist.irecv, dst, peer=peer, group=self.group, tag=TAG_KV))
+        self.works = dist.batch_isend_irecv(ops) if ops else []
+        self.sent = sent  # kept alive until the sends complete
+        self.spare = spare
+
+    def drop(self) -> None:
+        """Finish the transfers and free the buffers without using them (a layer that runs the ring after all)."""
+        for work in self.works:
+            work.wait()
+        self.works, self.sent, self.bufs, self.staged = [], None, None, []
+
+    def wait(self, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) [B, W * S_local + spare, Hkv, D], contiguous; the spare rows are uninitialised. Views of the
+        buffers where they were started with at least that room (and B = 1), else one copy."""
+        for work in self.works:
+            work.wait()
+        for tmp, dst in self.staged:
+            dst.copy_(tmp)
+        self.works, self.sent, self.staged = [], None, []
+        rows = self.world * self.n_local
+        if spare > self.spare:
+            return tuple(torch.cat([buf[:, :rows], buf.new_empty(buf.shape[0], spare, *buf.shape[2:])], 1)
+                         for buf in self.bufs)
+        return tuple(buf[:, :rows + spare].contiguous() for buf in self.bufs)
+
+
+def spare_bound(settings, lists: int, seq_len: int) -> int:
+    """Rows to reserve after the gathered shards for the off-ring columns of an index estimated with `settings`
+    (`SparseSettings`) before it exists: the sink block and the verticals of `lists` (batch x heads) lists, in whole
+    blocks. (A union that outgrows it still works, at the cost of one copy.)"""
+    bs = settings.block_size
+    return min(-(-(bs + lists * settings.max_vertical) // bs), -(-seq_len // bs) + 1) * bs
+
+
+def gathered_plan(plan: RingPlan, world: int) -> RingPlan:
+    """The ring plan's steps as one step over the gathered keys (cached in the plan): block lists of step s offset
+    by s * nLB and concatenated (ascending, as each step's lists are), the key positions in step order, the columns
+    in slots after the W shards. Its one step is keyed by this rank (the local step's causal diagonal is block i of
+    query block i, as on the ring)."""
+    key = ("gathered", world)
+    cache = plan.kernel_caches
+    if key in cache:  # the engine is set per call on a copy of the plan: the merged plan follows it
+        return dataclasses.replace(cache[key]["plan"], engine=plan.engine)
+    order = [(plan.rank - step) % world for step in range(world)]
+    n_local = plan.positions[plan.rank].numel()
+    nlb = -(-n_local // plan.block_size)
+    parts = []
+    for step, origin in enumerate(order):
+        ids = plan.steps[origin].ids.long()
+        parts.append(torch.where(ids >= 0, ids + step * nlb, -1))
+    ids = torch.cat(parts, -1)
+    # each step's lists are packed left and ascending; keep that order with the valid entries first
+    valid = ids >= 0
+    shuffle = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
+    ids = torch.gather(ids, -1, shuffle).to(torch.int32)
+    counts = valid.sum(-1, dtype=torch.int32)
+    k_pos = torch.cat([plan.positions[o] for o in order])
+    columns, col_src = None, None
+    if plan.columns is not None:
+        cols = plan.columns
+        step_of = torch.empty(world, dtype=torch.long, device=k_pos.device)
+        step_of[torch.tensor(order, device=k_pos.device)] = torch.arange(world, device=k_pos.device)
+        real = cols.owner >= 0
+        col_src = torch.where(real, step_of[cols.owner.clamp(min=0)] * n_local + cols.local.clamp(min=0), 0)
+        columns = (torch.where(cols.ids >= 0, cols.ids + world * n_local, -1).to(torch.int32), cols.counts)
+        k_pos = torch.cat([k_pos, cols.positions])
+    merged = dataclasses.replace(plan, steps={plan.rank: StepBlocks(ids, counts, k_pos, columns)}, skip=set(),
+                                 rects={}, kernel_caches={}, column_origin=plan.rank if columns is not None else None)
+    cache[key] = {"plan": merged, "col_src": col_src, "n_local": n_local}
+    return dataclasses.replace(merged, engine=plan.engine)
+
+
+def _kernel_args(plan: RingPlan, q, keys):
+    step = plan.steps[plan.rank]
+    return dict(q_pos=plan.q_pos, k_pos=step.k_pos, blocks=step.as_blocks(), columns=step.columns,
+                block_size=plan.block_size, causal=True, plans=plan.kernel_cache(plan.rank, q, keys),
+                q_doc=plan.docs(plan.q_pos), k_doc=plan.docs(step.k_pos))
+
+
+def _spare_rows(plan: RingPlan) -> int:
+    return 0 if plan.columns is None else plan.columns.positions.numel()
+
+
+class RingGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan, group, scale: float, gather: KVGather | None):
+        world = dist.get_world_size(group)
+        merged = gathered_plan(plan, world)
+        info = plan.kernel_caches[("gathered", world)]
+        col_src, n_rows = info["col_src"], world * info["n_local"]
+        gather = gather if gather is not None else KVGather(k, v, group, spare=_spare_rows(plan))
+        keys, values = gather.wait(spare=_spare_rows(plan))
+        if col_src is not None:  # the off-ring columns: copies of gathered rows in the slots after the shards
+            keys[:, n_rows:] = keys[:, col_src]
+            values[:, n_rows:] = values[:, col_src]
+        args = _kernel_args(merged, q, keys)
+        if merged.engine == "fa4":
+            out, lse = fa4_steps.forward(q, keys, values, merged, plan.rank, args["k_pos"], args["columns"], scale)
+        else:
+            out, lse = partial.attention_forward(q, keys, values, softmax_scale=scale, **args)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, out, lse, keys, values)
+        ctx.plan, ctx.merged, ctx.group, ctx.scale, ctx.n_rows = plan, merged, group, scale, n_rows
+        ctx.kdtype = k.dtype
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, out, lse, keys, values = ctx.saved_tensors
+        merged, group, scale, n_rows = ctx.merged, ctx.group, ctx.scale, ctx.n_rows
+        dout = dout.contiguous()
+        args = _kernel_args(merged, q, keys)
+        if merged.engine == "fa4":
+            dq, dk, dv = fa4_steps.backward(dout, q, keys, values, out, lse, merged, merged.rank, args["k_pos"],
+                                            args["columns"], scale)
+        else:
+            dq, dk, dv = partial.attention_backward(dout, q, keys, values, out, lse, softmax_scale=scale, **args)
+        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, ctx.plan, n_rows, group, ctx.kdtype), None, None, None,
+                None)
+
+
+def _reduce_kv_grads(dk, dv, plan: RingPlan, n_rows: int, group, dtype):
+    """Sum every shard's dK/dV over the group, each rank receiving its own shard's: the column slots' gradients
+    through the ring's fp32 column reduce-scatter, the shards' rows point-to-point in the kernels' dtype (each rank's
+    part of a row is rounded once, as one ring step's part is), summed in fp32 by the owner in rank order.
+    Returns (dk, dv) [B, S_local, Hkv, D] in `dtype`."""
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    acc = accum_dtype(dk)
+    s = n_rows // world
+    column_reduce = None
+    if plan.columns is not None:
+        column_reduce = start_column_grad_reduce((dk[:, n_rows:].to(acc), dv[:, n_rows:].to(acc)), plan, group)
+    # the shard of rank o sits at step (rank - o) % W of this rank's gathered rows
+    rows = lambda t, o: t[:, ((rank - o) % world) * s:((rank - o) % world + 1) * s]  # noqa: E731
+    received = {}
+    ops = []
+    for o in range(world):
+        if o == rank:
+            continue
+        peer = dist.get_global_rank(group, o)
+        for t in (dk, dv):
+            ops.append(dist.P2POp(dist.isend, rows(t, o).contiguous(), peer=peer, group=group, tag=TAG_GRAD))
+        received[o] = [torch.empty_like(rows(dk, rank)), torch.empty_like(rows(dv, rank))]
+        for t in received[o]:
+            ops.append(dist.P2POp(dist.irecv, t, peer=peer, group=group, tag=TAG_GRAD))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    received[rank] = [rows(dk, rank), rows(dv, rank)]
+    total_k, total_v = rows(dk, rank).to(acc, copy=True), rows(dv, rank).to(acc, copy=True)
+    total_k.zero_()
+    total_v.zero_()
+    for o in range(world):  # a fixed order: the same sum on every run
+        total_k.add_(received[o][0])
+        total_v.add_(received[o][1])
+    if column_reduce is not None:
+        finish_column_grads(column_reduce, plan, total_k, total_v)
+    return total_k.to(dtype), total_v.to(dtype)
+
+
+def ring_gather_attention(q, k, v, plan: RingPlan, group, scale: float, gather: KVGather | None = None):
+    """Sparse attention of the local queries over the group's gathered K/V in one call: q [B, S_local, Hq, D],
+    k/v [B, S_local, Hkv, D] -> (out, lse). `gather`: a `KVGather` of k, v already started (e.g. before the
+    estimate), else one is started here. The plan must be a sparse one (every step has block lists)."""
+    if any(s is None for s in plan.steps.values()) or plan.rects:
+        raise ValueError("the gathered schedule runs sparse plans only; dense layers run the ring")
+    return RingGatherAttention.apply(q, k, v, plan, group, scale, gather)
+
+
