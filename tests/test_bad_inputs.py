@@ -794,6 +794,71 @@ def test_truncated_state_without_file_list_is_caught_on_load(world, tmp_path, ca
     assert "step-0000002 is damaged" in caplog.text and "resumed from the previous intact checkpoint" in caplog.text
 
 
+def _as_older_checkpoints(run: Path) -> None:
+    """Rewrite every checkpoint's meta.json as mtrain wrote it before it recorded the process count and the model
+    (files.json vouching for the new bytes, as it did for the old)."""
+    from mtrain.train.run_folder import write_file_list
+
+    for ckpt in (run / "checkpoints").glob("step-*"):
+        (ckpt / "meta.json").write_text(json.dumps({"git_revision": None, "step": int(ckpt.name[5:])}))
+        (ckpt / "files.json").unlink()
+        write_file_list(ckpt)
+
+
+@pytest.mark.parametrize("meta", ["recorded", "older"])
+def test_resume_with_two_processes_of_a_one_process_run_is_refused_not_damaged(world, tmp_path, meta):
+    """A one-process run resumed by two processes: each rank says in one line what differs and how to resume; the
+    intact checkpoints are never called damaged nor is moving them away advised (rank 1 used to find no
+    trainer_state_rank1.json and call every checkpoint damaged). Older checkpoints are counted by their
+    trainer_state_rankN.json files."""
+    run = copy_run(world, tmp_path / "run")
+    if meta == "older":
+        _as_older_checkpoints(run)
+    config = (run / "config.yaml").read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "mtrain", "train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}", "--set",
+                           "train.max_steps=3"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("mtrain train: error:")]
+    assert len(lines) == 2, out[-3000:]  # one per rank
+    for line in lines:
+        assert f"checkpoint {run / 'checkpoints' / 'step-0000002'} was written by 1 process; this run has 2: " \
+               "resume with 1 process, or start a new run (another train.output_dir)" in line, line
+    assert "damaged" not in out and "move" not in out
+    assert str(REPO / "mtrain") not in out  # no traceback through mtrain (torchrun prints its own ChildFailedError)
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000002"
+    assert (run / "config.yaml").read_bytes() == config
+
+
+@pytest.mark.parametrize("field, value, meta, needles", [
+    ("num_hidden_layers", 3, "recorded", ["holds a model with num_hidden_layers=2", "has num_hidden_layers=3"]),
+    ("hidden_size", 64, "recorded", ["holds a model with hidden_size=128", "has hidden_size=64"]),
+    ("num_hidden_layers", 3, "older", ["another architecture", "Missing key(s)", "layers.2."]),
+    ("hidden_size", 64, "older", ["another architecture", "size mismatch", "torch.Size([1024, 128])"]),
+])
+def test_resume_with_another_model_is_refused_not_damaged(world, tmp_path, capsys, caplog, field, value, meta,
+                                                          needles):
+    """A run resumed with a model.config of another architecture: one line naming the checkpoint, what differs (from
+    meta.json, or for older checkpoints torch's first difference) and the fix; no checkpoint is called damaged and
+    none is to be moved away (every checkpoint used to be reported damaged)."""
+    run = copy_run(world, tmp_path / "run")
+    if meta == "older":
+        _as_older_checkpoints(run)
+    config = json.loads(MODEL_CONFIG.read_text())
+    config[field] = value
+    (tmp_path / "other.json").write_text(json.dumps(config))
+    caplog.set_level(logging.WARNING)
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}", "--set",
+                       "train.max_steps=3", "--set", f"model.config={tmp_path / 'other.json'}"], capsys)
+    assert rc == 2
+    line = assert_one_line(err, f"checkpoint {run / 'checkpoints' / 'step-0000002'}", *needles,
+                           f"model.config {tmp_path / 'other.json'}", "resume with the model the run was started with",
+                           "start a new run (another train.output_dir)")
+    assert "damaged" not in line + caplog.text and "move" not in line
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000002"
+
+
 def test_second_trainer_on_one_folder_refuses(world, tmp_path, capsys):
     from mtrain.train.run_folder import RunLock
 
