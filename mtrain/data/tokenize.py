@@ -5,6 +5,7 @@ Workers use the Rust `tokenizers` backend directly; each chunk's tokens are comm
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -256,22 +257,15 @@ def counts_path(lengths_path: str) -> str:
     return lengths_path.replace(".lengths.npy", ".counts.json")
 
 
-class _removed_on_error:
-    """Delete the half-written file `path` when the block fails (a full disk keeps the room it had)."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        if kind is not None:
-            try:
-                os.remove(self.path)
-            except OSError:
-                pass
-        return False
+@contextlib.contextmanager
+def _removed_on_error(path: str):
+    """Delete the half-written file `path` when the block fails (a full disk gets back the room it took)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
 
 
 def _save_atomic(path: str, array: np.ndarray) -> None:

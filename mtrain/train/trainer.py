@@ -406,7 +406,8 @@ class Trainer:
         tokenizer = load_tokenizer(r.model)
         hf_model = load_model(r.model, self._attn_implementation())
         self.architecture = architecture(hf_model.config)
-        self.model_key = f"model.config {r.model.config}" if r.model.config is not None else f"model.path {r.model.path}"
+        self.model_key = (f"model.config {r.model.config}" if r.model.config is not None
+                          else f"model.path {r.model.path}")
         self.embedding_rows = check_vocabulary(r, len(tokenizer), hf_model.get_input_embeddings().num_embeddings,
                                                self.reader.manifest)
         model = ChunkedLossLM(hf_model, chunk=t.loss_chunk)
