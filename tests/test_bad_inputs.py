@@ -258,6 +258,36 @@ def _latin1_jsonl(c: Ctx) -> list[str]:
     return c.pack()[:1] + ["--source", f"{bad}:jsonl"] + c.pack()[3:]
 
 
+def _body_jsonl(c: Ctx) -> Path:
+    """The world's documents under the key `body` instead of `text`."""
+    lines = (c.world / "docs.jsonl").read_text().splitlines()
+    return c.file("body.jsonl", "".join(json.dumps({"body": json.loads(line)["text"]}) + "\n" for line in lines))
+
+
+def _with_source(c: Ctx, source: str) -> list[str]:
+    return c.pack()[:1] + ["--source", source] + c.pack()[3:]
+
+
+def _changed_mds_source(c: Ctx) -> list[str]:
+    """A copy of the world's packed data (mtrain's manifest.json lists each shard's sha256) in which one token id
+    of the first sample got its high byte set, as a flipped bit on disk would: read as tokens it is an id outside
+    the tokenizer (what pack used to report, a tokenizer mismatch)."""
+    import numpy as np
+
+    from mtrain.data.mds import MDSFolder
+
+    data = Path(shutil.copytree(c.world / "packed", c.tmp / "mdssrc"))
+    ids = np.asarray(MDSFolder(str(data))[0]["input_ids"], dtype=np.uint32)
+    shard = data / "shard.00000.mds"
+    raw = bytearray(shard.read_bytes())
+    at = raw.find(ids[:16].tobytes())
+    assert at > 0 and raw.find(ids[:16].tobytes(), at + 1) < 0
+    raw[at + 4 * 5 + 3] = 0x01  # token 5 + 2**24
+    shard.write_bytes(bytes(raw))
+    return ["pack", "--source", f"{data}:mds", "--tokenizer", str(TOKENIZER_DIR), "--seq-len", "64", "--out",
+            str(c.tmp / "p"), "--workers", "1", "--no-progress"]
+
+
 def _pack_manifest(c: Ctx, text: str) -> list[str]:
     return ["pack", str(c.file("mix.yaml", text)), "--no-progress"]
 
@@ -294,6 +324,22 @@ PACK = [
     ("manifest-torn-yaml", lambda c: (_pack_manifest(c, "sources: [unclosed\n"), ["mix.yaml", "not valid YAML"], 2)),
     ("manifest-unknown-key", lambda c: (_pack_manifest(c, "sources: []\nseq_lenn: 4\n"), ["mix.yaml", "seq_lenn"], 2)),
     ("manifest-source-no-path", lambda c: (_pack_manifest(c, "sources: [{name: web}]\n"), ["needs a `path`"], 2)),
+    ("jsonl-without-text-field", lambda c: (_with_source(c, f"{_body_jsonl(c)}:jsonl"),
+                                            ["body.jsonl", "missing field `text`", "'body'",
+                                             "--source PATH:FORMAT:field=NAME"], 2)),
+    ("field-option-empty", lambda c: (_with_source(c, f"{_body_jsonl(c)}:jsonl:field="),
+                                      ["field=", "names no field"], 2)),
+    ("format-unknown", lambda c: (_with_source(c, f"{c.world / 'docs.jsonl'}:jsonlines"),
+                                  ["unknown format 'jsonlines'", "mds, jsonl, parquet, hf"], 2)),
+    ("format-unknown-in-manifest", lambda c: (_pack_manifest(c, f"sources: [{{path: {c.world / 'docs.jsonl'}, format: "
+                                                                f"jsonlines}}]\ntokenizer: {TOKENIZER_DIR}\nseq_len: 128"
+                                                                f"\nout: {c.tmp / 'p'}\n"),
+                                              ["unknown format 'jsonlines'", "mds, jsonl, parquet, hf"], 2)),
+    ("tokenizer-folder-without-tokenizer-files", lambda c: (
+        c.pack(tokenizer=str(c.folder("tok", {"tokenizer_config.json": "{}", "config.json": "{}"}))),
+        ["tokenizer", "tok", "no tokenizer files", "tokenizer.json", "tokenizer.model"], 2)),
+    ("mds-source-shard-changed", lambda c: (_changed_mds_source(c),
+                                            ["mdssrc/shard.00000.mds", "sha256 does not match manifest.json"], 2)),
     ("mds-source-pkl-column", lambda c: (
         ["pack", "--source", f"{_pkl_mds(c.tmp / 'pklsrc', {'text': 'pkl'}, {'text': Payload(c.tmp / 'PWNED')})}:mds",
          "--tokenizer", str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(c.tmp / "p"), "--workers", "1"],
@@ -794,6 +840,71 @@ def test_truncated_state_without_file_list_is_caught_on_load(world, tmp_path, ca
     assert "step-0000002 is damaged" in caplog.text and "resumed from the previous intact checkpoint" in caplog.text
 
 
+def _as_older_checkpoints(run: Path) -> None:
+    """Rewrite every checkpoint's meta.json as mtrain wrote it before it recorded the process count and the model
+    (files.json vouching for the new bytes, as it did for the old)."""
+    from mtrain.train.run_folder import write_file_list
+
+    for ckpt in (run / "checkpoints").glob("step-*"):
+        (ckpt / "meta.json").write_text(json.dumps({"git_revision": None, "step": int(ckpt.name[5:])}))
+        (ckpt / "files.json").unlink()
+        write_file_list(ckpt)
+
+
+@pytest.mark.parametrize("meta", ["recorded", "older"])
+def test_resume_with_two_processes_of_a_one_process_run_is_refused_not_damaged(world, tmp_path, meta):
+    """A one-process run resumed by two processes: each rank says in one line what differs and how to resume; the
+    intact checkpoints are never called damaged nor is moving them away advised (rank 1 used to find no
+    trainer_state_rank1.json and call every checkpoint damaged). Older checkpoints are counted by their
+    trainer_state_rankN.json files."""
+    run = copy_run(world, tmp_path / "run")
+    if meta == "older":
+        _as_older_checkpoints(run)
+    config = (run / "config.yaml").read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "mtrain", "train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}", "--set",
+                           "train.max_steps=3"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("mtrain train: error:")]
+    assert len(lines) == 2, out[-3000:]  # one per rank
+    for line in lines:
+        assert f"checkpoint {run / 'checkpoints' / 'step-0000002'} was written by 1 process; this run has 2: " \
+               "resume with 1 process, or start a new run (another train.output_dir)" in line, line
+    assert "damaged" not in out and "move" not in out
+    assert str(REPO / "mtrain") not in out  # no traceback through mtrain (torchrun prints its own ChildFailedError)
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000002"
+    assert (run / "config.yaml").read_bytes() == config
+
+
+@pytest.mark.parametrize("field, value, meta, needles", [
+    ("num_hidden_layers", 3, "recorded", ["holds a model with num_hidden_layers=2", "has num_hidden_layers=3"]),
+    ("hidden_size", 64, "recorded", ["holds a model with hidden_size=128", "has hidden_size=64"]),
+    ("num_hidden_layers", 3, "older", ["another architecture", "Missing key(s)", "layers.2."]),
+    ("hidden_size", 64, "older", ["another architecture", "size mismatch", "torch.Size([1024, 128])"]),
+])
+def test_resume_with_another_model_is_refused_not_damaged(world, tmp_path, capsys, caplog, field, value, meta,
+                                                          needles):
+    """A run resumed with a model.config of another architecture: one line naming the checkpoint, what differs (from
+    meta.json, or for older checkpoints torch's first difference) and the fix; no checkpoint is called damaged and
+    none is to be moved away (every checkpoint used to be reported damaged)."""
+    run = copy_run(world, tmp_path / "run")
+    if meta == "older":
+        _as_older_checkpoints(run)
+    config = json.loads(MODEL_CONFIG.read_text())
+    config[field] = value
+    (tmp_path / "other.json").write_text(json.dumps(config))
+    caplog.set_level(logging.WARNING)
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}", "--set",
+                       "train.max_steps=3", "--set", f"model.config={tmp_path / 'other.json'}"], capsys)
+    assert rc == 2
+    line = assert_one_line(err, f"checkpoint {run / 'checkpoints' / 'step-0000002'}", *needles,
+                           f"model.config {tmp_path / 'other.json'}", "resume with the model the run was started with",
+                           "start a new run (another train.output_dir)")
+    assert "damaged" not in line + caplog.text and "move" not in line
+    assert (run / "checkpoints" / "latest").read_text() == "step-0000002"
+
+
 def test_second_trainer_on_one_folder_refuses(world, tmp_path, capsys):
     from mtrain.train.run_folder import RunLock
 
@@ -950,6 +1061,60 @@ def test_second_pack_into_one_out_fails_at_once(world, tmp_path, capsys):
     _, first_err = first.communicate(timeout=120)
     assert first.returncode == 0, first_err[-3000:]
     assert (out / "index.json").is_file() and (out / "manifest.json").is_file() and not (out / ".work").exists()
+
+
+def test_pack_takes_the_text_field_from_source(world, tmp_path, capsys):
+    """A jsonl whose documents are under `body`: `--source PATH:jsonl:field=body` packs it (there was no way to name
+    the field on the command line), into the same tokens as the same documents under `text`."""
+    from mtrain.data import TrainingReader
+    from mtrain.data.sources import parse_source_spec
+
+    spec = parse_source_spec("posts.jsonl:jsonl:field=body@0.5")
+    assert (spec.path, spec.format, spec.field, spec.proportion) == ("posts.jsonl", "jsonl", "body", 0.5)
+    assert parse_source_spec("posts.jsonl:field=body").field == "body"
+    c = Ctx(world, tmp_path)
+    rc, err = run_cli(_with_source(c, f"{_body_jsonl(c)}:jsonl:field=body"), capsys)
+    assert rc == 0, err
+    manifest = json.loads((tmp_path / "packed" / "manifest.json").read_text())
+    assert manifest["sources"][0]["field"] == "body"
+    mine, theirs = TrainingReader(tmp_path / "packed", shuffle=False), TrainingReader(world / "packed", shuffle=False)
+    assert len(mine) == len(theirs)
+    assert all(mine.sample(i)["input_ids"].equal(theirs.sample(i)["input_ids"]) for i in range(len(mine)))
+
+
+def _can_mount_tmpfs(where: Path) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    where.mkdir()
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {where}"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize("size, stage", [("8k", "tok/s000/c000000.tokens.npy"), ("96k", "output shard 0")],
+                         ids=["tokens", "shard"])
+def test_pack_on_a_full_disk_names_the_file_and_resumes(world, tmp_path, size, stage):
+    """`mtrain pack` into a small tmpfs (a real full disk, in a private mount namespace): one line naming the file,
+    "no space left on device" and the fix, where it used to say "?: 11694 requested and 992 written" (numpy's short
+    write) or "?: No space left on device"; then, with room made, the same command resumes and finishes."""
+    disk = tmp_path / "disk"
+    if not _can_mount_tmpfs(disk):
+        pytest.skip("needs unshare and a tmpfs mount in a user namespace")
+    out = disk / "packed"
+    pack = " ".join([sys.executable, "-m", "mtrain", "pack", "--source", f"{world / 'docs.jsonl'}:jsonl", "--tokenizer",
+                     str(TOKENIZER_DIR), "--seq-len", str(SEQ), "--out", str(out), "--workers", "1", "--no-progress"])
+    script = (f"mount -t tmpfs -o size={size} tmpfs {disk} || exit 99; {pack}; echo rc=$?; echo === | tee /dev/stderr; "
+              f"mount -o remount,size=4m {disk}; {pack}; echo rc=$?; ls -a {out}")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    (out1, out2), (err1, err2) = proc.stdout.split("===\n"), proc.stderr.split("===\n")
+    assert out1.strip() == "rc=2", proc.stdout + proc.stderr
+    line = assert_one_line(err1, str(out / ".work"), "no space left on device", "MiB free there",
+                           "rerun the same command")
+    assert stage in line
+    assert "requested and" not in line and "?:" not in line
+    assert "rc=0" in out2.splitlines() and "resuming the unfinished pack" in err2, proc.stdout + proc.stderr
+    assert "index.json" in out2.splitlines() and ".work" not in out2.splitlines()
 
 
 def test_export_from_another_directory_after_the_data_is_gone(world, tmp_path, capsys, monkeypatch):

@@ -22,9 +22,10 @@ def register(subparsers) -> None:
         "resumes when rerun with the same arguments.",
     )
     p.add_argument("manifest", nargs="?", help="mixture manifest YAML (e.g. data/prolong-512k.yaml)")
-    p.add_argument("--source", action="append", default=None, metavar="PATH[:FORMAT][@PROPORTION]",
-                   help="a source; FORMAT is mds|jsonl|parquet|hf (detected when left out), PROPORTION its "
-                   "share of output tokens; repeat for a mixture")
+    p.add_argument("--source", action="append", default=None, metavar="PATH[:FORMAT][:field=NAME][@PROPORTION]",
+                   help="a source; FORMAT is mds|jsonl|parquet|hf (detected when left out), NAME the field or "
+                   "column holding the text (default text), PROPORTION its share of output tokens; repeat for a "
+                   "mixture (e.g. posts.jsonl:jsonl:field=body@0.3)")
     p.add_argument("--tokenizer", help="target HF tokenizer folder (the model's)")
     p.add_argument("--source-tokenizer", help="tokenizer of pre-tokenized sources, when it differs")
     p.add_argument("--seq-len", type=int, help="tokens per sample, e.g. 524288")
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         if config.get(key) is None:
             raise MtrainError(f"pack: --{key.replace('_', '-')} is required (or set `{key}` in the manifest)")
     if not sources:
-        raise MtrainError("pack: give sources with --source PATH[:FORMAT][@PROPORTION] or a manifest YAML")
+        raise MtrainError("pack: give sources with --source PATH[:FORMAT][:field=NAME][@PROPORTION] or a manifest YAML")
     options = {k: config[k] for k in PackOptions.__dataclass_fields__ if k in config}
     for key in PackOptions.__dataclass_fields__:
         value = getattr(args, key, None)

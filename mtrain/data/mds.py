@@ -231,6 +231,26 @@ class MDSFolder:
         return self.shard(k)[idx - int(self.shard_starts[k])]
 
 
+def read_manifest(dirname: str) -> dict | None:
+    """mtrain's manifest.json of a packed folder (None for MDS folders written by other tools)."""
+    path = os.path.join(dirname, "manifest.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as fh:
+            obj = json.load(fh)
+        obj["config_hash"], int(obj["seq_len"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MtrainError(f"{path}: corrupt manifest ({type(exc).__name__}: {exc}); re-create the dataset "
+                          "with `mtrain pack`") from None
+    return obj
+
+
+def shard_checksums(manifest: dict | None) -> dict[str, str]:
+    """Shard file name -> the sha256 mtrain's manifest records for it (for `MDSFolder`, which checks each shard)."""
+    return {e["file"]: e["sha256"] for e in (manifest or {}).get("shards", []) if "sha256" in e}
+
+
 def file_sha256(path: str) -> str:
     """Hex sha256 of a file, read in 16 MiB blocks."""
     digest = hashlib.sha256()

@@ -27,7 +27,7 @@ import numpy as np
 from mtrain.data import tokenize as tk
 from mtrain.data.mds import file_sha256, mds_writer
 from mtrain.data.sources import Chunk, SourceSpec, list_chunks, parse_source_spec, source_from_dict
-from mtrain.errors import MtrainError
+from mtrain.errors import MtrainError, writing
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +88,10 @@ def _cores() -> int:
 
 def _write_json_atomic(path: str, obj: Any) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1, sort_keys=True)
-        fh.write("\n")
+    with tk._removed_on_error(tmp), writing(path, tk.SPACE_FIX, "packing"):
+        with open(tmp, "w") as fh:
+            json.dump(obj, fh, indent=1, sort_keys=True)
+            fh.write("\n")
     os.replace(tmp, path)
 
 
@@ -111,7 +112,7 @@ def pack(
 ) -> dict:
     """Pack `sources` into `out_dir` as MDS samples of exactly `seq_len` target tokens; return the manifest.
 
-    sources: `SourceSpec`s, `PATH[:FORMAT][@PROPORTION]` strings or manifest-style dicts.
+    sources: `SourceSpec`s, `PATH[:FORMAT][:field=NAME][@PROPORTION]` strings or manifest-style dicts.
     tokenizer: the target HF tokenizer (folder or offline hub id). source_tokenizer: the tokenizer of
     pre-tokenized (MDS `input_ids`) sources; when it differs from the target each document is decoded and
     re-encoded. options: fields of `PackOptions`. Re-running on a killed run's `out_dir` resumes it; on a
@@ -555,11 +556,16 @@ def _write_shard(k: int) -> int:
     # does too; both produce the same bytes, and the rename below is atomic
     tmp = os.path.join(state.work_dir, "shards", f"tmp{k:05d}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    writer = mds_writer(tmp, COLUMNS, compression=state.compression, size_limit=None)
     first, stop = k * state.per_shard, min((k + 1) * state.per_shard, state.num_samples)
-    for j in range(first, stop):
-        writer.write(_sample(j))
-    writer.finish()
+    try:
+        with writing(tmp, tk.SPACE_FIX, f"writing output shard {k}"):
+            writer = mds_writer(tmp, COLUMNS, compression=state.compression, size_limit=None)
+            for j in range(first, stop):
+                writer.write(_sample(j))
+            writer.finish()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps the room it had
+        raise
     (entry,) = _read_json(os.path.join(tmp, "index.json"))["shards"]
     stored = entry["zip_data"] if entry.get("zip_data") else entry["raw_data"]
     final_name = f"shard.{k:05d}.mds" + (f".{state.compression}" if state.compression else "")

@@ -5,14 +5,13 @@ with a checkpointable cursor. Reads any ProLong-schema MDS folder (ProLong's own
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from mtrain.data.mds import MDSFolder
+from mtrain.data.mds import MDSFolder, read_manifest, shard_checksums
 from mtrain.errors import MtrainError
 
 IGNORE_INDEX = -100
@@ -63,9 +62,8 @@ class TrainingReader:
         self.path = str(path)
         if not 0 <= dp_rank < dp_size:
             raise MtrainError(f"TrainingReader: dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
-        self.manifest = self._manifest()
-        checksums = {e["file"]: e["sha256"] for e in (self.manifest or {}).get("shards", []) if "sha256" in e}
-        self.folder = MDSFolder(self.path, checksums)
+        self.manifest = read_manifest(self.path)
+        self.folder = MDSFolder(self.path, shard_checksums(self.manifest))
         if "input_ids" not in self.folder.columns:
             raise MtrainError(f"{self.path}: missing field `input_ids` (columns {sorted(self.folder.columns)}); "
                               "pack the data with `mtrain pack` first")
@@ -76,20 +74,6 @@ class TrainingReader:
         self.seed, self.shuffle, self.document_masking = seed, shuffle, document_masking
         self.dataset_id, self.seq_len = self._identify()
         self.epoch, self.position = 0, 0
-
-    def _manifest(self) -> dict | None:
-        """mtrain's manifest.json (None for MDS folders written by other tools)."""
-        path = os.path.join(self.path, "manifest.json")
-        if not os.path.exists(path):
-            return None
-        try:
-            with open(path) as fh:
-                obj = json.load(fh)
-            obj["config_hash"], int(obj["seq_len"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise MtrainError(f"{path}: corrupt manifest ({type(exc).__name__}: {exc}); re-create the dataset "
-                              "with `mtrain pack`") from None
-        return obj
 
     def _identify(self) -> tuple[str, int]:
         """(dataset id, tokens per sample): from mtrain's manifest, else from index.json and sample 0."""

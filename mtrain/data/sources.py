@@ -1,4 +1,4 @@
-"""Packing sources: `PATH[:FORMAT][@PROPORTION]` specs, format detection, and reading documents by chunk.
+"""Packing sources: `PATH[:FORMAT][:field=NAME][@PROPORTION]` specs, format detection, and reading documents by chunk.
 
 A chunk (MDS shard, parquet row group, jsonl byte range, save_to_disk row range) is the unit of parallel
 tokenization and of resume.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
@@ -17,6 +18,8 @@ import numpy as np
 from mtrain.errors import MtrainError
 
 FORMATS = ("mds", "jsonl", "parquet", "hf")
+SPEC_FORM = "PATH[:FORMAT][:field=NAME][@PROPORTION]"
+FIELD_FIX = "name the text field with --source PATH:FORMAT:field=NAME (a manifest source: `field: NAME`)"
 JSONL_CHUNK_BYTES = 8 << 20
 HF_CHUNK_ROWS = 4096
 
@@ -53,7 +56,8 @@ class SourceSpec:
 
 
 def parse_source_spec(text: str) -> SourceSpec:
-    """Parse `PATH[:FORMAT][@PROPORTION]`, e.g. `data/books:mds@0.25` or `web.jsonl@0.1`."""
+    """Parse `PATH[:FORMAT][:field=NAME][@PROPORTION]`, e.g. `data/books:mds@0.25`, `web.jsonl@0.1` or
+    `posts.jsonl:jsonl:field=body` (documents in the `body` field instead of `text`)."""
     path, proportion = text, None
     if "@" in path:
         head, tail = path.rsplit("@", 1)
@@ -62,12 +66,23 @@ def parse_source_spec(text: str) -> SourceSpec:
         except ValueError:
             raise MtrainError(f"--source {text!r}: proportion {tail!r} after '@' is not a number") from None
         path = head
+    options = {}
+    head, sep, tail = path.rpartition(":")
+    if sep and tail.startswith("field="):
+        name = tail.removeprefix("field=")
+        if not name:
+            raise MtrainError(f"--source {text!r}: `field=` names no field; write {SPEC_FORM}, e.g. "
+                              "posts.jsonl:jsonl:field=body")
+        path, options["field"] = head, name
     fmt = None
     if ":" in path:
         head, tail = path.rsplit(":", 1)
         if tail in FORMATS:
             path, fmt = head, tail
-    spec = SourceSpec(path=path, format=fmt, proportion=proportion)
+        elif re.fullmatch(r"[A-Za-z][\w-]*", tail) and not os.path.exists(path):
+            raise MtrainError(f"--source {text!r}: unknown format {tail!r}; the formats are {', '.join(FORMATS)} "
+                              f"(or leave it out to detect it from the path): write {SPEC_FORM}")
+    spec = SourceSpec(path=path, format=fmt, proportion=proportion, **options)
     return spec
 
 
@@ -92,7 +107,8 @@ def detect_format(spec: SourceSpec) -> str:
         raise MtrainError(f"source {path}: no such file or folder")
     if spec.format:
         if spec.format not in FORMATS:
-            raise MtrainError(f"source {path}: unknown format {spec.format!r}; use one of {FORMATS}")
+            raise MtrainError(f"source {path}: unknown format {spec.format!r}; the formats are {', '.join(FORMATS)} "
+                              "(or leave it out to detect it from the path)")
         return spec.format
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "index.json")):
@@ -160,7 +176,7 @@ def list_chunks(source_index: int, spec: SourceSpec) -> tuple[list[Chunk], dict]
         if "input_ids" not in folder.columns and spec.field not in folder.columns:
             raise MtrainError(
                 f"{os.path.join(spec.path, 'index.json')}: missing field: the MDS columns "
-                f"{sorted(folder.columns)} have neither `input_ids` nor the text field `{spec.field}`"
+                f"{sorted(folder.columns)} have neither `input_ids` nor the text field `{spec.field}`; {FIELD_FIX}"
             )
         for k, info in enumerate(folder.shards_info):
             chunks.append(Chunk(source_index, k, fmt, spec.path, k, k + 1))
@@ -192,7 +208,7 @@ def list_chunks(source_index: int, spec: SourceSpec) -> tuple[list[Chunk], dict]
             except Exception as exc:  # pyarrow raises ArrowInvalid / OSError on a damaged footer
                 raise MtrainError(f"{f}: not a readable parquet file ({exc})") from exc
             if spec.field not in meta.schema.names:
-                raise MtrainError(f"{f}: missing field `{spec.field}` (columns: {meta.schema.names})")
+                raise MtrainError(f"{f}: missing field `{spec.field}` (columns: {meta.schema.names}); {FIELD_FIX}")
             for g in range(meta.num_row_groups):
                 chunks.append(Chunk(source_index, len(chunks), fmt, f, g, g + 1))
     else:
@@ -204,7 +220,7 @@ def list_chunks(source_index: int, spec: SourceSpec) -> tuple[list[Chunk], dict]
         except Exception as exc:  # datasets raises several types for a damaged folder
             raise MtrainError(f"{directory}: not a readable datasets `save_to_disk` folder ({exc})") from exc
         if spec.field not in ds.column_names:
-            raise MtrainError(f"{directory}: missing field `{spec.field}` (columns: {ds.column_names})")
+            raise MtrainError(f"{directory}: missing field `{spec.field}` (columns: {ds.column_names}); {FIELD_FIX}")
         files.extend(sorted(glob.glob(os.path.join(directory, "*.arrow"))))
         for begin in range(0, len(ds), HF_CHUNK_ROWS):
             end = min(begin + HF_CHUNK_ROWS, len(ds))
@@ -218,9 +234,10 @@ def read_chunk(chunk: Chunk, field_name: str) -> Iterator[tuple[str, object]]:
     """Yield `(where, document)` for a chunk: `where` names file and position for error messages; the
     document is a `str` or a `np.ndarray` of token ids (pre-tokenized MDS, `indices` spans cut out)."""
     if chunk.format == "mds":
-        from mtrain.data.mds import MDSFolder
+        from mtrain.data.mds import MDSFolder, read_manifest, shard_checksums
 
-        folder = MDSFolder(chunk.path)
+        # a folder packed by mtrain lists each shard's sha256: a changed byte is named as such, not read as tokens
+        folder = MDSFolder(chunk.path, shard_checksums(read_manifest(chunk.path)))
         shard = folder.shard(chunk.begin)
         tokenized = "input_ids" in shard.columns
         for i in range(len(shard)):
@@ -282,7 +299,7 @@ def read_chunk(chunk: Chunk, field_name: str) -> Iterator[tuple[str, object]]:
 def _text(record, field_name: str, where: str) -> str:
     if not isinstance(record, dict) or field_name not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise MtrainError(f"{where}: missing field `{field_name}` (has {keys}); set the source's `field`")
+        raise MtrainError(f"{where}: missing field `{field_name}` (has {keys}); {FIELD_FIX}")
     text = record[field_name]
     if not isinstance(text, str):
         raise MtrainError(f"{where}: field `{field_name}` is {type(text).__name__}, not text")

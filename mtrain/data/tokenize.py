@@ -5,6 +5,7 @@ Workers use the Rust `tokenizers` backend directly; each chunk's tokens are comm
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -14,9 +15,11 @@ from functools import lru_cache
 import numpy as np
 
 from mtrain.data.sources import Chunk, read_chunk
-from mtrain.errors import MtrainError
+from mtrain.errors import MtrainError, writing
 
 POLICIES = ("auto", "always", "never")
+SPACE_FIX = ("free space on that disk (or choose another --out) and rerun the same command: the work already "
+             "finished is kept and the pack resumes from it")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,11 @@ def load_tokenizer(path: str) -> TokenizerInfo:
     folder's files are unchanged: a 150K-token vocabulary takes seconds to load)."""
     stamp = ()
     if os.path.isdir(path):
+        from mtrain.config import TOKENIZER_FILES
+
+        if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+            raise MtrainError(f"tokenizer {path}: the folder holds no tokenizer files (expected one of "
+                              f"{', '.join(TOKENIZER_FILES)}); give the folder of the model's tokenizer")
         stamp = tuple((e.name, e.stat().st_mtime_ns, e.stat().st_size) for e in sorted(os.scandir(path), key=lambda e: e.name))
     return _load_tokenizer(path, stamp)
 
@@ -237,8 +245,9 @@ def tokenize_chunk(chunk: Chunk) -> dict[str, int]:
     os.makedirs(os.path.dirname(tok_path), exist_ok=True)
     _save_atomic(tok_path, tokens)
     tmp = f"{counts_path(len_path)}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(counts, fh)
+    with _removed_on_error(tmp), writing(counts_path(len_path), SPACE_FIX, "tokenizing"):
+        with open(tmp, "w") as fh:
+            json.dump(counts, fh)
     os.replace(tmp, counts_path(len_path))
     _save_atomic(len_path, np.asarray(lengths, dtype=np.int64))  # last: marks the chunk done
     return counts
@@ -248,8 +257,20 @@ def counts_path(lengths_path: str) -> str:
     return lengths_path.replace(".lengths.npy", ".counts.json")
 
 
+@contextlib.contextmanager
+def _removed_on_error(path: str):
+    """Delete the half-written file `path` when the block fails (a full disk gets back the room it took)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
+
+
 def _save_atomic(path: str, array: np.ndarray) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        np.save(fh, array)
+    with _removed_on_error(tmp), writing(path, SPACE_FIX, "packing"):
+        with open(tmp, "wb") as fh:
+            np.save(fh, array)
     os.replace(tmp, path)

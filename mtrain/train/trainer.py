@@ -26,7 +26,8 @@ from mtrain.errors import ConfigError, DamagedCheckpointError, MtrainError, os_e
 from mtrain.safe_load import check_checkpoint_files
 from mtrain.train.loss import ChunkedLossLM
 from mtrain.train.metrics import MetricsLogger, usable_wandb_mode
-from mtrain.train.run_folder import RunLock, checkpoint_candidates, verify_file_list, write_file_list
+from mtrain.train.run_folder import (RunLock, architecture, architecture_mismatch, check_resumable,
+                                     checkpoint_candidates, verify_file_list, write_file_list)
 from mtrain.train.schedule import lr_factor, warmup_steps
 
 log = logging.getLogger(__name__)
@@ -206,12 +207,16 @@ class Trainer:
         return self.out / "checkpoints"
 
     def _resume(self, accelerator) -> Path | None:
-        """Load the newest intact checkpoint: the one `latest` names, else (reported) the previous intact one."""
+        """Load the newest intact checkpoint: the one `latest` names, else (reported) the previous intact one.
+
+        An intact checkpoint this launch cannot load (another process count, another model) is refused at once,
+        naming what differs: it is not damaged, and an older one would not fit either."""
         candidates = checkpoint_candidates(self._checkpoint_root())
         damaged = []
         for path in candidates:
             try:
                 verify_file_list(path)
+                check_resumable(path, accelerator.num_processes, self.architecture, self.model_key)
                 self._load_checkpoint(accelerator, path)
             except DamagedCheckpointError as exc:
                 log.warning("checkpoint %s is damaged: %s", path, exc)
@@ -255,7 +260,9 @@ class Trainer:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 self.recipe.save(tmp / "config.yaml")
-                (tmp / "meta.json").write_text(json.dumps({"git_revision": git_revision(), "step": self.state.step}))
+                (tmp / "meta.json").write_text(json.dumps({
+                    "git_revision": git_revision(), "step": self.state.step, "processes": accelerator.num_processes,
+                    "dp_size": self.state.dp_size, "cp_size": self.state.cp_size, "model": self.architecture}))
                 write_file_list(tmp)
         except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
@@ -280,17 +287,26 @@ class Trainer:
         # loaded tensors-only first, so a planted object is refused (DamagedCheckpointError) before that.
         check_checkpoint_files(path)
         try:
-            accelerator.load_state(str(path))
             saved = json.loads((path / f"trainer_state_rank{accelerator.process_index}.json").read_text())
             state = saved["state"]
-        except Exception as exc:  # safetensors, the unpickler and json each fail their own way on a bad file
+            written = (state["dp_size"], state["cp_size"])
+        except Exception as exc:  # a missing, torn or foreign counters file
             raise DamagedCheckpointError(f"cannot load it ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
-        if (state["dp_size"], state["cp_size"]) != (self.state.dp_size, self.state.cp_size):
+        if written != (self.state.dp_size, self.state.cp_size):
             raise MtrainError(
                 f"checkpoint {path} was written with dp_size={state['dp_size']} cp_size={state['cp_size']}, "
                 f"this run has dp_size={self.state.dp_size} cp_size={self.state.cp_size}; launch with the same "
                 "number of processes and parallel.cp_size, or start a new train.output_dir"
             )
+        try:
+            accelerator.load_state(str(path))
+        except Exception as exc:  # safetensors and the unpickler each fail their own way on a bad file
+            mismatch = architecture_mismatch(exc)
+            if mismatch is not None:  # intact weights of another model (a checkpoint from before meta.json said so)
+                raise MtrainError(f"checkpoint {path} holds a model of another architecture than this run's "
+                                  f"{self.model_key} ({mismatch}): resume with the model the run was started with, "
+                                  "or start a new run (another train.output_dir)") from None
+            raise DamagedCheckpointError(f"cannot load it ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
         self.state.load_state_dict(state)
         self.reader.load_state_dict(saved["data"])
         if "attention" in saved:  # checkpoints from before it was saved resume with fresh holds
@@ -390,6 +406,9 @@ class Trainer:
             raise MtrainError(f"data.seq_len={r.data.seq_len} but {r.data.path} was packed at seq_len={self.reader.seq_len}")
         tokenizer = load_tokenizer(r.model)
         hf_model = load_model(r.model, self._attn_implementation())
+        self.architecture = architecture(hf_model.config)
+        self.model_key = (f"model.config {r.model.config}" if r.model.config is not None
+                          else f"model.path {r.model.path}")
         self.embedding_rows = check_vocabulary(r, len(tokenizer), hf_model.get_input_embeddings().num_embeddings,
                                                self.reader.manifest)
         model = ChunkedLossLM(hf_model, chunk=t.loss_chunk)
