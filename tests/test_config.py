@@ -69,6 +69,7 @@ def test_unknown_key_named_with_suggestion(recipe_file):
         ("train.output_dir=cfg.json", r"train\.output_dir: 'cfg.json' is a file"),
         ("model.config=tok", r"model\.config: 'tok' is not a file"),
         ("attention.engine=cudnn", r"attention\.engine: 'cudnn' is not one of 'auto', 'triton', 'flex', 'fa4'"),
+        ("parallel.schedule=allgather", r"parallel\.schedule: 'allgather' is not one of 'ring', 'gather'"),
         ("attention.sample_rows=0", r"attention\.sample_rows: must be a positive integer or null"),
     ],
 )
