@@ -174,15 +174,16 @@ def test_dp2_cp2_runs(tmp_path, packed):
 
 def test_cp2_gather_schedule_gives_the_ring_loss(tmp_path, packed):
     """parallel.schedule gather (sparse layers over the group's all-gathered K/V in one call) trains the same model
-    as the ring: CP=2, sparse MTraining layers with packed documents, every step's loss within 1e-5 (relative; the
-    two sum the same terms in another order) and the same attention density."""
+    as the ring: CP=2, sparse MTraining layers with packed documents, gradient checkpointing (the recomputed layer
+    replays its first forward's path and gathers again), every step's loss within 1e-5 (relative; the two sum the
+    same terms in another order) and the same attention density."""
     runs = {}
     for schedule in ("ring", "gather"):
         proc = _torchrun(2, "train", str(_recipe(tmp_path, packed, schedule, max_steps=3, save_every=0, export=False)),
                          "--set", "parallel.cp_size=2", "--set", "attention.kind=mtraining",
                          "--set", "attention.block_size=32", "--set", "attention.sparse_policy=always",
                          "--set", "parallel.granularity=32", "--set", f"parallel.schedule={schedule}",
-                         "--set", "logging.log_every=1")
+                         "--set", "logging.log_every=1", "--set", "model.gradient_checkpointing=true")
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:]
         runs[schedule] = [json.loads(line) for line in (tmp_path / schedule / "metrics.jsonl").read_text().splitlines()]
