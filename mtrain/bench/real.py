@@ -102,14 +102,14 @@ def register_bench_attention(fn) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from mtrain.models.attention import _no_mask, mtrain_attention
+    from mtrain.models.attention import mtrain_attention, no_mask
 
     if fn is None:
         import functools
 
         fn = functools.partial(mtrain_attention, settings=None)
     AttentionInterface.register(BENCH_NAME, fn)
-    AttentionMaskInterface.register(BENCH_NAME, _no_mask)
+    AttentionMaskInterface.register(BENCH_NAME, no_mask)
 
 
 def capture_qkv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -271,10 +271,10 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     # the index as model layers build it on CUDA: replayed from a CUDA graph with the engine's plans (graphed.py)
     graph_ms = float("nan")
     if q.is_cuda:
-        from mtrain.models.attention import _prepare_spec, _say_engine
+        from mtrain.models.attention import prepare_spec, say_engine
         from mtrain.ops.graphed import estimate_graphed
 
-        prepare = _prepare_spec(q, k, _say_engine(engine, q, settings.block_size), None)
+        prepare = prepare_spec(q, k, say_engine(engine, q, settings.block_size), None)
         with torch.no_grad():
             graph_ms = timed(lambda: estimate_graphed(q, k, **sparse_kw, prepare=prepare), iters, warmup=2)
     est = index._cache.get("est_recall")

@@ -302,8 +302,8 @@ def load_policy_state(state: dict) -> None:
                             for layer, shape, parts, values in state["choice_stats"]}
 
 
-def _record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None,
-            true_recall=None) -> None:
+def record_layer(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None,
+                 true_recall=None) -> None:
     """Append this call's LayerRecord; on sample_recall steps measure the true recall of a sparse call on
     CONTEXT.recall_rows rows spread evenly over the sequence (ending at the last row). q/k: the whole
     sequence (None under CP, where no rank holds it: the ring measures it across the group and passes
@@ -359,7 +359,7 @@ def _remember(layer_idx, path: str, index, training: bool) -> None:
         CONTEXT.memo[layer_idx] = (path, lines)
 
 
-def _no_mask(*args, **kwargs):
+def no_mask(*args, **kwargs):
     """Mask function for mtrain kinds: attention masking is done inside the kernels."""
     return None
 
@@ -367,7 +367,7 @@ def _no_mask(*args, **kwargs):
 _ENGINES_SAID: set = set()
 
 
-def _say_engine(engine: str, q, block_size: int) -> str:
+def say_engine(engine: str, q, block_size: int) -> str:
     """The engine a sparse layer runs for attention.engine `engine` (`resolve_impl`), logged once per choice."""
     from mtrain.ops.attention import resolve_impl
 
@@ -389,7 +389,7 @@ def _deterministic_backward(engine: str) -> bool:
     return engine != "fa4" or torch.are_deterministic_algorithms_enabled()
 
 
-def _prepare_spec(q, k, engine: str, doc_ids):
+def prepare_spec(q, k, engine: str, doc_ids):
     """`estimate_graphed`'s prepare= for a layer: (engine, KV heads, head dim) where the engine's plans can be built
     with the index (our Triton kernels or fa4, no documents: with documents the engines derive them per call)."""
     return (engine, k.shape[2], q.shape[-1]) if engine in ("triton", "fa4") and doc_ids is None else None
@@ -397,7 +397,7 @@ def _prepare_spec(q, k, engine: str, doc_ids):
 
 def _graphed(q, prepare) -> bool:
     """Whether this layer's estimate runs from a CUDA graph that also builds the engine's plans (prepare: the layer's
-    `_prepare_spec`; what the cost model then charges the estimate: CostTable.graphed)."""
+    `prepare_spec`; what the cost model then charges the estimate: CostTable.graphed)."""
     from mtrain.ops import graphed
 
     return graphed.GRAPH_ESTIMATE and q.is_cuda and prepare is not None
@@ -412,8 +412,8 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
     from mtrain.ops.index import SparseIndex
 
     if s is not None:  # the concrete engine (auto resolved): what runs, what the cost model prices, what is logged
-        engine = _say_engine(engine, q, s.block_size)
-    prepare = _prepare_spec(q, k, engine, doc_ids)
+        engine = say_engine(engine, q, s.block_size)
+    prepare = prepare_spec(q, k, engine, doc_ids)
     graphed = _graphed(q, prepare)
 
     def sparse(index):
@@ -440,7 +440,7 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
                                         target=s.recall, rows=_scored_rows(s, q.shape[1]), engine=engine,
                                         graphed=graphed, layer_idx=layer_idx)
         _hold(layer_idx, prediction, policy, training)
-        _record(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
+        record_layer(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         _remember(layer_idx, path, index, training)
         if path == "sparse":
             return sparse(index)
@@ -534,7 +534,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                 recall = gathered_true_recall(q.detach(), k.detach(), positions, index._cache["lines"], seq_len,
                                               settings.block_size, CONTEXT.group, softmax_scale=scale,
                                               doc_ids=CONTEXT.doc_ids, n_rows=CONTEXT.recall_rows)
-        _record(layer_idx, path, index, prediction, true_recall=recall)
+        record_layer(layer_idx, path, index, prediction, true_recall=recall)
         _remember(layer_idx, path, index, training)
         if layer_idx == 0 and CONTEXT.sample_imbalance:  # one layer of the logged steps watches the balance
             from mtrain.parallel.imbalance import gathered_imbalance
@@ -552,7 +552,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                           schedule=CONTEXT.schedule, kv_gather=gather)
 
 
-def _hf_inputs(module, query, key, value, scaling, dropout):
+def hf_inputs(module, query, key, value, scaling, dropout):
     """What every mtrain kind does first with HF's [B, H, S, D] inputs: refuse dropout in training, move to
     [B, S, H, D], and answer a KV-cache call (queries continuing cached keys) densely. Returns (q, k, v, out of
     the cached call or None)."""
@@ -600,7 +600,7 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     engine = engine or CONTEXT.engine
     training = bool(getattr(module, "training", True))
     layer_idx = getattr(module, "layer_idx", None)
-    q, k, v, cached = _hf_inputs(module, query, key, value, scaling, dropout)
+    q, k, v, cached = hf_inputs(module, query, key, value, scaling, dropout)
     if cached is not None:
         return cached, None
     if CONTEXT.group is None:
@@ -665,7 +665,7 @@ def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int =
     # The function carries its own settings: models loaded under other mtrain names keep theirs.
     AttentionInterface.register(name, functools.partial(mtrain_attention, settings=CONTEXT.settings,
                                                         policy=sparse_policy, engine=engine))
-    AttentionMaskInterface.register(name, _no_mask)
+    AttentionMaskInterface.register(name, no_mask)
     return name
 
 

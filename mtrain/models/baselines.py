@@ -70,9 +70,9 @@ def baseline_attention(module, query, key, value, attention_mask, scaling=None, 
     """HF attention function of the baseline kinds (shapes as `mtrain.models.attention.mtrain_attention`):
     query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE -> (out [B, S_local, Hq, D], None).
     A KV cache (generation) runs dense, as for every mtrain kind."""
-    from mtrain.models.attention import CONTEXT, _hf_inputs, _record
+    from mtrain.models.attention import CONTEXT, hf_inputs, record_layer
 
-    q, k, v, cached = _hf_inputs(module, query, key, value, scaling, dropout)
+    q, k, v, cached = hf_inputs(module, query, key, value, scaling, dropout)
     if cached is not None:
         return cached, None
     if kind == "ulysses":
@@ -85,7 +85,7 @@ def baseline_attention(module, query, key, value, attention_mask, scaling=None, 
         return ulysses_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, softmax_scale=scaling,
                                  doc_ids=CONTEXT.doc_ids), None
     index = _index(kind, q, k, settings, scaling)
-    _record(getattr(module, "layer_idx", None), "sparse", index, None)
+    record_layer(getattr(module, "layer_idx", None), "sparse", index, None)
     if CONTEXT.group is None:
         from mtrain.ops import vertical_slash_attention
 
@@ -103,7 +103,7 @@ def register_baseline(kind: str, **settings) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from mtrain.models.attention import CONTEXT, _no_mask
+    from mtrain.models.attention import CONTEXT, no_mask
 
     if kind not in BASELINE_KINDS:
         raise MtrainError(f"'{kind}' is not a baseline attention kind ({', '.join(BASELINE_KINDS)})")
@@ -112,5 +112,5 @@ def register_baseline(kind: str, **settings) -> str:
     CONTEXT.kind, CONTEXT.sparse, CONTEXT.settings = kind, False, None
     name = f"mtrain-{kind}"
     AttentionInterface.register(name, functools.partial(baseline_attention, kind=kind, settings=chosen))
-    AttentionMaskInterface.register(name, _no_mask)
+    AttentionMaskInterface.register(name, no_mask)
     return name

@@ -927,7 +927,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             HAS_DOC=has_doc, DQ_ATOMIC=fused, **_opts(q, "col", max(sub["QT"], chunk)),
         )
         _reduce(dkc, dvc, extra_k, extra_v, col_plan, dkc.stride(2), chunk, chunk, D)
-        _column_add(dk, dv, dkc, dvc, universe_slots(plan, Sk, plans), group)
+        column_add(dk, dv, dkc, dvc, universe_slots(plan, Sk, plans), group)
     if grad_init is not None and not plans.get(NO_BLOCKS):  # the fp32 dK/dV into grad_init's tensors
         grad_init[1].copy_(dk)
         grad_init[2].copy_(dv)
@@ -1089,7 +1089,7 @@ def universe_slots(plan: ColumnPlan, seq_k: int, plans: dict) -> torch.Tensor:
     return plans[key]
 
 
-def _column_add(dk, dv, dkc, dvc, slots, group) -> None:
+def column_add(dk, dv, dkc, dvc, slots, group) -> None:
     """dK/dV rows += the columns' dK/dV of every query head of their group (see `_column_add_kernel`)."""
     B, Sk, Hkv, D = dk.shape
     _column_add_kernel[(-(-Sk // _COLUMN_ADD_KEYS), B * Hkv)](

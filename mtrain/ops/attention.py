@@ -30,7 +30,7 @@ AUTO_FA4_BLOCK_SIZES: frozenset[int] = frozenset({128})
 
 
 @functools.lru_cache(maxsize=8)
-def _fa4_usable(device_type: str, device_index) -> bool:
+def fa4_usable(device_type: str, device_index) -> bool:
     """Whether the fa4 engine can run here: a CUDA GPU of compute capability >= 9 with flash_attn.cute importable."""
     from mtrain.ops.dense import importable
 
@@ -40,34 +40,34 @@ def _fa4_usable(device_type: str, device_index) -> bool:
 
 # Entries of an index's cache that are not derived lists (the estimator's own recall figure, the lines it was built
 # from): they stay with the caller and are not handed to the backward.
-_NOT_PLANS = ("est_recall", "lines", "diagonal_listed")
+NOT_PLANS = ("est_recall", "lines", "diagonal_listed")
 
 
-def _split(obj, tensors: list):
+def split_tensors(obj, tensors: list):
     """`obj` (nested dicts, tuples, lists and dataclasses) with every tensor moved to `tensors` and replaced by its
-    slot there (an `_Slot`); `_join` puts them back."""
+    slot there (an `_Slot`); `join_tensors` puts them back."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return _Slot(len(tensors) - 1)
     if isinstance(obj, dict):
-        return {key: _split(val, tensors) for key, val in obj.items()}
+        return {key: split_tensors(val, tensors) for key, val in obj.items()}
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_split(val, tensors) for val in obj)
+        return type(obj)(split_tensors(val, tensors) for val in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _split(getattr(obj, f.name), tensors)
+        return dataclasses.replace(obj, **{f.name: split_tensors(getattr(obj, f.name), tensors)
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
 
 
-def _join(obj, tensors):
+def join_tensors(obj, tensors):
     if isinstance(obj, _Slot):
         return tensors[obj.at]
     if isinstance(obj, dict):
-        return {key: _join(val, tensors) for key, val in obj.items()}
+        return {key: join_tensors(val, tensors) for key, val in obj.items()}
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_join(val, tensors) for val in obj)
+        return type(obj)(join_tensors(val, tensors) for val in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _join(getattr(obj, f.name), tensors)
+        return dataclasses.replace(obj, **{f.name: join_tensors(getattr(obj, f.name), tensors)
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
 
@@ -93,9 +93,9 @@ class _PartialAttention(torch.autograd.Function):
             q, k, v, q_pos=q_pos, k_pos=k_pos, blocks=blocks, columns=columns, block_size=block_size,
             softmax_scale=scale, causal=causal, impl=impl, plans=plans, q_doc=q_doc, k_doc=k_doc,
         )
-        kept = None if plans is None else {key: val for key, val in plans.items() if key not in _NOT_PLANS}
+        kept = None if plans is None else {key: val for key, val in plans.items() if key not in NOT_PLANS}
         tensors = []
-        ctx.layout = _split((q_pos, k_pos, blocks, columns, kept, q_doc, k_doc), tensors)
+        ctx.layout = split_tensors((q_pos, k_pos, blocks, columns, kept, q_doc, k_doc), tensors)
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.args = (block_size, scale, causal, impl, deterministic)
         ctx.mark_non_differentiable(lse)
@@ -104,7 +104,7 @@ class _PartialAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
-        q_pos, k_pos, blocks, columns, plans, q_doc, k_doc = _join(ctx.layout, tensors)
+        q_pos, k_pos, blocks, columns, plans, q_doc, k_doc = join_tensors(ctx.layout, tensors)
         block_size, scale, causal, impl, deterministic = ctx.args
         dq, dk, dv = partial.attention_backward(
             dout, q, k, v, out, lse, q_pos=q_pos, k_pos=k_pos, blocks=blocks, columns=columns,
@@ -116,17 +116,17 @@ class _PartialAttention(torch.autograd.Function):
 
 def resolve_impl(impl: str, device, block_size: int, dtype=None) -> str:
     """The engine `vertical_slash_attention` runs for `impl` on `device` (a torch.device) at this block size and
-    input dtype: "auto" becomes "fa4" on CUDA at AUTO_FA4_BLOCK_SIZES where FA4 can run (`_fa4_usable`; fp16/bf16
+    input dtype: "auto" becomes "fa4" on CUDA at AUTO_FA4_BLOCK_SIZES where FA4 can run (`fa4_usable`; fp16/bf16
     inputs, or dtype None), "flex" at AUTO_FLEX_BLOCK_SIZES, else "triton" on CUDA and under TRITON_INTERPRET=1,
     else "torch"; other impls are returned as they are."""
     if impl != "auto":
         return impl
     if device.type == "cuda":
         if (block_size in AUTO_FA4_BLOCK_SIZES and dtype in (None, torch.float16, torch.bfloat16)
-                and _fa4_usable(device.type, device.index)):
+                and fa4_usable(device.type, device.index)):
             return "fa4"
         return "flex" if block_size in AUTO_FLEX_BLOCK_SIZES else "triton"
-    return "triton" if partial._use_triton("auto", device) else "torch"
+    return "triton" if partial.use_triton("auto", device) else "torch"
 
 
 def partial_attention(q, k, v, *, q_pos, k_pos, blocks=None, columns=None, block_size=64, softmax_scale=None,

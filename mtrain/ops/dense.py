@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mtrain.ops.reference import _check_qkv
+from mtrain.ops.reference import check_qkv
 
 
 def importable(module: str) -> bool:
@@ -69,7 +69,7 @@ def dense_attention(
     attends only to keys of its own document. These calls run our partial kernels (Triton on CUDA,
     which skip key blocks of other documents; PyTorch on the CPU), never an S x S mask.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if doc_ids is not None:
         from mtrain.ops.attention import partial_attention

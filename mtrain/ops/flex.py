@@ -13,7 +13,7 @@ from mtrain.ops.index import SparseIndex
 _COMPILED: dict = {}
 
 
-def _left_pack(ids: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pack(ids: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept entries of ids [..., M] packed to the left of a [..., width] int32 tensor (padding 0, which
     Flex never reads past the count) and their counts [...] int32."""
     counts = keep.sum(-1, dtype=torch.int32)
@@ -23,7 +23,7 @@ def _left_pack(ids: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch
     return out[..., :width].contiguous(), counts
 
 
-def _doc_ranges(doc: torch.Tensor, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def doc_ranges(doc: torch.Tensor, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Smallest and largest document id per block of bs tokens: [B, n] each."""
     B, S = doc.shape
     pad = n * bs - S
@@ -98,11 +98,11 @@ def flex_block_mask(index: SparseIndex, doc_ids: torch.Tensor | None = None):
     below = ok & (ids < rows[:, None])
     doc = None
     if doc_ids is None:
-        full_ids, full_cnt = _left_pack(ids, below, n)
-        part_ids, part_cnt = _left_pack(torch.cat([cblk, ids], -1), torch.cat([first, diag], -1), n)
+        full_ids, full_cnt = left_pack(ids, below, n)
+        part_ids, part_cnt = left_pack(torch.cat([cblk, ids], -1), torch.cat([first, diag], -1), n)
     else:
         doc = doc_ids.to(device=dev, dtype=torch.int64)
-        lo, hi = _doc_ranges(doc, bs, n)
+        lo, hi = doc_ranges(doc, bs, n)
         bidx = torch.arange(B, device=dev)[:, None, None, None]
         q_lo, q_hi = lo[:, None, :, None], hi[:, None, :, None]
 
@@ -112,9 +112,9 @@ def flex_block_mask(index: SparseIndex, doc_ids: torch.Tensor | None = None):
         one_doc = (lo == hi)[:, None, :, None] & (lo[bidx, ids.clamp(min=0)] == q_lo) & (
             hi[bidx, ids.clamp(min=0)] == q_lo)
         full = below & one_doc
-        full_ids, full_cnt = _left_pack(ids, full, n)
+        full_ids, full_cnt = left_pack(ids, full, n)
         part_keep = torch.cat([first & meets(cblk), ok & ~full & (ids <= rows[:, None]) & meets(ids)], -1)
-        part_ids, part_cnt = _left_pack(torch.cat([cblk, ids], -1), part_keep, n)
+        part_ids, part_cnt = left_pack(torch.cat([cblk, ids], -1), part_keep, n)
     listed = torch.zeros(B, H, n, n + 1, dtype=torch.bool, device=dev)
     listed.scatter_(-1, torch.where(ok, ids, n), True)
     mask_mod = _mask_mod(listed[..., :n].contiguous(), is_col, bs, doc)
