@@ -9,7 +9,7 @@ import math
 import torch
 
 from mtrain.ops import partial
-from mtrain.ops.attention import NOT_PLANS, join_tensors, split_tensors
+from mtrain.ops.partial_autograd import NOT_PLANS, join_tensors, split_tensors
 from mtrain.ops.flex import doc_ranges, left_pack
 from mtrain.ops.index import SparseIndex, kernel_column_chunk
 
@@ -273,7 +273,8 @@ class _Fa4Attention(torch.autograd.Function):
     """Forward: FA4 block-sparse (blocks) + Triton (columns), merged by LSE. Backward from the merged out / lse:
     deterministic=False: FA4's block-sparse backward + the Triton column backward, summed; deterministic=True:
     our deterministic Triton backward over blocks and columns at once (FA4 4.0.0b36 has no deterministic
-    block-sparse backward on SM90). Index-derived tensors go through save_for_backward (see _PartialAttention)."""
+    block-sparse backward on SM90). Index-derived tensors go through save_for_backward (see
+    `mtrain.ops.partial_autograd`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, index, scale, doc_ids, deterministic):

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-from mtrain.ops.attention import join_tensors, split_tensors
+from mtrain.ops.partial_autograd import join_tensors, split_tensors
 from mtrain.ops.estimate import estimate_rows, estimate_vertical_slash
 from mtrain.ops.index import SparseIndex
 
