@@ -6,6 +6,9 @@ through them is still two modules that each need the other, and the circles the 
 Its circles must each lie inside one group of KNOWN_CYCLES, so a new circle fails here; a group that no longer
 forms a circle is fine (remove it from the list when its rewrite lands).
 
+No module of a lower layer of the attention stack imports one of a higher layer (ops < parallel < models <
+train / eval / bench, `LAYERS`), through the full graph.
+
 Imports under `if TYPE_CHECKING:` are not edges. An import of a package's name (`from mtrain.eval import plots`)
 is an edge to the submodule when one of that name exists, else to the package's `__init__`.
 
@@ -34,8 +37,6 @@ KNOWN_CYCLES = (
     # plugin registration: the registry imports its task modules so they register; they import the registry
     frozenset({"mtrain.eval.registry", "mtrain.eval.tasks.haystack", "mtrain.eval.tasks.infbench",
                "mtrain.eval.tasks.niah", "mtrain.eval.tasks.pg19", "mtrain.eval.tasks.ruler"}),
-    # the shared per-call context is also one of the plugins (issue #31, item 1)
-    frozenset({"mtrain.models.attention", "mtrain.models.baselines"}),
 )
 
 # Pairs that once formed circles and must not again (issue #31, items 3 and 4): each the module that reads a format,
@@ -47,6 +48,9 @@ BROKEN_CYCLES = (
     # the partial-attention autograd function and its packing helpers: mtrain.ops.partial_autograd
     ("mtrain.ops.dense", "mtrain.ops.attention"),
     ("mtrain.ops.fa4", "mtrain.ops.attention"),
+    # the per-call context and the layer records: mtrain.models.context (the kinds are plugins of
+    # mtrain.models.registry)
+    ("mtrain.models.baselines", "mtrain.models.attention"),
 )
 
 
@@ -203,6 +207,25 @@ def test_config_does_not_import_the_command_line():
 
 def test_tiny_imports_no_stage():
     assert import_graph(False)["mtrain.tiny"] == frozenset()
+
+
+# The layers of the attention stack, lowest first (issue #31): a module imports from its own layer or lower ones.
+LAYERS = (("mtrain.ops",), ("mtrain.parallel",), ("mtrain.models",), ("mtrain.train", "mtrain.eval", "mtrain.bench"))
+
+
+def layer_of(module: str) -> int | None:
+    for level, packages in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            return level
+    return None
+
+
+def test_no_lower_layer_imports_a_higher_one():
+    graph = import_graph(False)
+    upward = [f"{a} -> {b}" for a, edges in graph.items() for b in sorted(edges)
+              if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)]
+    assert not upward, "imports from a lower layer (ops < parallel < models < train/eval/bench) to a higher one:\n" + \
+        "\n".join(sorted(upward))
 
 
 def test_cycles_finds_a_planted_circle():

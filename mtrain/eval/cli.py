@@ -120,7 +120,9 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
     """hf backend options from `--attention KIND` and `--sparse KEY=VALUE` items, validated (one line naming the
     bad kind or key). Without --attention, --sparse applies to the suite's `attn_implementation`."""
     from mtrain.config import parse_override_value
-    from mtrain.models.attention import ENGINES, KINDS, SPARSE_POLICIES
+    from mtrain.models.attention import ENGINES
+    from mtrain.models.policy import SPARSE_POLICIES
+    from mtrain.models.registry import KINDS
     from mtrain.parallel import SparseSettings
 
     if kind is None and not sparse_items:

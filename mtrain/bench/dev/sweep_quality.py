@@ -71,7 +71,8 @@ def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9) -> dict:
     (head, sampled row) pairs whose own recall is below `low`."""
     from mtrain.bench import real as bench_real
     from mtrain.models import attention
-    from mtrain.models.attention import CONTEXT, mtrain_attention
+    from mtrain.models.attention import mtrain_attention
+    from mtrain.models.context import CONTEXT
 
     marks = len(CONTEXT.densities), len(CONTEXT.layers)
     saved = CONTEXT.sample_recall, CONTEXT.recall_rows
