@@ -10,8 +10,8 @@ import torch
 
 from mtrain.ops import partial
 from mtrain.ops.partial_autograd import NOT_PLANS, join_tensors, split_tensors
-from mtrain.ops.flex import doc_ranges, left_pack
 from mtrain.ops.index import SparseIndex, kernel_column_chunk
+from mtrain.ops.lists import doc_ranges, left_pack
 
 # The FA4 release this engine was written and checked against (pyproject extra `fa4`). The engine calls FA4's
 # lower-level `_flash_attn_fwd` / `_flash_attn_bwd` (the public `flash_attn_func` cannot run its backward on

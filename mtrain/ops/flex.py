@@ -8,28 +8,10 @@ import math
 import torch
 
 from mtrain.ops.index import SparseIndex
+from mtrain.ops.lists import doc_ranges, left_pack
 
 # Compiled flex_attention per kind of kernel choice (see `_flex_fn`).
 _COMPILED: dict = {}
-
-
-def left_pack(ids: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept entries of ids [..., M] packed to the left of a [..., width] int32 tensor (padding 0, which
-    Flex never reads past the count) and their counts [...] int32."""
-    counts = keep.sum(-1, dtype=torch.int32)
-    slot = torch.where(keep, keep.cumsum(-1) - 1, width)  # dropped entries land in a dump column
-    out = torch.zeros(*ids.shape[:-1], width + 1, dtype=torch.int32, device=ids.device)
-    out.scatter_(-1, slot, torch.where(keep, ids, 0).to(torch.int32))
-    return out[..., :width].contiguous(), counts
-
-
-def doc_ranges(doc: torch.Tensor, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Smallest and largest document id per block of bs tokens: [B, n] each."""
-    B, S = doc.shape
-    pad = n * bs - S
-    lo = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).max).view(B, n, bs).amin(-1)
-    hi = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).min).view(B, n, bs).amax(-1)
-    return lo, hi
 
 
 def _mask_mod(listed: torch.Tensor, is_col: torch.Tensor, bs: int, doc: torch.Tensor | None):

@@ -18,7 +18,7 @@ import torch
 
 from mtrain.ops import partial
 from mtrain.ops.fa4 import BLOCK_SIZE, load_fa4, mask_mods, sparse_tensors, transposed
-from mtrain.ops.flex import left_pack
+from mtrain.ops.lists import left_pack
 from mtrain.parallel.plan import RingPlan
 
 ENGINES = ("auto", "triton", "fa4")
