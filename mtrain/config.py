@@ -22,7 +22,7 @@ import yaml
 
 from mtrain.errors import ConfigError
 
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 ATTENTION_KINDS = ("dense", "mtraining", "zigzag-dense", "zigzag-sparse", "moba", "xattention", "ulysses", "sdpa",
                    "eager")
 
@@ -297,7 +297,7 @@ def _build_section(cls, section: str, raw: Any):
     return cls(**kwargs)
 
 
-def _parse_override_value(text: str) -> Any:
+def parse_override_value(text: str) -> Any:
     """`--set a.b=VALUE`: VALUE is read as YAML, so 1 -> int, true -> bool, [1,2] -> list, x -> str."""
     try:
         return yaml.safe_load(text) if text != "" else ""
@@ -316,7 +316,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if len(parts) < 2:
             raise ConfigError(f"override '{item}' must name a section and a key, like train.max_steps=10")
         section, key = parts[0], ".".join(parts[1:])
-        value = _parse_override_value(text)
+        value = parse_override_value(text)
         target = raw.setdefault(section, {})
         if not isinstance(target, dict):
             raise ConfigError(f"override '{item}': section '{section}' is not a mapping")
@@ -339,8 +339,8 @@ def check_model_section(m: ModelConfig, deepspeed: str | None = None) -> None:
     for key, value in (("model.path", m.path), ("model.config", m.config), ("model.tokenizer", m.tokenizer), ("train.deepspeed", deepspeed)):
         if value is None or Path(value).exists():
             continue
-        if key in ("model.path", "model.tokenizer") and _HUB_ID.fullmatch(value):
-            _check_hub_id(key, value)
+        if key in ("model.path", "model.tokenizer") and HUB_ID.fullmatch(value):
+            check_hub_id(key, value)
             continue
         raise ConfigError(f"{key}: path '{value}' does not exist (relative paths are taken from the current directory)")
     if m.path is None and m.tokenizer is None:
@@ -463,7 +463,7 @@ def _model_heads(m: ModelConfig) -> tuple[int, int] | None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 
 
-def _check_hub_id(key: str, value: str) -> None:
+def check_hub_id(key: str, value: str) -> None:
     """A missing local path shaped like a hub id: fine online; offline only when the hub cache holds it."""
     from mtrain.offline import hub_offline
 

@@ -8,7 +8,7 @@ def _fresh_attention_context():
     """mtrain's attention context is process-global (the trainer sets it per micro-batch): a test that trains
     in-process must not leave its CP group or document ids to the next test."""
     yield
-    from mtrain.models.attention import CONTEXT
+    from mtrain.models.context import CONTEXT
 
     CONTEXT.group = CONTEXT.layout = CONTEXT.inner_group = CONTEXT.outer_group = None
     CONTEXT.local_world_size = CONTEXT.doc_ids = None

@@ -15,7 +15,7 @@ SCRIPT = r"""
 import json, torch
 from mtrain.ops import moba_attention, vertical_slash_attention, xattention_attention
 from mtrain.ops import partial
-assert partial._use_triton("auto", torch.device("cpu"))
+assert partial.use_triton("auto", torch.device("cpu"))
 g = torch.Generator().manual_seed(0)
 base = [torch.randn(1, 128, h, 16, generator=g) for h in (2, 1, 1)]
 dout = torch.randn(1, 128, 2, 16, generator=g)

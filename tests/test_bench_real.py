@@ -103,7 +103,7 @@ def test_bench_real_perplexity_follows_the_training_choice(tmp_path, monkeypatch
 
     from mtrain.bench import real as bench_real
     from mtrain.data.prose import prose_tokens
-    from mtrain.models.attention import RECALL_SLACK
+    from mtrain.models.policy import RECALL_SLACK
     from mtrain.ops.cost import SPARSE_MARGIN
     from mtrain.parallel import SparseSettings
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from mtrain.errors import MtrainError
-from mtrain.models.attention import CONTEXT, mtrain_attention, register_kind
+from mtrain.models.attention import mtrain_attention
+from mtrain.models.context import CONTEXT
+from mtrain.models.registry import register_kind
 from mtrain.ops import cost, estimate_vertical_slash, vertical_slash_attention
 from mtrain.parallel import SparseSettings
 from mtrain.train.metrics import attention_stats
@@ -36,7 +38,7 @@ def kernels_only_cpu_costs(monkeypatch):
 def single_device():
     """Every test starts from a fresh attention context (one device, no holds, no memo), whatever an earlier test in
     the process (a training run) left in the module's CONTEXT, and leaves it as it found it."""
-    from mtrain.models.attention import AttentionContext
+    from mtrain.models.context import AttentionContext
 
     saved = dict(vars(CONTEXT))
     vars(CONTEXT).update(vars(AttentionContext()))
@@ -59,7 +61,7 @@ def dense_kind(q, k, v):
 def test_auto_runs_dense_where_the_caps_keep_the_estimate_short_of_its_recall():
     """The same local pattern asked for recall 0.5 with 4-line caps: the estimate reaches ~0.39, more than
     RECALL_SLACK short, so auto runs the layer dense though sparse would pay; always still runs it sparse."""
-    from mtrain.models.attention import RECALL_SLACK
+    from mtrain.models.policy import RECALL_SLACK
 
     q, k, v = inputs("local")
     short = dataclasses.replace(LOCAL, recall=0.5)
@@ -195,6 +197,55 @@ def test_a_sparse_choice_whose_estimate_does_not_pay_holds_too(monkeypatch):
     assert CONTEXT.layers[-1].path == "dense" and CONTEXT.layers[-1].held
 
 
+def test_policy_state_saved_under_auto_resumes_the_same_holds_and_choices():
+    """What the trainer saves with a checkpoint under sparse_policy auto (`policy_state`, written as JSON) and gives
+    back on resume (`load_policy_state`, after a fresh `register_kind`) is the same dense holds, back-off streaks
+    and lagged choice statistics, and the resumed calls take the uninterrupted ones' paths; resumed without the holds
+    or without the statistics, they do not (a held layer estimates again; a lagged choice decides on its own counts)."""
+    import json
+
+    from mtrain.models.context import AttentionContext
+    from mtrain.models.policy import load_policy_state, policy_state
+
+    local, flat = inputs("local"), inputs("flat")
+    # per step: (layer 3: the flat pattern, always dense), (layer 1: local, local, then flat)
+    plan = [[(3, flat, FLAT), (1, local, LOCAL)]] * 2 + [[(3, flat, FLAT), (1, flat, LOCAL)]] * 3
+
+    def fresh_run():  # a new process: a fresh context, the kind registered as the trainer does
+        vars(CONTEXT).update(vars(AttentionContext()))
+        register_kind("mtraining", sparse_policy="auto", dense_hold=2, block_size=BS)
+
+    def run(steps):
+        paths = []
+        for step in steps:
+            CONTEXT.step = step
+            for layer, qkv, settings in plan[step]:
+                CONTEXT.layers.clear()
+                call(*qkv, settings, "auto", layer=layer)
+                (record,) = CONTEXT.layers
+                paths.append((step, layer, record.path, record.held))
+        return paths
+
+    fresh_run()
+    run([0, 1])
+    saved = json.loads(json.dumps(policy_state()))  # the checkpoint after step 1
+    holds = (dict(CONTEXT.dense_until), dict(CONTEXT.hold_streak))
+    assert holds[0] and CONTEXT.choice_stats
+    ref = run([2, 3, 4])
+    assert any(held for *_, held in ref) and any(path == "sparse" for _, _, path, _ in ref), ref
+
+    fresh_run()
+    load_policy_state(saved)
+    assert (CONTEXT.dense_until, CONTEXT.hold_streak) == holds
+    assert json.loads(json.dumps(policy_state())) == saved
+    assert run([2, 3, 4]) == ref
+
+    for lost in ({"dense_until": [], "hold_streak": []}, {"choice_stats": []}):  # resumed without the holds, the stats
+        fresh_run()
+        load_policy_state({**saved, **lost})
+        assert run([2, 3, 4]) != ref, lost
+
+
 def test_dense_hold_steps_is_validated():
     with pytest.raises(MtrainError, match="dense_hold must be an integer >= 0"):
         register_kind("mtraining", sparse_policy="auto", dense_hold=-1)
@@ -250,7 +301,7 @@ def test_dense_layers_measure_no_true_recall():
 
 
 def test_attention_stats_per_layer():
-    from mtrain.models.attention import LayerRecord
+    from mtrain.models.context import LayerRecord
 
     records = [LayerRecord(0, "sparse", 0.2, 10.0, 5.0, est_recall=torch.tensor([[0.9, 0.8]])),
                LayerRecord(1, "dense", 0.7, 10.0, 12.0),
@@ -309,7 +360,7 @@ def test_checkpointing_replays_the_first_forwards_choice(monkeypatch):
     import mtrain.ops
     from torch.utils.checkpoint import checkpoint
 
-    from mtrain.models.attention import checkpoint_contexts
+    from mtrain.models.policy import checkpoint_contexts
 
     q, k, v = inputs("local")
     _hold_state(monkeypatch)
@@ -359,7 +410,7 @@ def test_checkpointing_frees_the_index_between_forward_and_backward():
 
     from torch.utils.checkpoint import checkpoint
 
-    from mtrain.models.attention import checkpoint_contexts
+    from mtrain.models.policy import checkpoint_contexts
 
     q, k, v = inputs("local")
     index = estimate_vertical_slash(q, k, recall=LOCAL.recall, block_size=BS, max_vertical=4, max_slash=4,
@@ -502,7 +553,7 @@ def test_auto_decides_from_the_layers_previous_estimate():
     """LAGGED_CHOICE: a layer's first call decides from its own estimate; later calls of the same layer and shape
     from the estimate before theirs (read without waiting for the GPU), so a pattern that changes moves the choice
     one call later; another layer, or LAGGED_CHOICE off, decides from its own estimate."""
-    import mtrain.models.attention as attention
+    import mtrain.models.policy as policy
 
     local, flat = inputs("local"), inputs("flat")
     call(*local, LOCAL, "auto", training=False)
@@ -512,10 +563,10 @@ def test_auto_decides_from_the_layers_previous_estimate():
     paths = [r.path for r in CONTEXT.layers]
     assert paths == ["sparse", "sparse", "dense", "dense"]
     CONTEXT.layers.clear()
-    attention.LAGGED_CHOICE = False
+    policy.LAGGED_CHOICE = False
     try:
         call(*local, LOCAL, "auto", training=False, layer=2)
         call(*flat, LOCAL, "auto", training=False, layer=2)
     finally:
-        attention.LAGGED_CHOICE = True
+        policy.LAGGED_CHOICE = True
     assert [r.path for r in CONTEXT.layers] == ["sparse", "dense"]

@@ -200,13 +200,13 @@ def test_auto_picks_fa4_where_it_was_measured_faster(monkeypatch):
     from mtrain.ops import attention
 
     cuda = torch.device("cuda")
-    monkeypatch.setattr(attention, "_fa4_usable", lambda device_type, device_index: True)
+    monkeypatch.setattr(attention, "fa4_usable", lambda device_type, device_index: True)
     assert attention.resolve_impl("auto", cuda, 128, torch.bfloat16) == "fa4"
     assert attention.resolve_impl("auto", cuda, 128) == "fa4"
     assert attention.resolve_impl("auto", cuda, 128, torch.float32) == "triton"
     assert attention.resolve_impl("auto", cuda, 64, torch.bfloat16) == "triton"
     assert attention.resolve_impl("triton", cuda, 128, torch.bfloat16) == "triton"
-    monkeypatch.setattr(attention, "_fa4_usable", lambda device_type, device_index: False)
+    monkeypatch.setattr(attention, "fa4_usable", lambda device_type, device_index: False)
     assert attention.resolve_impl("auto", cuda, 128, torch.bfloat16) == "triton"
     monkeypatch.undo()
-    assert attention._fa4_usable("cpu", None) is False  # no GPU: never fa4, whatever is installed
+    assert attention.fa4_usable("cpu", None) is False  # no GPU: never fa4, whatever is installed

@@ -417,7 +417,7 @@ def test_triton_column_add_matches_indexed_adds():
     """The column gradients are added to dK/dV rows head by head in group order (bitwise as a plain loop),
     keys found through each head's key -> slot map of its sorted, -1 padded universe; keys in no universe are left
     alone. Into bf16 dK/dV (the fa4 engine adds into FA4's): the fp32 sum, rounded once."""
-    from mtrain.ops._triton_attention import _column_add, universe_slots
+    from mtrain.ops._triton_attention import column_add, universe_slots
 
     gen = torch.Generator().manual_seed(2)
     B, Sk, Hkv, group, D, U = 2, 150, 2, 3, 16, 9
@@ -451,9 +451,9 @@ def test_triton_column_add_matches_indexed_adds():
             assert int((slots[b, h] >= 0).sum()) == keys.numel()
     low_k, low_v = dk.to(torch.bfloat16), dv.to(torch.bfloat16)
     want_low = indexed_adds(low_k.float(), low_v.float())
-    _column_add(dk, dv, dkc, dvc, slots, group)
+    column_add(dk, dv, dkc, dvc, slots, group)
     assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
-    _column_add(low_k, low_v, dkc, dvc, slots, group)
+    column_add(low_k, low_v, dkc, dvc, slots, group)
     for got, want in zip((low_k, low_v), want_low):
         torch.testing.assert_close(got, want.to(torch.bfloat16), atol=0, rtol=2 ** -7)
 

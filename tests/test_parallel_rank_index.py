@@ -76,7 +76,7 @@ def test_rows_from_lines_bounded_widths_hold_the_same_lists(S, bs, nv, ns):
 def test_bounded_rows_read_the_choice_statistics_with_their_widths():
     """The one host read of bound_widths also carries the whole index's work and the values asked for: what a
     layer's dense/sparse choice reads (`_choice_stats`), so a CP layer reads back once."""
-    from mtrain.models.attention import _choice_stats
+    from mtrain.models.policy import _choice_stats
 
     vertical, slash = _lines(256, 12, 5, 3)
     rows = torch.arange(1, 16, 2)

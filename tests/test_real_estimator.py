@@ -90,7 +90,8 @@ def test_true_and_estimated_recall_on_real_attention(model_and_tokenizer):
 @pytest.mark.timeout(1500)  # ~5 min on 2 busy cores: a dense and a sparse 4K forward of 30 layers
 def test_sparse_perplexity_within_one_percent_of_dense_at_4k(model_and_tokenizer):
     """The must-show of issue #12: every layer sparse (no dense fallback), default settings, fp32, 4K tokens."""
-    from mtrain.models.attention import CONTEXT, register_kind
+    from mtrain.models.context import CONTEXT
+    from mtrain.models.registry import register_kind
 
     model, tok = model_and_tokenizer
     ids = prose_ids(tok, 4096)

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from mtrain.models.attention import CONTEXT, register_kind
+from mtrain.models.context import CONTEXT
+from mtrain.models.registry import register_kind
 from real_model import REAL_MODEL, load_real_model, prose_ids, require_real_model
 
 SEQ = 1024

@@ -117,7 +117,8 @@ def test_train_resume_export(tmp_path, packed):
             assert torch.equal(tensor, trained[name]), name
     # ... and gives the trained model's logits: plain transformers (sdpa) vs mtrain's own attention.
     from mtrain.config import load_recipe
-    from mtrain.models.attention import CONTEXT, register_attention
+    from mtrain.models.context import CONTEXT
+    from mtrain.models.registry import register_attention
 
     name = register_attention(load_recipe(recipe, ["parallel.cp_size=1"]))
     ours = AutoModelForCausalLM.from_pretrained(final, attn_implementation=name)

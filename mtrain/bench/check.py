@@ -35,7 +35,7 @@ import time
 import torch
 
 from mtrain.ops import SparseIndex, dense_attention, partial, reference, vertical_slash_attention  # noqa: E402
-from mtrain.ops.attention import partial_attention  # noqa: E402
+from mtrain.ops.partial_autograd import partial_attention  # noqa: E402
 
 # dtype -> largest relative error allowed (out, grads): accumulation is fp32, so the input rounding dominates.
 TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 5e-3), torch.bfloat16: (1.5e-2, 3e-2)}

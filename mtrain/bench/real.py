@@ -102,14 +102,15 @@ def register_bench_attention(fn) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from mtrain.models.attention import _no_mask, mtrain_attention
+    from mtrain.models.attention import mtrain_attention
+    from mtrain.models.context import no_mask
 
     if fn is None:
         import functools
 
         fn = functools.partial(mtrain_attention, settings=None)
     AttentionInterface.register(BENCH_NAME, fn)
-    AttentionMaskInterface.register(BENCH_NAME, _no_mask)
+    AttentionMaskInterface.register(BENCH_NAME, no_mask)
 
 
 def capture_qkv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -219,7 +220,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
                                   scaling=scale, settings=settings, policy=policy, engine=engine)
         return out
 
-    from mtrain.models.attention import CONTEXT
+    from mtrain.models.context import CONTEXT
 
     marks = len(CONTEXT.densities), len(CONTEXT.layers)
     saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.step
@@ -244,7 +245,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         held = bool(CONTEXT.dense_until)
         long_run_ms = steady_ms
         if held and hold > 0:  # the held steps again (still inside the hold), apart from the estimating one
-            from mtrain.models.attention import HOLD_BACKOFF_MAX
+            from mtrain.models.policy import HOLD_BACKOFF_MAX
 
             held_ms = timed(steps(1, hold), 1, warmup=0, back_to_back=True) / hold
             estimating_ms = steady_ms * (hold + 1) - held_ms * hold
@@ -271,10 +272,10 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     # the index as model layers build it on CUDA: replayed from a CUDA graph with the engine's plans (graphed.py)
     graph_ms = float("nan")
     if q.is_cuda:
-        from mtrain.models.attention import _prepare_spec, _say_engine
+        from mtrain.models.attention import prepare_spec, say_engine
         from mtrain.ops.graphed import estimate_graphed
 
-        prepare = _prepare_spec(q, k, _say_engine(engine, q, settings.block_size), None)
+        prepare = prepare_spec(q, k, say_engine(engine, q, settings.block_size), None)
         with torch.no_grad():
             graph_ms = timed(lambda: estimate_graphed(q, k, **sparse_kw, prepare=prepare), iters, warmup=2)
     est = index._cache.get("est_recall")
@@ -298,7 +299,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
 def _last_path(mark: int, policy: str) -> str:
     """The path of the last mtrain attention call since CONTEXT.layers had `mark` records (policy "never" records
     nothing: dense)."""
-    from mtrain.models.attention import CONTEXT
+    from mtrain.models.context import CONTEXT
 
     if len(CONTEXT.layers) > mark:
         return CONTEXT.layers[-1].path
@@ -309,7 +310,8 @@ def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "
     """The path ("sparse" / "dense") mtrain's attention takes for this layer's captured q/k/v [1, S, H, D] when a
     training step calls it (module in training mode: the cost model prices forward + backward), from one untimed
     call; for the layers `measure_layer` does not time. Leaves the policy state as it found it."""
-    from mtrain.models.attention import CONTEXT, mtrain_attention
+    from mtrain.models.attention import mtrain_attention
+    from mtrain.models.context import CONTEXT
 
     class _Layer:
         layer_idx = layer
@@ -347,7 +349,7 @@ def perplexity_as_run(model, ids: torch.Tensor, fn) -> tuple[float, list[int]]:
     """(perplexity, the layers that ran sparse) of `model` over `ids` with the bench's attention name pointed at
     `fn` (None: dense); what ran is read from the records mtrain's attention leaves (CONTEXT.layers). Each pass is
     one forward: the lagged choice's statistics are cleared first, so every layer choosing reads its own estimate."""
-    from mtrain.models.attention import CONTEXT
+    from mtrain.models.context import CONTEXT
 
     marks = len(CONTEXT.densities), len(CONTEXT.layers)
     CONTEXT.choice_stats.clear()
@@ -402,7 +404,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"{cfg.num_key_value_heads} kv heads x {head_dim}; S={seq_len}, YaRN factor {factor:g}, {dtype}, "
         f"{device.type}; engine {engine}; text {text}: {TEXT_LABELS[text]}; settings {settings}")
 
-    from mtrain.models.attention import CONTEXT
+    from mtrain.models.context import CONTEXT
 
     CONTEXT.choice_stats.clear()  # a fresh run: no layer's choice reads an estimate from before it (LAGGED_CHOICE)
     t0 = time.perf_counter()
@@ -455,7 +457,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     mtrain_total = sum(r.mtrain_ms for r in results)
     steady_total = sum(r.steady_ms for r in results)
     long_total = sum(r.long_run_ms for r in results)
-    from mtrain.models.attention import HOLD_BACKOFF_MAX
+    from mtrain.models.policy import HOLD_BACKOFF_MAX
 
     def slower(attr):  # layer -> % over dense, for the layers slower than dense
         return {r.layer: round(100 * (getattr(r, attr) / r.dense_ms - 1), 2) for r in results

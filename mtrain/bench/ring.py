@@ -32,7 +32,7 @@ from mtrain.parallel.comm import RingComm  # noqa: E402
 from mtrain.parallel.estimate import estimate_index, estimate_lines, estimate_rank_index  # noqa: E402
 from mtrain.parallel.merge import GradSum, PartialAccumulator  # noqa: E402
 from mtrain.parallel.plan import (  # noqa: E402
-    _build_sparse_plan, dense_plan, rank_blocks, shard_key_blocks, sparse_plan,
+    build_sparse_plan, dense_plan, rank_blocks, shard_key_blocks, sparse_plan,
 )
 from mtrain.parallel.steps import (  # noqa: E402
     ColumnGather, finish_column_grads, start_column_grad_reduce, step_backward, step_forward,
@@ -321,7 +321,7 @@ def bench_tokens(tokens, rank, world, args, device, report):
                     args.iters, args.warmup)
                 mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None, **est)
                 origin = (rank + 1) % world
-                row["plan_estimated_ms"] = timed(lambda: _build_sparse_plan(mine, layout, rank, device, origin),
+                row["plan_estimated_ms"] = timed(lambda: build_sparse_plan(mine, layout, rank, device, origin),
                                                  args.iters, args.warmup)
                 row["density_ring_estimated"] = mine.density()
                 row["index_bytes_per_layer"] = sum(t.numel() * t.element_size() for t in (
@@ -529,7 +529,7 @@ def phases(tokens, rank, world, args, device):
         plan = sparse_plan(index, layout, rank, device) if index is not None else dense_plan(layout, seq, rank, device)
         t = {}
         if index is not None:
-            t["plan_build"] = timed(lambda: _build_sparse_plan(index, layout, rank, device, rank), it, wu)
+            t["plan_build"] = timed(lambda: build_sparse_plan(index, layout, rank, device, rank), it, wu)
             t["plan_cached"] = timed(lambda: sparse_plan(index, layout, rank, device), it, wu)
             pos = layout.indices(seq, rank).to(device)
             settings = SparseSettings(block_size=args.block_size, max_vertical=args.verticals,

@@ -51,7 +51,8 @@ def bench_recipe(kind: str, recall: float, max_lines: int, extra: list[str] = ()
 def build(shape: str, kind: str, seq_len: int, recall: float, max_lines: int, device: str = DEVICE):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from mtrain.models.attention import CONTEXT, register_attention
+    from mtrain.models.context import CONTEXT
+    from mtrain.models.registry import register_attention
     from mtrain.train.loss import ChunkedLossLM
 
     name = register_attention(bench_recipe(kind, recall, max_lines))
@@ -71,7 +72,7 @@ def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
 
 
 def run(shape: str, kind: str, seq_len: int, steps: int, recall: float, max_lines: int) -> dict:
-    from mtrain.models.attention import CONTEXT
+    from mtrain.models.context import CONTEXT
 
     model, cfg = build(shape, kind, seq_len, recall, max_lines)
     n_params = sum(p.numel() for p in model.parameters())
@@ -175,7 +176,7 @@ def find_max(args) -> None:
     The model, DeepSpeed engine and offloaded optimizer are built once and reused for every length (the
     weights do not depend on the sequence length), through the trainer's own Accelerator + DeepSpeedPlugin.
     """
-    from mtrain.models.attention import CONTEXT
+    from mtrain.models.context import CONTEXT
     from mtrain.train.trainer import Trainer
 
     t_start = time.perf_counter()

@@ -70,7 +70,7 @@ def _check_request(config: dict, options: dict, sources: list) -> None:
     """Numbers in range and paths usable, before any tokenizer loads or worker starts."""
     import math
 
-    from mtrain.config import _HUB_ID, _check_hub_id
+    from mtrain.config import HUB_ID, check_hub_id
 
     if not isinstance(config["seq_len"], int) or isinstance(config["seq_len"], bool):
         raise MtrainError(f"pack: seq_len must be an integer, got {config['seq_len']!r}")
@@ -88,10 +88,10 @@ def _check_request(config: dict, options: dict, sources: list) -> None:
             continue
         if os.path.exists(value):
             raise MtrainError(f"pack: --{key.replace('_', '-')} {value} is a file; give the tokenizer's folder")
-        if not _HUB_ID.fullmatch(value):
+        if not HUB_ID.fullmatch(value):
             raise MtrainError(f"pack: --{key.replace('_', '-')} {value}: no such folder; fix the path")
         try:
-            _check_hub_id(key, value)
+            check_hub_id(key, value)
         except MtrainError:
             raise MtrainError(f"pack: --{key.replace('_', '-')} {value}: no such folder and no hub tokenizer in the "
                               "local cache; fix the path, or run `mtrain --online pack ...` for a hub id") from None

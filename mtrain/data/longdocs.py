@@ -22,7 +22,7 @@ import os
 import sysconfig
 from collections.abc import Iterable, Iterator
 
-from mtrain.data.prose import _docstrings, _topics
+from mtrain.data.prose import reference_topics, stdlib_docstrings
 from mtrain.errors import MtrainError
 
 SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
@@ -118,7 +118,8 @@ def _license_texts(stdlib: str | None = None) -> str:
 def books(*, min_doc_chars: int = 50_000, stdlib: str | None = None) -> Iterator[tuple[str, str]]:
     """(name, text) book-length prose documents: the reference documentation, the standard library's
     docstrings, the license texts (each left out when shorter than `min_doc_chars`)."""
-    for name, text in (("python-reference", "".join(_topics())), ("stdlib-docstrings", "".join(_docstrings())),
+    for name, text in (("python-reference", "".join(reference_topics())),
+                       ("stdlib-docstrings", "".join(stdlib_docstrings())),
                        ("licenses", _license_texts(stdlib))):
         if len(text) >= min_doc_chars:
             yield name, text

@@ -79,7 +79,7 @@ def _tokenizer_record(info: tk.TokenizerInfo | None) -> dict | None:
     return None if info is None else {"path": info.path, "sha256": info.sha256, "vocab_size": info.vocab_size}
 
 
-def _cores() -> int:
+def cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -88,7 +88,7 @@ def _cores() -> int:
 
 def _write_json_atomic(path: str, obj: Any) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with tk._removed_on_error(tmp), writing(path, tk.SPACE_FIX, "packing"):
+    with tk.removed_on_error(tmp), writing(path, tk.SPACE_FIX, "packing"):
         with open(tmp, "w") as fh:
             json.dump(obj, fh, indent=1, sort_keys=True)
             fh.write("\n")
@@ -197,7 +197,7 @@ class _Packer:
         if per_shard < 1 or per_shard * (4 * seq_len + 64) >= 2**32:
             raise MtrainError(f"pack: samples_per_shard {per_shard} must be >= 1 and keep a shard under 4 GiB")
         self.per_shard = per_shard
-        self.workers = opts.workers or _cores()
+        self.workers = opts.workers or cores()
 
     # ---------------------------------------------------------------- identity and output folder
     def _identity(self) -> dict:
@@ -421,7 +421,7 @@ class _Packer:
         plan_dir = os.path.join(self.work_dir, "plan")
         os.makedirs(plan_dir, exist_ok=True)
         for name in ("source", "chunk", "offset", "length"):
-            tk._save_atomic(os.path.join(plan_dir, f"{name}.npy"), getattr(plan, name))
+            tk.save_atomic(os.path.join(plan_dir, f"{name}.npy"), getattr(plan, name))
         num_samples = plan.num_samples
         num_shards = -(-num_samples // self.per_shard)
         shard_dir = os.path.join(self.work_dir, "shards")

@@ -14,14 +14,14 @@ import sysconfig
 from collections.abc import Iterator
 
 
-def _topics() -> Iterator[str]:
+def reference_topics() -> Iterator[str]:
     from pydoc_data.topics import topics
 
     for key in sorted(topics):
         yield topics[key].strip() + "\n\n"
 
 
-def _docstrings() -> Iterator[str]:
+def stdlib_docstrings() -> Iterator[str]:
     root = sysconfig.get_paths()["stdlib"]
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib"))
@@ -45,7 +45,7 @@ def stdlib_prose(min_chars: int) -> str:
     installation holds less; then the whole of it)."""
     parts: list[str] = []
     total = 0
-    for source in (_topics, _docstrings):
+    for source in (reference_topics, stdlib_docstrings):
         for piece in source():
             parts.append(piece)
             total += len(piece)
@@ -87,7 +87,7 @@ def split_prose(train_jsonl: str, heldout_dir: str, *, books: int = 2, doc_chars
     import json
 
     os.makedirs(heldout_dir, exist_ok=True)
-    topics = "".join(_topics())
+    topics = "".join(reference_topics())
     size = -(-len(topics) // books)
     for i in range(books):
         path = os.path.join(heldout_dir, f"pydoc-topics-{i}.txt")
@@ -95,7 +95,7 @@ def split_prose(train_jsonl: str, heldout_dir: str, *, books: int = 2, doc_chars
             fh.write(topics[i * size:(i + 1) * size])
         os.replace(path + ".tmp", path)
     docs, part = [], []
-    for piece in _docstrings():
+    for piece in stdlib_docstrings():
         part.append(piece)
         if sum(map(len, part)) >= doc_chars:
             docs.append("".join(part))

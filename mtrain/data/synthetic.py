@@ -36,7 +36,7 @@ _NAMES = (
     "nectar onyx pepper quartz raven sable tulip umber violet willow xenon yarrow zephyr"
 ).split()
 
-_WORDS = sorted({*_NOUNS, *_ADJECTIVES, *_VERBS, *_ADVERBS, *_NAMES})
+WORDS = sorted({*_NOUNS, *_ADJECTIVES, *_VERBS, *_ADVERBS, *_NAMES})
 
 NEEDLE_TEMPLATE = "One of the special magic numbers for {key} is: {value}."
 QUESTION_TEMPLATE = "What is the special magic number for {key} mentioned in the provided text?"
@@ -135,7 +135,7 @@ def _key(rng: random.Random) -> str:
     return f"{rng.choice(_NAMES)}-{rng.choice(_NAMES)}"
 
 
-def _number(rng: random.Random, digits: int = 5) -> str:
+def random_number(rng: random.Random, digits: int = 5) -> str:
     return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
 
@@ -145,9 +145,9 @@ def _value(rng: random.Random, spec: CorpusSpec) -> str:
     lo, hi = spec.value_digits
     n = lo if lo == hi else rng.randint(lo, hi)
     if spec.value_repeats and rng.random() < spec.value_repeats:
-        first = str(rng.randrange(1, 10))  # no leading zero, as _number's values
+        first = str(rng.randrange(1, 10))  # no leading zero, as random_number's values
         return first + "".join(repeat_digits(rng, list("0123456789"), n - 1, [first]))
-    return _number(rng, n)
+    return random_number(rng, n)
 
 
 # repeat_digits: the chance that the next piece is a fragment of what came before, and that it is a doubled digit
@@ -189,16 +189,16 @@ def make_document(rng: random.Random, spec: CorpusSpec) -> str:
     for _ in range(spec.facts_per_doc):
         kind = rng.randrange(3)
         if kind == 0:
-            key, value = _key(rng), _number(rng, 7)
+            key, value = _key(rng), random_number(rng, 7)
             fact = NEEDLE_TEMPLATE.format(key=key, value=value)
             questions.append(QUESTION_TEMPLATE.format(key=key) + " " + ANSWER_TEMPLATE.format(key=key, value=value))
         elif kind == 1:
-            value = _number(rng, 5)
+            value = random_number(rng, 5)
             fact = PASSKEY_TEMPLATE.format(value=value)
             questions.append(PASSKEY_QUESTION.format(value=value))
         else:
             names = [f"{rng.choice('XYZQW')}{rng.randrange(100)}" for _ in range(3)]
-            value = _number(rng, 5)
+            value = random_number(rng, 5)
             links = [CHAIN_START.format(name=names[0], value=value)]
             links += [CHAIN_LINK.format(name=names[i], prev=names[i - 1]) for i in range(1, len(names))]
             fact = " ".join(links)
@@ -246,14 +246,14 @@ def make_retrieval_document(rng: random.Random, spec: CorpusSpec) -> str:
     if spec.fit_tokens and fmt in ("niah", "ruler"):
         return fitted_retrieval_document(rng, spec, fmt, rng.choice(spec.fit_tokens))
     if fmt == "repeat":  # random words (one token each: whole-token matches teach copying fastest) and a needle
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(8, 8 + 2 * n))]
-        words.insert(rng.randint(0, len(words)), NIAH_NEEDLE.format(key=needle_key(rng), value=_number(rng, 7)))
+        words = [rng.choice(WORDS) for _ in range(rng.randint(8, 8 + 2 * n))]
+        words.insert(rng.randint(0, len(words)), NIAH_NEEDLE.format(key=needle_key(rng), value=random_number(rng, 7)))
         return " ".join(words) + REPEAT_JOIN + " ".join(words)
     noise = fmt == "passkey" or (fmt == "ruler" and rng.random() < 0.5)
     # a noise unit is five short sentences, about twice a filler sentence's tokens
     items, sep = ([NOISE] * max(1, n // 2), "\n") if noise else (filler(rng, n), " ")
     if fmt == "passkey":
-        value = _number(rng, 5)
+        value = random_number(rng, 5)
         context = sep.join(_plant(items, [PASSKEY_NEEDLE.format(key=value)], rng))
         return PASSKEY_PROMPT.format(context=context, input=PASSKEY_INPUT) + f" {value}."
     facts = [(needle_key(rng), _value(rng, spec)) for _ in range(rng.randint(1, max(1, spec.facts_per_doc)))]
@@ -395,7 +395,7 @@ NEEDLE_EVERY = 8
 
 def needle_prose(rng: random.Random, n_sentences: int) -> list[str]:
     """Filler sentences with the eval's needle sentence (a key and a 7-digit value) as about one in NEEDLE_EVERY."""
-    return [NIAH_NEEDLE.format(key=needle_key(rng), value=_number(rng, 7)) if rng.random() < 1 / NEEDLE_EVERY
+    return [NIAH_NEEDLE.format(key=needle_key(rng), value=random_number(rng, 7)) if rng.random() < 1 / NEEDLE_EVERY
             else filler_sentence(rng) for _ in range(n_sentences)]
 
 

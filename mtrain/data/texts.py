@@ -47,16 +47,16 @@ def _stdlib_files() -> Iterator[str]:
 
 
 def _docs() -> Iterator[str]:
-    from mtrain.data.prose import _docstrings
+    from mtrain.data.prose import stdlib_docstrings
 
-    yield from _docstrings()
+    yield from stdlib_docstrings()
 
 
 def _prose() -> Iterator[str]:
-    from mtrain.data.prose import _docstrings, _topics
+    from mtrain.data.prose import reference_topics, stdlib_docstrings
 
-    yield from _topics()
-    yield from _docstrings()
+    yield from reference_topics()
+    yield from stdlib_docstrings()
 
 
 def _code() -> Iterator[str]:

@@ -243,13 +243,13 @@ def tokenize_chunk(chunk: Chunk) -> dict[str, int]:
     counts["documents"], counts["tokens"] = len(lengths), int(tokens.size)
     tok_path, len_path = chunk_paths(config.work_dir, chunk)
     os.makedirs(os.path.dirname(tok_path), exist_ok=True)
-    _save_atomic(tok_path, tokens)
+    save_atomic(tok_path, tokens)
     tmp = f"{counts_path(len_path)}.tmp{os.getpid()}"
-    with _removed_on_error(tmp), writing(counts_path(len_path), SPACE_FIX, "tokenizing"):
+    with removed_on_error(tmp), writing(counts_path(len_path), SPACE_FIX, "tokenizing"):
         with open(tmp, "w") as fh:
             json.dump(counts, fh)
     os.replace(tmp, counts_path(len_path))
-    _save_atomic(len_path, np.asarray(lengths, dtype=np.int64))  # last: marks the chunk done
+    save_atomic(len_path, np.asarray(lengths, dtype=np.int64))  # last: marks the chunk done
     return counts
 
 
@@ -258,7 +258,7 @@ def counts_path(lengths_path: str) -> str:
 
 
 @contextlib.contextmanager
-def _removed_on_error(path: str):
+def removed_on_error(path: str):
     """Delete the half-written file `path` when the block fails (a full disk gets back the room it took)."""
     try:
         yield
@@ -268,9 +268,9 @@ def _removed_on_error(path: str):
         raise
 
 
-def _save_atomic(path: str, array: np.ndarray) -> None:
+def save_atomic(path: str, array: np.ndarray) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with _removed_on_error(tmp), writing(path, SPACE_FIX, "packing"):
+    with removed_on_error(tmp), writing(path, SPACE_FIX, "packing"):
         with open(tmp, "wb") as fh:
             np.save(fh, array)
     os.replace(tmp, path)

@@ -101,14 +101,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _backend_overrides(items: list[str]) -> dict:
     """`--set backend.KEY=VALUE` items as backend options (VALUE read as YAML: 1 -> int, true -> bool)."""
-    from mtrain.config import _parse_override_value
+    from mtrain.config import parse_override_value
 
     options = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.startswith("backend.") or key == "backend.":
             raise MtrainError(f"--set {item!r}: expected backend.KEY=VALUE, e.g. backend.max_num_batched_tokens=4096")
-        options[key[len("backend."):]] = _parse_override_value(text)
+        options[key[len("backend."):]] = parse_override_value(text)
     return options
 
 
@@ -119,8 +119,10 @@ TRANSFORMERS_ATTENTION = ("sdpa", "eager")
 def attention_options(kind: str | None, sparse_items: list[str], suite_backend: dict) -> dict:
     """hf backend options from `--attention KIND` and `--sparse KEY=VALUE` items, validated (one line naming the
     bad kind or key). Without --attention, --sparse applies to the suite's `attn_implementation`."""
-    from mtrain.config import _parse_override_value
-    from mtrain.models.attention import ENGINES, KINDS, SPARSE_POLICIES
+    from mtrain.config import parse_override_value
+    from mtrain.models.attention import ENGINES
+    from mtrain.models.policy import SPARSE_POLICIES
+    from mtrain.models.registry import KINDS
     from mtrain.parallel import SparseSettings
 
     if kind is None and not sparse_items:
@@ -149,7 +151,7 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
                 raise MtrainError(f"--sparse {item!r}: expected KEY=VALUE, e.g. recall=0.95")
             if key not in valid:
                 raise MtrainError(f"--sparse {item!r}: unknown key {key!r}; valid keys: {', '.join(valid)}")
-            settings[key] = _parse_override_value(text)
+            settings[key] = parse_override_value(text)
         if settings.get("sparse_policy", "always") not in SPARSE_POLICIES:
             raise MtrainError(f"--sparse sparse_policy={settings['sparse_policy']!r}: choose one of "
                               f"{', '.join(SPARSE_POLICIES)}")

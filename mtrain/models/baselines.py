@@ -1,6 +1,7 @@
 """The baseline attention kinds as HF attention functions: moba and xattention (block-sparse, chosen from q/k
 every call; one device or the sparse ring under CP) and ulysses (dense, head-parallel all-to-all under CP).
-Registered through `mtrain.models.attention.register_kind`, they read the same `CONTEXT` as the other kinds."""
+A plugin of `mtrain.models.registry` (`KINDS`, `register`), registered through its `register_kind`; they read the
+same `CONTEXT` (`mtrain.models.context`) as the other kinds."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from dataclasses import dataclass
 from mtrain.errors import MtrainError
 
 BASELINE_KINDS = ("moba", "xattention", "ulysses")
+
+# attention.kind -> (sparse?, layout name, or None for the recipe's parallel.layout): the registry's facts of these
+# kinds (own settings, not the vertical-slash estimate, so not "sparse" in that sense)
+KINDS = {kind: (False, None) for kind in BASELINE_KINDS}
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class BaselineSettings:
 
 def _index(kind: str, q, k, s: BaselineSettings, scaling):
     """The kind's index: the whole sequence's SparseIndex on one device, this rank's RowIndex under CP."""
-    from mtrain.models.attention import CONTEXT
+    from mtrain.models.context import CONTEXT
 
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     q, k = q.detach(), k.detach()
@@ -70,9 +75,10 @@ def baseline_attention(module, query, key, value, attention_mask, scaling=None, 
     """HF attention function of the baseline kinds (shapes as `mtrain.models.attention.mtrain_attention`):
     query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE -> (out [B, S_local, Hq, D], None).
     A KV cache (generation) runs dense, as for every mtrain kind."""
-    from mtrain.models.attention import CONTEXT, _hf_inputs, _record
+    from mtrain.models.context import CONTEXT, hf_inputs
+    from mtrain.models.policy import record_layer
 
-    q, k, v, cached = _hf_inputs(module, query, key, value, scaling, dropout)
+    q, k, v, cached = hf_inputs(module, query, key, value, scaling, dropout)
     if cached is not None:
         return cached, None
     if kind == "ulysses":
@@ -85,7 +91,7 @@ def baseline_attention(module, query, key, value, attention_mask, scaling=None, 
         return ulysses_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, softmax_scale=scaling,
                                  doc_ids=CONTEXT.doc_ids), None
     index = _index(kind, q, k, settings, scaling)
-    _record(getattr(module, "layer_idx", None), "sparse", index, None)
+    record_layer(getattr(module, "layer_idx", None), "sparse", index, None)
     if CONTEXT.group is None:
         from mtrain.ops import vertical_slash_attention
 
@@ -103,7 +109,7 @@ def register_baseline(kind: str, **settings) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from mtrain.models.attention import CONTEXT, _no_mask
+    from mtrain.models.context import CONTEXT, no_mask
 
     if kind not in BASELINE_KINDS:
         raise MtrainError(f"'{kind}' is not a baseline attention kind ({', '.join(BASELINE_KINDS)})")
@@ -112,5 +118,11 @@ def register_baseline(kind: str, **settings) -> str:
     CONTEXT.kind, CONTEXT.sparse, CONTEXT.settings = kind, False, None
     name = f"mtrain-{kind}"
     AttentionInterface.register(name, functools.partial(baseline_attention, kind=kind, settings=chosen))
-    AttentionMaskInterface.register(name, _no_mask)
+    AttentionMaskInterface.register(name, no_mask)
     return name
+
+
+def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto", **settings) -> str:
+    """The plugin's registration (`mtrain.models.registry.register_kind` calls it for the kinds of KINDS):
+    `register_baseline`; the sparse kinds' policy, hold and engine do not apply."""
+    return register_baseline(kind, **settings)

@@ -3,12 +3,13 @@ dense attention, the ring-facing partial entry points and the pure-PyTorch refer
 baselines' block selections on the same kernels. No transformers here."""
 
 from mtrain.ops import partial, reference
-from mtrain.ops.attention import partial_attention, vertical_slash_attention
+from mtrain.ops.attention import vertical_slash_attention
 from mtrain.ops.dense import dense_attention, dense_backend
 from mtrain.ops.estimate import estimate_vertical_slash
 from mtrain.ops.index import SparseIndex
 from mtrain.ops.moba import moba_attention
 from mtrain.ops.partial import merge_partial
+from mtrain.ops.partial_autograd import partial_attention
 from mtrain.ops.recall import index_row_mask, true_recall
 from mtrain.ops.xattention import xattention_attention
 

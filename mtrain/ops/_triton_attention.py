@@ -10,6 +10,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from mtrain.ops._triton_estimate import dot_precision
 from mtrain.ops.index import BOUNDED, ColumnPlan, column_plan, compact, transpose_blocks_csr
+from mtrain.ops.lists import doc_ranges, left_pack
 
 _LOG2E = 1.4426950408889634
 # Positions of padded keys: larger than any real position, so the causal test drops them.
@@ -724,28 +725,15 @@ def _int32(t: torch.Tensor, device) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _doc_ranges(doc: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block of `block_size` tokens, the smallest and largest document id: [B, nBlocks] each."""
-    B, S = doc.shape
-    n = -(-S // block_size)
-    pad = n * block_size - S
-    lo = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).max)
-    hi = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).min)
-    return lo.view(B, n, block_size).amin(-1), hi.view(B, n, block_size).amax(-1)
-
-
 def _keep_left(ids: torch.Tensor, keep: torch.Tensor, trim: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack the kept entries of each -1 padded list [..., M] to the left, in order; trim the padding (a host
     read), or keep the width M (trim=False)."""
-    counts = keep.sum(-1, dtype=torch.int32)
     if not trim:
         width = max(ids.shape[-1], 1)
     else:
+        counts = keep.sum(-1, dtype=torch.int32)
         width = max(int(counts.max()) if counts.numel() else 0, 1)
-    slot = torch.where(keep, keep.cumsum(-1) - 1, width)  # dropped entries land in a dump slot
-    out = torch.full((*ids.shape[:-1], width + 1), -1, dtype=torch.int32, device=ids.device)
-    out.scatter_(-1, slot, torch.where(keep, ids, -1).to(torch.int32))
-    return out[..., :width].contiguous(), counts
+    return left_pack(ids, keep, width, fill=-1)
 
 
 def _doc_filter(bi, bc, ci, cc, has_cols, qd, kd, block_size, trim: bool = True):
@@ -753,8 +741,8 @@ def _doc_filter(bi, bc, ci, cc, has_cols, qd, kd, block_size, trim: bool = True)
     kept only when its doc-id range overlaps the query block's (exact for any ids: equal ids need
     overlapping ranges). Tiles that survive still test the ids pair by pair in the kernels."""
     B = qd.shape[0]
-    q_lo, q_hi = _doc_ranges(qd, block_size)  # [B, nqb]
-    k_lo, k_hi = _doc_ranges(kd, block_size)  # [B, nkb]
+    q_lo, q_hi = doc_ranges(qd, block_size)  # [B, nqb]
+    k_lo, k_hi = doc_ranges(kd, block_size)  # [B, nkb]
     # Lists shared by all heads (blocks=None) are filtered once per batch row, not once per head.
     H = bi.shape[1]
     shared = bi.stride(1) == 0 and bc.stride(1) == 0
@@ -927,7 +915,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             HAS_DOC=has_doc, DQ_ATOMIC=fused, **_opts(q, "col", max(sub["QT"], chunk)),
         )
         _reduce(dkc, dvc, extra_k, extra_v, col_plan, dkc.stride(2), chunk, chunk, D)
-        _column_add(dk, dv, dkc, dvc, universe_slots(plan, Sk, plans), group)
+        column_add(dk, dv, dkc, dvc, universe_slots(plan, Sk, plans), group)
     if grad_init is not None and not plans.get(NO_BLOCKS):  # the fp32 dK/dV into grad_init's tensors
         grad_init[1].copy_(dk)
         grad_init[2].copy_(dv)
@@ -1089,7 +1077,7 @@ def universe_slots(plan: ColumnPlan, seq_k: int, plans: dict) -> torch.Tensor:
     return plans[key]
 
 
-def _column_add(dk, dv, dkc, dvc, slots, group) -> None:
+def column_add(dk, dv, dkc, dvc, slots, group) -> None:
     """dK/dV rows += the columns' dK/dV of every query head of their group (see `_column_add_kernel`)."""
     B, Sk, Hkv, D = dk.shape
     _column_add_kernel[(-(-Sk // _COLUMN_ADD_KEYS), B * Hkv)](

@@ -1,16 +1,16 @@
-"""Differentiable vertical-slash sparse attention on one device: an autograd Function over the partial
-kernels (Triton on GPU / interpreter, PyTorch otherwise) with query and key positions 0..S-1."""
+"""Differentiable vertical-slash sparse attention on one device: the engine dispatch (`resolve_impl`) and, for our
+kernels, the partial-attention autograd function (`mtrain.ops.partial_autograd`: Triton on GPU / interpreter,
+PyTorch otherwise) with query and key positions 0..S-1."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import torch
 
 from mtrain.ops import partial
 from mtrain.ops.index import SparseIndex
+from mtrain.ops.partial_autograd import partial_attention
 
 
 # Index block sizes for which impl="auto" on CUDA runs FlexAttention instead of our Triton kernels, i.e.
@@ -30,7 +30,7 @@ AUTO_FA4_BLOCK_SIZES: frozenset[int] = frozenset({128})
 
 
 @functools.lru_cache(maxsize=8)
-def _fa4_usable(device_type: str, device_index) -> bool:
+def fa4_usable(device_type: str, device_index) -> bool:
     """Whether the fa4 engine can run here: a CUDA GPU of compute capability >= 9 with flash_attn.cute importable."""
     from mtrain.ops.dense import importable
 
@@ -38,104 +38,19 @@ def _fa4_usable(device_type: str, device_index) -> bool:
         "flash_attn.cute")
 
 
-# Entries of an index's cache that are not derived lists (the estimator's own recall figure, the lines it was built
-# from): they stay with the caller and are not handed to the backward.
-_NOT_PLANS = ("est_recall", "lines", "diagonal_listed")
-
-
-def _split(obj, tensors: list):
-    """`obj` (nested dicts, tuples, lists and dataclasses) with every tensor moved to `tensors` and replaced by its
-    slot there (an `_Slot`); `_join` puts them back."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _Slot(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return {key: _split(val, tensors) for key, val in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_split(val, tensors) for val in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _split(getattr(obj, f.name), tensors)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
-
-
-def _join(obj, tensors):
-    if isinstance(obj, _Slot):
-        return tensors[obj.at]
-    if isinstance(obj, dict):
-        return {key: _join(val, tensors) for key, val in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_join(val, tensors) for val in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _join(getattr(obj, f.name), tensors)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    at: int
-
-
-class _PartialAttention(torch.autograd.Function):
-    """out, lse = partial attention; backward through `partial.attention_backward` (lse not differentiable).
-
-    Every tensor the backward reads (the lists and what the kernels derived from them in `plans`) goes through
-    save_for_backward, none through ctx attributes: under non-reentrant gradient checkpointing the saved tensors
-    of a layer are dropped after its forward and recomputed for its backward, so a model holds one layer's index
-    at a time (ctx attributes would keep every layer's lists until the backward: on SmolLM2 at 32K that was
-    ~18 GB). The backward's own plans go into a fresh dict, dropped with it."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, impl, deterministic, plans,
-                q_doc, k_doc):
-        out, lse = partial.attention_forward(
-            q, k, v, q_pos=q_pos, k_pos=k_pos, blocks=blocks, columns=columns, block_size=block_size,
-            softmax_scale=scale, causal=causal, impl=impl, plans=plans, q_doc=q_doc, k_doc=k_doc,
-        )
-        kept = None if plans is None else {key: val for key, val in plans.items() if key not in _NOT_PLANS}
-        tensors = []
-        ctx.layout = _split((q_pos, k_pos, blocks, columns, kept, q_doc, k_doc), tensors)
-        ctx.save_for_backward(q, k, v, out, lse, *tensors)
-        ctx.args = (block_size, scale, causal, impl, deterministic)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *tensors = ctx.saved_tensors
-        q_pos, k_pos, blocks, columns, plans, q_doc, k_doc = _join(ctx.layout, tensors)
-        block_size, scale, causal, impl, deterministic = ctx.args
-        dq, dk, dv = partial.attention_backward(
-            dout, q, k, v, out, lse, q_pos=q_pos, k_pos=k_pos, blocks=blocks, columns=columns,
-            block_size=block_size, softmax_scale=scale, causal=causal, impl=impl,
-            deterministic=deterministic, plans=plans, q_doc=q_doc, k_doc=k_doc,
-        )
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12
-
-
 def resolve_impl(impl: str, device, block_size: int, dtype=None) -> str:
     """The engine `vertical_slash_attention` runs for `impl` on `device` (a torch.device) at this block size and
-    input dtype: "auto" becomes "fa4" on CUDA at AUTO_FA4_BLOCK_SIZES where FA4 can run (`_fa4_usable`; fp16/bf16
+    input dtype: "auto" becomes "fa4" on CUDA at AUTO_FA4_BLOCK_SIZES where FA4 can run (`fa4_usable`; fp16/bf16
     inputs, or dtype None), "flex" at AUTO_FLEX_BLOCK_SIZES, else "triton" on CUDA and under TRITON_INTERPRET=1,
     else "torch"; other impls are returned as they are."""
     if impl != "auto":
         return impl
     if device.type == "cuda":
         if (block_size in AUTO_FA4_BLOCK_SIZES and dtype in (None, torch.float16, torch.bfloat16)
-                and _fa4_usable(device.type, device.index)):
+                and fa4_usable(device.type, device.index)):
             return "fa4"
         return "flex" if block_size in AUTO_FLEX_BLOCK_SIZES else "triton"
-    return "triton" if partial._use_triton("auto", device) else "torch"
-
-
-def partial_attention(q, k, v, *, q_pos, k_pos, blocks=None, columns=None, block_size=64, softmax_scale=None,
-                      causal=True, impl="auto", deterministic=True, plans=None, q_doc=None, k_doc=None):
-    """Differentiable `partial.attention_forward` (same arguments, document ids q_doc [B, Sq] / k_doc
-    [B, Sk] included); returns (out, lse), lse without grad."""
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _PartialAttention.apply(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, impl,
-                                   deterministic, plans, q_doc, k_doc)
+    return "triton" if partial.use_triton("auto", device) else "torch"
 
 
 def vertical_slash_attention(

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mtrain.ops.reference import _check_qkv
+from mtrain.ops.reference import check_qkv
 
 
 def importable(module: str) -> bool:
@@ -69,10 +69,10 @@ def dense_attention(
     attends only to keys of its own document. These calls run our partial kernels (Triton on CUDA,
     which skip key blocks of other documents; PyTorch on the CPU), never an S x S mask.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if doc_ids is not None:
-        from mtrain.ops.attention import partial_attention
+        from mtrain.ops.partial_autograd import partial_attention
 
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"doc_ids needs as many keys as queries; got Sq={q.shape[1]}, Sk={k.shape[1]}")
@@ -91,7 +91,7 @@ def dense_attention(
     if backend == "sdpa":
         return _sdpa(q, k, v, causal, scale)
     if backend == "triton":
-        from mtrain.ops.attention import partial_attention
+        from mtrain.ops.partial_autograd import partial_attention
 
         q_pos = torch.arange(q.shape[1], device=q.device)
         k_pos = torch.arange(k.shape[1], device=q.device)

@@ -115,7 +115,7 @@ def fewest(scores: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, cap: int
     width = max(1, min(cap, scores.shape[-1]))
     top, where = torch.topk(scores, width, dim=-1)
     chosen = torch.gather(ids, -1, where)
-    count = _count_to_reach(top, need, width)
+    count = count_to_reach(top, need, width)
     count = count.clamp(min=min(minimum, width), max=width)
     keep = (torch.arange(width, device=scores.device) < count) & (top > 0)
     if trim:
@@ -123,7 +123,7 @@ def fewest(scores: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, cap: int
     return torch.where(keep, chosen, -1)[..., :width]
 
 
-def _count_to_reach(values: torch.Tensor, need: torch.Tensor, width: int) -> torch.Tensor:
+def count_to_reach(values: torch.Tensor, need: torch.Tensor, width: int) -> torch.Tensor:
     """[..., 1]: entries of `values` (in order) needed for their running sum to reach `need` [...] (with a
     float slack of 1e-6, so one GPU and a CP group agree); 0 when need <= 0; all when never reached."""
     need = need[..., None]
@@ -242,13 +242,13 @@ def estimate_rows(seq_len: int, device=None, **settings) -> torch.Tensor:
     given = {name: p.default for name, p in inspect.signature(estimate_vertical_slash).parameters.items()
              if p.default is not inspect.Parameter.empty}
     given.update(settings)
-    return _row_plan(seq_len, given["last_q"], given["sample_blocks"], given["block_size"], torch.device(device or "cpu"),
-                     given["sample_rows"])[0]
+    return row_plan(seq_len, given["last_q"], given["sample_blocks"], given["block_size"],
+                    torch.device(device or "cpu"), given["sample_rows"])[0]
 
 
 @functools.lru_cache(maxsize=64)
-def _row_plan(seq_len: int, last_q: int, sample_blocks: int, block_size: int, device: torch.device,
-              sample_rows: int | None = None):
+def row_plan(seq_len: int, last_q: int, sample_blocks: int, block_size: int, device: torch.device,
+             sample_rows: int | None = None):
     """(rows, blocks, table) of `scored_rows` / `row_groups` on `device`, made once per shape: a host-to-device
     copy in every call would wait for the GPU's queue (a host synchronisation per layer)."""
     rows = scored_rows(seq_len, last_q, sample_blocks, block_size, sample_rows=sample_rows)
@@ -311,7 +311,7 @@ def choose_verticals(cand_mass, cand_ids, slash_mass, need, cap_v: int, min_v: i
     value = torch.cat([top, slashes], -1)
     priority = torch.cat([top, slashes / block_size], -1)
     order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
-    count = _count_to_reach(torch.gather(value, -1, order), need, value.shape[-1])
+    count = count_to_reach(torch.gather(value, -1, order), need, value.shape[-1])
     in_prefix = torch.arange(value.shape[-1], device=value.device) < count
     is_column = order < width
     n_v = (in_prefix & is_column).sum(-1, keepdim=True).clamp(min=min(min_v, width), max=width)
@@ -390,7 +390,7 @@ def estimate_vertical_slash(
         scorer = "triton" if q.is_cuda and pow2 else "torch"
     with torch.no_grad():
         docs = None if doc_ids is None else doc_ids.to(q.device)
-        plan = _row_plan(S, last_q, sample_blocks, block_size, q.device, sample_rows)
+        plan = row_plan(S, last_q, sample_blocks, block_size, q.device, sample_rows)
         rows = plan[0]
         n = rows.numel()
         if scored_q and q.shape[1] != n:

@@ -9,9 +9,9 @@ import math
 import torch
 
 from mtrain.ops import partial
-from mtrain.ops.attention import _NOT_PLANS, _join, _split
-from mtrain.ops.flex import _doc_ranges, _left_pack
+from mtrain.ops.partial_autograd import NOT_PLANS, join_tensors, split_tensors
 from mtrain.ops.index import SparseIndex, kernel_column_chunk
+from mtrain.ops.lists import doc_ranges, left_pack
 
 # The FA4 release this engine was written and checked against (pyproject extra `fa4`). The engine calls FA4's
 # lower-level `_flash_attn_fwd` / `_flash_attn_bwd` (the public `flash_attn_func` cannot run its backward on
@@ -22,7 +22,7 @@ FA4_VERSION = "4.0.0b36"
 # sparse key block to equal its tile (`normalize_block_sparse_config_bwd`); its forward would take 64.
 BLOCK_SIZE = 128
 # Keys of an index's cache the Triton backward fallback does not read.
-_OWN_KEYS = ("fa4", "flex", *_NOT_PLANS)
+_OWN_KEYS = ("fa4", "flex", *NOT_PLANS)
 
 # Jitted callables built on first use (CuTe mask_mods, Triton kernels): FA4 keys its compile cache on the mask_mods.
 _JIT: dict = {}
@@ -81,7 +81,7 @@ class Fa4Lists:
     block_size: int
 
 
-def _transposed(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def transposed(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per key block the query blocks listing it, ascending: (ids int32 [B, H, n, n], 0-padded; counts int32).
     Width n without reading the counts back: the sink block is listed by every query block, so the longest
     transposed list is about n anyway."""
@@ -92,7 +92,7 @@ def _transposed(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.
     flags[torch.arange(B, device=ids.device)[:, None, None, None], torch.arange(H, device=ids.device)[:, None, None],
           ids.long(), torch.where(live, rows, nq)] = True
     flags = flags[..., :nq]
-    return _left_pack(torch.arange(nq, device=ids.device).expand_as(flags), flags, nq)
+    return left_pack(torch.arange(nq, device=ids.device).expand_as(flags), flags, nq)
 
 
 def _lists_without_documents(index: SparseIndex) -> Fa4Lists:
@@ -154,7 +154,7 @@ def fa4_block_lists_general(index: SparseIndex, doc_ids: torch.Tensor | None = N
         if tuple(doc_ids.shape) != (B, S) or doc_ids.is_floating_point() or doc_ids.is_complex():
             raise ValueError(
                 f"doc_ids must be an integer tensor [B={B}, S={S}]; got {doc_ids.dtype} {tuple(doc_ids.shape)}")
-        lo, hi = _doc_ranges(doc_ids.to(device=dev, dtype=torch.int64), bs, n)
+        lo, hi = doc_ranges(doc_ids.to(device=dev, dtype=torch.int64), bs, n)
         b = torch.arange(B, device=dev)[:, None, None, None]
         j = ids.clamp(0, n - 1)
         q_lo, q_hi = lo[:, None, :, None], hi[:, None, :, None]
@@ -162,10 +162,10 @@ def fa4_block_lists_general(index: SparseIndex, doc_ids: torch.Tensor | None = N
         one_doc = (q_lo == q_hi) & (lo[b, j] == q_lo) & (hi[b, j] == q_lo)
         full = below & one_doc
         mask = (below | diag) & meets & ~full
-    full_idx, full_cnt = _left_pack(ids, full, width)
-    mask_idx, mask_cnt = _left_pack(ids, mask, width)
-    full_q_idx, full_q_cnt = _transposed(full_idx, full_cnt, n)
-    mask_q_idx, mask_q_cnt = _transposed(mask_idx, mask_cnt, n)
+    full_idx, full_cnt = left_pack(ids, full, width)
+    mask_idx, mask_cnt = left_pack(ids, mask, width)
+    full_q_idx, full_q_cnt = transposed(full_idx, full_cnt, n)
+    mask_q_idx, mask_q_cnt = transposed(mask_idx, mask_cnt, n)
     return Fa4Lists(full_cnt, full_idx, mask_cnt, mask_idx, full_q_cnt, full_q_idx, mask_q_cnt, mask_q_idx, bs)
 
 
@@ -231,7 +231,7 @@ def prepare_fa4(index: SparseIndex, num_kv_heads: int, head_dim: int) -> None:
     _plan(index, None, num_kv_heads, head_dim)
 
 
-def _mask_mods():
+def mask_mods():
     """(causal, causal_same_document) as CuTe DSL mask_mods, built once (FA4 keys its compile cache on them).
     The document one reads aux_tensors[0], the doc ids [B, padded S] int32."""
     if "causal" not in _JIT:
@@ -254,7 +254,7 @@ def _mask_mods():
     return _JIT["causal"], _JIT["docs"]
 
 
-def _sparse_tensors(cnt, idx, fcnt, fidx, bs):
+def sparse_tensors(cnt, idx, fcnt, fidx, bs):
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
     return BlockSparseTensorsTorch(mask_block_cnt=cnt, mask_block_idx=idx, full_block_cnt=fcnt, full_block_idx=fidx,
@@ -273,7 +273,8 @@ class _Fa4Attention(torch.autograd.Function):
     """Forward: FA4 block-sparse (blocks) + Triton (columns), merged by LSE. Backward from the merged out / lse:
     deterministic=False: FA4's block-sparse backward + the Triton column backward, summed; deterministic=True:
     our deterministic Triton backward over blocks and columns at once (FA4 4.0.0b36 has no deterministic
-    block-sparse backward on SM90). Index-derived tensors go through save_for_backward (see _PartialAttention)."""
+    block-sparse backward on SM90). Index-derived tensors go through save_for_backward (see
+    `mtrain.ops.partial_autograd`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, index, scale, doc_ids, deterministic):
@@ -282,10 +283,10 @@ class _Fa4Attention(torch.autograd.Function):
         n, bs = index.n_blocks, index.block_size
         plan = _plan(index, doc_ids, k.shape[2], D)
         lists = plan.lists
-        causal_mod, doc_mod = _mask_mods()
+        causal_mod, doc_mod = mask_mods()
         mask_mod = causal_mod if doc_ids is None else doc_mod
         aux = _doc_aux(doc_ids, bs, n)
-        fwd_sparse = _sparse_tensors(lists.mask_cnt, lists.mask_idx, lists.full_cnt, lists.full_idx, bs)
+        fwd_sparse = sparse_tensors(lists.mask_cnt, lists.mask_idx, lists.full_cnt, lists.full_idx, bs)
         out, lse = fa4._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=False, mask_mod=mask_mod,
                                        aux_tensors=aux, block_sparse_tensors=fwd_sparse, return_lse=True)[:2]
         pos = torch.arange(S, device=q.device)
@@ -302,7 +303,7 @@ class _Fa4Attention(torch.autograd.Function):
             if doc_ids is not None:
                 triton_plans = {}
         tensors = []
-        ctx.layout = _split((lists, aux, col_kw, col_plans, index.blocks, triton_plans), tensors)
+        ctx.layout = split_tensors((lists, aux, col_kw, col_plans, index.blocks, triton_plans), tensors)
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.args = (scale, deterministic, plan.has_cols, bs)
         ctx.mark_non_differentiable(lse)
@@ -311,7 +312,7 @@ class _Fa4Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
-        lists, aux, col_kw, col_plans, blocks, triton_plans = _join(ctx.layout, tensors)
+        lists, aux, col_kw, col_plans, blocks, triton_plans = join_tensors(ctx.layout, tensors)
         scale, deterministic, has_cols, bs = ctx.args
         dout = dout.contiguous()
         if deterministic:
@@ -320,9 +321,9 @@ class _Fa4Attention(torch.autograd.Function):
                                                     **kw)
         else:
             fa4 = load_fa4()
-            causal_mod, doc_mod = _mask_mods()
-            bwd_sparse = _sparse_tensors(lists.mask_q_cnt, lists.mask_q_idx, lists.full_q_cnt,
-                                         lists.full_q_idx, bs)
+            causal_mod, doc_mod = mask_mods()
+            bwd_sparse = sparse_tensors(lists.mask_q_cnt, lists.mask_q_idx, lists.full_q_cnt,
+                                        lists.full_q_idx, bs)
             dq, dk, dv = fa4._flash_attn_bwd(q, k, v, out, dout, lse, scale, False,
                                              mask_mod=causal_mod if aux is None else doc_mod, aux_tensors=aux,
                                              block_sparse_tensors=bwd_sparse, deterministic=False)[:3]

@@ -8,28 +8,10 @@ import math
 import torch
 
 from mtrain.ops.index import SparseIndex
+from mtrain.ops.lists import doc_ranges, left_pack
 
 # Compiled flex_attention per kind of kernel choice (see `_flex_fn`).
 _COMPILED: dict = {}
-
-
-def _left_pack(ids: torch.Tensor, keep: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept entries of ids [..., M] packed to the left of a [..., width] int32 tensor (padding 0, which
-    Flex never reads past the count) and their counts [...] int32."""
-    counts = keep.sum(-1, dtype=torch.int32)
-    slot = torch.where(keep, keep.cumsum(-1) - 1, width)  # dropped entries land in a dump column
-    out = torch.zeros(*ids.shape[:-1], width + 1, dtype=torch.int32, device=ids.device)
-    out.scatter_(-1, slot, torch.where(keep, ids, 0).to(torch.int32))
-    return out[..., :width].contiguous(), counts
-
-
-def _doc_ranges(doc: torch.Tensor, bs: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Smallest and largest document id per block of bs tokens: [B, n] each."""
-    B, S = doc.shape
-    pad = n * bs - S
-    lo = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).max).view(B, n, bs).amin(-1)
-    hi = torch.nn.functional.pad(doc, (0, pad), value=torch.iinfo(torch.int64).min).view(B, n, bs).amax(-1)
-    return lo, hi
 
 
 def _mask_mod(listed: torch.Tensor, is_col: torch.Tensor, bs: int, doc: torch.Tensor | None):
@@ -98,11 +80,11 @@ def flex_block_mask(index: SparseIndex, doc_ids: torch.Tensor | None = None):
     below = ok & (ids < rows[:, None])
     doc = None
     if doc_ids is None:
-        full_ids, full_cnt = _left_pack(ids, below, n)
-        part_ids, part_cnt = _left_pack(torch.cat([cblk, ids], -1), torch.cat([first, diag], -1), n)
+        full_ids, full_cnt = left_pack(ids, below, n)
+        part_ids, part_cnt = left_pack(torch.cat([cblk, ids], -1), torch.cat([first, diag], -1), n)
     else:
         doc = doc_ids.to(device=dev, dtype=torch.int64)
-        lo, hi = _doc_ranges(doc, bs, n)
+        lo, hi = doc_ranges(doc, bs, n)
         bidx = torch.arange(B, device=dev)[:, None, None, None]
         q_lo, q_hi = lo[:, None, :, None], hi[:, None, :, None]
 
@@ -112,9 +94,9 @@ def flex_block_mask(index: SparseIndex, doc_ids: torch.Tensor | None = None):
         one_doc = (lo == hi)[:, None, :, None] & (lo[bidx, ids.clamp(min=0)] == q_lo) & (
             hi[bidx, ids.clamp(min=0)] == q_lo)
         full = below & one_doc
-        full_ids, full_cnt = _left_pack(ids, full, n)
+        full_ids, full_cnt = left_pack(ids, full, n)
         part_keep = torch.cat([first & meets(cblk), ok & ~full & (ids <= rows[:, None]) & meets(ids)], -1)
-        part_ids, part_cnt = _left_pack(torch.cat([cblk, ids], -1), part_keep, n)
+        part_ids, part_cnt = left_pack(torch.cat([cblk, ids], -1), part_keep, n)
     listed = torch.zeros(B, H, n, n + 1, dtype=torch.bool, device=dev)
     listed.scatter_(-1, torch.where(ok, ids, n), True)
     mask_mod = _mask_mod(listed[..., :n].contiguous(), is_col, bs, doc)

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-from mtrain.ops.attention import _join, _split
+from mtrain.ops.partial_autograd import join_tensors, split_tensors
 from mtrain.ops.estimate import estimate_rows, estimate_vertical_slash
 from mtrain.ops.index import SparseIndex
 
@@ -75,7 +75,7 @@ class _Packed:
         tensors: list = []
         parts = (index.block_ids, index.block_counts, index.col_ids, index.col_counts, index.seq_len, index.block_size,
                  dict(index._cache))
-        self.layout = _split(parts, tensors)
+        self.layout = split_tensors(parts, tensors)
         self.places, size = [], 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -89,7 +89,7 @@ class _Packed:
         """A new index whose tensors are views into one fresh copy of the buffer (nothing shared with it)."""
         flat = self.flat.clone()
         views = [flat[at:at + nbytes].view(dtype).view(shape) for at, nbytes, dtype, shape in self.places]
-        *lists, cache = _join(self.layout, views)
+        *lists, cache = join_tensors(self.layout, views)
         out = SparseIndex(*lists)
         out._cache.update(cache)
         return out

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from mtrain.ops.reference import _check_qkv, partial_mask
+from mtrain.ops.reference import check_qkv, partial_mask
 
 # Rows of the torch path's score matrix processed at once, so CPU memory stays bounded.
 _TORCH_CHUNK_ELEMS = 1 << 24
@@ -18,7 +18,7 @@ _TORCH_CHUNK_ELEMS = 1 << 24
 _SPARSE_CHUNK_ELEMS = 1 << 22
 
 
-def _use_triton(impl: str, device: torch.device) -> bool:
+def use_triton(impl: str, device: torch.device) -> bool:
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f'impl must be "auto", "triton" or "torch"; got {impl!r}')
     if impl == "auto":
@@ -39,7 +39,7 @@ def _check_docs(q_doc, k_doc, B: int, Sq: int, Sk: int) -> None:
 
 
 def _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size, q_doc=None, k_doc=None):
-    B, Sq, Sk, Hq, _ = _check_qkv(q, k, v)
+    B, Sq, Sk, Hq, _ = check_qkv(q, k, v)
     _check_docs(q_doc, k_doc, B, Sq, Sk)
     if block_size < 1:
         raise ValueError(f"block_size must be positive; got {block_size}")
@@ -77,7 +77,7 @@ def _doc_rows(q_doc, start: int, stop: int):
 
 
 def _torch_forward_all(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc=None, k_doc=None):
-    B, Sq, Sk, Hq, Hkv = _check_qkv(q, k, v)
+    B, Sq, Sk, Hq, Hkv = check_qkv(q, k, v)
     q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = Hq // Hkv
@@ -102,7 +102,7 @@ def _torch_forward_all(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale
 
 def _torch_backward_all(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc=None,
                     k_doc=None):
-    B, Sq, Sk, Hq, Hkv = _check_qkv(q, k, v)
+    B, Sq, Sk, Hq, Hkv = check_qkv(q, k, v)
     q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = Hq // Hkv
@@ -276,7 +276,7 @@ def _add_rows(acc: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
 
 def _sparse_setup(q, k, q_pos, k_pos, blocks, columns, block_size, causal, q_doc, k_doc):
     """What forward and backward share: shapes, the pair codes, the pruned lists, query blocks per chunk."""
-    B, Sq, Sk, Hq, Hkv = _check_qkv(q, k, k)
+    B, Sq, Sk, Hq, Hkv = check_qkv(q, k, k)
     nqb, nkb = -(-Sq // block_size), -(-Sk // block_size)
     codes = _Codes(q_pos.to(q.device), k_pos.to(q.device), None if q_doc is None else q_doc.to(q.device),
                    None if k_doc is None else k_doc.to(q.device), causal, B, nqb, nkb, block_size)
@@ -437,7 +437,7 @@ def attention_forward(
             raise ValueError(f"merge_into must be (out {tuple(q.shape)} {q.dtype}, lse {(B, Hq, Sq)} float32), both "
                              f"contiguous; got ({tuple(o.shape)} {o.dtype}, {tuple(l.shape)} {l.dtype})")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if _use_triton(impl, q.device):
+    if use_triton(impl, q.device):
         from mtrain.ops import _triton_attention
 
         return _triton_attention.forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans,
@@ -503,7 +503,7 @@ def attention_backward(
         raise ValueError("grad_init's tensors are accumulated into in place and need a contiguous last dim; pass "
                          "t.contiguous() (and use the returned tensors)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if _use_triton(impl, q.device):
+    if use_triton(impl, q.device):
         from mtrain.ops import _triton_attention
 
         return _triton_attention.backward(

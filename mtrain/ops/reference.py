@@ -8,7 +8,7 @@ import math
 import torch
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, S, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, Sq, Hq, D = q.shape
@@ -99,7 +99,7 @@ def attention(
     k <= q test on local indices. Returns (out [B, Sq, Hq, D], lse [B, Hq, Sq]); rows that see no
     key get out = 0 and lse = -inf.
     """
-    B, Sq, Sk, Hq, Hkv = _check_qkv(q, k, v)
+    B, Sq, Sk, Hq, Hkv = check_qkv(q, k, v)
     D = q.shape[-1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     group = Hq // Hkv

@@ -150,7 +150,7 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
     no [rows x S_local] tensor: (vertical [B, Hq, Nv], slash [B, Hq, Ns], est_recall [B, Hq] = the scored rows' mean
     mass inside the index). The per-head sums cross ranks as rank-ordered gathers (`_rank_sum`)."""
     from mtrain.ops._triton_estimate import combine_stats, group_column_mass, score_rows
-    from mtrain.ops.estimate import _row_plan, fewest, line_caps, offset_mass
+    from mtrain.ops.estimate import fewest, line_caps, offset_mass, row_plan
 
     b, _, hq, _ = q.shape
     hkv = k.shape[2]
@@ -159,8 +159,8 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
     n_blocks = -(-seq_len // bs)
     dev = q.device
     with torch.no_grad():
-        rows, row_blocks, table = _row_plan(seq_len, settings.last_q, settings.sample_blocks, bs, dev,
-                                            settings.sample_rows)
+        rows, row_blocks, table = row_plan(seq_len, settings.last_q, settings.sample_blocks, bs, dev,
+                                           settings.sample_rows)
         n = rows.numel()
         scored_q = _scored_queries(q, q_pos, rows, seq_len, group)
         docs = None if doc_ids is None else doc_ids.to(dev)
@@ -267,7 +267,7 @@ def _cutoff(cand_mass, slash_mass, need, cap_v: int, min_v: int, block_size: int
     """Per head, the priority above which every column must be among the candidates for `choose_verticals` on
     them to pick what it picks on all columns: the last item of its prefix and its last chosen column (-inf where
     that cannot hold: it chose every candidate column while the full lists hold more)."""
-    from mtrain.ops.estimate import _count_to_reach
+    from mtrain.ops.estimate import count_to_reach
 
     width = max(1, min(cap_v, cand_mass.shape[-1]))
     top = torch.topk(cand_mass, width, dim=-1).values
@@ -275,7 +275,7 @@ def _cutoff(cand_mass, slash_mass, need, cap_v: int, min_v: int, block_size: int
     priority = torch.cat([top, slash_mass[..., 1:] / block_size], -1)
     order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
     ranked = torch.gather(value, -1, order)
-    count = _count_to_reach(ranked, need, value.shape[-1])  # [..., 1]
+    count = count_to_reach(ranked, need, value.shape[-1])  # [..., 1]
     reached = ranked.cumsum(-1)[..., -1:] >= need[..., None] * (1 - 1e-6)
     p_sorted = torch.gather(priority, -1, order)
     inf = torch.full_like(count, float("inf"), dtype=top.dtype)

@@ -17,8 +17,8 @@ import dataclasses
 import torch
 
 from mtrain.ops import partial
-from mtrain.ops.fa4 import BLOCK_SIZE, _mask_mods, _sparse_tensors, _transposed, load_fa4
-from mtrain.ops.flex import _left_pack
+from mtrain.ops.fa4 import BLOCK_SIZE, load_fa4, mask_mods, sparse_tensors, transposed
+from mtrain.ops.lists import left_pack
 from mtrain.parallel.plan import RingPlan
 
 ENGINES = ("auto", "triton", "fa4")
@@ -39,9 +39,9 @@ def resolve_engine(engine: str, plan: RingPlan, q: torch.Tensor) -> str:
         return "triton"
     if torch.are_deterministic_algorithms_enabled():  # FA4's block-sparse backward adds dQ with atomics
         return "triton"
-    from mtrain.ops.attention import _fa4_usable
+    from mtrain.ops.attention import fa4_usable
 
-    return "fa4" if _fa4_usable(q.device.type, q.device.index) else "triton"
+    return "fa4" if fa4_usable(q.device.type, q.device.index) else "triton"
 
 
 @dataclasses.dataclass
@@ -85,9 +85,9 @@ def step_lists(plan: RingPlan, origin: int, q: torch.Tensor, k: torch.Tensor) ->
     else:
         full = live
         mask_cnt = torch.zeros(b, h, nq, dtype=torch.int32, device=dev)
-    full_idx, full_cnt = _left_pack(ids, full, max(1, width))
+    full_idx, full_cnt = left_pack(ids, full, max(1, width))
     mask_idx = torch.arange(nq, device=dev, dtype=torch.int32).view(1, 1, nq, 1).expand(b, h, nq, 1).contiguous()
-    full_q_idx, full_q_cnt = _transposed(full_idx, full_cnt, nk)
+    full_q_idx, full_q_cnt = transposed(full_idx, full_cnt, nk)
     full_q_idx = _trim(full_q_idx, full_q_cnt, width if plan.bounded else None)
     blocks = torch.arange(nk, device=dev)
     mask_q_cnt = torch.zeros(b, h, nk, dtype=torch.int32, device=dev)
@@ -98,8 +98,8 @@ def step_lists(plan: RingPlan, origin: int, q: torch.Tensor, k: torch.Tensor) ->
     from mtrain.ops._triton_attention import NO_BLOCKS
     from mtrain.ops.index import BOUNDED
 
-    lists = StepLists(_sparse_tensors(mask_cnt, mask_idx, full_cnt, full_idx, bs),
-                      _sparse_tensors(mask_q_cnt, mask_q_idx, full_q_cnt, full_q_idx, bs),
+    lists = StepLists(sparse_tensors(mask_cnt, mask_idx, full_cnt, full_idx, bs),
+                      sparse_tensors(mask_q_cnt, mask_q_idx, full_q_cnt, full_q_idx, bs),
                       no_blocks, {NO_BLOCKS: True, BOUNDED: plan.bounded})
     cache["fa4"] = lists
     return lists
@@ -115,7 +115,7 @@ def forward(q, k, v, plan: RingPlan, origin: int, k_pos, columns, scale: float):
     column step): FA4 on the listed blocks, the columns merged into its result in the column kernel."""
     fa4 = load_fa4()
     lists = step_lists(plan, origin, q, k)
-    causal_mod, _ = _mask_mods()
+    causal_mod, _ = mask_mods()
     out, lse = fa4._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=False, mask_mod=causal_mod,
                                    block_sparse_tensors=lists.fwd, return_lse=True)[:2]
     lse = lse.float().contiguous()
@@ -130,7 +130,7 @@ def backward(dout, q, k, v, out, lse, plan: RingPlan, origin: int, k_pos, column
     columns' deterministic backward accumulating into its gradients."""
     fa4 = load_fa4()
     lists = step_lists(plan, origin, q, k)
-    causal_mod, _ = _mask_mods()
+    causal_mod, _ = mask_mods()
     dq, dk, dv = fa4._flash_attn_bwd(q, k, v, out, dout, lse, scale, False, mask_mod=causal_mod,
                                      block_sparse_tensors=lists.bwd, deterministic=False)[:3]
     if columns is not None:

@@ -221,7 +221,7 @@ def sparse_plan(index, layout: Layout, rank: int, device: torch.device, column_o
     key = ("ring_plan", layout.spec, rank, str(device), column_origin)
     cache = index._cache
     if key not in cache:
-        cache[key] = _build_sparse_plan(index, layout, rank, device, column_origin)
+        cache[key] = build_sparse_plan(index, layout, rank, device, column_origin)
     return cache[key]
 
 
@@ -240,7 +240,7 @@ def _rank_lists(index, my_global_blocks: torch.Tensor, rank: int, device) -> tup
     return index.block_ids.to(device).long()[:, :, slot, :], index.col_ids.to(device).long()[:, :, slot, :]
 
 
-def _build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, column_origin: int) -> RingPlan:
+def build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, column_origin: int) -> RingPlan:
     seq_len, block_size = int(index.seq_len), int(index.block_size)
     layout.check(seq_len)
     local_block = layout.local_block_size(seq_len, block_size)

@@ -103,7 +103,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def attention_stats(records: list) -> dict:
-    """Metrics of one step's sparse-kind attention calls (`mtrain.models.attention.LayerRecord`s).
+    """Metrics of one step's sparse-kind attention calls (`mtrain.models.context.LayerRecord`s).
 
     Per layer (NN = layer index; calls of a layer in one step are averaged: micro-batches, recomputation):
     attn_sparse/LNN (share of its calls that ran sparse), attn_density/LNN (estimated pattern's fraction of

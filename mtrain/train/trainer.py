@@ -171,7 +171,7 @@ class Trainer:
         kind = self.recipe.attention.kind
         if kind in ("sdpa", "eager"):
             return kind
-        from mtrain.models.attention import register_attention
+        from mtrain.models.registry import register_attention
 
         return register_attention(self.recipe)
 
@@ -241,7 +241,7 @@ class Trainer:
             return {}
 
     def _save_checkpoint(self, accelerator) -> None:
-        from mtrain.models.attention import policy_state
+        from mtrain.models.policy import policy_state
 
         name = f"step-{self.state.step:07d}"
         root = self._checkpoint_root()
@@ -310,7 +310,7 @@ class Trainer:
         self.state.load_state_dict(state)
         self.reader.load_state_dict(saved["data"])
         if "attention" in saved:  # checkpoints from before it was saved resume with fresh holds
-            from mtrain.models.attention import load_policy_state
+            from mtrain.models.policy import load_policy_state
 
             load_policy_state(saved["attention"])
         log.info("resumed from %s at step %d", path, self.state.step)
@@ -338,7 +338,8 @@ class Trainer:
 
     def _setup_parallel(self, accelerator):
         """The DP x CP mesh, the sequence layout and the attention context of this rank."""
-        from mtrain.models.attention import CONTEXT, KINDS, layout_name
+        from mtrain.models.context import CONTEXT
+        from mtrain.models.registry import KINDS, layout_name
         from mtrain.parallel import Layout
         from mtrain.train.mesh import build_mesh
 
@@ -366,7 +367,7 @@ class Trainer:
         For mtrain's attention kinds `doc_ids` holds the whole sample's document ids (every CP rank needs
         all of them); transformers' own kinds get a 4D document mask instead.
         """
-        from mtrain.models.attention import KINDS
+        from mtrain.models.registry import KINDS
 
         r = self.recipe
         batch = {k: torch.stack([s[k] for s in samples]) for k in ("input_ids", "labels", "position_ids")}
@@ -397,7 +398,7 @@ class Trainer:
 
         from mtrain.data import TrainingReader
         from mtrain.models import export_hf, load_model, load_tokenizer
-        from mtrain.models.attention import CONTEXT
+        from mtrain.models.context import CONTEXT
         from mtrain.train.metrics import attention_stats
 
         self.reader = TrainingReader(r.data.path, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, seed=t.seed,

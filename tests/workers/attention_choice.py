@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from cp_step import finish
-from mtrain.models.attention import CONTEXT, mtrain_attention
+from mtrain.models.attention import mtrain_attention
+from mtrain.models.context import CONTEXT
 from mtrain.ops import cost
 from mtrain.parallel import Layout, SparseSettings
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from cp_step import batch, compare, configs, finish, packed_folder
 from mtrain.config import load_recipe
-from mtrain.models.attention import layout_name, register_attention
+from mtrain.models.registry import layout_name, register_attention
 from mtrain.parallel import Layout
 from mtrain.train.loss import ChunkedLossLM
 

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from cp_step import compare, configs, finish, packed_folder
 from mtrain.config import load_recipe
-from mtrain.models.attention import CONTEXT, layout_name, register_attention
+from mtrain.models.context import CONTEXT
+from mtrain.models.registry import layout_name, register_attention
 from mtrain.parallel import Layout
 from mtrain.train.loss import ChunkedLossLM
 

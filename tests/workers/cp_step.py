@@ -14,7 +14,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from mtrain.config import load_recipe
-from mtrain.models.attention import CONTEXT, layout_name, register_attention
+from mtrain.models.context import CONTEXT
+from mtrain.models.registry import layout_name, register_attention
 from mtrain.parallel import Layout
 from mtrain.tiny import tiny_config
 from mtrain.train.loss import ChunkedLossLM

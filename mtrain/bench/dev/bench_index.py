@@ -121,9 +121,9 @@ def kernels_agree(vertical, slash, S: int, hq: int, hkv: int, d: int, bs: int, d
 
 
 def column_add_times(S: int, hq: int, hkv: int, d: int, nv: int, reps: int, device) -> tuple[float, float]:
-    """Stream ms of adding the columns' dK/dV into dK/dV rows: `_column_add` (one kernel, no host sync) vs the
+    """Stream ms of adding the columns' dK/dV into dK/dV rows: `column_add` (one kernel, no host sync) vs the
     indexed adds it replaced (per GQA step g, rows += cols; lists prebuilt, so only the adds are timed)."""
-    from mtrain.ops._triton_attention import _column_add
+    from mtrain.ops._triton_attention import column_add
 
     group = hq // hkv
     g = torch.Generator(device=device).manual_seed(3)
@@ -147,10 +147,10 @@ def column_add_times(S: int, hq: int, hkv: int, d: int, nv: int, reps: int, devi
     indexed()
     got_k, got_v = dk.clone(), dv.clone()
     dk.copy_(want_k), dv.copy_(want_v)
-    _column_add(dk, dv, dkc, dvc, universe, group)
+    column_add(dk, dv, dkc, dvc, universe, group)
     if not (torch.equal(dk, got_k) and torch.equal(dv, got_v)):
         raise SystemExit("column add: the kernel differs from the indexed adds")
-    return (timed(lambda: _column_add(dk, dv, dkc, dvc, universe, group), reps)["stream"],
+    return (timed(lambda: column_add(dk, dv, dkc, dvc, universe, group), reps)["stream"],
             timed(indexed, reps)["stream"])
 
 

@@ -25,9 +25,9 @@ from mtrain.tiny import load_tokenizer, tiny_config
 
 def drill(rng: random.Random, min_words: int, max_words: int) -> str:
     """Random words (a 7-digit number among them half the time), said 2-3 times on separate lines."""
-    words = [rng.choice(S._WORDS) for _ in range(rng.randint(min_words, max_words))]
+    words = [rng.choice(S.WORDS) for _ in range(rng.randint(min_words, max_words))]
     if rng.random() < 0.5:
-        words.insert(rng.randint(0, len(words)), S._number(rng, 7))
+        words.insert(rng.randint(0, len(words)), S.random_number(rng, 7))
     return "\n".join([" ".join(words)] * rng.randint(2, 3))
 
 
@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in (6, 10, 30):  # short drills: copies about 14, 21 and 41 tokens apart
         docs = []
         for _ in range(20):
-            words = [probe_rng.choice(S._WORDS) for _ in range(n)]
-            words.insert(probe_rng.randint(0, n), S._number(probe_rng, 7))
+            words = [probe_rng.choice(S.WORDS) for _ in range(n)]
+            words.insert(probe_rng.randint(0, n), S.random_number(probe_rng, 7))
             line = " ".join(words)
             docs.append((tok.encode(line + "\n" + line), len(tok.encode(line)) + 1))
         probes[f"drill{n}"] = docs

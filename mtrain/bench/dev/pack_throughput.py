@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-cores", type=int, default=32)
     args = parser.parse_args(argv)
 
-    from mtrain.data.packer import _cores, pack
+    from mtrain.data.packer import cores, pack
 
-    worker_counts = [int(w) for w in args.workers.split(",")] if args.workers else [_cores()]
+    worker_counts = [int(w) for w in args.workers.split(",")] if args.workers else [cores()]
     work = tempfile.mkdtemp(prefix="mtrain-bench-")
     try:
         docs = corpus(args.mb << 20)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens = manifest["num_tokens"] + manifest["dropped_tail_tokens"]
             rows.append((name, workers, tokens, seconds, cpu))
         print(f"text: {len(docs)} documents, {text_bytes / 1e6:.1f} MB; source tokens {source_tokens}; "
-              f"seq_len {args.seq_len}; cores {_cores()}")
+              f"seq_len {args.seq_len}; cores {cores()}")
         # tokens per CPU-second does not depend on what else shares the machine; the node estimate assumes
         # every core busy (chunks are independent) and no other bottleneck
         print(f"| case | workers | output tokens | wall s | tokens/s (wall) | CPU s | tokens per CPU-s | "

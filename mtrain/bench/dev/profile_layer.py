@@ -35,7 +35,8 @@ def main() -> int:
 
     from mtrain.bench import real as bench_real
     from mtrain.data.prose import prose_tokens
-    from mtrain.models.attention import CONTEXT, mtrain_attention
+    from mtrain.models.attention import mtrain_attention
+    from mtrain.models.context import CONTEXT
     from mtrain.parallel import SparseSettings
 
     import yaml

@@ -65,7 +65,7 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mtrain.models.attention import register_kind
+    from mtrain.models.registry import register_kind
 
     fields = {f.name: f for f in dataclasses.fields(SparseSettings)}
     settings = {}
@@ -104,7 +104,7 @@ def main() -> int:
         dense = perplexity(model, ids)
         model.set_attn_implementation(register_kind("mtraining", **settings))
         import mtrain.ops
-        from mtrain.models.attention import CONTEXT
+        from mtrain.models.context import CONTEXT
 
         # mtrain.models.attention passes a fixed subset of the settings to the estimator: hand it all of them.
         plain = mtrain.ops.estimate_vertical_slash

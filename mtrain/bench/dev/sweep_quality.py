@@ -71,11 +71,12 @@ def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9) -> dict:
     (head, sampled row) pairs whose own recall is below `low`."""
     from mtrain.bench import real as bench_real
     from mtrain.models import attention
-    from mtrain.models.attention import CONTEXT, mtrain_attention
+    from mtrain.models.attention import mtrain_attention
+    from mtrain.models.context import CONTEXT
 
     marks = len(CONTEXT.densities), len(CONTEXT.layers)
     saved = CONTEXT.sample_recall, CONTEXT.recall_rows
-    plain_record = attention._record
+    plain_record = attention.record_layer
     per_row = []
 
     def record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, *args, **kwargs):
@@ -86,7 +87,7 @@ def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9) -> dict:
 
     CONTEXT.choice_stats.clear()
     CONTEXT.sample_recall, CONTEXT.recall_rows = True, recall_rows
-    attention._record = record  # module global, looked up at each call
+    attention.record_layer = record  # module global, looked up at each call
     bench_real.register_bench_attention(functools.partial(mtrain_attention, settings=settings, policy="always"))
     try:
         ppl = bench_real.perplexity(net, ids)
@@ -99,7 +100,7 @@ def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9) -> dict:
         head_min = min(float(r.min()) for r in recall)
         rows = torch.stack(per_row)  # [layers, Hq, R]
     finally:
-        attention._record = plain_record
+        attention.record_layer = plain_record
         bench_real.register_bench_attention(None)
         CONTEXT.sample_recall, CONTEXT.recall_rows = saved
         del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]

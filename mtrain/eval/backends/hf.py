@@ -1,7 +1,7 @@
 """transformers backend: greedy generation and log-likelihood with chunked prefill over a KV cache.
 
 Works on a CPU with tiny models and on GPUs; `attn_implementation` selects a transformers kernel ("sdpa",
-"eager", ...) or one of mtrain's ("mtrain-dense", "mtrain-mtraining", ...: `mtrain.models.attention.KINDS`).
+"eager", ...) or one of mtrain's ("mtrain-dense", "mtrain-mtraining", ...: `mtrain.models.registry.KINDS`).
 With a sparse mtrain kind, a prompt prefilled in one chunk runs the online vertical-slash sparse attention
 (settings from `sparse`); later chunks and decoding steps attend densely over the KV cache.
 """
@@ -38,7 +38,7 @@ class HFBackend(Backend):
         from mtrain.errors import MtrainError
 
         if attn_implementation.startswith("mtrain-"):
-            from mtrain.models.attention import register_kind
+            from mtrain.models.registry import register_kind
 
             attn_implementation = register_kind(attn_implementation[len("mtrain-"):], **(sparse or {}))
         elif sparse:

@@ -1,0 +1,150 @@
+"""The per-call context every mtrain attention kind reads, the record each sparse-kind call leaves, and what every
+kind does first with a call (HF's inputs, a KV-cache call, the mask function).
+
+Per-batch facts the attention needs (the CP group, layout, and the document spans of the packed sample) live in
+one `AttentionContext`, `CONTEXT`, that the trainer sets per micro-batch; the dense/sparse policy
+(`mtrain.models.policy`) keeps its per-layer state there too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mtrain.errors import MtrainError
+
+
+@dataclass
+class AttentionContext:
+    """What the registered attention functions read; set by the trainer before each forward."""
+
+    kind: str = "dense"
+    sparse: bool = False
+    settings: object = None
+    """mtrain.parallel.SparseSettings for sparse kinds."""
+    sparse_policy: str = "always"
+    """One of SPARSE_POLICIES: per layer, "auto" runs dense where the cost model predicts sparse would not pay."""
+    engine: str = "auto"
+    """One of ENGINES: which kernels run a one-device sparse layer (`vertical_slash_attention`'s impl)."""
+    group: object = None
+    """The CP process group (None when cp_size == 1)."""
+    layout: object = None
+    """mtrain.parallel.Layout of the CP group."""
+    inner_group: object = None
+    outer_group: object = None
+    """Hierarchical ring groups (inner = one node, outer = across nodes), or None for a flat ring."""
+    local_world_size: object = None
+    """Ranks per node of a hierarchical ring (None: flat)."""
+    schedule: str = "ring"
+    """parallel.schedule: how sparse layers of a CP group share K/V ("ring" or "gather", `ring_attention`'s)."""
+    doc_ids: object = None
+    """LongTensor [B, S] of document ids over the WHOLE (global) sequence, or None for one document per row."""
+    densities: list = field(default_factory=list)
+    """Fraction of causal pairs in the estimated pattern, per sparse-kind call (whichever path ran), for
+    logging; reset by the trainer each step. `layers` says which path each call took."""
+    layers: list = field(default_factory=list)
+    """One `LayerRecord` per sparse-kind call (reset by the trainer each step)."""
+    sample_recall: bool = False
+    """Set by the trainer on the steps that log a sampled true recall: sparse layers then measure it."""
+    recall_rows: int = 64
+    """Query rows (spread over the sequence) the sampled true recall averages over."""
+
+    imbalances: list = field(default_factory=list)
+    """(worker, step, per-rank work / mean work) imbalance of the first layer's sparse index under the layout, per
+    measured forward (logging)."""
+    step: int = 0
+    """The optimizer step the trainer is on (for dense_hold)."""
+    dense_hold: int = 0
+    """Under sparse_policy auto, in training: a layer that the choice sent dense runs dense without estimating
+    for this many further steps (0 = estimate every call). Set from attention.dense_hold_steps."""
+    dense_until: dict = field(default_factory=dict)
+    """layer index -> the first step at which that layer estimates again (see dense_hold)."""
+    hold_streak: dict = field(default_factory=dict)
+    """layer index -> how many estimates in a row did not pay for themselves (each doubles the next hold, up to
+    HOLD_BACKOFF_MAX x dense_hold)."""
+    recomputing: bool = False
+    """True while non-reentrant gradient checkpointing recomputes a layer's forward for its backward (set through
+    `checkpoint_contexts`): the sparse kinds then replay what that layer's first forward chose (`memo`) instead of
+    estimating again, so the recomputation runs the same path on the same index and logs nothing twice."""
+    memo: dict = field(default_factory=dict)
+    """layer index -> (path, lines) of the layer's last forward in training: "sparse" or "dense", and the lines
+    its index was built from (`index._cache["lines"]`; small next to the lists, which are rebuilt from them)."""
+    choice_stats: dict = field(default_factory=dict)
+    """(layer index, q shape) -> (host tensor, event or None): the work counts and mean estimated recall of that
+    layer's last estimate, copied to the host without waiting (see LAGGED_CHOICE)."""
+    sample_imbalance: bool = True
+    """Whether layer 0 measures the imbalance in this forward (the trainer sets it on the steps it logs): each CP rank
+    counts its own rows' work on the CPU and one small all-gather combines them."""
+
+
+CONTEXT = AttentionContext()
+
+
+@dataclass
+class LayerRecord:
+    """What one sparse-kind attention call decided and measured. Tensors stay on the device (no host sync in
+    the forward); `as_floats` reads them when the step is logged."""
+
+    layer: object
+    """module.layer_idx, or None when the module has none."""
+    path: str
+    """"sparse" or "dense": what ran."""
+    density: object
+    """Fraction of causal pairs in the estimated pattern, a 0-dim tensor on the device (None: not estimated, see
+    `mtrain.models.policy.skip_estimate`)."""
+    dense_ms: float = float("nan")
+    sparse_ms: float = float("nan")
+    """The cost model's predictions (NaN when the policy is not "auto"; without an estimate, sparse_ms is the
+    floor: estimate + fixed costs)."""
+    est_recall: object = None
+    """Tensor [B, Hq]: the estimator's own recall figure (index._cache["est_recall"]), when it provides one."""
+    true_recall: object = None
+    """Tensor [B, Hq]: exact attention mass kept, averaged over sampled rows (sample_recall steps, sparse only)."""
+
+    held: bool = False
+    """True when the layer ran dense without estimating because an earlier step's choice holds (dense_hold)."""
+
+    def as_floats(self) -> dict:
+        density = None if self.density is None else float(self.density)
+        out = {"layer": self.layer, "path": self.path, "density": density, "held": self.held, "dense_ms": self.dense_ms,
+               "sparse_ms": self.sparse_ms}
+        for name in ("est_recall", "true_recall"):
+            value = getattr(self, name)
+            out[name] = None if value is None else float(value.float().mean())
+        return out
+
+
+def no_mask(*args, **kwargs):
+    """Mask function for mtrain kinds: attention masking is done inside the kernels."""
+    return None
+
+
+def hf_inputs(module, query, key, value, scaling, dropout):
+    """What every mtrain kind does first with HF's [B, H, S, D] inputs: refuse dropout in training, move to
+    [B, S, H, D], and answer a KV-cache call (queries continuing cached keys) densely. Returns (q, k, v, out of
+    the cached call or None)."""
+    if dropout and module.training:
+        raise MtrainError("mtrain attention kinds do not implement attention dropout; set attention_dropout=0")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if k.shape[1] == q.shape[1]:
+        return q, k, v, None
+    if CONTEXT.group is not None or CONTEXT.doc_ids is not None:
+        raise MtrainError("a KV cache runs on one device over one document: clear the context-parallel "
+                          "group and doc_ids (mtrain.models.context.CONTEXT) before generating")
+    return q, k, v, _cached_attention(q, k, v, scaling)
+
+
+def _cached_attention(q, k, v, scaling):
+    """Queries that continue a KV cache (generation, chunked prefill): the q_len newest positions of the
+    k_len keys, causal from the bottom right. Dense: a decoding step or a later prefill chunk costs
+    O(q_len x k_len) either way, and the sparse estimate needs the whole prompt at once."""
+    from mtrain.ops import dense_attention, partial_attention
+
+    past = k.shape[1] - q.shape[1]
+    if q.shape[1] == 1:  # one new token sees every cached key: plain non-causal attention
+        return dense_attention(q, k, v, causal=False, softmax_scale=scaling)
+    q_pos = torch.arange(past, k.shape[1], device=q.device)
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    out, _ = partial_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, softmax_scale=scaling, causal=True)
+    return out

@@ -1,0 +1,243 @@
+"""The dense/sparse policy of the sparse kinds, per layer and call: the choice (`choose_path`, on the cost model
+`mtrain.ops.cost` and the estimate's recall), skipping an estimate that cannot pay (`skip_estimate`), the dense holds
+(`hold`) and their state across a checkpoint (`policy_state` / `load_policy_state`, saved by the trainer),
+the replay of a layer's choice under gradient checkpointing (`checkpoint_contexts`, `replay_choice`,
+`remember_choice`) and the record of each call (`record_layer`). Its state lives in `CONTEXT`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from mtrain.models.context import CONTEXT, LayerRecord
+
+SPARSE_POLICIES = ("auto", "always", "never")
+"""How a sparse kind picks its path per layer: the cost model (`mtrain.ops.cost`), sparse everywhere, or dense."""
+
+
+# Under "auto", a layer whose estimate (mean over heads) falls short of the recall target by more than this runs
+# dense, whatever the cost model says: its caps bind, so the pattern it may list cannot hold the mass. On
+# SmolLM2-135M at 128K (H200, 2026-11-24) the layer means of the estimate were within 0.02 of the true recall;
+# at target 0.99 this rule sends 2 of 30 layers dense (estimates 0.84 and 0.94). The per-head minimum at slack
+# 0.02, tried first, sent 20 layers dense (true layer recalls 0.93-0.99) and the model ran at 1.01x dense;
+# replayed on that run's per-layer times, this rule gives 1.83x, mean recall 0.98, worst layer 0.954.
+RECALL_SLACK = 0.04
+
+
+# Under "auto" on one device, a layer's choice reads the work counts and estimated recall of that layer's previous
+# estimate (same shapes; one step old in training), copied to the host without waiting, instead of its own: reading
+# its own makes the host wait for the GPU to finish the estimate before it can queue the attention kernels, and at
+# 32K on SmolLM2 (H200, fa4 engine) the host's work after that wait (the kernels' launches) cost ~2.5 ms per layer
+# against 2.6 ms of estimate and ~4 ms of kernels. A layer's first estimate (per shape) is read directly. The
+# pattern, and so the choice, moves slowly in training (the premise of dense_hold as well). False: read each
+# estimate itself.
+LAGGED_CHOICE = True
+
+
+def _choice_stats(index, q, target, layer_idx) -> list:
+    """[listed block entries, listed column entries(, mean est_recall)] that `choose_path` decides from: this
+    estimate's, or with LAGGED_CHOICE and a layer index the previous estimate's of this layer and shape (this one's
+    copy starts now, without waiting, for the next call)."""
+    est = index._cache.get("est_recall")
+    wanted = 3 if target is not None and est is not None else 2
+    read = index._cache.get("host_read")  # a CP rank's RowIndex read these with its lists' widths: no second read
+    if read is not None and len(read) >= wanted:
+        return read[:wanted]
+    parts = [index.work_tensor()]  # the whole index's work (a CP rank's RowIndex knows it from the lines)
+    if target is not None and est is not None:
+        parts.append(est.double().mean().view(1))
+    now = torch.cat(parts)
+    if not LAGGED_CHOICE or layer_idx is None:
+        return now.tolist()  # one device-to-host read
+    key = (layer_idx, tuple(q.shape), len(parts))
+    before = CONTEXT.choice_stats.get(key)
+    if now.is_cuda:
+        host = torch.empty(now.shape, dtype=now.dtype, pin_memory=True)
+        host.copy_(now, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        host, event = now.clone(), None
+    CONTEXT.choice_stats[key] = (host, event)
+    host, event = before if before is not None else (host, event)
+    if event is not None:
+        event.synchronize()  # the previous estimate's copy finished long ago: no wait in practice
+    return host.tolist()
+
+
+def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0,
+                 engine: str = "auto", graphed: bool = False, layer_idx=None):
+    """("sparse" | "dense", Prediction or None) for one call with the estimated `index` under `policy`.
+
+    Decided from the index's integer work counts and its est_recall (identical on every rank of a CP group,
+    whose index is the same global one), so every rank takes the same path. Under "auto" the layer runs dense
+    when the cost model predicts sparse does not pay, or when `target` (the recall asked for) is given and the
+    estimate's mean over heads falls short of it by more than RECALL_SLACK. The index build is already paid; what the
+    dense path saves is everything the kernels derive from it (built lazily on the first kernel call) and the
+    kernels. rows: the query rows the estimate scored (the Prediction then carries its predicted cost). engine: the
+    block engine that would run the sparse path (its measured rates, where the cost table has them). graphed: the
+    estimate ran from a CUDA graph that also built the engine's plans (`cost.predict`). layer_idx: given on one
+    device, the counts come from this layer's previous estimate (LAGGED_CHOICE).
+    """
+    if policy == "always":
+        return "sparse", None
+    if policy == "never":
+        return "dense", None
+    from mtrain.ops import cost
+
+    read = _choice_stats(index, q, target, layer_idx)
+    blocks, columns = int(read[0]), int(read[1])
+    B, _, Hq, D = q.shape
+    # one device with packed documents: the dense path runs one call per document
+    doc_lengths = None if doc_ids is None else document_lengths(doc_ids)
+    prediction = cost.predict(blocks, columns, seq_len=index.seq_len, heads=Hq, head_dim=D,
+                              block_size=index.block_size, batch=B, backward=training, device=q.device,
+                              world=world, doc_lengths=doc_lengths, estimate_rows=rows, engine=engine,
+                              graphed=graphed)
+    if len(read) == 3 and read[2] < target - RECALL_SLACK:
+        prediction = dataclasses.replace(prediction, path="dense")
+    return prediction.path, prediction
+
+
+def skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 1, doc_ids=None,
+                   engine: str = "auto", graphed: bool = False) -> bool:
+    """Under "auto": True when sparse cannot pay even with no work listed (the estimate and the fixed costs
+    alone exceed dense; `mtrain.ops.cost.worth_estimating`). The call then runs dense without estimating and
+    records the floor. Decided from shapes and settings every rank shares."""
+    if policy != "auto":
+        return False
+    if training and layer_idx is not None and CONTEXT.step < CONTEXT.dense_until.get(layer_idx, -1):
+        CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, held=True))  # held dense: see dense_hold
+        return True
+    from mtrain.ops import cost
+
+    B, S_local, Hq, D = q.shape
+    S = S_local * world
+    doc_lengths = None if doc_ids is None or world > 1 else document_lengths(doc_ids)
+    floor = cost.worth_estimating(seq_len=S, heads=Hq, head_dim=D, block_size=s.block_size,
+                                  rows=scored_rows(s, S), batch=B, backward=training,
+                                  device=q.device, world=world, doc_lengths=doc_lengths, engine=engine,
+                                  graphed=graphed)
+    if floor.path == "sparse":
+        return False
+    CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, floor.dense_ms, floor.sparse_ms))
+    return True
+
+
+def scored_rows(s, seq_len: int) -> int:
+    """Query rows the estimate scores under SparseSettings `s` (the last rows and the sampled blocks)."""
+    from mtrain.ops.estimate import scored_row_count
+
+    return scored_row_count(seq_len, s.last_q, s.sample_blocks, s.block_size, s.sample_rows)
+
+
+# The longest hold, as a multiple of dense_hold: a layer whose estimate keeps not paying is looked at again after
+# dense_hold, 2x, 4x, then every 8x dense_hold steps (16, 32, 64, 128 steps at the default), so the estimates it
+# pays for nothing fall towards none while a layer whose pattern becomes sparse in training is still found.
+HOLD_BACKOFF_MAX = 8
+
+
+def hold(layer_idx, prediction, policy: str, training: bool) -> None:
+    """After auto decided a training call, skip this layer's estimate (running dense) when estimating did not pay
+    for itself: the layer went dense, or it went sparse but the estimate plus the sparse path is predicted no
+    cheaper than dense (`Prediction.estimate_paid`). The estimate is paid before the choice, so such a layer
+    would pay it every step for nothing or for a loss (a layer's attention pattern, and so its density, moves
+    slowly during training). The hold is CONTEXT.dense_hold steps, doubled for each further estimate in a row
+    that did not pay (up to HOLD_BACKOFF_MAX x); an estimate that pays resets it."""
+    if policy != "auto" or not training or CONTEXT.dense_hold <= 0 or layer_idx is None or prediction is None:
+        return
+    if prediction.estimate_paid:
+        CONTEXT.hold_streak.pop(layer_idx, None)
+        return
+    streak = CONTEXT.hold_streak.get(layer_idx, 0)
+    CONTEXT.hold_streak[layer_idx] = streak + 1
+    CONTEXT.dense_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold * min(2 ** streak, HOLD_BACKOFF_MAX)
+
+
+def policy_state() -> dict:
+    """What sparse_policy "auto" carries from one training step to the next, as plain JSON data: each layer's dense
+    hold and its back-off streak, and the lagged choice's last statistics (LAGGED_CHOICE). Saved with every
+    checkpoint and given back to `load_policy_state`, so that a resumed run takes the paths the uninterrupted one
+    would have taken. (Per-step fields, `memo` and the logging lists, start afresh each step.)"""
+    stats = []
+    for (layer, shape, parts), (host, event) in sorted(CONTEXT.choice_stats.items(), key=repr):
+        if event is not None:
+            event.synchronize()
+        stats.append([layer, list(shape), parts, host.tolist()])
+    return {"dense_until": sorted(CONTEXT.dense_until.items()), "hold_streak": sorted(CONTEXT.hold_streak.items()),
+            "choice_stats": stats}
+
+
+def load_policy_state(state: dict) -> None:
+    """Restore what `policy_state` returned (after `register_kind`, which clears the holds)."""
+    CONTEXT.dense_until = {layer: step for layer, step in state["dense_until"]}
+    CONTEXT.hold_streak = {layer: streak for layer, streak in state["hold_streak"]}
+    CONTEXT.choice_stats = {(layer, tuple(shape), parts): (torch.tensor(values, dtype=torch.float64), None)
+                            for layer, shape, parts, values in state["choice_stats"]}
+
+
+def record_layer(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None,
+                 true_recall=None) -> None:
+    """Append this call's LayerRecord; on sample_recall steps measure the true recall of a sparse call on
+    CONTEXT.recall_rows rows spread evenly over the sequence (ending at the last row). q/k: the whole
+    sequence (None under CP, where no rank holds it: the ring measures it across the group and passes
+    `true_recall` instead)."""
+    record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=index._cache.get("est_recall"),
+                         true_recall=true_recall)
+    if prediction is not None:
+        record.dense_ms, record.sparse_ms = prediction.dense_ms, prediction.sparse_ms
+    if CONTEXT.sample_recall and path == "sparse" and q is not None:
+        from mtrain.ops.recall import sampled_rows, true_recall
+
+        rows = sampled_rows(q.shape[1], CONTEXT.recall_rows, q.device)
+        with torch.no_grad():
+            record.true_recall = true_recall(q.detach(), k.detach(), index, softmax_scale=scaling, doc_ids=doc_ids,
+                                             rows=rows)
+    CONTEXT.densities.append(record.density)
+    CONTEXT.layers.append(record)
+
+
+@contextlib.contextmanager
+def _recomputing():
+    CONTEXT.recomputing = True
+    try:
+        yield
+    finally:
+        CONTEXT.recomputing = False
+
+
+def checkpoint_contexts():
+    """`context_fn` of torch.utils.checkpoint (non-reentrant) for models with mtrain attention: nothing around the
+    first forward; around the recomputation for the backward, `CONTEXT.recomputing`. A recomputed layer then
+    rebuilds the index its first forward chose from the remembered lines (cheap) rather than estimating again:
+    one estimate per layer and step instead of two, and the same path in both passes whatever the first one
+    changed (a dense hold it set would otherwise send the recomputation dense, which checkpointing refuses)."""
+    return contextlib.nullcontext(), _recomputing()
+
+
+def replay_choice(layer_idx):
+    """(path, lines) that this layer's first forward chose, while gradient checkpointing recomputes it; else None."""
+    if CONTEXT.recomputing and layer_idx is not None:
+        return CONTEXT.memo.get(layer_idx)
+    return None
+
+
+def remember_choice(layer_idx, path: str, index, training: bool) -> None:
+    """Keep this training forward's choice for the layer's recomputation (see `checkpoint_contexts`)."""
+    if not training or layer_idx is None or not torch.is_grad_enabled():
+        return
+    lines = None if index is None else index._cache.get("lines")
+    if path == "sparse" and lines is None:
+        CONTEXT.memo.pop(layer_idx, None)  # nothing to rebuild from: the recomputation estimates again
+    else:
+        CONTEXT.memo[layer_idx] = (path, lines)
+
+
+def document_lengths(doc_ids) -> list[int]:
+    """Lengths of the runs of equal document ids of every row of doc_ids [B, S] (one host read)."""
+    change = torch.ones_like(doc_ids, dtype=torch.bool)
+    change[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    starts = torch.nonzero(change.flatten()).flatten().tolist()
+    return [b - a for a, b in zip(starts, starts[1:] + [doc_ids.numel()])]
