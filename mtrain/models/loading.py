@@ -113,7 +113,7 @@ def load_model(model_cfg, attn_implementation: str):
         config._attn_implementation = attn_implementation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     if model_cfg.gradient_checkpointing:
-        from mtrain.models.attention import checkpoint_contexts
+        from mtrain.models.policy import checkpoint_contexts
 
         # the recomputation replays each layer's sparse-or-dense choice and index (CONTEXT.recomputing)
         model.gradient_checkpointing_enable(
