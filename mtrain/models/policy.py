@@ -29,8 +29,8 @@ RECALL_SLACK = 0.04
 # Under "auto" on one device, a layer's choice reads the work counts and estimated recall of that layer's previous
 # estimate (same shapes; one step old in training), copied to the host without waiting, instead of its own: reading
 # its own makes the host wait for the GPU to finish the estimate before it can queue the attention kernels, and at
-# 32K on SmolLM2 (H200, fa4 engine) the host's work after that wait (the kernels' launches) cost ~2.5 ms per layer
-# against 2.6 ms of estimate and ~4 ms of kernels. A layer's first estimate (per shape) is read directly. The
+# 32K on SmolLM2 (H200, fa4 engine) the host's work after that wait (the kernels' launches) cost about as much as
+# the estimate itself. A layer's first estimate (per shape) is read directly. The
 # pattern, and so the choice, moves slowly in training (the premise of dense_hold as well). False: read each
 # estimate itself.
 LAGGED_CHOICE = True

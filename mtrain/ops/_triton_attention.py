@@ -580,23 +580,18 @@ def _tile(block_size: int) -> int:
 
 # Kernel sub-tiles (query rows, keys) per kernel for index blocks larger than them: a 128- or 256-token
 # index block runs as 64-row query tiles against 64-key tiles, except dK/dV, whose programs hold 128 keys
-# and loop over 64-row query tiles (measured on the H200 at 128K with 128-token blocks, head dim 128:
-# forward 64x64 15.6 ms vs 128x64 17.7 and 128x128 18.4; backward with dK/dV 64x128 45.8 ms vs 64x64 55.4
-# and 128x64 65.3; dQ 64x64 beat 128x64). A block that is not a multiple of the sub-tile runs as one
-# padded tile.
+# and loop over 64-row query tiles (the fastest on the H200 at 128K with 128-token blocks, head dim 128: BENCHMARKS.md
+# "Launch choices recorded in the kernels"). A block that is not a multiple of the sub-tile runs as one padded tile.
 SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (32, 64), "colfwd": (128, 32),
            "coldq": (64, 32)}
 # Head dims <= 64 (less matrix work per tile): the forward runs a 128-token block as one 128-row query tile with
-# 4 warps (H200, SmolLM2's 9 q / 3 KV heads x 64, 128-blocks, 25% / 15% of pairs: 1.91 -> 1.68 ms at 32K, 14.2 ->
-# 12.4 ms at 128K, bit for bit the same; mtrain/bench/dev/bench_kernel_variants.py, BENCHMARKS.md). The dQ and dK/dV
-# choices above measured best there too.
+# 4 warps (faster on the H200 with SmolLM2's 9 q / 3 KV heads x 64 at 128-token blocks, bit for bit the same;
+# mtrain/bench/dev/bench_kernel_variants.py). The dQ and dK/dV choices above measured best there too.
 SUBTILE_SMALL_HEADS = {"fwd": (128, 64), "colfwd": (128, 64)}
 # "colfwd" / "coldq": the forward and dQ passes of a column-only index (plans[NO_BLOCKS], the fa4 engine's
 # columns): a few gathered key columns per query tile, where the list-walking passes read whole key blocks.
-# "col": the column dK/dV pass (query rows per step; its chunks are 64 columns). Measured on the H200 at 128K,
-# 16 / 2 heads x 128, ~93 columns per query block (mtrain/bench/dev/bench_columns.py, BENCHMARKS.md): colfwd 128 x 32 rows
-# x columns, 4 warps, 1 stage 1.01 ms against 64 x 64 / 4 / 3 1.38; coldq 64 x 32 / 4 / 1 1.39 (with the rows'
-# delta) against 64 x 64 / 4 / 2 1.51 (without); col 32 rows / 4 / 3 0.91 against 64 / 4 / 3 1.26.
+# "col": the column dK/dV pass (query rows per step; its chunks are 64 columns). Each the fastest of the variants
+# tried on the H200 at 128K, 16 / 2 heads x 128 (mtrain/bench/dev/bench_columns.py).
 # (num_warps, num_stages) per kernel on CUDA; mtrain/bench/attention.py measures the choices.
 CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3), "colfwd": (4, 1), "coldq": (4, 1)}
 # Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);
@@ -955,7 +950,7 @@ def _block_dkdv(q, k, v, dout, lse, delta, dk, dv, dq, qp, kp, qd, kd, bi, bc, t
 
 # plans[NO_BLOCKS] = True marks a column-only index (every block list empty, known without reading the counts):
 # the backward then skips the block dK/dV pass, whose grid would otherwise run over every key block for nothing
-# (0.25 ms at 128K, 16 / 2 heads x 128, in the fa4 engine's column backward).
+# (measurable in the fa4 engine's column backward).
 NO_BLOCKS = "no_blocks"
 
 

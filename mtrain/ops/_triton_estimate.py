@@ -208,14 +208,11 @@ def scorer_config(block_size: int, head_dim: int, dtype: torch.dtype | None = No
     stages, whether the keys every row of a program sees run without masks (`split`; the same sums up to float
     rounding), and the keys one program walks (`keys`, rounded to the block size; None: KEYS_PER_PROGRAM).
 
-    Measured on an H200 (`mtrain/bench/dev/bench_scorer.py`, BENCHMARKS.md "The scorer's launch settings"): at 128-token
-    blocks 128 rows and 4 warps beat the 64 rows and 8 warps used before by 22-35% (128K, 16 / 2 heads x 128: 6.82
-    -> 5.26 ms, and 4.88 ms with 2 stages; 9 / 3 x 64: 2.50 -> 1.73 ms; 32K: 0.78 -> 0.56 ms); at 64-token blocks
-    64 rows and 4 warps stay the fastest. Summing a tile's columns on the tensor cores (ones @ p, tf32x3) was
-    slower everywhere (1.3-3.9x) or ran out of shared memory; writing the mass per (row, key block) block-major
-    (coalesced stores, then a transpose) was no faster in the same run (16 / 2 x 128: 3.81 vs 3.75 ms; 9 / 3 x 64:
-    1.81 vs 1.73 and 0.63 vs 0.61 ms). fp32 inputs (tf32x3 dots, split copies of each operand in shared memory):
-    32 rows and one stage, which fit where 128 rows did not (block 128, head dim 128)."""
+    Chosen on an H200 (`mtrain/bench/dev/bench_scorer.py`; the figures: BENCHMARKS.md "The scorer's launch
+    settings"): at 128-token blocks 128 rows and 4 warps beat 64 rows and 8 warps; at 64-token blocks 64 rows and 4
+    warps stay the fastest. Summing a tile's columns on the tensor cores was slower everywhere or ran out of shared
+    memory; block-major stores of the masses were no faster. fp32 inputs (tf32x3 dots, split copies of each operand
+    in shared memory): 32 rows and one stage, which fit where 128 rows did not (block 128, head dim 128)."""
     if dtype == torch.float32:
         return dict(rows=32, warps=4, stages=1, split=True, keys=None)
     if block_size >= 128:

@@ -15,16 +15,13 @@ from mtrain.ops.partial_autograd import partial_attention
 
 # Index block sizes for which impl="auto" on CUDA runs FlexAttention instead of our Triton kernels, i.e.
 # where Flex driven by our index was measured faster (index + forward + backward). None: on the H200 at
-# 128K (Qwen2.5-3B heads, bf16, p = 0.90) our kernels beat Flex on the identical 128-token-block mask
-# 70.1 vs 128.4 ms (kernels 60.1 vs 117.5), and Flex's backward does not lower for 64-token blocks with
-# its default configurations (under max_autotune it had not finished compiling after ~220 s), while ours
-# run them (50.4 ms all in). mtrain/bench/attention.py; BENCHMARKS.md "Sparse attention kernel".
+# 128K (Qwen2.5-3B heads, bf16) our kernels beat Flex on the identical 128-token-block mask, and Flex's backward does
+# not lower for 64-token blocks with its default configurations, while ours run them (mtrain/bench/attention.py;
+# the figures: BENCHMARKS.md, one-GPU attention on synthetic inputs).
 AUTO_FLEX_BLOCK_SIZES: frozenset[int] = frozenset()
 # Index block sizes for which impl="auto" runs the fa4 engine (FlashAttention-4 for the listed blocks) where FA4 is
-# installed, on a GPU of compute capability >= 9, with 16-bit inputs. Measured on the H200 (BENCHMARKS.md, 2026-11-25):
-# 128K, 16 q / 2 KV x 128, 5.2% of pairs, 37.0 ms all in with FA4's backward and 46.5 with ours against 49.5 for our
-# kernels alone (fifth session; 16% of pairs, earlier: 92.6 vs 142.3); SmolLM2 (9 / 3 x 64) whole model every step
-# 1.68x / 2.78x / 3.87x cuDNN at 32K / 64K / 128K against 0.94x / 1.53x / 2.32x with our kernels at 64-token blocks.
+# installed, on a GPU of compute capability >= 9, with 16-bit inputs: faster than our kernels alone on the H200 at
+# 128-token blocks, on synthetic inputs and on SmolLM2's whole model (BENCHMARKS.md, one-GPU attention).
 # FA4's SM90 backward runs only 128-token key blocks.
 AUTO_FA4_BLOCK_SIZES: frozenset[int] = frozenset({128})
 

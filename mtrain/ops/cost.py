@@ -57,26 +57,10 @@ class CostTable:
     engines: dict = dataclasses.field(default_factory=dict)
 
 
-# One NVIDIA H200, torch 2.11, triton 3.6, bf16; measured 2026-11-23 by `python -m mtrain.bench.cost`
-# (heads 9q/3kv x 64 = SmolLM2-135M and 16q/2kv x 128 = Qwen2.5-3B; dense through `dense_attention` = SDPA
-# cuDNN, 4K-128K; sparse = our Triton kernels, deterministic backward, local band + 2048 verticals, 1-28% of
-# causal blocks, 8K-128K; index = from_lines with the GPU builder (commit 89a959c) + the backward's plans;
-# estimate = estimate_vertical_slash at its defaults then (last 64 rows + 16 sampled 64-row blocks = 1088
-# scored rows, with its own recall figure)). Worst relative error of the fits: dense 2-8%, sparse kernels
-# 5-25%, index 36% (of ~2 ms), estimate 22%. Examples: dense fwd+bwd 10.2 ms at 32K x 64 (9 heads), 462 ms at
-# 128K x 128 (16 heads); sparse 128K x 128 at 5% of blocks 49.9 ms (bs 64); index 1.7-2.7 ms; estimate 27 ms
-# at 32K x 9 heads, 100 ms at 128K x 9 heads, 249 ms at 128K x 16 heads. (A first run on 2026-11-23 with the
-# previous index builder gave the same kernel rates, index 3.5-5 ms, and 3.7-15 ms for the 64-row estimate.)
-# estimate re-measured 2026-11-24 after the Triton scorer (`bench_cost.py --only estimate`, same H200 kind,
-# random q/k, so caps at 16384 lines bind and the q/k recomputations are at their widest): 9.4 / 16.4 / 18.1 /
-# 20.6 ms at 8K / 32K / 64K / 128K x 9 heads (the torch scorer: 23.1 ms at 32K), 16.4-36.0 ms x 16 heads x 128;
-# worst relative error of the fit 42%: a ~10 ms fixed part dominates (not yet profiled). On SmolLM2 at 128K
-# the whole index (estimate + build) took 22.5-24.0 ms per layer (was ~46 ms).
-# estimate re-measured 2026-11-24 (later, same kind) after the split-key scorer, the group_column_mass kernel and
-# the removal of the estimate's host synchronisation (`scripts/gpu_real_model.sh stage`): 3.54 / 3.59 / 3.92 /
-# 5.06 ms at 8K / 32K / 64K / 128K x 9 heads x 64, 4.23-8.66 ms x 16 heads x 128 (the torch scorer: 23.1 ms at
-# 32K x 9); worst relative error of the fit 16%. The fixed part is now the host's launches (~280 kernels, enqueue
-# ~ GPU time); on SmolLM2 the whole index (estimate + build) took 3.5-8.4 ms per layer at 32K-128K.
+# Fitted on one NVIDIA H200 (torch 2.11, triton 3.6, bf16) by `python -m mtrain.bench.cost` and its `--fit`, 2026-11-23
+# to 2026-11-25 (dense, sparse and index; the estimate and its CUDA-graph replay re-measured later). The runs, the
+# shapes they cover and each fit's worst relative error: BENCHMARKS.md "Cost model of the per-layer sparse/dense
+# choice", "Provenance of the shipped cost tables".
 H200 = CostTable(
     name="cuda (H200)",
     source="mtrain/bench/cost.py on one H200, 2026-11-23",
@@ -87,28 +71,19 @@ H200 = CostTable(
             (128, 64): {"train": (0.8387, 2.5521, 48.8525, 74.734), "eval": (0.2091, 0.2714, 12.017, 19.4613)},
             (128, 128): {"train": (2.0794, 2.2202, 40.1415, 69.7131), "eval": (0.2719, 0.2234, 11.9352, 17.2914)}},
     index=(2.0754, 0.0, 0.0, 0.0186),
-    # estimate and graphed re-measured 2026-11-25 (`bench_cost.py --only estimate graphed`, random q/k so the caps
-    # bind, 8K-128K, 9/3 x 64 and 16/2 x 128): eager 4.05-8.17 ms (worst relative error of the fit 14%); replayed
-    # from the CUDA graph with the engine's plans (triton at block 64, fa4 at 128) 2.08-11.86 ms (27%), e.g. 2.64 ms
-    # at 32K x 9 heads, block 128 (2112 scored rows), where the eager estimate + index + plans took ~7.7 ms.
     estimate=(4.3726, 1.8161),
     graphed=(1.964, 2.0683),
     # FlashAttention-4 for the listed blocks + our column kernels (impl="fa4", FA4's own backward as training runs
-    # it), block 128: `python -m mtrain.bench.cost --engine fa4 --only sparse` then `--fit` on one H200,
-    # 2026-11-25 (flash-attn-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1, torch 2.11, triton 3.6; 32K and 128K, 1.2-28% of
-    # blocks, 9/3 x 64 and 16/2 x 128); worst relative error 8-18%. Per listed block ~2.4x (64) / 2.0x (128)
-    # cheaper than our kernels; examples: 128K x 16 heads x 128 at 5% of blocks 24.7 ms fwd+bwd (ours ~50 ms).
+    # it), block 128: `python -m mtrain.bench.cost --engine fa4 --only sparse` then `--fit` (BENCHMARKS.md, as above).
     engines={"fa4": {(64, 128): {"train": (0.8134, 2.4678, 23.2355, 110.831), "eval": (0.2598, 0.1517, 8.2985, 30.9084)},
                      (128, 128): {"train": (0.6512, 3.072, 20.0972, 90.4516), "eval": (0.1785, 0.3228, 5.4266, 24.8306)}}},
 )
 
 # The CPU path (fp32; dense = PyTorch SDPA, sparse = mtrain.ops.partial's PyTorch path over the listed blocks,
-# index = from_lines), measured 2026-11-23 on this workplace's CPU machine (2 cores shared with other jobs,
-# torch 2.13) by `python -m mtrain.bench.cost --cpu` twice, heads 4/2 x 32, 1K-8K, fitted together
-# (`--fit` on both files). The machine was loaded: single timings varied 2-3x, so the fit is an order of
-# magnitude (worst relative error ~65% dense, ~95% sparse); its robust content is the ratio: the PyTorch
-# sparse path costs ~2.1x dense per computed pair (a SmolLM2-shaped 9/3 x 64 run gave ~3x), so on a CPU
-# sparse pays only below ~40% density and never for short sequences. Other head dims use these rates.
+# index = from_lines), fitted by `python -m mtrain.bench.cost --cpu` on this project's 2-core CPU machine under load,
+# 2026-11-23: an order of magnitude only; its robust content is the ratio of sparse to dense per computed pair, so on
+# a CPU sparse pays only at low density and never for short sequences (BENCHMARKS.md, as above). Other head dims
+# use these rates.
 CPU = CostTable(
     name="cpu",
     source="mtrain/bench/cost.py --cpu on the 2-core CPU machine (loaded), 2026-11-23",

@@ -50,7 +50,7 @@ class _Graph:
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.index = _estimate(self.q, self.k, self.doc_ids, kwargs, prepare)
             # every output tensor copied, inside the graph, into one flat buffer: a replay's copy is then one clone
-            # and a view per tensor (a deep copy of the ~60 tensors cost ~1.4 ms of host time per layer)
+            # and a view per tensor (a deep copy of the ~60 tensors costs host time on every layer)
             self.packed = _Packed(self.index)
 
     def __call__(self, q, k, doc_ids) -> SparseIndex:
