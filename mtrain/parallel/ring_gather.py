@@ -212,10 +212,9 @@ def _reduce_kv_grads(dk, dv, plan: RingPlan, n_rows: int, group, dtype):
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
     received[rank] = [rows(dk, rank), rows(dv, rank)]
-    total_k, total_v = rows(dk, rank).to(acc, copy=True), rows(dv, rank).to(acc, copy=True)
-    total_k.zero_()
-    total_v.zero_()
-    for o in range(world):  # a fixed order: the same sum on every run
+    # a fixed order (rank 0 first): the same sum on every run
+    total_k, total_v = received[0][0].to(acc, copy=True), received[0][1].to(acc, copy=True)
+    for o in range(1, world):
         total_k.add_(received[o][0])
         total_v.add_(received[o][1])
     if column_reduce is not None:
