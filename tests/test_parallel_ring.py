@@ -139,9 +139,10 @@ def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_w
     results[f"{world}/{layout_name}/{mode}{'-docs' if docs else ''}/{schedule}"] = record
 
 
-def _run_bf16_case(rank, world, layout_name, mode, results):
+def _run_bf16_case(rank, world, layout_name, mode, results, schedule="ring"):
     """bf16 ring vs float64 reference, against the same-precision single-device op (flash-attn's rule:
-    within 2x the error of a same-precision run)."""
+    within 2x the error of a same-precision run); schedule "gather": the gathered schedule (its column gradients
+    fold into their rows in bf16 before the owners sum the parts)."""
     from mtrain.ops.partial_autograd import partial_attention
 
     q, k, v, dout = _inputs(1, 3)
@@ -152,7 +153,7 @@ def _run_bf16_case(rank, world, layout_name, mode, results):
     ref.backward(dout)
     layout = Layout.create(layout_name, world_size=world, granularity=BLOCK)
     shards = [layout.shard(t.bfloat16(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
-    out = ring_attention(shards[0], shards[1], shards[2], group=None, layout=layout, index=index)
+    out = ring_attention(shards[0], shards[1], shards[2], group=None, layout=layout, index=index, schedule=schedule)
     out.backward(shards[3])
     one = [t.bfloat16().requires_grad_(True) for t in (q, k, v)]
     pos = torch.arange(SEQ_LEN)
@@ -166,7 +167,7 @@ def _run_bf16_case(rank, world, layout_name, mode, results):
                                        ("dv", shards[2].grad, one[2].grad, full[2].grad)):
         ref_shard = layout.shard(ref_t, rank)
         record[name] = [_max_err(ring_t, ref_shard), _max_err(layout.shard(one_t, rank), ref_shard)]
-    results[f"{world}/{layout_name}/{mode}-bf16/flat"] = record
+    results[f"{world}/{layout_name}/{mode}-bf16/{'flat' if schedule == 'ring' else schedule}"] = record
 
 
 def _worker(rank, world, init_file, out_dir, hierarchies):
@@ -206,6 +207,7 @@ def _worker(rank, world, init_file, out_dir, hierarchies):
         _run_case(rank, world, "zigzag", "estimate-shared", "flat", None, results)
         _run_bf16_case(rank, world, "zigzag", "dense", results)
         _run_bf16_case(rank, world, "block-stripe", "sparse", results)
+        _run_bf16_case(rank, world, "block-stripe", "sparse", results, schedule="gather")
         # groups derived from LOCAL_WORLD_SIZE (2 nodes of 2) when none are passed in; a plain layout under
         # a hierarchical ring is unbalanced (it warns) but must stay exact
         os.environ["LOCAL_WORLD_SIZE"] = "2"
@@ -252,7 +254,8 @@ def _cases():
     return cases + ["4/block-stripe/sparse/hierarchical2x2-local-outer", "4/block-stripe/estimate/flat", "4/zigzag/estimate-shared/flat", "4/zigzag/sparse/derived"]
 
 
-@pytest.mark.parametrize("case", ["4/zigzag/dense-bf16/flat", "4/block-stripe/sparse-bf16/flat"])
+@pytest.mark.parametrize("case", ["4/zigzag/dense-bf16/flat", "4/block-stripe/sparse-bf16/flat",
+                                  "4/block-stripe/sparse-bf16/gather"])
 def test_ring_bf16_within_twice_single_device_error(ring_results, case):
     for rank, record in enumerate(ring_results[case]):
         for name, (ring_err, one_err) in record.items():

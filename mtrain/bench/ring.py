@@ -54,8 +54,9 @@ _sync = timing.sync
 timed = functools.partial(timing.timed, before=dist.barrier)
 
 
-def count_host_syncs(fn) -> int | None:
-    """Host syncs (device-to-host waits) one call of fn makes, from CUDA's sync debug mode; None on the CPU."""
+def count_host_syncs(fn, sites: list | None = None) -> int | None:
+    """Host syncs (device-to-host waits) one call of fn makes, from CUDA's sync debug mode; None on the CPU.
+    sites: a list that receives "file:line" of the Python line behind each sync."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
     _sync()
@@ -67,7 +68,10 @@ def count_host_syncs(fn) -> int | None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     _sync()
-    return sum("synchroniz" in str(w.message) for w in seen)
+    hits = [w for w in seen if "synchroniz" in str(w.message)]
+    if sites is not None:
+        sites.extend(f"{'/'.join(w.filename.split('/')[-2:])}:{w.lineno}" for w in hits)
+    return len(hits)
 
 
 def lines(seq_len: int, heads: int, seed: int, window: int, far: int, verticals: int):
@@ -368,16 +372,23 @@ def bench_tokens(tokens, rank, world, args, device, report):
     def sync_counts():
         """Host syncs of one fwd+bwd call after warm-up (plan and kernel data cached with the index)."""
         counts = {}
-        for label, hk, layout_name, sparse in (("dense", h, "zigzag", False), ("sparse", hkv, "block-stripe", True),
-                                              ("estimated", hkv, "block-stripe", "estimate")):
+        cases = [("dense", h, "zigzag", False, "ring"), ("sparse", hkv, "block-stripe", True, "ring"),
+                 ("estimated", hkv, "block-stripe", "estimate", "ring")]
+        if "gather" in args.schedules:
+            cases.append(("estimated_gather", hkv, "block-stripe", "estimate", "gather"))
+        for label, hk, layout_name, sparse, schedule in cases:
             q, k, v, dout = inputs(tokens, h, hk, d, device)
             layout = Layout.create(layout_name, world_size=world, granularity=args.block_size)
             index = make_index(seq, args, device) if sparse is True else None
             settings = _settings(args) if sparse == "estimate" else None
             run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
-                                                           sparse=settings, engine=args.engine), (q, k, v), dout)
+                                                           sparse=settings, engine=args.engine, schedule=schedule),
+                             (q, k, v), dout)
             run()
-            counts[f"{label}_ring_host_syncs"] = count_host_syncs(run)
+            sites = []
+            counts[f"{label}_ring_host_syncs"] = count_host_syncs(run, sites)
+            if sites:  # where they come from (the Python line that made each)
+                counts[f"{label}_ring_host_sync_sites"] = sorted(set(sites))
         return counts
 
     attempt("host_syncs", sync_counts)
@@ -502,7 +513,7 @@ def _profile(run, rank: int, label: str) -> None:
 
     dist.barrier()
     _sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         run()
         _sync()
     if rank == 0:
@@ -510,6 +521,10 @@ def _profile(run, rank: int, label: str) -> None:
         print(f"\n== profile: {label}, rank 0 ==")
         print(table.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
         print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+        # the same ops split by their inputs' shapes: which call of an op (e.g. which cumulative sum) costs
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        print(by_shape.table(sort_by="self_cuda_time_total", row_limit=16, max_name_column_width=40,
+                             max_shapes_column_width=60))
 
 
 def phases(tokens, rank, world, args, device):

@@ -166,7 +166,8 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
         docs = None if doc_ids is None else doc_ids.to(dev)
 
         def combine(m, l):
-            return combine_stats(_rank_gather(m, group), _rank_gather(l, group))
+            both = _rank_gather(torch.stack([m, l]), group)  # one collective for the max and the sum
+            return combine_stats(both[:, 0], both[:, 1])
 
         lse, pooled, vert = score_rows(scored_q, k, rows, bs, scale, docs, key_blocks=key_blocks, combine=combine)
         n_local = key_blocks.numel()
@@ -174,7 +175,7 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
         vert = vert.view(b, hkv, g, -1)
         kb = key_blocks.to(device=dev, dtype=torch.long)
         kept = (kb[None, :] == 0) | (kb[None, :] == (rows // bs)[:, None])  # [n, nKB_local]: sink and own blocks
-        mandatory = _rank_sum(torch.where(kept, pooled, 0.0).sum(-1).sum(-1), group)  # [B, Hkv, G]
+        mandatory = torch.where(kept, pooled, 0.0).sum(-1).sum(-1)  # [B, Hkv, G], this rank's part
         rest = torch.where(kept, 0.0, pooled)
         # per query block of the scored rows, then per block offset a (key block = row block - a) over local blocks
         per_block = torch.where(table >= 0, 1.0, 0.0)[..., None] * rest[..., table.clamp(min=0), :]
@@ -184,7 +185,10 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
         key_blk = row_blocks[:, None] - torch.arange(n_blocks, device=dev)[None, :]  # [U, nKB]
         at = torch.where(key_blk >= 0, slot_of[key_blk.clamp(min=0)], -1)
         got = torch.gather(per_block, -1, at.clamp(min=0).expand(b, hkv, g, -1, -1))
-        slash_heads = _rank_sum(torch.where(at >= 0, got, 0.0).sum(-2), group)  # [B, Hkv, G, nKB]
+        slash_heads = torch.where(at >= 0, got, 0.0).sum(-2)  # [B, Hkv, G, nKB], this rank's part
+        # both sums over the ranks in one collective
+        summed = _rank_sum(torch.cat([mandatory[..., None], slash_heads], -1), group)
+        mandatory, slash_heads = summed[..., 0], summed[..., 1:]
         slash0 = slash_heads
         total = float(n)
         mandatory_heads = mandatory
@@ -203,7 +207,12 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
         v_loc = torch.where(v_mine >= 0, slot_of[v_mine.clamp(min=0) // bs] * bs + v_mine.clamp(min=0) % bs, -1)
         colsum = group_column_mass(scored_q, k, lse, rows, table, v_mine[:, :, None], scale, bs, docs,
                                    skip_kept=True, cols_local=v_loc[:, :, None])
-        held = _rank_sum(offset_mass(colsum, v_mine, row_blocks, bs, n_blocks), group).view(b, hkv, g, -1)
+        # the chosen verticals' mass this rank holds (for the recall figure) summed with `held` in one collective
+        vert_flat = vert.reshape(b, hq, -1)
+        in_cols = torch.where(v_loc >= 0, torch.gather(vert_flat, -1, v_loc.clamp(min=0)), 0.0).sum(-1)
+        summed = _rank_sum(torch.cat([offset_mass(colsum, v_mine, row_blocks, bs, n_blocks),
+                                      in_cols[..., None].to(colsum.dtype)], -1), group)
+        held, in_cols = summed[..., :-1].reshape(b, hkv, g, -1), summed[..., -1]
         slash1_heads = (slash_heads - held).clamp_(min=0.0)
         slash1 = slash1_heads.sum(2, keepdim=True) if settings.share_kv_group else slash1_heads
         target = settings.recall if settings.slash_recall is None else settings.slash_recall
@@ -214,11 +223,9 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
 
         # the scored rows' mass inside the index: kept blocks + chosen verticals (summed where they are held) +
         # chosen offsets' uncovered mass (as `mtrain.ops.estimate.kept_mass`)
-        vert_flat = vert.reshape(b, hq, -1)
-        in_cols = torch.where(v_loc >= 0, torch.gather(vert_flat, -1, v_loc.clamp(min=0)), 0.0).sum(-1)
         s_heads = blocks.expand(b, hkv, g, -1)
         in_slash = torch.where(s_heads >= 0, torch.gather(slash1_heads, -1, s_heads.clamp(min=0)), 0.0).sum(-1)
-        covered = mandatory_heads.reshape(b, hq) + _rank_sum(in_cols, group) + in_slash.reshape(b, hq)
+        covered = mandatory_heads.reshape(b, hq) + in_cols + in_slash.reshape(b, hq)
         slash = slash.expand(b, hkv, g, -1).reshape(b, hq, -1)
     return v_heads, slash, covered / n
 
@@ -263,6 +270,13 @@ def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, -1)
 
 
+def _gather_candidates(mass: torch.Tensor, positions: torch.Tensor, group):
+    """`_gather_last` of a rank's candidate masses and their key positions in one collective (both as float64:
+    positions below 2**53 and fp32 masses travel exactly)."""
+    both = _gather_last(torch.stack([mass.double(), positions.double()]), group)
+    return both[0].to(mass.dtype), both[1].long()
+
+
 def _cutoff(cand_mass, slash_mass, need, cap_v: int, min_v: int, block_size: int, full_width: int):
     """Per head, the priority above which every column must be among the candidates for `choose_verticals` on
     them to pick what it picks on all columns: the last item of its prefix and its last chosen column (-inf where
@@ -304,7 +318,7 @@ def _global_verticals(vert, k_pos, slash0, need, cap_v: int, min_v: int, block_s
     first = min(full, max(FIRST_ROUND_MIN, min_v, FIRST_ROUND * -(-cap_v // world)))
     if first < full:
         mass, where = torch.topk(vert, first, dim=-1)
-        masses, positions = _gather_last(mass, group), _gather_last(k_pos[where], group)
+        masses, positions = _gather_candidates(mass, k_pos[where], group)
         unsent = _gather_last(mass[..., -1:], group).amax(-1)  # no unsent column weighs more than its rank's last
         cut = _cutoff(masses, slash0, need, cap_v, min_v, block_size, full * world)
         # or the cap binds above every unsent column: the choice is then the top cap columns, all of them sent
@@ -312,8 +326,7 @@ def _global_verticals(vert, k_pos, slash0, need, cap_v: int, min_v: int, block_s
         if bool(((unsent < cut) | capped).all()):
             return choose_verticals(masses, positions, slash0, need, cap_v, min_v, block_size)
     mass, where = torch.topk(vert, full, dim=-1)
-    return choose_verticals(_gather_last(mass, group), _gather_last(k_pos[where], group), slash0, need, cap_v,
-                            min_v, block_size)
+    return choose_verticals(*_gather_candidates(mass, k_pos[where], group), slash0, need, cap_v, min_v, block_size)
 
 
 def _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks):

@@ -6,7 +6,7 @@ What it saves against the ring: the LSE merge of W partial outputs (fp32 passes 
 kernel launches of every kind per call, and the per-step pre/post-processing of the block kernels' backward.
 What it costs: the group's K/V of the layer in memory on every rank (W x the shard's; held from forward to
 backward, so with activation checkpointing one layer's at a time), one all-gather of K/V (started before the
-estimate, so it overlaps it) and one reduce-scatter of dK/dV in fp32 (summed over the ranks in a fixed order).
+estimate, so it overlaps it) and one point-to-point return of dK/dV (summed by each owner in fp32 in rank order).
 Within one node (NVLink) the traffic is small against the attention; across nodes the ring's bounded memory and
 overlapped transfers are the better schedule, so the ring stays the default.
 
@@ -14,7 +14,7 @@ The plan is the ring's (`mtrain.parallel.plan.sparse_plan`): the gathered K/V ar
 (this rank's shard first, then the shards of ranks r - 1, r - 2, ...), so step s's local key block j is block
 s * nLB + j of the gathered keys, and the local step's diagonal block keeps its place (FA4's causal mask block). The
 off-ring columns (sink block + verticals) are copied from the gathered rows into slots after them: no column
-gather of their own, and their gradients fold back into their rows before the reduce-scatter.
+gather of their own, and their gradients fold back into their rows before dK/dV go back to the owners.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from mtrain.parallel import fa4_steps
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV
 from mtrain.parallel.merge import accum_dtype
 from mtrain.parallel.plan import RingPlan, StepBlocks
-from mtrain.parallel.steps import finish_column_grads, start_column_grad_reduce
 
 SCHEDULES = ("ring", "gather")
 
@@ -119,18 +118,20 @@ def gathered_plan(plan: RingPlan, world: int) -> RingPlan:
     ids = torch.gather(ids, -1, shuffle).to(torch.int32)
     counts = valid.sum(-1, dtype=torch.int32)
     k_pos = torch.cat([plan.positions[o] for o in order])
-    columns, col_src = None, None
+    columns, col_src, col_dst = None, None, None
     if plan.columns is not None:
         cols = plan.columns
-        step_of = torch.empty(world, dtype=torch.long, device=k_pos.device)
-        step_of[torch.tensor(order, device=k_pos.device)] = torch.arange(world, device=k_pos.device)
         real = cols.owner >= 0
-        col_src = torch.where(real, step_of[cols.owner.clamp(min=0)] * n_local + cols.local.clamp(min=0), 0)
+        # rank o's shard is at step (rank - o) % W: arithmetic on the device (no host-to-device copy, which waits)
+        step = (plan.rank - cols.owner.clamp(min=0)) % world
+        col_src = torch.where(real, step * n_local + cols.local.clamp(min=0), 0)
+        # where each slot's gradient goes back: its gathered row; a padding slot onto itself (distinct targets)
+        col_dst = torch.where(real, col_src, world * n_local + torch.arange(real.numel(), device=real.device))
         columns = (torch.where(cols.ids >= 0, cols.ids + world * n_local, -1).to(torch.int32), cols.counts)
         k_pos = torch.cat([k_pos, cols.positions])
     merged = dataclasses.replace(plan, steps={plan.rank: StepBlocks(ids, counts, k_pos, columns)}, skip=set(),
                                  rects={}, kernel_caches={}, column_origin=plan.rank if columns is not None else None)
-    cache[key] = {"plan": merged, "col_src": col_src, "n_local": n_local}
+    cache[key] = {"plan": merged, "col_src": col_src, "col_dst": col_dst, "n_local": n_local}
     return dataclasses.replace(merged, engine=plan.engine)
 
 
@@ -180,22 +181,31 @@ class RingGatherAttention(torch.autograd.Function):
                                             args["columns"], scale)
         else:
             dq, dk, dv = partial.attention_backward(dout, q, keys, values, out, lse, softmax_scale=scale, **args)
-        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, ctx.plan, n_rows, group, ctx.kdtype), None, None, None,
+        col_dst = ctx.plan.kernel_caches[("gathered", dist.get_world_size(group))]["col_dst"]
+        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, col_dst, n_rows, group, ctx.kdtype), None, None, None,
                 None)
 
 
-def _reduce_kv_grads(dk, dv, plan: RingPlan, n_rows: int, group, dtype):
+def _fold_columns(t: torch.Tensor, col_dst: torch.Tensor, n_rows: int) -> None:
+    """Add the column slots' gradients (rows n_rows: of t) into the gathered rows they were copied from, in fp32 and
+    rounded once to t's dtype (targets are distinct: padding slots add onto themselves)."""
+    acc = accum_dtype(t)
+    t[:, col_dst] = (t[:, col_dst].to(acc) + t[:, n_rows:].to(acc)).to(t.dtype)
+
+
+def _reduce_kv_grads(dk, dv, col_dst, n_rows: int, group, dtype):
     """Sum every shard's dK/dV over the group, each rank receiving its own shard's: the column slots' gradients
-    through the ring's fp32 column reduce-scatter, the shards' rows point-to-point in the kernels' dtype (each rank's
-    part of a row is rounded once, as one ring step's part is), summed in fp32 by the owner in rank order.
+    are first folded into the gathered rows they copy (`_fold_columns`), then the shards' rows go point-to-point in
+    the kernels' dtype (each rank's part of a row rounded once, as one ring step's part is) and are summed in fp32
+    by the owner in rank order. One exchange: the columns need no collective of their own.
     Returns (dk, dv) [B, S_local, Hkv, D] in `dtype`."""
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = accum_dtype(dk)
     s = n_rows // world
-    column_reduce = None
-    if plan.columns is not None:
-        column_reduce = start_column_grad_reduce((dk[:, n_rows:].to(acc), dv[:, n_rows:].to(acc)), plan, group)
+    if col_dst is not None:
+        _fold_columns(dk, col_dst, n_rows)
+        _fold_columns(dv, col_dst, n_rows)
     # the shard of rank o sits at step (rank - o) % W of this rank's gathered rows
     rows = lambda t, o: t[:, ((rank - o) % world) * s:((rank - o) % world + 1) * s]  # noqa: E731
     received = {}
@@ -217,8 +227,6 @@ def _reduce_kv_grads(dk, dv, plan: RingPlan, n_rows: int, group, dtype):
     for o in range(1, world):
         total_k.add_(received[o][0])
         total_v.add_(received[o][1])
-    if column_reduce is not None:
-        finish_column_grads(column_reduce, plan, total_k, total_v)
     return total_k.to(dtype), total_v.to(dtype)
 
 
