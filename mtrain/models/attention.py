@@ -151,7 +151,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     import torch.distributed as dist
 
     from mtrain.parallel import ring_attention
-    from mtrain.parallel.estimate import estimate_rank_index
+    from mtrain.parallel.estimate import estimate_rank_index, rank_list_widths
     from mtrain.parallel.plan import rank_blocks, shard_key_blocks
 
     from mtrain.ops.index import rows_from_lines
@@ -166,7 +166,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
             gather = _start_gather(q, k, v, world, settings)
             vertical, slash, rows = lines
             index = rows_from_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows, check=False,
-                                    bound_widths=True)
+                                    bound_widths=rank_list_widths(vertical, slash, rows.numel()))
     elif settings is not None and policy != "never" and not skip_estimate(q, settings, layer_idx, policy=policy,
                                                                           training=training, world=world):
         # Estimated across the group (no rank does it for the others; the lines are identical on every rank);

@@ -619,7 +619,7 @@ def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
 
 def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
                     rows: torch.Tensor, *, totals: bool = True, check: bool = True,
-                    bound_widths: bool = False, read_also: tuple = ()) -> RowIndex:
+                    bound_widths: bool | str = False, read_also: tuple = ()) -> RowIndex:
     """The lists of the query blocks `rows` of `SparseIndex.from_lines(vertical, slash, seq_len, block_size)`,
     without building the others: time and memory follow len(rows) (plus O(lines + nQB) per head for the
     totals and the column union of the whole index, skipped with totals=False).
@@ -633,6 +633,10 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
     (the RowIndex's `_cache["bounded_widths"]` is then True: a ring plan built from it reads nothing back either).
     read_also: with bound_widths and totals, small float tensors read in the same host read; the RowIndex's
     `_cache["host_read"]` is then [listed block entries, listed column entries (`work_tensor()`), *their values].
+    bound_widths="static": no host read at all: every list as wide as the lines allow (block lists: the slash
+    tensor's width + 1, column lists: the vertical tensor's), the column union as wide as the verticals' slots
+    (at most seq_len) and padded at its end with seq_len; `_cache["static_widths"]` is then True and there is no
+    `host_read` (read_also is ignored). For lines whose caps are small, so that these lists cost little memory.
     """
     if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
         raise ValueError(
@@ -645,13 +649,23 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
     if rows.dim() != 1 or rows.numel() == 0 or (check and (not bool(((rows >= 0) & (rows < n)).all())
                                                            or not bool((rows[1:] > rows[:-1]).all()))):
         raise ValueError(f"rows must be a non-empty ascending list of distinct query blocks in [0, {n})")
+    static = bound_widths == "static"
+    if bound_widths not in (False, True, "static"):
+        raise ValueError(f"bound_widths must be False, True or 'static'; got {bound_widths!r}")
     offs, offs_last = _block_offsets(slash, seq_len, block_size, trim=not bound_widths)
     v, v_blk = _sorted_verticals(vertical, seq_len, block_size)
     work = used = None
     if totals:
         work, used = _line_totals(v, v_blk, offs, offs_last, seq_len, block_size)
     list_width = col_width = None
-    if bound_widths:  # the one host read: the widths every later step sizes its lists from
+    host_read = None
+    if static:  # the widths the lines' shapes allow: known on the host, nothing read back
+        n_offs = offs.shape[-1]
+        if offs_last is not None:
+            n_offs = max(n_offs, offs_last.shape[-1])
+        sizes = [n_offs, v.shape[-1], min(seq_len, max(1, v.numel()))]
+        list_width, col_width = max(1, min(n_offs + 1, n)), max(1, v.shape[-1])
+    elif bound_widths:  # the one host read: the widths every later step sizes its lists from
         sizes = [(offs < _NONE).sum(-1).amax(), (v < seq_len).sum(-1).amax() if v.shape[-1] else offs.new_zeros(())]
         if offs_last is not None:
             sizes.append((offs_last < _NONE).sum(-1).amax())
@@ -689,14 +703,19 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
         col_counts = torch.zeros(B, H, rows.numel(), dtype=torch.int32, device=vertical.device)
     union = None
     if used is not None:
-        if bound_widths:
+        if static:  # padded at the end with seq_len (causally invisible, after every position)
+            ids = compact(used[None], width=sizes[-1])[0][0].long()
+            union = torch.where(ids >= 0, ids, seq_len)
+        elif bound_widths:
             union = compact(used[None], width=max(sizes[-1], 1))[0][0, :sizes[-1]].long()
         else:
             union = torch.nonzero(used).flatten()
     index = RowIndex(rows, block_ids, counts.to(torch.int32), col_ids, col_counts, seq_len, block_size, union, work)
     if bound_widths:
         index._cache["bounded_widths"] = True
-        if work is not None:
+        if static:
+            index._cache["static_widths"] = True
+        elif work is not None:
             index._cache["host_read"] = host_read
     return index
 

@@ -401,6 +401,25 @@ def _covered_rows(lists, rows, probs, pooled, k_pos) -> torch.Tensor:
     return covered_mass(lists, rows, probs, pooled, k_pos, slot=slot)
 
 
+# Lists as wide as the lines allow (every slash and vertical slot, `rows_from_lines(bound_widths="static")`) are
+# used without reading the chosen widths back when a rank's lists then take at most this many bytes: the host
+# read drains the GPU's queue, and the host's index and plan work then runs with the GPU idle.
+STATIC_WIDTH_BYTES = 64 * 2**20
+
+
+def static_list_bytes(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) -> int:
+    """Bytes of a rank's block and column lists (int32) over `n_rows` query blocks at the widths the lines allow."""
+    b, h = vertical.shape[:2]
+    return b * h * n_rows * (2 * slash.shape[-1] + 2 + vertical.shape[-1]) * 4
+
+
+def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) -> bool | str:
+    """`rows_from_lines`' bound_widths for a rank's rows of these lines: "static" (no host read) where those lists
+    take at most `STATIC_WIDTH_BYTES`, else True (one host read). Recomputation (gradient checkpointing) asks the
+    same, so a layer's replay builds the lists its first forward did."""
+    return "static" if static_list_bytes(vertical, slash, n_rows) <= STATIC_WIDTH_BYTES else True
+
+
 def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
                         doc_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None, scorer: str = "auto",
                         key_blocks: torch.Tensor | None = None):
@@ -409,8 +428,10 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
     lines, and `_cache["est_recall"]` as `estimate_index` sets it. No rank builds the other ranks' rows: index
     time and memory per rank fall as 1/CP (the lines and O(nQB) per head are what every rank still holds).
     rows: `rank_rows(q_pos, block_size)` made once by the caller (`mtrain.parallel.plan.rank_blocks` caches them
-    per layout), else computed here. scorer, key_blocks: as `estimate_lines`. The lists' widths are bounds from
-    one host read (`rows_from_lines(bound_widths=True)`), so the ring plan built from the index reads nothing back."""
+    per layout), else computed here. scorer, key_blocks: as `estimate_lines`. The lists' widths are bounds, so the
+    ring plan built from the index reads nothing back: where lists as wide as the lines allow take at most
+    `STATIC_WIDTH_BYTES` (small caps), those widths, with no host read at all (`rows_from_lines(bound_widths=
+    "static")`); else bounds from one host read (`bound_widths=True`)."""
     from mtrain.ops.index import rows_from_lines
 
     vertical, slash, recall, parts = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids,
@@ -418,7 +439,8 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
     bs = settings.block_size
     rows = rank_rows(q_pos, bs) if rows is None else rows
     also = () if recall is None else (recall.double().mean(),)  # what a layer's dense/sparse choice reads
-    index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False, bound_widths=True, read_also=also)
+    index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False,
+                            bound_widths=rank_list_widths(vertical, slash, rows.numel()), read_also=also)
     index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
     if recall is not None:
         index._cache["est_recall"] = recall

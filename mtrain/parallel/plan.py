@@ -393,8 +393,9 @@ def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_l
     owner_all, local_all = _owners_cached(layout.spec, seq_len, str(device))
     owner = torch.full_like(positions, -1)
     local = torch.full_like(positions, -1)
-    owner[: union.numel()] = owner_all[union]
-    local[: union.numel()] = local_all[union]
+    real = union < seq_len  # a union built without a host read ends in seq_len padding
+    owner[: union.numel()] = torch.where(real, owner_all[union.clamp(max=seq_len - 1)], -1)
+    local[: union.numel()] = torch.where(real, local_all[union.clamp(max=seq_len - 1)], -1)
 
     col_slots = torch.where(my_cols >= 0, torch.searchsorted(union, my_cols.clamp(min=0)), -1)
     b, h, n = had_sink.shape
