@@ -36,11 +36,14 @@
 # 512K and longer), DEADLINE (510 s), WEIGHT_DENSE (2), WARMUP (2: steps left out of the tokens/s medians), KINDS
 # ("dense mtraining"), TRAIN_ARGS (extra --set for every SmolLM2 run, e.g. "--set attention.sparse_policy=always"),
 # SUFFIX (appended to the mtraining run's folder, e.g. "-always": a variant kept beside the recipe's own run),
-# QWEN_BUDGET (330 s), QWEN_MIN (150 s), QWEN_STEPS (2), QWEN_LENGTHS ("1048576 1572864 2097152": in order,
-# stopping at the first that fails), QWEN_FALLBACK ("786432 524288": tried in order when the first length fails),
-# QWEN_ARGS (extra --set for the Qwen runs), MODEL_DIR (/root/smollm2), PACKAGES (torch,transformers: installed
-# packages added as code repositories), ACCEL (configs/accelerate/4gpu.yaml), NPROC (4), CARRY
-# (.carry/e2e4), PYTHON (python). A CPU smoke run of `run` (4 gloo processes through torchrun, the real model):
+# GRACE (45 s: a launch stopped by its time box gets this long to exit before SIGKILL, more than the 30 s torch's
+# launcher gives its workers; whatever still writes the launch's log afterwards is killed, see reap), QWEN_BUDGET
+# (480 s: the 1M try's set-up alone took ~250 s on 4 H200s, 2026-11-27), QWEN_MIN (150 s), QWEN_STEPS (2),
+# QWEN_LENGTHS ("1048576 1572864 2097152": in order, stopping at the first that fails), QWEN_FALLBACK ("786432
+# 524288": tried in order when the first length fails), QWEN_ARGS (extra --set for the Qwen runs), MODEL_DIR
+# (/root/smollm2), PACKAGES (torch,transformers: installed packages added as code repositories), ACCEL
+# (configs/accelerate/4gpu.yaml), NPROC (4), CARRY (.carry/e2e4), PYTHON (python). A CPU smoke run of `run` (4 gloo
+# processes through torchrun, the real model):
 #   CPU=1 PYTHON=.venv/bin/python MODEL_DIR=models/smollm2-135m LENGTHS="512 1024" STEPS=3 DEADLINE=1500 \
 #   TRAIN_ARGS="--set model.dtype=float32 --set attention.sparse_policy=always --set logging.recall_every=1" \
 #   scripts/gpu_e2e4.sh run          (2026-11-27, 2 cores: 4 runs of 3 or 1 steps, ~2.5 min each, all passed)
@@ -50,7 +53,8 @@ MODEL_DIR=${MODEL_DIR:-/root/smollm2}
 STEPS=${STEPS:-20}
 STEPS_512K=${STEPS_512K:-5}
 DEADLINE=${DEADLINE:-510}
-QWEN_BUDGET=${QWEN_BUDGET:-330}
+QWEN_BUDGET=${QWEN_BUDGET:-480}
+GRACE=${GRACE:-45}
 QWEN_MIN=${QWEN_MIN:-150}
 QWEN_STEPS=${QWEN_STEPS:-2}
 QWEN_FALLBACK=${QWEN_FALLBACK:-786432 524288}
@@ -97,17 +101,46 @@ pack() {  # pack SEQ N TOKENIZER: at least N samples of SEQ tokens into data/pac
     --total-tokens $(( $2 * $1 )) --out "$out" --no-progress 2>&1 | tail -n 3 | tee -a "$LOG"
 }
 
+held_by() {  # held_by FILE: ids of the processes (other than this shell) that have FILE open
+  local f p fd
+  f=$(readlink -f "$1")
+  for p in /proc/[0-9]*; do
+    [ "${p#/proc/}" = $$ ] && continue
+    for fd in "$p"/fd/*; do
+      if [ "$(readlink "$fd" 2>/dev/null)" = "$f" ]; then echo "${p#/proc/}"; break; fi
+    done
+  done
+}
+
+reap() {  # reap LOG: kill the processes still writing a launch's LOG and wait until they are gone. torch's elastic
+  # agent starts each worker in a session of its own and, stopped, gives them 30 s before SIGKILL; a launcher killed
+  # before that leaves them running, holding their GPU memory (2026-11-27, fourth session: the Qwen search's four
+  # workers, mid-step, held ~125 GB per GPU through the next call and every run of it died of OOM)
+  local pids i
+  pids=$(held_by "$1")
+  [ -n "$pids" ] || return 0
+  mark "killing the workers still writing $1: $(echo $pids)"
+  kill -KILL $pids 2>/dev/null || true
+  for i in $(seq 60); do
+    [ -n "$(held_by "$1")" ] || return 0
+    sleep 1
+  done
+  mark "workers of $1 still alive after 60 s: $(echo $(held_by "$1"))"
+}
+
 launch() {  # launch BUDGET_S NAME RECIPE ARGS...: the recipe on NPROC processes, stopped by SIGTERM at its budget
   local budget=$1 name=$2
   shift 2
   local rc=0
+  # -k GRACE: the launcher, sent SIGTERM, SIGKILLs its workers after 30 s; it is itself killed only after GRACE
   if [ "${CPU:-0}" = 1 ]; then  # accelerate starts NPROC gloo processes only through its torchrun launcher
-    timeout -s TERM -k 30 "$budget" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+    timeout -s TERM -k "$GRACE" "$budget" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
       recipes/train.py "$@" > "runs/e2e4-logs/$name.log" 2>&1 || rc=$?
   else
-    timeout -s TERM -k 30 "$budget" "$PYTHON" -m accelerate.commands.launch --config_file "$ACCEL" \
+    timeout -s TERM -k "$GRACE" "$budget" "$PYTHON" -m accelerate.commands.launch --config_file "$ACCEL" \
       --num_processes "$NPROC" recipes/train.py "$@" > "runs/e2e4-logs/$name.log" 2>&1 || rc=$?
   fi
+  reap "runs/e2e4-logs/$name.log"
   tail -n 3 "runs/e2e4-logs/$name.log" | tee -a "$LOG"
   return $rc
 }
@@ -242,6 +275,8 @@ case "${1:-}" in
       done; } > "$summary"
     tar czf "$RESULTS/runs.tar.gz" runs/e2e4-*k-*/metrics.jsonl runs/e2e4-*k-*/config.yaml runs/e2e4-logs 2>/dev/null || true
     mark "done: $(ls "$RESULTS" | tr '\n' ' ')" ;;
+  reap)  # reap LOG: kill what still writes a launch's log (the launches do this themselves; for a stray run by hand)
+    mkdir -p "$RESULTS" && reap "${2:?reap needs the launch log}" ;;
   *)
-    echo "usage: $0 prepare | stage | run | qwen   (see the header)" >&2; exit 2 ;;
+    echo "usage: $0 prepare | stage | run | qwen | reap LOG   (see the header)" >&2; exit 2 ;;
 esac

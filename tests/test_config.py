@@ -183,5 +183,6 @@ def test_four_gpu_recipes_are_twins():
     qwen = _read_recipe(repo / "recipes" / "qwen2.5-3b-cp4-longest.yaml")
     assert qwen["parallel"]["cp_size"] == 4 and qwen["train"]["deepspeed"] == "configs/deepspeed/zero2-offload.json"
     assert qwen["data"]["seq_len"] >= 1 << 20 and qwen["model"]["path"] is None
+    assert qwen["attention"]["sparse_policy"] == "always"  # random weights: `auto` would run every layer dense
     accel = yaml.safe_load((repo / "configs" / "accelerate" / "4gpu.yaml").read_text())
     assert accel["num_processes"] == 4 and accel["distributed_type"] == "DEEPSPEED"

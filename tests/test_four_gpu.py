@@ -119,3 +119,26 @@ def test_gpu_script_refuses_unknown_stage(tmp_path):
     run = subprocess.run(["bash", "scripts/gpu_e2e4.sh", "bogus"], capture_output=True, text=True, cwd=REPO,
                          env=dict(os.environ, OUT=str(tmp_path)))
     assert run.returncode == 2 and "usage:" in run.stderr and not list(tmp_path.iterdir())
+
+
+def test_gpu_script_reaps_workers_left_writing_a_log(tmp_path):
+    """A launcher killed by its time box leaves torch's workers running (each in a session of its own), holding
+    their GPU memory: the script kills whatever still writes the launch's log, and nothing else."""
+    log, other = tmp_path / "run.log", tmp_path / "other.log"
+    with open(log, "w") as out, open(other, "w") as keep:
+        orphan = subprocess.Popen(["sleep", "300"], stdout=out, start_new_session=True)
+        bystander = subprocess.Popen(["sleep", "300"], stdout=keep, start_new_session=True)
+    try:
+        run = subprocess.run(["bash", "scripts/gpu_e2e4.sh", "reap", str(log)], capture_output=True, text=True,
+                             cwd=REPO, env=dict(os.environ, OUT=str(tmp_path / "out")), timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert orphan.wait(timeout=10) == -9 and bystander.poll() is None
+        assert f"killing the workers still writing {log}: {orphan.pid}" in run.stdout
+        again = subprocess.run(["bash", "scripts/gpu_e2e4.sh", "reap", str(log)], capture_output=True, text=True,
+                               cwd=REPO, env=dict(os.environ, OUT=str(tmp_path / "out")), timeout=120)
+        assert again.returncode == 0 and "killing" not in again.stdout
+    finally:
+        for p in (orphan, bystander):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
