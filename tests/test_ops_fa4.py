@@ -210,3 +210,25 @@ def test_auto_picks_fa4_where_it_was_measured_faster(monkeypatch):
     assert attention.resolve_impl("auto", cuda, 128, torch.bfloat16) == "triton"
     monkeypatch.undo()
     assert attention.fa4_usable("cpu", None) is False  # no GPU: never fa4, whatever is installed
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bounded_transposed_lists_equal_the_flag_built_ones(seed):
+    """`transposed_bounded` (one sort of the listed entries, width given) lists, per key block, the same ascending
+    query blocks and counts as `transposed` (built from [B, H, n, nQB] flags), wherever the width holds them; padding
+    ignored past the counts (FA4 reads only counts entries)."""
+    from mtrain.ops.fa4 import transposed, transposed_bounded
+
+    g = torch.Generator().manual_seed(seed)
+    B, H, nq, n, w = 2, 3, 9, 13, 5
+    counts = torch.randint(0, w + 1, (B, H, nq), generator=g, dtype=torch.int32)
+    # each row's list: distinct ascending key blocks (as the plans' lists are), -1 past its count
+    ids = torch.sort(torch.rand(B, H, nq, n, generator=g).argsort(-1)[..., :w], -1).values.to(torch.int32)
+    ids = torch.where(torch.arange(w) < counts[..., None], ids, -1)
+    want_idx, want_cnt = transposed(ids, counts, n)
+    width = int(want_cnt.max())
+    got_idx, got_cnt = transposed_bounded(ids, counts, n, width)
+    assert torch.equal(got_cnt, want_cnt) and got_idx.shape == (B, H, n, width)
+    live = torch.arange(width) < want_cnt[..., None]
+    assert torch.equal(torch.where(live, got_idx, 0), torch.where(live, want_idx[..., :width], 0))
+    assert bool((want_cnt > 0).any()) and int(want_cnt.max()) > 1  # the case is not trivial

@@ -152,7 +152,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
 
     from mtrain.parallel import ring_attention
     from mtrain.parallel.estimate import estimate_rank_index, rank_list_widths
-    from mtrain.parallel.plan import rank_blocks, shard_key_blocks
+    from mtrain.parallel.plan import rank_blocks, rank_positions, shard_key_blocks
 
     from mtrain.ops.index import rows_from_lines
 
@@ -174,7 +174,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         gather = _start_gather(q, k, v, world, settings)  # the gathered schedule's K/V travel while the estimate runs
         rank = dist.get_rank(CONTEXT.group)
         seq_len = q.shape[1] * world
-        positions = CONTEXT.layout.indices(seq_len, rank).to(q.device)
+        positions = rank_positions(CONTEXT.layout, seq_len, rank, q.device)  # cached: no copy to the device per layer
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         rows = rank_blocks(CONTEXT.layout, seq_len, rank, settings.block_size, q.device)
         index = estimate_rank_index(q.detach(), k.detach(), positions, positions, seq_len, settings, scale,

@@ -81,6 +81,27 @@ class Fa4Lists:
     block_size: int
 
 
+def transposed_bounded(ids: torch.Tensor, counts: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`transposed` into a width known to hold every transposed list (e.g. a bounded ring plan's, see
+    `mtrain.parallel.fa4_steps`): one stable sort of the listed entries by key block instead of [B, H, n, nQB] flags,
+    so time and memory follow the lists' entries; no host read. (ids int32 [B, H, n, width], 0-padded; counts)."""
+    B, H, nq, w = ids.shape
+    dev = ids.device
+    width = max(1, int(width))
+    live = torch.arange(w, device=dev) < counts[..., None]
+    lists = B * H * n
+    bh = torch.arange(B * H, device=dev).view(B, H, 1, 1) * n
+    key = torch.where(live, bh + ids.long(), lists).flatten()  # entries in (b, h, query block) order
+    key, order = torch.sort(key, stable=True)  # query blocks stay ascending within each key block
+    q_blk = torch.arange(nq, device=dev).view(1, 1, nq, 1).expand(B, H, nq, w).flatten()[order]
+    per_key = torch.zeros(lists + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    slot = torch.arange(key.numel(), device=dev) - (torch.cumsum(per_key, 0) - per_key)[key]
+    out = torch.zeros((lists + 1) * (width + 1), dtype=torch.int32, device=dev)  # last row / column: dumps
+    out.index_put_((key * (width + 1) + slot.clamp(max=width),), q_blk.to(torch.int32))
+    out = out.view(lists + 1, width + 1)[:lists, :width].reshape(B, H, n, width).contiguous()
+    return out, per_key[:lists].view(B, H, n).to(torch.int32)
+
+
 def transposed(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per key block the query blocks listing it, ascending: (ids int32 [B, H, n, n], 0-padded; counts int32).
     Width n without reading the counts back: the sink block is listed by every query block, so the longest
@@ -89,8 +110,9 @@ def transposed(ids: torch.Tensor, counts: torch.Tensor, n: int) -> tuple[torch.T
     live = torch.arange(width, device=ids.device) < counts[..., None]
     flags = torch.zeros(B, H, n, nq + 1, dtype=torch.bool, device=ids.device)  # [b, h, key block, query block]
     rows = torch.arange(nq, device=ids.device)[:, None].expand(nq, width)
-    flags[torch.arange(B, device=ids.device)[:, None, None, None], torch.arange(H, device=ids.device)[:, None, None],
-          ids.long(), torch.where(live, rows, nq)] = True
+    at = ((torch.arange(B, device=ids.device)[:, None, None, None] * H + torch.arange(H, device=ids.device)[:, None, None])
+          * n + ids.long()) * (nq + 1) + torch.where(live, rows, nq)
+    flags.view(-1).index_fill_(0, at.flatten(), True)  # (a Python scalar set through [] would copy it to the device)
     flags = flags[..., :nq]
     return left_pack(torch.arange(nq, device=ids.device).expand_as(flags), flags, nq)
 

@@ -593,7 +593,7 @@ def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
     if offs_last is not None:
         counts[..., -1:] = _rows_from_offsets(offs_last, rows[-1:])[0]
     q_len = torch.full((n,), float(block_size), dtype=torch.float64, device=dev)
-    q_len[-1] = tail
+    q_len[-1:].fill_(tail)  # (a Python scalar set through [] would be copied to the device: a host sync)
     # every listed block before the diagonal is full (block_size keys); the diagonal block is a triangle
     pairs = (q_len * block_size * (counts.double() - 1) + q_len * (q_len + 1) / 2).sum(-1)
     blocks = counts.double().sum(-1)
@@ -613,7 +613,7 @@ def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
     columns = (in_full + in_last).sum(-1)
     col_pairs = (in_full * block_size + in_last * tail).sum(-1)
     used = torch.zeros(seq_len + 1, dtype=torch.bool, device=dev)
-    used[torch.where(in_full + in_last > 0, v, seq_len).flatten()] = True
+    used.index_fill_(0, torch.where(in_full + in_last > 0, v, seq_len).flatten(), True)
     return torch.stack([blocks, columns, pairs + col_pairs], -1), used[:seq_len]
 
 

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from mtrain.ops import partial
-from mtrain.ops.fa4 import BLOCK_SIZE, load_fa4, mask_mods, sparse_tensors, transposed
+from mtrain.ops.fa4 import BLOCK_SIZE, load_fa4, mask_mods, sparse_tensors, transposed, transposed_bounded
 from mtrain.ops.lists import left_pack
 from mtrain.parallel.plan import RingPlan
 
@@ -55,14 +55,12 @@ class StepLists:
     col_plans: dict
 
 
-def _trim(ids: torch.Tensor, counts: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+def _trim(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Transposed lists cut to their longest (one host read, with the plan): about the number of slash offsets,
-    where the untrimmed width is every query block of the shard. bound: a width known to hold every list (no host
-    read): in a bounded plan (`RingPlan.bounded`) a key block is listed once per block offset at most (query block
-    i lists key block j when i - j is one of the head's offsets), and a row's list holds every offset it
-    can use, so a step's list width bounds the transposed lists too."""
-    if bound is not None:
-        return ids[..., :max(1, min(bound, ids.shape[-1]))].contiguous()
+    where the untrimmed width is every query block of the shard. (A bounded plan sizes them from its bound instead:
+    a key block is listed once per block offset at most, query block i listing key block j when i - j is one of the
+    head's offsets, and a row's list holds every offset it can use, so a step's list width bounds the transposed
+    lists too: `transposed_bounded`.)"""
     width = max(1, int(counts.max())) if counts.numel() else 1
     return ids[..., :width].contiguous()
 
@@ -87,8 +85,11 @@ def step_lists(plan: RingPlan, origin: int, q: torch.Tensor, k: torch.Tensor) ->
         mask_cnt = torch.zeros(b, h, nq, dtype=torch.int32, device=dev)
     full_idx, full_cnt = left_pack(ids, full, max(1, width))
     mask_idx = torch.arange(nq, device=dev, dtype=torch.int32).view(1, 1, nq, 1).expand(b, h, nq, 1).contiguous()
-    full_q_idx, full_q_cnt = transposed(full_idx, full_cnt, nk)
-    full_q_idx = _trim(full_q_idx, full_q_cnt, width if plan.bounded else None)
+    if plan.bounded:  # sized from the bound: no [B, H, nk, nq] flags, no host read
+        full_q_idx, full_q_cnt = transposed_bounded(full_idx, full_cnt, nk, width)
+    else:
+        full_q_idx, full_q_cnt = transposed(full_idx, full_cnt, nk)
+        full_q_idx = _trim(full_q_idx, full_q_cnt)
     blocks = torch.arange(nk, device=dev)
     mask_q_cnt = torch.zeros(b, h, nk, dtype=torch.int32, device=dev)
     mask_q_cnt[..., :nq] = mask_cnt

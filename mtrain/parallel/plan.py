@@ -131,6 +131,12 @@ def _owners_cached(spec: tuple, seq_len: int, device: str) -> tuple[torch.Tensor
     return owner.to(device), local.to(device)
 
 
+def rank_positions(layout: Layout, seq_len: int, rank: int, device: torch.device) -> torch.Tensor:
+    """The global positions of rank `rank`'s shard, on `device`; cached per layout (no host-to-device copy per
+    layer: such a copy waits for the device)."""
+    return _positions_cached(layout.spec, seq_len, str(device))[rank]
+
+
 def rank_blocks(layout: Layout, seq_len: int, rank: int, block_size: int, device: torch.device) -> torch.Tensor:
     """The global query blocks rank `rank` holds (ascending, distinct), on `device`; cached per layout, so the
     estimator's per-rank index needs no host read or copy per layer to know its rows."""

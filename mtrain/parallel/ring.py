@@ -16,7 +16,7 @@ from mtrain.parallel import ring_flat, ring_hierarchical
 from mtrain.parallel.estimate import SparseSettings, estimate_rank_index
 from mtrain.parallel.fa4_steps import ENGINES, resolve_engine
 from mtrain.parallel.layout import Layout
-from mtrain.parallel.plan import dense_plan, rank_blocks, shard_key_blocks, sparse_plan
+from mtrain.parallel.plan import dense_plan, rank_blocks, rank_positions, shard_key_blocks, sparse_plan
 from mtrain.parallel.ring_flat import ring_flat_attention
 from mtrain.parallel.ring_hierarchical import ring_hierarchical_attention
 from mtrain.parallel.ring_gather import SCHEDULES, KVGather, ring_gather_attention, spare_bound
@@ -166,7 +166,7 @@ def ring_attention(
         gather.drop()
         gather = None
     if sparse is not None:
-        positions = layout.indices(seq_len, rank).to(q.device)
+        positions = rank_positions(layout, seq_len, rank, q.device)  # cached on the device: no copy per call
         index = estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
                                     rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
                                     key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
