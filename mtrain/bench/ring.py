@@ -557,12 +557,14 @@ def phases(tokens, rank, world, args, device):
         # a visiting shard's K/V (another rank's data, as the ring would hand it over)
         remote = comm.shift([k, v]).wait()
         order = [(rank - s) % world for s in range(world)]
+        def visits():
+            """(step, origin, its K/V, the gathered columns where it carries them) of every step that runs."""
+            for s, origin in enumerate(order):
+                if origin not in plan.skip:
+                    yield s, origin, ((k, v) if s == 0 else remote), (columns_kv if origin == rank else None)
+
         outs = {}
-        for s, origin in enumerate(order):
-            if origin in plan.skip:
-                continue
-            kv = (k, v) if s == 0 else remote
-            cols = columns_kv if origin == rank else None
+        for s, origin, kv, cols in visits():
             aux: dict = {}
 
             def fwd():
@@ -585,11 +587,7 @@ def phases(tokens, rank, world, args, device):
         if rest:
             t["merge"] = timed(merge, it, wu)
         out, lse = merge() if rest else outs[first].result(q.dtype)
-        for s, origin in enumerate(order):
-            if origin in plan.skip:
-                continue
-            kv = (k, v) if s == 0 else remote
-            cols = columns_kv if origin == rank else None
+        for s, origin, kv, cols in visits():
             aux: dict = {}
             acc = PartialAccumulator(q)
             step_forward(acc, q, kv[0], kv[1], plan, origin, scale, aux, cols)

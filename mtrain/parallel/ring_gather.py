@@ -29,6 +29,7 @@ from mtrain.parallel import fa4_steps
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV
 from mtrain.parallel.merge import accum_dtype
 from mtrain.parallel.plan import RingPlan, StepBlocks
+from mtrain.parallel.steps import step_kwargs
 
 SCHEDULES = ("ring", "gather")
 
@@ -135,13 +136,6 @@ def gathered_plan(plan: RingPlan, world: int) -> RingPlan:
     return dataclasses.replace(merged, engine=plan.engine)
 
 
-def _kernel_args(plan: RingPlan, q, keys):
-    step = plan.steps[plan.rank]
-    return dict(q_pos=plan.q_pos, k_pos=step.k_pos, blocks=step.as_blocks(), columns=step.columns,
-                block_size=plan.block_size, causal=True, plans=plan.kernel_cache(plan.rank, q, keys),
-                q_doc=plan.docs(plan.q_pos), k_doc=plan.docs(step.k_pos))
-
-
 def _spare_rows(plan: RingPlan) -> int:
     return 0 if plan.columns is None else plan.columns.positions.numel()
 
@@ -158,7 +152,7 @@ class RingGatherAttention(torch.autograd.Function):
         if col_src is not None:  # the off-ring columns: copies of gathered rows in the slots after the shards
             keys[:, n_rows:] = keys[:, col_src]
             values[:, n_rows:] = values[:, col_src]
-        args = _kernel_args(merged, q, keys)
+        args = step_kwargs(merged, merged.rank, q, keys)
         if merged.engine == "fa4":
             out, lse = fa4_steps.forward(q, keys, values, merged, plan.rank, args["k_pos"], args["columns"], scale)
         else:
@@ -175,7 +169,7 @@ class RingGatherAttention(torch.autograd.Function):
         q, out, lse, keys, values = ctx.saved_tensors
         merged, group, scale, n_rows = ctx.merged, ctx.group, ctx.scale, ctx.n_rows
         dout = dout.contiguous()
-        args = _kernel_args(merged, q, keys)
+        args = step_kwargs(merged, merged.rank, q, keys)
         if merged.engine == "fa4":
             dq, dk, dv = fa4_steps.backward(dout, q, keys, values, out, lse, merged, merged.rank, args["k_pos"],
                                             args["columns"], scale)

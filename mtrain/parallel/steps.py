@@ -15,20 +15,26 @@ from mtrain.parallel.merge import GradSum, PartialAccumulator
 from mtrain.parallel.plan import RingPlan
 
 
-def _step_args(plan: RingPlan, origin: int, q, k, v, columns_kv):
-    """(k, v, keyword arguments) of the partial kernels for the step of `origin`; the keys of the step carrying
-    the columns (`RingPlan.column_origin`) are the shard's own followed by the gathered columns."""
+def step_kwargs(plan: RingPlan, origin: int, q, k) -> dict:
+    """Keyword arguments of the partial kernels for the step of `origin` whose keys `k` are already laid out as the
+    step's `k_pos` says (the shard's, then the gathered columns' on the column step; the gathered schedule's one
+    step holds the group's rows and then the columns' slots)."""
     step = plan.steps[origin]
     if step is None:  # dense: every key block of the shard
         k_pos, blocks, columns = plan.positions[origin], None, None
     else:
         k_pos, blocks, columns = step.k_pos, step.as_blocks(), step.columns
-        if columns is not None:
-            k, v = torch.cat([k, columns_kv[0]], 1), torch.cat([v, columns_kv[1]], 1)
-    kwargs = dict(q_pos=plan.q_pos, k_pos=k_pos, blocks=blocks, columns=columns, block_size=plan.block_size,
-                  causal=True, plans=plan.kernel_cache(origin, q, k), q_doc=plan.docs(plan.q_pos),
-                  k_doc=plan.docs(k_pos))
-    return k, v, kwargs
+    return dict(q_pos=plan.q_pos, k_pos=k_pos, blocks=blocks, columns=columns, block_size=plan.block_size,
+                causal=True, plans=plan.kernel_cache(origin, q, k), q_doc=plan.docs(plan.q_pos), k_doc=plan.docs(k_pos))
+
+
+def _step_args(plan: RingPlan, origin: int, q, k, v, columns_kv):
+    """(k, v, keyword arguments) of the partial kernels for the step of `origin`; the keys of the step carrying
+    the columns (`RingPlan.column_origin`) are the shard's own followed by the gathered columns."""
+    step = plan.steps[origin]
+    if step is not None and step.columns is not None:
+        k, v = torch.cat([k, columns_kv[0]], 1), torch.cat([v, columns_kv[1]], 1)
+    return k, v, step_kwargs(plan, origin, q, k)
 
 
 def step_forward(acc: PartialAccumulator, q, k, v, plan: RingPlan, origin: int, scale: float, aux: dict,
