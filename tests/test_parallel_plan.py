@@ -105,3 +105,48 @@ def test_hierarchical_schedule_keeps_every_step_at_one_distance(nodes, local):
             assert distances == {o + i * nodes}, (o, i, distances)
     for g in grids:  # each process attends every shard exactly once
         assert sorted(origin_rank(g, o, i) for o in range(nodes) for i in range(local)) == list(range(world))
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("form", ["global", "rows", "rows-static"])
+def test_gathered_plan_from_the_index_equals_the_merged_ring_plan(name, world, form):
+    """The gathered schedule's plan built straight from the index (`gathered_sparse_plan`: one sort per list) lists
+    the same gathered key blocks, key positions, columns and column slots as the ring plan's steps merged into one
+    (`ring_gather.gathered_plan`), for a global index and for a rank's rows (read or static widths); None where a
+    global block is not one local block of one rank."""
+    import torch.nn.functional as F
+
+    from mtrain.ops.index import rows_from_lines
+    from mtrain.parallel.plan import gathered_sparse_plan, rank_blocks
+    from mtrain.parallel.ring_gather import gathered_plan
+
+    g = torch.Generator().manual_seed(5)
+    vertical = torch.randint(-1, SEQ, (2, 3, 6), generator=g)
+    slash = torch.cat([torch.arange(3).expand(2, 3, 3), torch.randint(-1, SEQ, (2, 3, 3), generator=g)], -1)
+    layout = Layout.create(name, world_size=world, granularity=BLOCK)
+    cpu = torch.device("cpu")
+
+    def same(a, b):
+        width = max(a.shape[-1], b.shape[-1])
+        return torch.equal(F.pad(a, (0, width - a.shape[-1]), value=-1), F.pad(b, (0, width - b.shape[-1]), value=-1))
+
+    for rank in range(world):
+        if form == "global":
+            index = SparseIndex.from_lines(vertical, slash, SEQ, BLOCK)
+        else:
+            rows = rank_blocks(layout, SEQ, rank, BLOCK, cpu)
+            index = rows_from_lines(vertical, slash, SEQ, BLOCK, rows, bound_widths="static" if form == "rows-static"
+                                    else True)
+        direct = gathered_sparse_plan(index, layout, rank, cpu)
+        if name == "stripe":  # 1-token stripes: no global block is one rank's local block
+            assert direct is None
+            continue
+        merged = gathered_plan(sparse_plan(index, layout, rank, cpu, rank), world)
+        a, b = direct.steps[rank], merged.steps[rank]
+        assert list(direct.steps) == [rank] and direct.bounded == merged.bounded
+        assert same(a.ids, b.ids) and torch.equal(a.counts, b.counts) and torch.equal(a.k_pos, b.k_pos)
+        assert same(a.columns[0], b.columns[0]) and torch.equal(a.columns[1], b.columns[1])
+        for x, y in zip(direct.gather_slots, merged.gather_slots):
+            assert x == y if isinstance(x, int) else torch.equal(x, y)
+        assert int(a.counts.sum()) > 0 and int(a.columns[1].sum()) > 0  # the case is not empty

@@ -87,6 +87,10 @@ class RingPlan:
     known on the host, nothing was read back to build the plan, every origin's step runs (`skip` is empty), and
     the kernels' derived lists are sized from the same bounds (each step's lists hold at most one entry per
     block offset; each head's columns are the sink block's and its verticals)."""
+    gather_slots: tuple | None = None
+    """A plan for the gathered schedule (`mtrain.parallel.ring_gather`): one step, keyed by this rank, over the group's
+    K/V in the ring's step order (this rank's shard first) followed by the column slots; (col_src [U]: the gathered
+    row each column slot copies, col_dst [U]: where its gradient goes back, a padding slot onto itself, n_local)."""
 
     @property
     def q_pos(self) -> torch.Tensor:
@@ -283,6 +287,58 @@ def build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, co
     skip = set() if longest is None else {o for o, n in enumerate(longest) if n == 0 and steps[o].columns is None}
     return RingPlan(seq_len, rank, local_block, positions, steps, skip, columns,
                     column_origin=column_origin if columns is not None else None, bounded=bounded)
+
+
+def gathered_sparse_plan(index, layout: Layout, rank: int, device: torch.device) -> RingPlan | None:
+    """The plan of the gathered schedule for rank `rank` straight from a sparse index (cached with it): each listed
+    global key block g (but the sink block, which goes to the columns as on the ring) becomes gathered block
+    ((rank - owner[g]) % W) * nLB + local[g], one sort per list puts them in order; the columns are the ring's
+    off-ring columns in slots after the W shards. None where a global block is not one local block of one rank
+    (then `mtrain.parallel.ring_gather.gathered_plan` merges the ring plan's steps)."""
+    key = ("gathered_plan", layout.spec, rank, str(device))
+    cache = index._cache
+    if key not in cache:
+        cache[key] = _build_gathered_plan(index, layout, rank, device)
+    return cache[key]
+
+
+def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device) -> RingPlan | None:
+    seq_len, block_size = int(index.seq_len), int(index.block_size)
+    layout.check(seq_len)
+    local_block = layout.local_block_size(seq_len, block_size)
+    owners = _block_owners(layout.spec, seq_len, local_block, block_size, str(device))
+    if owners is None:
+        return None
+    world = layout.world_size
+    positions = _all_positions(layout, seq_len, device)
+    bounded = isinstance(index, RowIndex) and bool(index._cache.get("bounded_widths"))
+    rows, my_cols = _rank_lists(index, rank_blocks(layout, seq_len, rank, block_size, device), rank, device)
+    had_sink = (rows == 0).any(dim=-1)
+    rows = torch.where(rows == 0, -1, rows)
+    columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device, bounded)
+    owner, local = owners
+    n_local = positions[rank].numel()
+    nlb = n_local // local_block
+    at = rows.clamp(min=0)
+    past = world * nlb  # sorts after every gathered block
+    ids = torch.sort(torch.where(rows >= 0, ((rank - owner[at]) % world) * nlb + local[at], past), dim=-1).values
+    counts = (rows >= 0).sum(-1, dtype=torch.int32)
+    if not bounded:  # trimmed to the longest list (one host read), as the ring's plan is
+        ids = ids[..., :max(1, int(counts.max()))]
+    ids = torch.where(ids < past, ids, -1).to(torch.int32).contiguous()
+    k_pos = torch.cat([positions[(rank - step) % world] for step in range(world)])
+    step_columns, slots = None, (None, None, n_local)
+    if columns is not None:
+        real = columns.owner >= 0
+        col_src = torch.where(real, ((rank - columns.owner.clamp(min=0)) % world) * n_local
+                              + columns.local.clamp(min=0), 0)
+        col_dst = torch.where(real, col_src, world * n_local + torch.arange(real.numel(), device=real.device))
+        step_columns = (torch.where(columns.ids >= 0, columns.ids + world * n_local, -1).to(torch.int32), columns.counts)
+        k_pos = torch.cat([k_pos, columns.positions])
+        slots = (col_src, col_dst, n_local)
+    return RingPlan(seq_len, rank, local_block, positions, {rank: StepBlocks(ids, counts, k_pos, step_columns)},
+                    set(), columns, column_origin=rank if columns is not None else None, bounded=bounded,
+                    gather_slots=slots)
 
 
 def _remap_per_origin(rows, layout: Layout, seq_len: int, local_block: int, block_size: int, device):

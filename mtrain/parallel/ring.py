@@ -16,7 +16,8 @@ from mtrain.parallel import ring_flat, ring_hierarchical
 from mtrain.parallel.estimate import SparseSettings, estimate_rank_index
 from mtrain.parallel.fa4_steps import ENGINES, resolve_engine
 from mtrain.parallel.layout import Layout
-from mtrain.parallel.plan import dense_plan, rank_blocks, rank_positions, shard_key_blocks, sparse_plan
+from mtrain.parallel.plan import (dense_plan, gathered_sparse_plan, rank_blocks, rank_positions,
+                                  shard_key_blocks, sparse_plan)
 from mtrain.parallel.ring_flat import ring_flat_attention
 from mtrain.parallel.ring_hierarchical import ring_hierarchical_attention
 from mtrain.parallel.ring_gather import SCHEDULES, KVGather, ring_gather_attention, spare_bound
@@ -173,7 +174,11 @@ def ring_attention(
                                     scorer=scorer)
     if index is not None:
         _check_index(index, q, seq_len)
-        plan = sparse_plan(index, layout, rank, q.device, column_origin(group, hierarchy))
+        # the gathered schedule's one step straight from the index where the layout allows, else the ring's plan
+        # (its steps merged into one by the schedule)
+        plan = gathered_sparse_plan(index, layout, rank, q.device) if gather is not None else None
+        if plan is None:
+            plan = sparse_plan(index, layout, rank, q.device, column_origin(group, hierarchy))
     else:
         plan = dense_plan(layout, seq_len, rank, q.device)
     if doc_ids is not None:

@@ -119,7 +119,7 @@ def gathered_plan(plan: RingPlan, world: int) -> RingPlan:
     ids = torch.gather(ids, -1, shuffle).to(torch.int32)
     counts = valid.sum(-1, dtype=torch.int32)
     k_pos = torch.cat([plan.positions[o] for o in order])
-    columns, col_src, col_dst = None, None, None
+    columns, slots = None, (None, None, n_local)
     if plan.columns is not None:
         cols = plan.columns
         real = cols.owner >= 0
@@ -130,9 +130,11 @@ def gathered_plan(plan: RingPlan, world: int) -> RingPlan:
         col_dst = torch.where(real, col_src, world * n_local + torch.arange(real.numel(), device=real.device))
         columns = (torch.where(cols.ids >= 0, cols.ids + world * n_local, -1).to(torch.int32), cols.counts)
         k_pos = torch.cat([k_pos, cols.positions])
+        slots = (col_src, col_dst, n_local)
     merged = dataclasses.replace(plan, steps={plan.rank: StepBlocks(ids, counts, k_pos, columns)}, skip=set(),
-                                 rects={}, kernel_caches={}, column_origin=plan.rank if columns is not None else None)
-    cache[key] = {"plan": merged, "col_src": col_src, "col_dst": col_dst, "n_local": n_local}
+                                 rects={}, kernel_caches={}, column_origin=plan.rank if columns is not None else None,
+                                 gather_slots=slots)
+    cache[key] = {"plan": merged}
     return dataclasses.replace(merged, engine=plan.engine)
 
 
@@ -144,9 +146,9 @@ class RingGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan, group, scale: float, gather: KVGather | None):
         world = dist.get_world_size(group)
-        merged = gathered_plan(plan, world)
-        info = plan.kernel_caches[("gathered", world)]
-        col_src, n_rows = info["col_src"], world * info["n_local"]
+        merged = plan if plan.gather_slots is not None else gathered_plan(plan, world)
+        col_src, col_dst, n_local = merged.gather_slots
+        n_rows = world * n_local
         gather = gather if gather is not None else KVGather(k, v, group, spare=_spare_rows(plan))
         keys, values = gather.wait(spare=_spare_rows(plan))
         if col_src is not None:  # the off-ring columns: copies of gathered rows in the slots after the shards
@@ -159,7 +161,7 @@ class RingGatherAttention(torch.autograd.Function):
             out, lse = partial.attention_forward(q, keys, values, softmax_scale=scale, **args)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, out, lse, keys, values)
-        ctx.plan, ctx.merged, ctx.group, ctx.scale, ctx.n_rows = plan, merged, group, scale, n_rows
+        ctx.merged, ctx.group, ctx.scale, ctx.n_rows, ctx.col_dst = merged, group, scale, n_rows, col_dst
         ctx.kdtype = k.dtype
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -175,8 +177,7 @@ class RingGatherAttention(torch.autograd.Function):
                                             args["columns"], scale)
         else:
             dq, dk, dv = partial.attention_backward(dout, q, keys, values, out, lse, softmax_scale=scale, **args)
-        col_dst = ctx.plan.kernel_caches[("gathered", dist.get_world_size(group))]["col_dst"]
-        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, col_dst, n_rows, group, ctx.kdtype), None, None, None,
+        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, ctx.col_dst, n_rows, group, ctx.kdtype), None, None, None,
                 None)
 
 
