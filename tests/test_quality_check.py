@@ -132,6 +132,10 @@ def test_auto_runs_dense_above_the_output_error_limit_and_sparse_below(layer):
         want = sparse_out if path == "sparse" else dense_attention(q, k, v, causal=True)
         assert torch.equal(out, want)
         assert record.sparse_ms < record.dense_ms  # the cost model alone would have run it sparse
+        if layer is not None:  # logged per layer
+            from mtrain.train.metrics import attention_stats
+
+            assert attention_stats([record])["attn_output_error/L00"] == pytest.approx(error, rel=1e-4)
 
 
 def test_the_limit_applies_under_auto_only_and_comes_from_the_registration():
