@@ -151,7 +151,7 @@ PREDICTORS = {
     "output error, scored rows": lambda m: m["err_scored"],
     "output error, sampled rows": lambda m: m["err_sampled"],
 }
-"""Per-layer measures whose sum over the sparse layers may predict the perplexity rise (`predictions`)."""
+"""Per-layer measures whose sum or maximum over the sparse layers may predict the perplexity rise (`predictions`)."""
 
 
 def _ranks(x: list[float]) -> list[float]:
@@ -176,13 +176,15 @@ def _pearson(x: list[float], y: list[float]) -> float:
 
 
 def predictions(points: list[tuple[list[dict], float]]) -> dict:
-    """How well each PREDICTORS measure, summed over a pass's sparse layers, follows the perplexity rise over
-    `points` = [(per-layer measures of a pass, its rise)]: {name: (Pearson r, Spearman rho)}."""
+    """How well each PREDICTORS measure, summed over a pass's sparse layers and at its worst layer, follows the
+    perplexity rise over `points` = [(per-layer measures of a pass, its rise)]:
+    {(name, "sum" | "max"): (Pearson r, Spearman rho)}."""
     rises = [rise for _, rise in points]
     out = {}
     for name, f in PREDICTORS.items():
-        x = [sum(f(m) for m in measures) for measures, _ in points]
-        out[name] = (_pearson(x, rises), _pearson(_ranks(x), _ranks(rises)))
+        for how, agg in (("sum", sum), ("max", max)):
+            x = [agg(f(m) for m in measures) for measures, _ in points]
+            out[name, how] = (_pearson(x, rises), _pearson(_ranks(x), _ranks(rises)))
     return out
 
 
@@ -340,16 +342,20 @@ def _say_predictions(cells: list[dict]) -> None:
     whole = [(c["per_layer"], c["rise"]) for c in cells if c.get("per_layer")]
     if len(whole) >= 3:
         print(f"\n# whole model, {len(whole)} passes: Pearson r / Spearman rho of the rise with the measure summed over "
-              "the sparse layers")
-        for name, (r, rho) in predictions(whole).items():
-            print(f"#   {name:28s} {r:+.3f} / {rho:+.3f}")
+              "the sparse layers / at the worst one")
+        _print_predictions(predictions(whole))
     for c in cells:
         if c.get("one_layer"):
             points = [([m], m["rise"]) for m in c["one_layer"]]
             print(f"\n# {c['seq_len'] // 1024}K {c['text']} {c['setting']}, each of {len(points)} layers sparse alone: "
                   "Pearson r / Spearman rho of its rise with its measure")
-            for name, (r, rho) in predictions(points).items():
-                print(f"#   {name:28s} {r:+.3f} / {rho:+.3f}")
+            _print_predictions({name: v for (name, how), v in predictions(points).items() if how == "sum"})
+
+
+def _print_predictions(found: dict) -> None:
+    for name, (r, rho) in found.items():
+        label = name if isinstance(name, str) else f"{name[0]} ({name[1]})"
+        print(f"#   {label:34s} {r:+.3f} / {rho:+.3f}")
 
 
 if __name__ == "__main__":
