@@ -12,6 +12,13 @@ percentile of the rows' recall. Prints one markdown table (and writes every cell
 
 A setting is `default` (SparseSettings as shipped) or comma-separated SparseSettings fields,
 e.g. `last_q=256,recall=0.995`.
+
+Each sparse layer also records what a choice could read about its error (`layer_measures`: the estimate's mean row
+mass, the relative attention-output error of the scored rows and of --recall-rows evenly spaced rows), and the end
+prints how each measure, summed over the layers or at the worst one, follows the perplexity rise (`predictions`).
+--max-error E adds a pass per cell with the quality check alone (the layers whose scored-row output error exceeds E
+dense: attention.max_output_error without the cost model), --dense L,L a pass with the listed layers dense, and
+--one-layer each layer sparse alone (slow: one pass per layer).
 """
 
 from __future__ import annotations
@@ -254,6 +261,9 @@ def main() -> int:
     ap.add_argument("--max-error", type=float, nargs="+", default=[], metavar="E",
                     help="after each every-layer-sparse cell, one pass per E with the quality check alone (no cost "
                          "model): dense the layers whose output error on the scored rows in that cell exceeds E")
+    ap.add_argument("--dense", action="append", default=[], metavar="L,L,...",
+                    help="after each every-layer-sparse cell, one pass with these layers dense and the rest sparse "
+                         "(repeatable): e.g. the layers another measure would send dense")
     ap.add_argument("--one-layer", action="store_true",
                     help="also each layer sparse alone (the others dense), per cell: the per-layer rise and measures")
     args = ap.parse_args()
@@ -309,14 +319,18 @@ def main() -> int:
                         seconds=time.perf_counter() - t0, dense_seconds=dense_s, yarn_factor=factor)
             n_layers = cell["layers"]
             found = [cell]
-            for limit in args.max_error:
+            chosen = [(f"max_error={limit}", quality_paths(cell["per_layer"], n_layers, limit))
+                      for limit in args.max_error]
+            for listed in args.dense:
+                layers = sorted(int(x) for x in listed.split(","))
+                chosen.append((f"dense {layers}", {i: "dense" if i in layers else "sparse" for i in range(n_layers)}))
+            for label, paths in chosen:
                 t0 = time.perf_counter()
-                paths = quality_paths(cell["per_layer"], n_layers, limit)
                 if "sparse" not in paths.values():
-                    print(f"# {seq_len} {text} {name} max_error={limit}: every layer dense", flush=True)
+                    print(f"# {seq_len} {text} {name} {label}: every layer dense", flush=True)
                     continue
                 extra = sparse_pass(net, ids, settings, args.recall_rows, paths=paths)
-                extra.update(seq_len=seq_len, text=text, setting=f"{name} max_error={limit}", ppl_dense=ppl_dense,
+                extra.update(seq_len=seq_len, text=text, setting=f"{name} {label}", ppl_dense=ppl_dense,
                              rise=extra["ppl"] / ppl_dense - 1, seconds=time.perf_counter() - t0,
                              dense_seconds=dense_s, yarn_factor=factor,
                              dense_layers=[i for i, p in paths.items() if p == "dense"])
