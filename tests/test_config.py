@@ -71,6 +71,9 @@ def test_unknown_key_named_with_suggestion(recipe_file):
         ("attention.engine=cudnn", r"attention\.engine: 'cudnn' is not one of 'auto', 'triton', 'flex', 'fa4'"),
         ("parallel.schedule=allgather", r"parallel\.schedule: 'allgather' is not one of 'ring', 'gather'"),
         ("attention.sample_rows=0", r"attention\.sample_rows: must be a positive integer or null"),
+        ("attention.max_output_error=0", r"attention\.max_output_error: must be a number > 0"),
+        ("attention.max_output_error=-0.1", r"attention\.max_output_error: must be a number > 0"),
+        ("attention.max_output_error=.inf", r"attention\.max_output_error: must be a finite number"),
     ],
 )
 def test_bad_values_name_the_key(recipe_file, override, message):
@@ -84,6 +87,13 @@ def test_one_device_engines_are_refused_under_context_parallelism(recipe_file):
         load_recipe(recipe_file, ["attention.engine=flex", "parallel.cp_size=2"])
     # the ring's sparse steps run FA4 (falling back to ours where it cannot run)
     assert load_recipe(recipe_file, ["attention.engine=fa4", "parallel.cp_size=2"]).attention.engine == "fa4"
+
+
+def test_max_output_error_is_one_device_only_and_off_by_default(recipe_file):
+    assert load_recipe(recipe_file).attention.max_output_error is None
+    assert load_recipe(recipe_file, ["attention.max_output_error=0.03"]).attention.max_output_error == 0.03
+    with pytest.raises(ConfigError, match=r"attention\.max_output_error: the quality check runs on one device only"):
+        load_recipe(recipe_file, ["attention.max_output_error=0.03", "parallel.cp_size=2"])
 
 
 def test_resolved_config_round_trips(recipe_file, tmp_path, monkeypatch):

@@ -37,3 +37,19 @@ def test_table_merges_runs_in_length_and_text_order(tmp_path):
                                                              ["| 4K", "dialogue", "default"],
                                                              ["| 8K", "prose", "default"]]
     assert "| +1.14% |" in lines[3] and "| -0.04% |" in lines[2]
+
+
+def test_predictions_rank_the_measures_by_how_they_follow_the_rise():
+    """A measure whose worst layer tracks the rise correlates 1 at its maximum; a constant one gives NaN (no
+    information), as the estimate's row mass does when every layer sits at the target."""
+    import math
+
+    passes = []
+    for worst, rise in ((0.03, 0.011), (0.02, 0.004), (0.05, 0.02), (0.01, -0.001)):
+        layers = [{"est_recall": 0.99, "true_recall": 0.99, "err_scored": e, "err_sampled": e}
+                  for e in (0.01, worst, 0.005)]
+        passes.append((layers, rise))
+    found = sweep_quality.predictions(passes)
+    assert found["output error, scored rows", "max"][0] > 0.9
+    assert found["output error, scored rows", "max"][1] == pytest.approx(1.0)
+    assert math.isnan(found["1 - est_recall", "sum"][0])

@@ -190,9 +190,9 @@ def _settings_kwargs(settings) -> dict:
 
 
 def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recall_rows: int | None,
-                  policy: str = "auto", hold: int = 16, engine: str = "auto") -> LayerResult:
+                  policy: str = "auto", hold: int = 16, engine: str = "auto", max_error=None) -> LayerResult:
     """All measures of one layer's captured q/k/v (see the module docstring); engine: the sparse path's block
-    engine (`vertical_slash_attention`'s impl)."""
+    engine (`vertical_slash_attention`'s impl); max_error: the policy's quality check (attention.max_output_error)."""
     import functools
 
     from mtrain.models.attention import mtrain_attention
@@ -217,7 +217,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
 
     def as_trained(qq, kk, vv):
         out, _ = mtrain_attention(_Layer, qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), None,
-                                  scaling=scale, settings=settings, policy=policy, engine=engine)
+                                  scaling=scale, settings=settings, policy=policy, engine=engine, max_error=max_error)
         return out
 
     from mtrain.models.context import CONTEXT
@@ -228,6 +228,8 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = 0, {}, {}
         mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters, warmup=3, back_to_back=True)  # graph captured first
         path = _last_path(marks[1], policy)
+        last = CONTEXT.layers[-1] if len(CONTEXT.layers) > marks[1] else None
+        output_err = None if last is None or last.output_error is None else float(last.output_error.float().max())
         # steady state in training: hold + 1 steps in a row, one estimate then `hold` held-dense steps when the
         # estimate did not pay (else every step estimates); later holds double (HOLD_BACKOFF_MAX), so this is
         # the costliest stretch of a held layer. Queued back to back, as training steps are.
@@ -291,7 +293,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         extra={"bwd_deterministic_ms": bwd[True], "bwd_atomic_ms": bwd[False], "index_graph_ms": graph_ms,
                # verticals the estimate chose (most in one head) against the width of the column lists (on CUDA
                # the vertical cap: the memory the lists take and the graph copies)
-               "verticals_max": verticals, "column_list_width": int(index.col_ids.shape[-1]),
+               "verticals_max": verticals, "output_error": output_err, "column_list_width": int(index.col_ids.shape[-1]),
                "columns_per_row_max": int(counts.max()), "columns_per_row_mean": float(counts.mean())},
     )
 
@@ -306,7 +308,8 @@ def _last_path(mark: int, policy: str) -> str:
     return "dense" if policy == "never" else "sparse"
 
 
-def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "auto", engine: str = "auto") -> str:
+def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "auto", engine: str = "auto",
+                    max_error=None) -> str:
     """The path ("sparse" / "dense") mtrain's attention takes for this layer's captured q/k/v [1, S, H, D] when a
     training step calls it (module in training mode: the cost model prices forward + backward), from one untimed
     call; for the layers `measure_layer` does not time. Leaves the policy state as it found it."""
@@ -323,7 +326,7 @@ def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = 0, {}, {}
         with torch.no_grad():
             mtrain_attention(_Layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, scaling=scale,
-                             settings=settings, policy=policy, engine=engine)
+                             settings=settings, policy=policy, engine=engine, max_error=max_error)
         return _last_path(marks[1], policy)
     finally:
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = saved
@@ -378,9 +381,10 @@ def _true_recall(q, k, index, scale, rows: int | None) -> torch.Tensor:
 def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="auto", device=None, dtype=None,
         iters: int = 5, hold: int | None = None, engine: str = "auto",
         layers: list[int] | None = None, recall_rows: int | None = None, out_dir: str | None = None,
-        text: str = "prose", log=print) -> dict:
+        text: str = "prose", log=print, max_error: float | None = None) -> dict:
     """Benchmark one model at one length on text of kind `text` (`mtrain.data.texts.TEXT_KINDS`); returns (and
-    writes to out_dir/real_<S>.json, or real_<S>_<text>.json for a kind other than prose) the results."""
+    writes to out_dir/real_<S>.json, or real_<S>_<text>.json for a kind other than prose) the results. max_error: the
+    policy's quality check (attention.max_output_error) in the timed calls and both choices."""
     from mtrain.config import AttentionConfig
     from mtrain.parallel import SparseSettings
 
@@ -402,7 +406,8 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     scale = head_dim ** -0.5
     log(f"model {path.name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
         f"{cfg.num_key_value_heads} kv heads x {head_dim}; S={seq_len}, YaRN factor {factor:g}, {dtype}, "
-        f"{device.type}; engine {engine}; text {text}: {TEXT_LABELS[text]}; settings {settings}")
+        f"{device.type}; engine {engine}; text {text}: {TEXT_LABELS[text]}; settings {settings}"
+        f"{'' if max_error is None else f'; max_output_error {max_error}'}")
 
     from mtrain.models.context import CONTEXT
 
@@ -414,10 +419,12 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     results = []
     for i in picked:
         q, k, v = qkv[i]
-        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows, policy, hold, engine)
+        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows, policy, hold, engine, max_error)
         results.append(r)
         log(f"layer {i:3d}: density {r.density:.3f} est {r.est_recall if r.est_recall is None else round(r.est_recall, 3)} "
-            f"true {r.true_recall:.3f} (min head {r.min_head_recall:.3f}) {r.path:6s} | dense {r.dense_ms:7.2f} ms "
+            f"true {r.true_recall:.3f} (min head {r.min_head_recall:.3f})"
+            f"{'' if r.extra['output_error'] is None else ' output error %.4f' % r.extra['output_error']} "
+            f"{r.path:6s} | dense {r.dense_ms:7.2f} ms "
             f"mtrain {r.mtrain_ms:7.2f} ms ({r.dense_ms / r.mtrain_ms:4.2f}x) steady {r.steady_ms:7.2f} ms "
             f"({r.dense_ms / r.steady_ms:4.2f}x{', held' if r.held else ''}) | sparse index {r.index_ms:6.2f} "
             f"(graph {r.extra['index_graph_ms']:5.2f}) "
@@ -428,7 +435,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     training_paths = {r.layer: r.path for r in results}
     for i, (q, k, v) in enumerate(qkv):
         if i not in training_paths:
-            training_paths[i] = training_choice(i, q, k, v, settings, scale, policy, engine)
+            training_paths[i] = training_choice(i, q, k, v, settings, scale, policy, engine, max_error)
     training_paths = [training_paths[i] for i in range(len(qkv))]
     del qkv
 
@@ -442,7 +449,8 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         # each layer on the path the training choice took (priced forward + backward), forced in the eval pass
         "training_choice": forced_paths_attention(dict(enumerate(training_paths)), settings, engine),
         # the model in eval mode under no_grad: the policy choosing again, priced as a forward only
-        "inference_choice": functools.partial(mtrain_attention, settings=settings, policy=policy, engine=engine),
+        "inference_choice": functools.partial(mtrain_attention, settings=settings, policy=policy, engine=engine,
+                                              max_error=max_error),
         "all_sparse": functools.partial(mtrain_attention, settings=settings, policy="always", engine=engine),
     }
     ppl, ran_sparse = {}, {}
@@ -482,7 +490,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
                                "long_run": slower("long_run_ms")},
         "held_layers": [r.layer for r in results if r.held], "dense_hold_steps": hold,
         "sparse_layers": sum(r.path == "sparse" for r in results),
-        "policy": policy, "engine": engine, "ppl_dense": ppl_dense,
+        "policy": policy, "engine": engine, "max_output_error": max_error, "ppl_dense": ppl_dense,
         # the perplexity rows (see the module docstring): which choice each is, and the layers that ran sparse in it
         "training_paths": training_paths,
         "training_paths_timed": [r.layer for r in results],
@@ -567,6 +575,9 @@ def add_arguments(parser: argparse.ArgumentParser, required: bool = False) -> No
     real.add_argument("--policy", default="auto", choices=("auto", "always", "never"),
                       help="attention.sparse_policy of the mtrain timings and of the training- and "
                            "inference-choice perplexities (default auto)")
+    real.add_argument("--max-output-error", type=float, default=None, metavar="E",
+                      help="attention.max_output_error: under --policy auto, a layer whose output error on the "
+                           "estimate's scored rows exceeds E runs dense (the quality check; default: none)")
     real.add_argument("--sparse", action="append", default=[], metavar="KEY=VALUE",
                       help="sparse attention setting (SparseSettings field), e.g. --sparse recall=0.95 (repeatable)")
 
@@ -594,7 +605,8 @@ def run_cli(args) -> int:
         for seq_len in args.seq_len:
             run(args.model, seq_len, settings=settings, policy=args.policy, engine=args.engine,
                 yarn=args.yarn, iters=args.iters, hold=args.hold, layers=args.layers,
-                recall_rows=args.recall_rows, out_dir=args.out, text=args.text, log=log)
+                recall_rows=args.recall_rows, out_dir=args.out, text=args.text, log=log,
+                max_error=getattr(args, "max_output_error", None))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return 0

@@ -12,8 +12,8 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.context import CONTEXT, hf_inputs, no_mask
-from mtrain.models.policy import (SPARSE_POLICIES, choose_path, hold, record_layer, remember_choice, replay_choice,
-                                  scored_rows, skip_estimate)
+from mtrain.models.policy import (SPARSE_POLICIES, choose_path, hold, quality_error, record_layer, remember_choice,
+                                  replay_choice, scored_rows, skip_estimate)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,14 @@ ENGINES = ("auto", "triton", "flex", "fa4")
 
 
 _ENGINES_SAID: set = set()
+
+
+def check_max_output_error(value) -> None:
+    """attention.max_output_error must be None or a number > 0 (a relative error of the attention output)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+                              or value != value or value == float("inf")):
+        raise MtrainError(f"max_output_error must be a finite number > 0 (the relative output error above which a "
+                          f"layer runs dense) or null (no quality check); got {value!r}")
 
 
 def say_engine(engine: str, q, block_size: int) -> str:
@@ -70,9 +78,10 @@ def _graphed(q, prepare) -> bool:
 
 
 def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None,
-                     engine="auto"):
+                     engine="auto", max_error=None):
     """One rank holds the whole sequence: dense causal, or online vertical-slash sparse attention with
-    SparseSettings `s` on block engine `engine` (ENGINES), run sparse or dense per `policy` (see `choose_path`)."""
+    SparseSettings `s` on block engine `engine` (ENGINES), run sparse or dense per `policy` (see `choose_path`;
+    under "auto" with `max_error`, also dense where the layer's output error on the scored rows exceeds it)."""
     from mtrain.ops import dense_attention, vertical_slash_attention
     from mtrain.ops.graphed import estimate_graphed
     from mtrain.ops.index import SparseIndex
@@ -102,9 +111,11 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         # with what the engine derives from the index (another ~100 launches) built in the same graph
         index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids,
                                  prepare=prepare)
+        if max_error is not None and policy == "auto":  # the quality check (attention.max_output_error)
+            index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
         path, prediction = choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
                                        target=s.recall, rows=scored_rows(s, q.shape[1]), engine=engine,
-                                       graphed=graphed, layer_idx=layer_idx)
+                                       graphed=graphed, layer_idx=layer_idx, max_error=max_error)
         hold(layer_idx, prediction, policy, training)
         record_layer(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         remember_choice(layer_idx, path, index, training)
@@ -211,7 +222,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
 
 
 def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, settings=False,
-                     policy=None, engine=None, **kwargs):
+                     policy=None, engine=None, max_error=False, **kwargs):
     """HF attention function: query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE
     (with a KV cache, key/value hold the cached positions too: then see `_cached_attention`).
     settings: SparseSettings (sparse), None (dense); left out = the last registered kind's (CONTEXT).
@@ -219,6 +230,9 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     model is that of a training call (forward + backward) when the module is in training mode, else forward only.
     engine: one of ENGINES for the sparse path on one device; None = CONTEXT.engine (a CP ring runs its own
     partial-step kernels).
+    max_error: under "auto" on one device, a layer whose output error on the scored rows exceeds it runs dense (the
+    quality check, `mtrain.models.policy.quality_error`); None = no check; left out = CONTEXT.max_output_error. A CP
+    group refuses it.
 
     Returns (out [B, S_local, Hq, D], None).
     """
@@ -226,6 +240,7 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
         settings = CONTEXT.settings if CONTEXT.sparse else None
     policy = policy or CONTEXT.sparse_policy
     engine = engine or CONTEXT.engine
+    max_error = CONTEXT.max_output_error if max_error is False else max_error
     training = bool(getattr(module, "training", True))
     layer_idx = getattr(module, "layer_idx", None)
     q, k, v, cached = hf_inputs(module, query, key, value, scaling, dropout)
@@ -233,17 +248,21 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
         return cached, None
     if CONTEXT.group is None:
         out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids, policy=policy, training=training,
-                               layer_idx=layer_idx, engine=engine)
+                               layer_idx=layer_idx, engine=engine, max_error=max_error)
     else:
+        if max_error is not None and settings is not None and policy == "auto":
+            raise MtrainError("attention.max_output_error (the quality check) runs on one device only, not in a "
+                              "context-parallel group: leave it unset with parallel.cp_size > 1")
         out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training, engine=engine)
     return out, None
 
 
 def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
-             **sparse_settings) -> str:
+             max_output_error: float | None = None, **sparse_settings) -> str:
     """The plugin's registration (`mtrain.models.registry.register_kind` calls it for the kinds of KINDS): register
     `kind` as `mtrain-<kind>`; sparse kinds take `mtrain.parallel.SparseSettings` fields as keywords, and
-    `sparse_policy` (SPARSE_POLICIES) and `engine` (ENGINES: the block kernels of the sparse path on one device).
+    `sparse_policy` (SPARSE_POLICIES), `engine` (ENGINES: the block kernels of the sparse path on one device) and
+    `max_output_error` (under "auto" on one device: the quality check's limit, None = none; see `mtrain_attention`).
     Returns the `attn_implementation` name. Each name carries its own settings; registering a name again replaces
     them for every model using it."""
     from transformers import AttentionInterface
@@ -256,9 +275,11 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
     if engine not in ENGINES:
         raise MtrainError(f"engine '{engine}' is not one of {', '.join(ENGINES)}")
     sparse, _ = KINDS[kind]
+    check_max_output_error(max_output_error)
     if not isinstance(dense_hold, int) or dense_hold < 0:
         raise MtrainError(f"dense_hold must be an integer >= 0 (steps; 0 = estimate every step), got {dense_hold!r}")
     CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy, CONTEXT.engine = kind, sparse, sparse_policy, engine
+    CONTEXT.max_output_error = max_output_error
     CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = dense_hold, {}, {}
     if sparse:
         try:
@@ -271,6 +292,7 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
     name = f"mtrain-{kind}"
     # The function carries its own settings: models loaded under other mtrain names keep theirs.
     AttentionInterface.register(name, functools.partial(mtrain_attention, settings=CONTEXT.settings,
-                                                        policy=sparse_policy, engine=engine))
+                                                        policy=sparse_policy, engine=engine,
+                                                        max_error=max_output_error))
     AttentionMaskInterface.register(name, no_mask)
     return name

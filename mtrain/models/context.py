@@ -27,6 +27,9 @@ class AttentionContext:
     """One of SPARSE_POLICIES: per layer, "auto" runs dense where the cost model predicts sparse would not pay."""
     engine: str = "auto"
     """One of ENGINES: which kernels run a one-device sparse layer (`vertical_slash_attention`'s impl)."""
+    max_output_error: object = None
+    """Under sparse_policy auto on one device: a layer whose output error on the scored rows exceeds this runs dense
+    (`mtrain.models.policy.quality_error`); None = no quality check. Set from attention.max_output_error."""
     group: object = None
     """The CP process group (None when cp_size == 1)."""
     layout: object = None
@@ -102,6 +105,10 @@ class LayerRecord:
     true_recall: object = None
     """Tensor [B, Hq]: exact attention mass kept, averaged over sampled rows (sample_recall steps, sparse only)."""
 
+    output_error: object = None
+    """Tensor [B]: the quality check's relative output error of the scored rows (`mtrain.models.policy.quality_error`;
+    only under sparse_policy auto with attention.max_output_error set)."""
+
     held: bool = False
     """True when the layer ran dense without estimating because an earlier step's choice holds (dense_hold)."""
 
@@ -109,7 +116,7 @@ class LayerRecord:
         density = None if self.density is None else float(self.density)
         out = {"layer": self.layer, "path": self.path, "density": density, "held": self.held, "dense_ms": self.dense_ms,
                "sparse_ms": self.sparse_ms}
-        for name in ("est_recall", "true_recall"):
+        for name in ("est_recall", "true_recall", "output_error"):
             value = getattr(self, name)
             out[name] = None if value is None else float(value.float().mean())
         return out

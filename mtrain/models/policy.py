@@ -37,17 +37,21 @@ LAGGED_CHOICE = True
 
 
 def _choice_stats(index, q, target, layer_idx) -> list:
-    """[listed block entries, listed column entries(, mean est_recall)] that `choose_path` decides from: this
-    estimate's, or with LAGGED_CHOICE and a layer index the previous estimate's of this layer and shape (this one's
-    copy starts now, without waiting, for the next call)."""
+    """[listed block entries, listed column entries(, mean est_recall)(, output error)] that `choose_path` decides
+    from (the recall when `target` is given and the index has one; the output error when the quality check put one in
+    `index._cache["output_error"]`): this estimate's, or with LAGGED_CHOICE and a layer index the previous estimate's
+    of this layer and shape (this one's copy starts now, without waiting, for the next call)."""
     est = index._cache.get("est_recall")
-    wanted = 3 if target is not None and est is not None else 2
+    error = index._cache.get("output_error")
+    wanted = 2 + (target is not None and est is not None) + (error is not None)
     read = index._cache.get("host_read")  # a CP rank's RowIndex read these with its lists' widths: no second read
-    if read is not None and len(read) >= wanted:
+    if read is not None and len(read) >= wanted and error is None:
         return read[:wanted]
     parts = [index.work_tensor()]  # the whole index's work (a CP rank's RowIndex knows it from the lines)
     if target is not None and est is not None:
         parts.append(est.double().mean().view(1))
+    if error is not None:
+        parts.append(error.double().amax().view(1).to(parts[0].device))  # the worst sequence of the batch
     now = torch.cat(parts)
     if not LAGGED_CHOICE or layer_idx is None:
         return now.tolist()  # one device-to-host read
@@ -67,14 +71,31 @@ def _choice_stats(index, q, target, layer_idx) -> list:
     return host.tolist()
 
 
+def quality_error(q, k, v, index, s, scaling=None, doc_ids=None) -> torch.Tensor:
+    """The quality check's measure of a layer (sparse_policy auto with attention.max_output_error): the relative error
+    of the attention output of the rows the estimate scored (`mtrain.ops.estimate.estimate_rows` under SparseSettings
+    `s`) when only the pairs inside `index` are computed, against dense attention on the same rows
+    (`mtrain.ops.recall.output_error`): fp32 [B]. Scoring these rows against all keys again costs about what the
+    estimate's own scoring does."""
+    from mtrain.ops.estimate import row_plan
+    from mtrain.ops.recall import output_error
+
+    S = q.shape[1]
+    rows = row_plan(S, min(s.last_q, S), s.sample_blocks, s.block_size, q.device, s.sample_rows)[0]
+    with torch.no_grad():
+        return output_error(q.detach(), k.detach(), v.detach(), index, rows, softmax_scale=scaling, doc_ids=doc_ids)
+
+
 def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0,
-                 engine: str = "auto", graphed: bool = False, layer_idx=None):
+                 engine: str = "auto", graphed: bool = False, layer_idx=None, max_error=None):
     """("sparse" | "dense", Prediction or None) for one call with the estimated `index` under `policy`.
 
     Decided from the index's integer work counts and its est_recall (identical on every rank of a CP group,
     whose index is the same global one), so every rank takes the same path. Under "auto" the layer runs dense
     when the cost model predicts sparse does not pay, or when `target` (the recall asked for) is given and the
-    estimate's mean over heads falls short of it by more than RECALL_SLACK. The index build is already paid; what the
+    estimate's mean over heads falls short of it by more than RECALL_SLACK, or when `max_error` is given and the
+    layer's output error (`quality_error`, which the caller put in `index._cache["output_error"]`) exceeds it (the
+    quality check: attention.max_output_error). The index build is already paid; what the
     dense path saves is everything the kernels derive from it (built lazily on the first kernel call) and the
     kernels. rows: the query rows the estimate scored (the Prediction then carries its predicted cost). engine: the
     block engine that would run the sparse path (its measured rates, where the cost table has them). graphed: the
@@ -96,7 +117,11 @@ def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_id
                               block_size=index.block_size, batch=B, backward=training, device=q.device,
                               world=world, doc_lengths=doc_lengths, estimate_rows=rows, engine=engine,
                               graphed=graphed)
-    if len(read) == 3 and read[2] < target - RECALL_SLACK:
+    has_recall = target is not None and index._cache.get("est_recall") is not None
+    if has_recall and read[2] < target - RECALL_SLACK:
+        prediction = dataclasses.replace(prediction, path="dense")
+    error = read[2 + has_recall] if index._cache.get("output_error") is not None else None
+    if max_error is not None and error is not None and error > max_error:
         prediction = dataclasses.replace(prediction, path="dense")
     return prediction.path, prediction
 
@@ -185,7 +210,7 @@ def record_layer(layer_idx, path, index, prediction, q=None, k=None, scaling=Non
     sequence (None under CP, where no rank holds it: the ring measures it across the group and passes
     `true_recall` instead)."""
     record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=index._cache.get("est_recall"),
-                         true_recall=true_recall)
+                         true_recall=true_recall, output_error=index._cache.get("output_error"))
     if prediction is not None:
         record.dense_ms, record.sparse_ms = prediction.dense_ms, prediction.sparse_ms
     if CONTEXT.sample_recall and path == "sparse" and q is not None:

@@ -92,6 +92,68 @@ def true_recall(
     return (total / rows.numel()).float()
 
 
+def output_error(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: SparseIndex,
+    rows: torch.Tensor,
+    softmax_scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
+    per_head: bool = False,
+) -> torch.Tensor:
+    """Relative error of the attention OUTPUT of the query rows at positions `rows` when only the pairs inside
+    `index` are computed: sqrt(sum ||o_sparse - o||^2 / sum ||o||^2) over the rows and heads, [B] (per_head:
+    over the rows only, [B, Hq]; fp32, fp64 for fp64 inputs). o is the exact causal attention output of a row (softmax over all its keys, same
+    document only with doc_ids [B, S]); o_sparse is what the sparse kernels return for it: the softmax renormalised
+    over the row's keys inside the index (listed blocks + columns), times V. Unlike the mass a row keeps
+    (`true_recall`), this weighs the dropped keys by how far their values lie from the row's output.
+
+    q: [B, S, Hq, D], k / v: [B, S, Hkv, D] (after RoPE, K/V never repeated for GQA). Rows run in chunks against the
+    keys up to the chunk's last row, in fp32 (fp64 for fp64 inputs): memory ~ one [B, Hq, rows, keys] chunk of
+    about 2^25 elements. The policy's quality check (`mtrain.models.policy.quality_error`) calls it on a layer's
+    scored rows."""
+    B, S, Hq, D = q.shape
+    if k.shape != v.shape or k.dim() != 4 or k.shape[:2] != (B, S) or Hq % k.shape[2] != 0:
+        raise ValueError(f"k and v must be [B={B}, S={S}, Hkv, D] with Hq % Hkv == 0; got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if index.seq_len != S or index.block_ids.shape[:2] != (B, Hq):
+        raise ValueError(f"index is for [B, Hq] = {tuple(index.block_ids.shape[:2])} and {index.seq_len} tokens; "
+                         f"q is [B={B}, S={S}, Hq={Hq}]")
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    dev = q.device
+    rows, _ = torch.sort(torch.as_tensor(rows, device=dev).long().flatten())
+    if rows.numel() == 0 or rows.min() < 0 or rows.max() >= S:
+        raise ValueError(f"rows must be a non-empty set of query positions in [0, {S}); got {rows.numel()} rows")
+    err = torch.zeros(B, Hq, dtype=dt, device=dev)
+    ref = torch.zeros(B, Hq, dtype=dt, device=dev)
+    step = max(1, _CHUNK_ELEMS // max(1, B * Hq * S))
+    for r0 in range(0, rows.numel(), step):
+        r = rows[r0 : r0 + step]
+        n, n_keys = r.numel(), int(r[-1]) + 1
+        kp = torch.arange(n_keys, device=dev)
+        qr = q[:, r].to(dt).reshape(B, n, Hkv, G, D)
+        s = torch.einsum("bqhgd,bkhd->bhgqk", qr, k[:, :n_keys].to(dt)).reshape(B, Hq, n, n_keys) * scale
+        visible = (kp[None, :] <= r[:, None])[None, None]
+        if doc_ids is not None:
+            docs = doc_ids.to(dev)
+            visible = visible & (docs[:, r, None] == docs[:, None, :n_keys])[:, None]
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+        kept = torch.where(index_row_mask(index, r, kp) & visible, p, 0.0)
+        both = torch.stack([p, kept]).view(2, B, Hkv, G, n, n_keys)
+        out = torch.einsum("xbhgqk,bkhd->xbhgqd", both, v[:, :n_keys].to(dt)).reshape(2, B, Hq, n, D)
+        mass = kept.sum(-1, keepdim=True)
+        sparse = torch.where(mass > 0, out[1] / mass.clamp(min=torch.finfo(dt).tiny), 0.0)
+        err += (sparse - out[0]).square().sum(-1).sum(-1)
+        ref += out[0].square().sum(-1).sum(-1)
+    if not per_head:
+        err, ref = err.sum(-1), ref.sum(-1)
+    return (err / ref.clamp(min=torch.finfo(dt).tiny)).sqrt()
+
+
 def sampled_rows(seq_len: int, n_rows: int, device=None) -> torch.Tensor:
     """`n_rows` query positions spread evenly over a sequence of `seq_len`, the last one its last row (the
     rows a training step's sampled true recall averages over)."""

@@ -108,7 +108,8 @@ def attention_stats(records: list) -> dict:
     Per layer (NN = layer index; calls of a layer in one step are averaged: micro-batches, recomputation):
     attn_sparse/LNN (share of its calls that ran sparse), attn_density/LNN (estimated pattern's fraction of
     causal pairs; absent where the cost model skipped the estimate), attn_est_recall/LNN (the estimator's own
-    figure, when it gives one), attn_true_recall/LNN (sampled exact recall, on logging.recall_every steps).
+    figure, when it gives one), attn_true_recall/LNN (sampled exact recall, on logging.recall_every steps),
+    attn_output_error/LNN (the quality check's output error, under attention.max_output_error).
     Over all layers: attention_paths (one letter per layer: s = sparse, d = dense, m = mixed),
     attention_held_layers (share of calls run dense under attention.dense_hold_steps without estimating),
     attention_sparse_layers (share of sparse calls), attention_work (fraction of causal pairs computed: the
@@ -137,7 +138,7 @@ def attention_stats(records: list) -> dict:
         density = mean([c["density"] for c in calls])
         if density is not None:  # None: never estimated (sparse could not pay)
             out[f"attn_density/{name}"] = density
-        for key in ("est_recall", "true_recall"):
+        for key in ("est_recall", "true_recall", "output_error"):
             value = mean([c[key] for c in calls])
             if value is not None:
                 out[f"attn_{key}/{name}"] = value

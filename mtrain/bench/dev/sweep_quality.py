@@ -12,6 +12,13 @@ percentile of the rows' recall. Prints one markdown table (and writes every cell
 
 A setting is `default` (SparseSettings as shipped) or comma-separated SparseSettings fields,
 e.g. `last_q=256,recall=0.995`.
+
+Each sparse layer also records what a choice could read about its error (`layer_measures`: the estimate's mean row
+mass, the relative attention-output error of the scored rows and of --recall-rows evenly spaced rows), and the end
+prints how each measure, summed over the layers or at the worst one, follows the perplexity rise (`predictions`).
+--max-error E adds a pass per cell with the quality check alone (the layers whose scored-row output error exceeds E
+dense: attention.max_output_error without the cost model), --dense L,L a pass with the listed layers dense, and
+--one-layer each layer sparse alone (slow: one pass per layer).
 """
 
 from __future__ import annotations
@@ -65,10 +72,30 @@ def row_recalls(q, k, index, scale: float, n_rows: int) -> torch.Tensor:
     return torch.where(index_row_mask(index, rows, kp)[0], p, 0.0).sum(-1)
 
 
-def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9) -> dict:
-    """Perplexity of `net` over `ids` with every layer sparse under `settings`, with each layer's density and true
-    recall on `recall_rows` sampled rows (read from the records mtrain's attention leaves), and the share of
-    (head, sampled row) pairs whose own recall is below `low`."""
+def layer_measures(q, k, v, index, settings, scale, recall_rows: int) -> dict:
+    """What a layer's choice could read about its sparse error, for one sparse call: the estimate's mean mass of the
+    scored rows (est_recall), the relative output error of the scored rows (`output_error` on `estimate_rows`: what
+    the policy's quality check reads) and of `recall_rows` rows spread evenly over the sequence (`sampled_rows`,
+    rows the estimate did not select its pattern on), and the layer's density."""
+    import dataclasses
+
+    from mtrain.ops.estimate import estimate_rows
+    from mtrain.ops.recall import output_error, sampled_rows
+
+    S = q.shape[1]
+    fields = {**dataclasses.asdict(settings), "last_q": min(settings.last_q, S)}
+    est = index._cache.get("est_recall")
+    return {"est_recall": float(est.double().mean()) if est is not None else float("nan"),
+            "err_scored": float(output_error(q, k, v, index, estimate_rows(S, q.device, **fields), scale)[0]),
+            "err_sampled": float(output_error(q, k, v, index, sampled_rows(S, recall_rows, q.device), scale)[0]),
+            "density": float(index.density())}
+
+
+def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9, paths: dict | None = None) -> dict:
+    """Perplexity of `net` over `ids` with every layer sparse under `settings` (or layer i on `paths[i]`, "sparse" /
+    "dense"), with each sparse layer's density and true recall on `recall_rows` sampled rows (read from the records
+    mtrain's attention leaves), its `layer_measures`, and the share of (head, sampled row) pairs whose own recall is
+    below `low`."""
     from mtrain.bench import real as bench_real
     from mtrain.models import attention
     from mtrain.models.attention import mtrain_attention
@@ -77,26 +104,38 @@ def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9) -> dict:
     marks = len(CONTEXT.densities), len(CONTEXT.layers)
     saved = CONTEXT.sample_recall, CONTEXT.recall_rows
     plain_record = attention.record_layer
-    per_row = []
+    per_row, measures, values = [], [], {}
+    inner = (functools.partial(mtrain_attention, settings=settings, policy="always") if paths is None
+             else bench_real.forced_paths_attention(paths, settings))
+
+    def attend(module, query, key, value, *args, **kwargs):  # keeps V for the output error
+        values[module.layer_idx] = value.transpose(1, 2)
+        return inner(module, query, key, value, *args, **kwargs)
 
     def record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, *args, **kwargs):
         plain_record(layer_idx, path, index, prediction, q, k, scaling, *args, **kwargs)
         if path == "sparse" and q is not None:
             with torch.no_grad():
                 per_row.append(row_recalls(q.detach(), k.detach(), index, scaling, recall_rows))
+                measures.append({"layer": layer_idx, **layer_measures(q, k, values[layer_idx], index, settings,
+                                                                      scaling, recall_rows)})
 
     CONTEXT.choice_stats.clear()
     CONTEXT.sample_recall, CONTEXT.recall_rows = True, recall_rows
     attention.record_layer = record  # module global, looked up at each call
-    bench_real.register_bench_attention(functools.partial(mtrain_attention, settings=settings, policy="always"))
+    bench_real.register_bench_attention(attend)
     try:
         ppl = bench_real.perplexity(net, ids)
         records = CONTEXT.layers[marks[1]:]
-        if not records or any(r.path != "sparse" for r in records) or len(per_row) != len(records):
-            raise RuntimeError("not every layer ran sparse")
+        want = None if paths is None else sum(p == "sparse" for p in paths.values())
+        if (not records or any(r.path != "sparse" for r in records) or len(per_row) != len(records)
+                or (want is not None and len(records) != want)):
+            raise RuntimeError("the layers did not run on the paths asked for")
         density = [float(r.density) for r in records]
         recall = [r.true_recall.float().mean(-1).squeeze(0) for r in records]  # [Hq] per layer (batch 1)
         layer_recall = [float(r.mean()) for r in recall]
+        for m, r in zip(measures, layer_recall):
+            m["true_recall"] = r
         head_min = min(float(r.min()) for r in recall)
         rows = torch.stack(per_row)  # [layers, Hq, R]
     finally:
@@ -104,10 +143,76 @@ def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9) -> dict:
         bench_real.register_bench_attention(None)
         CONTEXT.sample_recall, CONTEXT.recall_rows = saved
         del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
+    mean = lambda key: sum(m[key] for m in measures) / len(measures)  # noqa: E731
     return {"ppl": ppl, "density": sum(density) / len(density), "true_recall_mean": sum(layer_recall) / len(layer_recall),
             "true_recall_worst_layer": min(layer_recall), "true_recall_worst_head": head_min,
             "rows_below": float((rows < low).float().mean()), "rows_below_at": low,
-            "row_recall_p01": float(torch.quantile(rows.flatten(), 0.01)), "layers": len(records)}
+            "row_recall_p01": float(torch.quantile(rows.flatten(), 0.01)), "layers": len(records),
+            "est_recall_mean": mean("est_recall"), "err_scored_mean": mean("err_scored"),
+            "err_sampled_mean": mean("err_sampled"), "per_layer": measures}
+
+
+PREDICTORS = {
+    "1 - est_recall": lambda m: 1 - m["est_recall"],
+    "1 - true_recall": lambda m: 1 - m["true_recall"],
+    "output error, scored rows": lambda m: m["err_scored"],
+    "output error, sampled rows": lambda m: m["err_sampled"],
+}
+"""Per-layer measures whose sum or maximum over the sparse layers may predict the perplexity rise (`predictions`)."""
+
+
+def _ranks(x: list[float]) -> list[float]:
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    out = [0.0] * len(x)
+    i = 0
+    while i < len(order):  # ties share their mean rank
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            out[order[t]] = (i + j) / 2
+        i = j + 1
+    return out
+
+
+def _pearson(x: list[float], y: list[float]) -> float:
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
+    return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else float("nan")
+
+
+def predictions(points: list[tuple[list[dict], float]]) -> dict:
+    """How well each PREDICTORS measure, summed over a pass's sparse layers and at its worst layer, follows the
+    perplexity rise over `points` = [(per-layer measures of a pass, its rise)]:
+    {(name, "sum" | "max"): (Pearson r, Spearman rho)}."""
+    rises = [rise for _, rise in points]
+    out = {}
+    for name, f in PREDICTORS.items():
+        for how, agg in (("sum", sum), ("max", max)):
+            x = [agg(f(m) for m in measures) for measures, _ in points]
+            out[name, how] = (_pearson(x, rises), _pearson(_ranks(x), _ranks(rises)))
+    return out
+
+
+def one_layer_sweep(net, ids, settings, recall_rows: int, ppl_dense: float, n_layers: int, log=print) -> list[dict]:
+    """Each layer sparse alone (the others dense), in turn: its perplexity rise and `layer_measures`."""
+    out = []
+    for i in range(n_layers):
+        cell = sparse_pass(net, ids, settings, recall_rows, paths={j: "sparse" if j == i else "dense"
+                                                                   for j in range(n_layers)})
+        m = cell["per_layer"][0]
+        out.append({**m, "rise": cell["ppl"] / ppl_dense - 1})
+        log(f"layer {i:2d} alone sparse: rise {100 * out[-1]['rise']:+.3f}% est_recall {m['est_recall']:.4f} "
+            f"true_recall {m['true_recall']:.4f} err scored {m['err_scored']:.4f} sampled {m['err_sampled']:.4f}")
+    return out
+
+
+def quality_paths(per_layer: list[dict], n_layers: int, max_error: float, key: str = "err_scored") -> dict:
+    """Layer -> path of the quality check alone (no cost model): dense where the layer's output error (`key` of its
+    measures in an every-layer-sparse pass) exceeds max_error."""
+    err = {m["layer"]: m[key] for m in per_layer}
+    return {i: "dense" if err[i] > max_error else "sparse" for i in range(n_layers)}
 
 
 HEADER = ("| S | text | setting | ppl dense | ppl sparse | rise | density | true recall mean | worst layer | "
@@ -153,6 +258,14 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write every cell to this file (rewritten after each cell)")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the one table of the cells in these --json files "
                     "(runs in several parts) and exit")
+    ap.add_argument("--max-error", type=float, nargs="+", default=[], metavar="E",
+                    help="after each every-layer-sparse cell, one pass per E with the quality check alone (no cost "
+                         "model): dense the layers whose output error on the scored rows in that cell exceeds E")
+    ap.add_argument("--dense", action="append", default=[], metavar="L,L,...",
+                    help="after each every-layer-sparse cell, one pass with these layers dense and the rest sparse "
+                         "(repeatable): e.g. the layers another measure would send dense")
+    ap.add_argument("--one-layer", action="store_true",
+                    help="also each layer sparse alone (the others dense), per cell: the per-layer rise and measures")
     args = ap.parse_args()
     if args.table:
         cells = []
@@ -160,6 +273,7 @@ def main() -> int:
             with open(name) as fh:
                 cells += json.load(fh)["cells"]
         print(table(cells))
+        _say_predictions(cells)
         return 0
     if not args.model:
         ap.error("--model is required (except with --table)")
@@ -199,18 +313,63 @@ def main() -> int:
         for text, name in order:
             ids, ppl_dense, dense_s = text_ids(text)
             t0 = time.perf_counter()
-            cell = sparse_pass(net, ids, SparseSettings(**overrides[name]), args.recall_rows)
+            settings = SparseSettings(**overrides[name])
+            cell = sparse_pass(net, ids, settings, args.recall_rows)
             cell.update(seq_len=seq_len, text=text, setting=name, ppl_dense=ppl_dense, rise=cell["ppl"] / ppl_dense - 1,
                         seconds=time.perf_counter() - t0, dense_seconds=dense_s, yarn_factor=factor)
-            cells.append(cell)
-            print(row(cell), flush=True)
+            n_layers = cell["layers"]
+            found = [cell]
+            chosen = [(f"max_error={limit}", quality_paths(cell["per_layer"], n_layers, limit))
+                      for limit in args.max_error]
+            for listed in args.dense:
+                layers = sorted(int(x) for x in listed.split(","))
+                chosen.append((f"dense {layers}", {i: "dense" if i in layers else "sparse" for i in range(n_layers)}))
+            for label, paths in chosen:
+                t0 = time.perf_counter()
+                if "sparse" not in paths.values():
+                    print(f"# {seq_len} {text} {name} {label}: every layer dense", flush=True)
+                    continue
+                extra = sparse_pass(net, ids, settings, args.recall_rows, paths=paths)
+                extra.update(seq_len=seq_len, text=text, setting=f"{name} {label}", ppl_dense=ppl_dense,
+                             rise=extra["ppl"] / ppl_dense - 1, seconds=time.perf_counter() - t0,
+                             dense_seconds=dense_s, yarn_factor=factor,
+                             dense_layers=[i for i, p in paths.items() if p == "dense"])
+                found.append(extra)
+            if args.one_layer:
+                cell["one_layer"] = one_layer_sweep(net, ids, settings, args.recall_rows, ppl_dense, n_layers)
+            for c in found:
+                cells.append(c)
+                print(row(c), flush=True)
             if args.json:
                 with open(args.json + ".tmp", "w") as fh:
                     json.dump({"torch": torch.__version__, "device": device.type, "cells": cells}, fh, indent=1)
                 os.replace(args.json + ".tmp", args.json)
         del net
     print("\n" + table(cells))
+    _say_predictions(cells)
     return 0
+
+
+def _say_predictions(cells: list[dict]) -> None:
+    """Print how each PREDICTORS measure follows the perplexity rise: over the cells (every layer sparse, and the
+    quality-check passes: the measure summed over the sparse layers) and over each cell's one-layer sweep."""
+    whole = [(c["per_layer"], c["rise"]) for c in cells if c.get("per_layer")]
+    if len(whole) >= 3:
+        print(f"\n# whole model, {len(whole)} passes: Pearson r / Spearman rho of the rise with the measure summed over "
+              "the sparse layers / at the worst one")
+        _print_predictions(predictions(whole))
+    for c in cells:
+        if c.get("one_layer"):
+            points = [([m], m["rise"]) for m in c["one_layer"]]
+            print(f"\n# {c['seq_len'] // 1024}K {c['text']} {c['setting']}, each of {len(points)} layers sparse alone: "
+                  "Pearson r / Spearman rho of its rise with its measure")
+            _print_predictions({name: v for (name, how), v in predictions(points).items() if how == "sum"})
+
+
+def _print_predictions(found: dict) -> None:
+    for name, (r, rho) in found.items():
+        label = name if isinstance(name, str) else f"{name[0]} ({name[1]})"
+        print(f"#   {label:34s} {r:+.3f} / {rho:+.3f}")
 
 
 if __name__ == "__main__":

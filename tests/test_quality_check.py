@@ -1,0 +1,154 @@
+"""The quality check of sparse_policy auto (attention.max_output_error): `mtrain.ops.recall.output_error` against a
+float64 reference written from the index's lists, and the policy sending a layer dense above the limit, sparse below."""
+
+import dataclasses
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mtrain.errors import MtrainError
+from mtrain.models.attention import mtrain_attention
+from mtrain.models.context import CONTEXT
+from mtrain.ops import cost, dense_attention, estimate_vertical_slash, vertical_slash_attention
+from mtrain.ops.estimate import estimate_rows
+from mtrain.ops.recall import output_error
+from mtrain.parallel import SparseSettings
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "workers"))
+from attention_choice import BS, inputs  # noqa: E402  (a local pattern where sparse pays)
+
+LOCAL = SparseSettings(recall=0.4, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)
+
+
+def reference_error(q, k, v, index, rows, scale=None, doc_ids=None):
+    """(per head [Hq], whole) relative output error of batch row 0, in float64, one query row at a time: the keys a
+    row computes read from the index's block and column lists of its query block (no mask helper), the exact
+    softmax over all its causal keys against the softmax renormalised over those keys."""
+    _, S, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    q64, k64, v64 = (t[0].double() for t in (q, k, v))
+    err, ref = torch.zeros(Hq, dtype=torch.float64), torch.zeros(Hq, dtype=torch.float64)
+    for h in range(Hq):
+        for r in rows.tolist():
+            qb = r // index.block_size
+            keep = set()
+            for j in range(int(index.block_counts[0, h, qb])):
+                b = int(index.block_ids[0, h, qb, j])
+                keep.update(range(b * index.block_size, (b + 1) * index.block_size))
+            keep.update(int(c) for c in index.col_ids[0, h, qb, : int(index.col_counts[0, h, qb])])
+            keys = [t for t in range(r + 1) if doc_ids is None or doc_ids[0, t] == doc_ids[0, r]]
+            inside = torch.tensor([t in keep for t in keys])
+            logits = (k64[keys, h // G] @ q64[r, h]) * scale
+            p = torch.softmax(logits, 0)
+            o = p @ v64[keys, h // G]
+            ps = torch.where(inside, p, 0.0)
+            o_sparse = (ps / ps.sum()) @ v64[keys, h // G]
+            err[h] += (o_sparse - o).square().sum()
+            ref[h] += o.square().sum()
+    return (err / ref).sqrt(), (err.sum() / ref.sum()).sqrt()
+
+
+@pytest.mark.parametrize("dtype,documents", [(torch.float32, False), (torch.float32, True), (torch.float64, False)])
+def test_output_error_matches_a_float64_reference(dtype, documents):
+    """Within 1e-4 relative for fp32 inputs (the fp32 softmax and products over <= 320 keys), 1e-10 for fp64; on a
+    lossy index (recall 0.6, small caps) so the error is far from 0, with and without document masking."""
+    g = torch.Generator().manual_seed(3)
+    B, S, Hq, Hkv, D, bs = 1, 320, 4, 2, 16, 32
+    q, k, v = (torch.randn(B, S, h, D, generator=g, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    docs = (torch.arange(S) >= 150).long()[None] if documents else None
+    index = estimate_vertical_slash(q.float(), k.float(), recall=0.6, block_size=bs, last_q=32, max_vertical=8,
+                                    max_slash=64, min_vertical=0, min_slash=0, sample_blocks=4, doc_ids=docs)
+    rows = torch.tensor([0, 5, 31, 32, 100, 149, 150, 151, 200, 287, 319])
+    per_head = output_error(q, k, v, index, rows, doc_ids=docs, per_head=True)[0]
+    whole = output_error(q, k, v, index, rows, doc_ids=docs)[0]
+    want_head, want = reference_error(q, k, v, index, rows, doc_ids=docs)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    assert float(want) > 0.05  # the index drops real mass: not a trivially zero error
+    torch.testing.assert_close(per_head.double(), want_head, rtol=tol, atol=0.0)
+    torch.testing.assert_close(whole.double(), want, rtol=tol, atol=0.0)
+    # the rows the estimate scored (what the policy reads), in any order, give the same figure
+    scored = estimate_rows(S, recall=0.6, block_size=bs, last_q=32, sample_blocks=4)
+    _, want_scored = reference_error(q, k, v, index, scored, doc_ids=docs)
+    got = output_error(q, k, v, index, scored.flip(0), doc_ids=docs)[0]
+    torch.testing.assert_close(got.double(), want_scored, rtol=tol, atol=0.0)
+
+
+def test_output_error_is_zero_for_the_dense_pattern():
+    q, k, v = inputs("local")
+    index = estimate_vertical_slash(q, k, recall=1.0, block_size=BS, max_vertical=q.shape[1], max_slash=q.shape[1])
+    assert index.density() == pytest.approx(1.0)
+    assert float(output_error(q, k, v, index, torch.arange(0, q.shape[1], 97))[0]) < 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fresh_context(monkeypatch):
+    """A fresh attention context (one device), and the cost model without the estimate's own cost (its figure moves
+    with every estimator version: the layers here pay for sparse by their kernels alone)."""
+    from mtrain.models.context import AttentionContext
+
+    monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
+    saved = dict(vars(CONTEXT))
+    vars(CONTEXT).update(vars(AttentionContext()))
+    yield
+    vars(CONTEXT).clear()
+    vars(CONTEXT).update(saved)
+
+
+def call(q, k, v, settings, policy="auto", max_error=False, layer=0):
+    module = SimpleNamespace(training=True, layer_idx=layer)
+    out, _ = mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                              settings=settings, policy=policy, max_error=max_error)
+    return out
+
+
+@pytest.mark.parametrize("layer", [None, 0])  # with a layer index the choice reads the lagged statistics' path
+def test_auto_runs_dense_above_the_output_error_limit_and_sparse_below(layer):
+    """A layer where sparse pays (the cost model says sparse): with no limit it runs sparse and measures nothing; with
+    a limit just above its output error on the scored rows (the float64 reference's figure) it stays sparse; just
+    below, it runs dense and returns dense attention's output."""
+    q, k, v = inputs("local")
+    index = estimate_vertical_slash(q, k, **dataclasses.asdict(LOCAL))
+    _, error = reference_error(q, k, v, index, estimate_rows(q.shape[1], **dataclasses.asdict(LOCAL)))
+    error = float(error)
+    assert error > 0.05
+
+    sparse_out = vertical_slash_attention(q, k, v, index)
+    out = call(q, k, v, LOCAL, max_error=None, layer=layer)
+    (record,) = CONTEXT.layers
+    assert record.path == "sparse" and record.output_error is None and torch.equal(out, sparse_out)
+
+    for limit, path in ((error * 1.01, "sparse"), (error * 0.99, "dense")):
+        CONTEXT.layers.clear()
+        CONTEXT.choice_stats.clear()  # each limit's call decides from its own estimate
+        out = call(q, k, v, LOCAL, max_error=limit, layer=layer)
+        (record,) = CONTEXT.layers
+        assert record.path == path, (limit, error)
+        assert float(record.output_error[0]) == pytest.approx(error, rel=1e-4)
+        want = sparse_out if path == "sparse" else dense_attention(q, k, v, causal=True)
+        assert torch.equal(out, want)
+        assert record.sparse_ms < record.dense_ms  # the cost model alone would have run it sparse
+        if layer is not None:  # logged per layer
+            from mtrain.train.metrics import attention_stats
+
+            assert attention_stats([record])["attn_output_error/L00"] == pytest.approx(error, rel=1e-4)
+
+
+def test_the_limit_applies_under_auto_only_and_comes_from_the_registration():
+    from mtrain.models.registry import register_kind
+
+    q, k, v = inputs("local")
+    call(q, k, v, LOCAL, policy="always", max_error=1e-6)  # "always" stays sparse, measuring nothing
+    assert CONTEXT.layers[-1].path == "sparse" and CONTEXT.layers[-1].output_error is None
+    register_kind("mtraining", sparse_policy="auto", max_output_error=1e-6, **dataclasses.asdict(LOCAL))
+    assert CONTEXT.max_output_error == 1e-6
+    CONTEXT.layers.clear()
+    module = SimpleNamespace(training=True, layer_idx=None)
+    mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)  # CONTEXT's limit
+    assert CONTEXT.layers[-1].path == "dense" and CONTEXT.layers[-1].output_error is not None
+    with pytest.raises(MtrainError, match="max_output_error must be a finite number > 0"):
+        register_kind("mtraining", sparse_policy="auto", max_output_error=0.0)
