@@ -327,18 +327,26 @@ def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device)
         ids = ids[..., :max(1, int(counts.max()))]
     ids = torch.where(ids < past, ids, -1).to(torch.int32).contiguous()
     k_pos = torch.cat([positions[(rank - step) % world] for step in range(world)])
-    step_columns, slots = None, (None, None, n_local)
+    step_columns, slots = gathered_columns(columns, rank, world, n_local)
     if columns is not None:
-        real = columns.owner >= 0
-        col_src = torch.where(real, ((rank - columns.owner.clamp(min=0)) % world) * n_local
-                              + columns.local.clamp(min=0), 0)
-        col_dst = torch.where(real, col_src, world * n_local + torch.arange(real.numel(), device=real.device))
-        step_columns = (torch.where(columns.ids >= 0, columns.ids + world * n_local, -1).to(torch.int32), columns.counts)
         k_pos = torch.cat([k_pos, columns.positions])
-        slots = (col_src, col_dst, n_local)
     return RingPlan(seq_len, rank, local_block, positions, {rank: StepBlocks(ids, counts, k_pos, step_columns)},
                     set(), columns, column_origin=rank if columns is not None else None, bounded=bounded,
                     gather_slots=slots)
+
+
+def gathered_columns(columns: OffRingColumns | None, rank: int, world: int, n_local: int):
+    """The off-ring columns of rank `rank`'s gathered step: (its column lists (ids into the slots after the W
+    shards, counts) or None, `RingPlan.gather_slots`). Rank o's shard is at step (rank - o) % W of the gathered rows:
+    arithmetic on the device, no host-to-device copy (which would wait)."""
+    if columns is None:
+        return None, (None, None, n_local)
+    real = columns.owner >= 0
+    col_src = torch.where(real, ((rank - columns.owner.clamp(min=0)) % world) * n_local + columns.local.clamp(min=0), 0)
+    # where each slot's gradient goes back: its gathered row; a padding slot onto itself (distinct targets)
+    col_dst = torch.where(real, col_src, world * n_local + torch.arange(real.numel(), device=real.device))
+    ids = torch.where(columns.ids >= 0, columns.ids + world * n_local, -1).to(torch.int32)
+    return (ids, columns.counts), (col_src, col_dst, n_local)
 
 
 def _remap_per_origin(rows, layout: Layout, seq_len: int, local_block: int, block_size: int, device):

@@ -30,7 +30,7 @@ from mtrain.ops import partial
 from mtrain.parallel import fa4_steps
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV
 from mtrain.parallel.merge import accum_dtype
-from mtrain.parallel.plan import RingPlan, StepBlocks
+from mtrain.parallel.plan import RingPlan, StepBlocks, gathered_columns
 from mtrain.parallel.steps import step_kwargs
 
 SCHEDULES = ("ring", "gather")
@@ -121,18 +121,9 @@ def gathered_plan(plan: RingPlan, world: int) -> RingPlan:
     ids = torch.gather(ids, -1, shuffle).to(torch.int32)
     counts = valid.sum(-1, dtype=torch.int32)
     k_pos = torch.cat([plan.positions[o] for o in order])
-    columns, slots = None, (None, None, n_local)
+    columns, slots = gathered_columns(plan.columns, plan.rank, world, n_local)
     if plan.columns is not None:
-        cols = plan.columns
-        real = cols.owner >= 0
-        # rank o's shard is at step (rank - o) % W: arithmetic on the device (no host-to-device copy, which waits)
-        step = (plan.rank - cols.owner.clamp(min=0)) % world
-        col_src = torch.where(real, step * n_local + cols.local.clamp(min=0), 0)
-        # where each slot's gradient goes back: its gathered row; a padding slot onto itself (distinct targets)
-        col_dst = torch.where(real, col_src, world * n_local + torch.arange(real.numel(), device=real.device))
-        columns = (torch.where(cols.ids >= 0, cols.ids + world * n_local, -1).to(torch.int32), cols.counts)
-        k_pos = torch.cat([k_pos, cols.positions])
-        slots = (col_src, col_dst, n_local)
+        k_pos = torch.cat([k_pos, plan.columns.positions])
     merged = dataclasses.replace(plan, steps={plan.rank: StepBlocks(ids, counts, k_pos, columns)}, skip=set(),
                                  rects={}, kernel_caches={}, column_origin=plan.rank if columns is not None else None,
                                  gather_slots=slots)
