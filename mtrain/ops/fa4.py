@@ -10,7 +10,7 @@ import torch
 
 from mtrain.ops import partial
 from mtrain.ops.partial_autograd import NOT_PLANS, join_tensors, split_tensors
-from mtrain.ops.index import SparseIndex, kernel_column_chunk
+from mtrain.ops.index import SparseIndex, group_counts, kernel_column_chunk
 from mtrain.ops.lists import doc_ranges, left_pack
 
 # The FA4 release this engine was written and checked against (pyproject extra `fa4`). The engine calls FA4's
@@ -94,7 +94,7 @@ def transposed_bounded(ids: torch.Tensor, counts: torch.Tensor, n: int, width: i
     key = torch.where(live, bh + ids.long(), lists).flatten()  # entries in (b, h, query block) order
     key, order = torch.sort(key, stable=True)  # query blocks stay ascending within each key block
     q_blk = torch.arange(nq, device=dev).view(1, 1, nq, 1).expand(B, H, nq, w).flatten()[order]
-    per_key = torch.zeros(lists + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    per_key = group_counts(key, lists + 1)
     slot = torch.arange(key.numel(), device=dev) - (torch.cumsum(per_key, 0) - per_key)[key]
     out = torch.zeros((lists + 1) * (width + 1), dtype=torch.int32, device=dev)  # last row / column: dumps
     out.index_put_((key * (width + 1) + slot.clamp(max=width),), q_blk.to(torch.int32))

@@ -658,7 +658,6 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
     if totals:
         work, used = _line_totals(v, v_blk, offs, offs_last, seq_len, block_size)
     list_width = col_width = None
-    host_read = None
     if static:  # the widths the lines' shapes allow: known on the host, nothing read back
         n_offs = offs.shape[-1]
         if offs_last is not None:
