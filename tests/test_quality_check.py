@@ -14,7 +14,7 @@ from mtrain.models.attention import mtrain_attention
 from mtrain.models.context import CONTEXT
 from mtrain.ops import cost, dense_attention, estimate_vertical_slash, vertical_slash_attention
 from mtrain.ops.estimate import estimate_rows
-from mtrain.ops.recall import output_error
+from mtrain.ops.recall import block_output_error, output_error
 from mtrain.parallel import SparseSettings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,6 +76,66 @@ def test_output_error_matches_a_float64_reference(dtype, documents):
     _, want_scored = reference_error(q, k, v, index, scored, doc_ids=docs)
     got = output_error(q, k, v, index, scored.flip(0), doc_ids=docs)[0]
     torch.testing.assert_close(got.double(), want_scored, rtol=tol, atol=0.0)
+
+
+def lossy_case(documents):
+    g = torch.Generator().manual_seed(3)
+    B, S, Hq, Hkv, D, bs = 1, 320, 4, 2, 16, 32
+    q, k, v = (torch.randn(B, S, h, D, generator=g) for h in (Hq, Hkv, Hkv))
+    docs = (torch.arange(S) >= 150).long()[None] if documents else None
+    index = estimate_vertical_slash(q, k, recall=0.6, block_size=bs, last_q=32, max_vertical=8, max_slash=64,
+                                    min_vertical=0, min_slash=0, sample_blocks=4, doc_ids=docs)
+    return q, k, v, docs, index
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_block_output_error_matches_the_float64_reference(documents):
+    """The check's kernel form (the rows' query blocks through the partial-attention forward, on the index's lists
+    and densely) gives the float64 reference's figure within 1e-4 relative in fp32 (torch path here; the Triton
+    path under the interpreter in the next test), on rows inside and across query blocks."""
+    q, k, v, docs, index = lossy_case(documents)
+    rows = torch.tensor([0, 5, 31, 32, 100, 149, 150, 151, 200, 287, 319])
+    want_head, want = reference_error(q, k, v, index, rows, doc_ids=docs)
+    assert float(want) > 0.05
+    got_head = block_output_error(q, k, v, index, rows.flip(0), doc_ids=docs, per_head=True)[0]
+    got = block_output_error(q, k, v, index, rows, doc_ids=docs)[0]
+    torch.testing.assert_close(got_head.double(), want_head, rtol=1e-4, atol=0.0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0.0)
+
+
+INTERPRETED = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_quality_check import lossy_case
+from mtrain.ops.recall import block_output_error
+out = {}
+for documents in (False, True):
+    q, k, v, docs, index = lossy_case(documents)
+    rows = torch.tensor([0, 5, 31, 32, 100, 149, 150, 151, 200, 287, 319])
+    out[str(documents)] = block_output_error(q, k, v, index, rows, doc_ids=docs, per_head=True, impl="triton")[0].tolist()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test is for CPU machines")
+def test_block_output_error_through_the_triton_kernels_in_the_interpreter():
+    """What the GPU runs: the Triton partial-attention kernels (TRITON_INTERPRET=1), against the float64 reference,
+    within 1e-4 relative (fp32 inputs), with and without document masking."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    for documents in (False, True):
+        q, k, v, docs, index = lossy_case(documents)
+        rows = torch.tensor([0, 5, 31, 32, 100, 149, 150, 151, 200, 287, 319])
+        want_head, _ = reference_error(q, k, v, index, rows, doc_ids=docs)
+        torch.testing.assert_close(torch.tensor(got[str(documents)], dtype=torch.float64), want_head, rtol=1e-4,
+                                   atol=0.0)
 
 
 def test_output_error_is_zero_for_the_dense_pattern():

@@ -74,16 +74,17 @@ def _choice_stats(index, q, target, layer_idx) -> list:
 def quality_error(q, k, v, index, s, scaling=None, doc_ids=None) -> torch.Tensor:
     """The quality check's measure of a layer (sparse_policy auto with attention.max_output_error): the relative error
     of the attention output of the rows the estimate scored (`mtrain.ops.estimate.estimate_rows` under SparseSettings
-    `s`) when only the pairs inside `index` are computed, against dense attention on the same rows
-    (`mtrain.ops.recall.output_error`): fp32 [B]. Scoring these rows against all keys again costs about what the
-    estimate's own scoring does."""
+    `s`) when only the pairs inside `index` are computed, against dense attention on the same rows: fp32 [B]. Their
+    query blocks run through the partial-attention kernel twice, on the index's lists and densely
+    (`mtrain.ops.recall.block_output_error`): two small kernel calls, no host read."""
     from mtrain.ops.estimate import row_plan
-    from mtrain.ops.recall import output_error
+    from mtrain.ops.recall import block_output_error
 
     S = q.shape[1]
-    rows = row_plan(S, min(s.last_q, S), s.sample_blocks, s.block_size, q.device, s.sample_rows)[0]
+    rows = row_plan(S, min(s.last_q, S), s.sample_blocks, s.block_size, torch.device("cpu"), s.sample_rows)[0]
     with torch.no_grad():
-        return output_error(q.detach(), k.detach(), v.detach(), index, rows, softmax_scale=scaling, doc_ids=doc_ids)
+        return block_output_error(q.detach(), k.detach(), v.detach(), index, rows, softmax_scale=scaling,
+                                  doc_ids=doc_ids).float()
 
 
 def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0,

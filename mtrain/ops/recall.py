@@ -3,6 +3,7 @@ averaged over query rows (all of them, or a sample), computed in row chunks so m
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -111,7 +112,7 @@ def output_error(
 
     q: [B, S, Hq, D], k / v: [B, S, Hkv, D] (after RoPE, K/V never repeated for GQA). Rows run in chunks against the
     keys up to the chunk's last row, in fp32 (fp64 for fp64 inputs): memory ~ one [B, Hq, rows, keys] chunk of
-    about 2^25 elements. The policy's quality check (`mtrain.models.policy.quality_error`) calls it on a layer's
+    about 2^25 elements. The reference of `block_output_error`, which the policy's quality check runs on a layer's
     scored rows."""
     B, S, Hq, D = q.shape
     if k.shape != v.shape or k.dim() != 4 or k.shape[:2] != (B, S) or Hq % k.shape[2] != 0:
@@ -149,6 +150,64 @@ def output_error(
         sparse = torch.where(mass > 0, out[1] / mass.clamp(min=torch.finfo(dt).tiny), 0.0)
         err += (sparse - out[0]).square().sum(-1).sum(-1)
         ref += out[0].square().sum(-1).sum(-1)
+    if not per_head:
+        err, ref = err.sum(-1), ref.sum(-1)
+    return (err / ref.clamp(min=torch.finfo(dt).tiny)).sqrt()
+
+
+
+@functools.lru_cache(maxsize=16)
+def _row_blocks(rows_key: bytes, block_size: int, seq_len: int, device: torch.device):
+    """(positions of the whole query blocks holding `rows`, where each row lies among them, the blocks): made on
+    the host once per row set and copied to `device` once (a copy per call would wait for the GPU's queue)."""
+    rows = torch.frombuffer(bytearray(rows_key), dtype=torch.long)
+    blocks = torch.unique(rows // block_size)
+    pos = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+    pos = pos[pos < seq_len]
+    at = torch.searchsorted(pos, rows)
+    return pos.to(device), at.to(device), blocks.to(device)
+
+
+def block_output_error(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: SparseIndex,
+    rows: torch.Tensor,
+    softmax_scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
+    per_head: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """`output_error`'s measure from the block kernels, at the cost of two small attention calls: the whole query
+    blocks that hold `rows` (a CPU tensor of positions) run once through the partial-attention kernel on the index's
+    lists for those blocks (`mtrain.ops.partial.attention_forward`, what the sparse path computes) and once densely
+    (every causal key), in the inputs' dtype with fp32 accumulation; the error is then taken on `rows`. No
+    [rows x keys] tensor and no host read: what the policy's quality check runs in every training step. bf16 inputs
+    round both outputs to bf16 (a relative floor of ~0.002 under the errors the check compares, ~0.01-0.06)."""
+    from mtrain.ops.partial import attention_forward
+
+    B, S, Hq, D = q.shape
+    if index.seq_len != S or index.block_ids.shape[:2] != (B, Hq):
+        raise ValueError(f"index is for [B, Hq] = {tuple(index.block_ids.shape[:2])} and {index.seq_len} tokens; "
+                         f"q is [B={B}, S={S}, Hq={Hq}]")
+    rows = torch.as_tensor(rows, device="cpu").long().flatten().unique()  # sorted
+    if rows.numel() == 0 or rows[0] < 0 or rows[-1] >= S:
+        raise ValueError(f"rows must be a non-empty set of query positions in [0, {S}); got {rows.numel()} rows")
+    bs = index.block_size
+    pos, at, blocks = _row_blocks(rows.numpy().tobytes(), bs, S, q.device)
+    k_pos = torch.arange(S, device=q.device)
+    qs = q[:, pos]
+    docs = {} if doc_ids is None else dict(q_doc=doc_ids[:, pos].to(q.device), k_doc=doc_ids.to(q.device))
+    common = dict(q_pos=pos, k_pos=k_pos, block_size=bs, softmax_scale=softmax_scale, impl=impl, **docs)
+    lists = dict(blocks=(index.block_ids[:, :, blocks].contiguous(), index.block_counts[:, :, blocks].contiguous()),
+                 columns=(index.col_ids[:, :, blocks].contiguous(), index.col_counts[:, :, blocks].contiguous()))
+    sparse, _ = attention_forward(qs, k, v, **common, **lists)
+    dense, _ = attention_forward(qs, k, v, **common)
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    o_s, o_d = sparse[:, at].to(dt), dense[:, at].to(dt)  # [B, n, Hq, D]
+    err = (o_s - o_d).square().sum(-1).sum(1)  # [B, Hq]
+    ref = o_d.square().sum(-1).sum(1)
     if not per_head:
         err, ref = err.sum(-1), ref.sum(-1)
     return (err / ref.clamp(min=torch.finfo(dt).tiny)).sqrt()
