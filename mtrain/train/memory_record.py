@@ -60,6 +60,7 @@ def peak_blocks(snapshot: dict, device: int = 0) -> tuple[int, list[dict], dict]
     trace = traces[device] if device < len(traces) else []
     total = sum(size for size, _ in live.values())
     best, best_at = total, len(trace)
+    frees = set()  # the event that ends each block's life: its last free event (completed, else requested)
     for i in range(len(trace) - 1, -1, -1):  # state before event i
         ev = trace[i]
         action, addr = ev.get("action"), ev.get("addr")
@@ -68,14 +69,15 @@ def peak_blocks(snapshot: dict, device: int = 0) -> tuple[int, list[dict], dict]
         elif action in FREE and addr not in live:
             live[addr] = (ev.get("size", 0), ev.get("frames", []))
             total += ev.get("size", 0)
+            frees.add(i)
         if total > best:
             best, best_at = total, i
-    # replay forward to the peak (the state before event best_at)
-    for ev in trace[:best_at]:
+    # replay forward to the peak (the state before event best_at), with the same free events
+    for i, ev in enumerate(trace[:best_at]):
         action, addr = ev.get("action"), ev.get("addr")
         if action == "alloc":
             live[addr] = (ev.get("size", 0), ev.get("frames", []))
-        elif action in FREE:
+        elif i in frees:
             live.pop(addr, None)
     oom = [ev for ev in trace if ev.get("action") == "oom"]
     facts = {"events": len(trace), "peak_event": best_at, "oom": bool(oom),
