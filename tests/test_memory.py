@@ -185,3 +185,43 @@ def test_offload_moves_the_checkpointed_layer_inputs():
     assert shapes.count((1, SEQ, hidden)) >= model.config.num_hidden_layers
     assert (model.config.vocab_size, hidden) not in shapes  # the tied embedding / LM head weight stays
     assert hooks.moved > 0
+
+
+def test_trainer_with_the_memory_keys_gives_the_same_losses(tmp_path):
+    """One process, tiny model, activation checkpointing: model.mlp_chunk, train.offload_activations and
+    train.memory_record (a no-op without CUDA) through the trainer give the plain run's losses (fp32, 1e-6)."""
+    import json
+
+    import yaml
+
+    from mtrain.config import load_recipe
+    from mtrain.data import pack
+    from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
+    from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+    from mtrain.train.trainer import Trainer
+
+    write_jsonl(tmp_path / "docs.jsonl", generate(CorpusSpec(num_docs=40, max_sentences=40, seed=5)))
+    pack([f"{tmp_path / 'docs.jsonl'}:jsonl"], str(TOKENIZER_DIR), 256, tmp_path / "packed", progress=False, workers=1)
+    losses = {}
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for name, model_keys, train_keys in (
+                ("plain", {}, {}),
+                ("memory", {"mlp_chunk": 48}, {"offload_activations": True, "memory_record": True})):
+            recipe = {"model": {"config": str(MODEL_CONFIG), "tokenizer": str(TOKENIZER_DIR),
+                                "gradient_checkpointing": True, **model_keys},
+                      "data": {"path": str(tmp_path / "packed"), "seq_len": 256},
+                      "optim": {"lr": 3e-3, "warmup_steps": 1}, "logging": {"wandb": "disabled"},
+                      "train": {"output_dir": str(tmp_path / name), "max_steps": 3, "save_every": 0, "export": False,
+                                "deterministic": True, **train_keys}}
+            path = tmp_path / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(recipe))
+            Trainer(load_recipe(path)).run()
+            rows = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            losses[name] = [json.loads(r)["loss"] for r in rows]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert len(losses["plain"]) == 3
+    for a, b in zip(losses["memory"], losses["plain"]):
+        assert abs(a - b) <= 1e-6 * abs(b), losses
+    assert not (tmp_path / "memory" / "memory").exists()  # no CUDA: nothing recorded
