@@ -45,6 +45,11 @@ class ModelConfig:
     """Override; with YaRN it defaults to original_max_position_embeddings x factor."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in backward (activation checkpointing)."""
+    mlp_chunk: Optional[int] = None
+    """Tokens per chunk of each decoder layer's MLP (`mtrain.models.memory.chunk_mlp`): the MLP runs the sequence in
+    chunks, each checkpointed, so no pass holds the [S, intermediate_size] tensors of the whole sequence (at 256K
+    tokens on Qwen2.5-3B: 5.4 GiB each, four of them in a layer's backward) but one chunk's; it costs the MLP's
+    forward once more per step. 0 or null = off. Same outputs and gradients (Qwen2 and Llama)."""
 
 
 @dataclass
@@ -189,6 +194,17 @@ class TrainConfig:
     """Stop after this many skipped updates (non-finite loss or gradients; under DeepSpeed, updates its overflow check skipped)."""
     loss_chunk: int = 4096
     """Tokens per chunk of the LM head + cross-entropy (no [S, vocab] logits are ever materialised)."""
+    offload_activations: bool = False
+    """Keep what autograd saves for the backward in pinned host memory from the forward until the backward reads it
+    (`mtrain.models.memory.OffloadActivations`: torch's save_on_cpu without the parameters and small tensors). With
+    model.gradient_checkpointing that is each decoder layer's input, the one tensor a checkpointed layer keeps (36 x
+    1 GiB at 256K tokens per GPU on Qwen2.5-3B). Costs a copy each way over PCIe per layer and step and as much
+    pinned host memory per process."""
+    memory_record: bool = False
+    """On a GPU, record the allocator's history during the first step (`torch.cuda.memory._record_memory_history`)
+    and write RUN/memory/rankN.txt (the allocation sites live at the step's peak, largest first), at the end of that
+    step or when it runs out of memory. Also on with the environment variable MTRAIN_MEMORY_RECORD=1. Slows that
+    step down; off the GPU it does nothing."""
 
 
 @dataclass
@@ -355,6 +371,13 @@ def check_model_section(m: ModelConfig, deepspeed: str | None = None) -> None:
     _check_model_files(m)
 
 
+def check_mlp_chunk(value) -> None:
+    """model.mlp_chunk must be null, 0 (off) or a positive number of tokens."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(f"model.mlp_chunk: must be a whole number of tokens >= 0 (0 or null = the MLP runs the "
+                          f"whole sequence at once), got {value!r}; e.g. model.mlp_chunk: 32768")
+
+
 def _check(recipe: RecipeConfig) -> None:
     """Cross-field checks that need more than the types."""
     m, d, a, p, t, o = recipe.model, recipe.data, recipe.attention, recipe.parallel, recipe.train, recipe.optim
@@ -381,6 +404,7 @@ def _check(recipe: RecipeConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be positive, got {value}")
+    check_mlp_chunk(m.mlp_chunk)
     if t.save_every < 0:
         raise ConfigError(f"train.save_every: must be >= 0 (0 = only at the end), got {t.save_every}")
     if isinstance(a.dense_hold_steps, bool) or not isinstance(a.dense_hold_steps, int) or a.dense_hold_steps < 0:

@@ -133,10 +133,21 @@ class PlanSpec:
     block_size: int = 64
     scored_rows: int = 64 + 16 * 64
     max_vertical: int = 16384
+    max_slash: int = 16384
+    """attention.max_slash: slash lines per head (token diagonals; the ring plan's block lists hold one entry per
+    block offset)."""
     grad_accum: int = 1
     checkpointing: bool = True
     offload: bool = True
     loss_chunk: int = 4096
+    mlp_chunk: int = 0
+    """model.mlp_chunk: tokens per checkpointed MLP chunk (0 = the whole shard at once)."""
+    offload_activations: bool = False
+    """train.offload_activations: the activation checkpoints (and what the graph saves outside the layers) wait in
+    pinned host memory."""
+    ring_plans_held: bool = False
+    """Every layer's sparse ring plan held by the autograd graph from its forward to its backward: the ring Functions
+    before their plans went through save_for_backward (mtrain.parallel.saved_state; issue #28's 1M out-of-memory)."""
     host_memory_gb: float = 1024.0
     """Host memory per node (optimizer offload)."""
     latency_us: float = 10.0
@@ -243,6 +254,60 @@ def attention_layer_ms(spec: PlanSpec, world: int | None = None) -> dict:
             "index": calls * index / speed, "index_whole_ms": calls * whole_index / speed}
 
 
+def ring_plan_bytes(spec: PlanSpec) -> float:
+    """Bytes of one layer's sparse ring plan on one rank (mtrain.parallel.plan.build_sparse_plan from a RowIndex with
+    bounded widths): the off-ring columns' lists [B, Hq, local query blocks, sink + verticals] int32 three times (the
+    plan's, the column step's shifted copy, the kernels' document-filtered copy) and the per-origin block lists
+    (cp x [B, Hq, local query blocks, slash offsets + 2] int32)."""
+    s = spec.shape
+    rows = spec.seq_len / spec.cp / spec.block_size
+    columns = min(spec.block_size, spec.seq_len) + spec.verticals
+    offsets = spec.max_slash / spec.block_size + 2
+    return 4 * s.q_heads * rows * (3 * columns + spec.cp * offsets)
+
+
+def memory_terms(spec: PlanSpec) -> dict:
+    """GiB per GPU of each term of one micro-step's memory, finer than `plan`'s sum (which is fitted and checked
+    against measured peaks): what stays from the forward to the backward, and the largest transient of each pass
+    (one layer's, under activation checkpointing). Bytes: bf16 activations, a rank's T = seq_len / cp tokens."""
+    s = spec.shape
+    T = spec.seq_len / spec.cp
+    h, inter, dq = s.hidden, s.intermediate, s.q_heads * s.head_dim
+    dkv = s.kv_heads * s.head_dim
+    chunk = min(T, spec.mlp_chunk) if spec.mlp_chunk else T
+    plan_layer = ring_plan_bytes(spec) if spec.attention == "sparse" and spec.cp > 1 else 0.0
+    rows = T / spec.block_size
+    gib = GiB
+    held = {
+        "weights (bf16)": 2 * s.params,
+        "activation checkpoints (layer inputs)": 0 if spec.offload_activations else s.layers * T * h * 2,
+        "final norm saved + LM-head input (fp32 in, bf16 out)": 0 if spec.offload_activations else T * h * (4 + 2 + 2),
+        "ring plans held by the graph (all layers)": s.layers * plan_layer if spec.ring_plans_held else 0.0,
+    }
+    forward = {
+        "MLP gate, up, act(gate) (one chunk)": 3 * chunk * inter * 2,
+        "MLP chunks' outputs + their concatenation": 2 * T * h * 2 if spec.mlp_chunk else 0.0,
+        "attention q, k, v, out (+ lse fp32)": T * (2 * dq + 2 * dkv) * 2 + T * s.q_heads * 4,
+        "index rows + plan build (int64 lists, sort)": 2 * 8 * s.q_heads * rows * (spec.block_size + spec.verticals)
+        + plan_layer,
+    }
+    backward = {
+        "one layer recomputed + its gradients (fitted, MLP share per chunk)":
+            T * (2 * (6 * h + 6 * inter) + 4 * dq) - (T - chunk) * 12 * inter,
+        "the layer's recomputed ring plan": plan_layer,
+        "loss chunk (bf16 logits, fp32 logits, log-softmax, its gradient)": spec.loss_chunk * s.vocab * (2 + 4 + 4 + 4),
+    }
+    held_total = sum(held.values())
+    out = {k: v / gib for k, v in held.items()}
+    out.update({f"forward: {k}": v / gib for k, v in forward.items()})
+    out.update({f"backward: {k}": v / gib for k, v in backward.items()})
+    out["peak in the forward (held + forward)"] = (held_total + sum(forward.values())) / gib
+    out["peak in the backward (held + max(layer, loss chunk) + plan)"] = (
+        held_total + max(backward["one layer recomputed + its gradients (fitted, MLP share per chunk)"]
+                         + plan_layer, backward["loss chunk (bf16 logits, fp32 logits, log-softmax, its gradient)"])) / gib
+    return out
+
+
 def plan(spec: PlanSpec) -> Plan:
     """The cost model (see the module docstring); raises MtrainError on an invalid spec."""
     from mtrain.parallel.traffic import expected_per_rank, layer_traffic
@@ -275,9 +340,12 @@ def plan(spec: PlanSpec) -> Plan:
     bucket = min(2 * n, 0.5 * GB)  # DeepSpeed's reduce bucket
     grads = bucket if spec.offload else 2 * n / world + bucket  # offload: the gradient partition lives on the host
     ckpt = s.layers * tokens * s.hidden * 2 if spec.checkpointing else 0
-    # one layer's working set per token in its backward (fitted: 3B shape on one H200, 128K-384K, within 3%)
+    # one layer's working set per token in its backward (fitted: 3B shape on one H200, 128K-384K, within 3%); the
+    # MLP's share (12 bytes per intermediate unit and token) follows model.mlp_chunk's chunk
     per_token_layer = 2 * (6 * s.hidden + 6 * s.intermediate) + 4 * s.q_heads * s.head_dim
-    layer = tokens * per_token_layer * (1 if spec.checkpointing else s.layers)
+    mlp_tokens = min(tokens, spec.mlp_chunk) if spec.mlp_chunk else tokens
+    layer = (tokens * per_token_layer - (tokens - mlp_tokens) * 12 * s.intermediate) * (
+        1 if spec.checkpointing else s.layers)
     logits = spec.loss_chunk * s.vocab * (2 + 4)  # a chunk's bf16 logits and fp32 gradient (not with a layer's)
     kv_shard = tokens * s.kv_heads * s.head_dim * 2 * 2
     columns = 0
@@ -289,15 +357,21 @@ def plan(spec: PlanSpec) -> Plan:
     rows_per_rank = S // spec.block_size / w
     list_width = spec.density * S / spec.block_size + 2  # listed blocks of a mean row, sink and diagonal
     index = s.q_heads * rows_per_rank * (list_width + spec.verticals) * 4 * 2 if spec.attention == "sparse" else 0
+    host_ckpt = ckpt if spec.offload_activations else 0.0
     out.memory_gb = {"weights (bf16)": w_bytes / GB, "gradients (ZeRO-2 part + bucket)": grads / GB,
                      "optimizer (ZeRO-2)": 0.0 if spec.offload else opt / GB,
-                     "activation checkpoints": ckpt / GB,
+                     "activation checkpoints": (ckpt - host_ckpt) / GB,
                      "working set (a layer or the loss chunk)": max(layer, logits) / GB,
                      "ring KV buffers + columns": kv_buffers / GB, "index rows (one layer)": index / GB}
+    if spec.ring_plans_held and spec.attention == "sparse" and w > 1:
+        out.memory_gb["ring plans held (every layer)"] = s.layers * ring_plan_bytes(spec) / GB
     total = sum(out.memory_gb.values())
     out.memory_gb["total"] = total
     host = (12 * n + 4 * n / world * min(world, spec.node_size)) / nodes if spec.offload else 0.0
+    host += host_ckpt * min(world, spec.node_size)
     out.host_gb = {"optimizer offload per node": host / GB, "host memory per node": spec.host_memory_gb}
+    if host_ckpt:
+        out.host_gb["of which activation checkpoints"] = host_ckpt * min(world, spec.node_size) / GB
     if total > g.memory_gb:
         out.fits = False
         out.notes.append(f"does not fit: {total:.1f} GB per GPU > {g.memory_gb:.0f} GB")

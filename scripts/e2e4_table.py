@@ -120,7 +120,15 @@ def pair_table(label: str, sparse_run: str, dense_run: str, *, target: float | N
 
 
 def longest_table(runs: list[str], warmup: int) -> str:
-    lines = ["### Longest context (CP=4, ZeRO-2 + optimizer offload)", "",
+    cps = set()
+    for run in runs:
+        config = Path(run) / "config.yaml"
+        if config.is_file():
+            import yaml
+
+            cps.add((yaml.safe_load(config.read_text()) or {}).get("parallel", {}).get("cp_size"))
+    cp = "/".join(str(c) for c in sorted(c for c in cps if c)) or "4"
+    lines = [f"### Longest context (CP={cp}, ZeRO-2 + optimizer offload)", "",
              "| run | tokens per sequence | status | steps | step s (last) | tokens/s | peak GB per GPU | density |",
              "|---|---|---|---|---|---|---|---|"]
     longest = None

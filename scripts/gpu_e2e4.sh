@@ -40,7 +40,8 @@
 # launcher gives its workers; whatever still writes the launch's log afterwards is killed, see reap), QWEN_BUDGET
 # (480 s: the 1M try's set-up alone took ~250 s on 4 H200s, 2026-11-27), QWEN_MIN (150 s), QWEN_STEPS (2),
 # QWEN_LENGTHS ("1048576 1572864 2097152": in order, stopping at the first that fails), QWEN_FALLBACK ("786432
-# 524288": tried in order when the first length fails), QWEN_ARGS (extra --set for the Qwen runs), MODEL_DIR
+# 524288": tried in order when the first length fails), QWEN_CP (NPROC: the Qwen runs' parallel.cp_size), QWEN_ARGS
+# (extra --set for the Qwen runs), MODEL_DIR
 # (/root/smollm2), PACKAGES (torch,transformers: installed packages added as code repositories), ACCEL
 # (configs/accelerate/4gpu.yaml), NPROC (4), CARRY (.carry/e2e4), PYTHON (python). A CPU smoke run of `run` (4 gloo
 # processes through torchrun, the real model):
@@ -65,6 +66,7 @@ KINDS=${KINDS:-dense mtraining}
 PACKAGES=${PACKAGES:-torch,transformers}
 ACCEL=${ACCEL:-configs/accelerate/4gpu.yaml}
 NPROC=${NPROC:-4}
+QWEN_CP=${QWEN_CP:-$NPROC}
 CARRY=${CARRY:-.carry/e2e4}
 RESULTS=${OUT:-runs/e2e4-results}
 PYTHON=${PYTHON:-python}
@@ -161,15 +163,18 @@ qwen_try() {  # qwen_try SEQ: one length of the search (time left permitting); i
   launch "$left" "qwen-$(k "$seq")" recipes/qwen2.5-3b-cp4-longest.yaml --set model.tokenizer="$QWEN_TOK" \
     --set data.seq_len="$seq" --set data.path="data/packed/smollm2-$(k "$seq")" \
     --set model.rope_scaling.factor="$(yarn "$seq" 32768)" --set train.output_dir="$run" \
-    --set train.max_steps="$QWEN_STEPS" --set logging.wandb="$(wandb_mode)" ${QWEN_ARGS:-} || rc=$?
+    --set parallel.cp_size="$QWEN_CP" --set train.max_steps="$QWEN_STEPS" --set logging.wandb="$(wandb_mode)" \
+    ${QWEN_ARGS:-} || rc=$?
   mkdir -p "$run" && status_of "$rc" "runs/e2e4-logs/qwen-$(k "$seq").log" > "$run/status.txt"
   cp "runs/e2e4-logs/qwen-$(k "$seq").log" "$run/launch.log"
+  # train.memory_record: where step 1's memory went, per rank (also when it ran out), straight into the results
+  [ ! -f "$run/memory/rank0.txt" ] || cp "$run/memory/rank0.txt" "$RESULTS/memory-$(k "$seq")-rank0.txt"  # all ranks: qwen.tar.gz
   QWEN_RUNS+=("$run")
   mark "qwen $seq: $(cat "$run/status.txt")"
   return $rc
 }
 
-qwen() {  # the Qwen2.5-3B shape at increasing lengths (CP=4 + ZeRO-2 + optimizer offload, QWEN_STEPS steps each)
+qwen() {  # the Qwen2.5-3B shape at increasing lengths (CP=QWEN_CP + ZeRO-2 + optimizer offload, QWEN_STEPS steps each)
   # up from QWEN_LENGTHS' first until one fails; if the first fails, down through QWEN_FALLBACK until one trains
   QWEN_START=$SECONDS QWEN_TOK=$CARRY/tokenizer QWEN_RUNS=()
   [ -d "$QWEN_TOK" ] || QWEN_TOK=$MODEL_DIR
@@ -185,7 +190,7 @@ qwen() {  # the Qwen2.5-3B shape at increasing lengths (CP=4 + ZeRO-2 + optimize
   if [ ${#QWEN_RUNS[@]} -gt 0 ]; then
     "$PYTHON" scripts/e2e4_table.py --longest "${QWEN_RUNS[@]}" --warmup 0 --out "$RESULTS/longest.md" | tee -a "$LOG"
     tar czf "$RESULTS/qwen.tar.gz" "${QWEN_RUNS[@]/%//metrics.jsonl}" "${QWEN_RUNS[@]/%//status.txt}" \
-      "${QWEN_RUNS[@]/%//launch.log}" 2>/dev/null || true
+      "${QWEN_RUNS[@]/%//launch.log}" "${QWEN_RUNS[@]/%//config.yaml}" "${QWEN_RUNS[@]/%//memory}" 2>/dev/null || true
   fi
 }
 

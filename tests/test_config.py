@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from mtrain.config import _read_recipe, load_recipe
+from mtrain.config import _read_recipe, load_recipe, parse_recipe
 from mtrain.errors import ConfigError
 from mtrain.tiny import MODEL_CONFIG as CONFIG
 from mtrain.tiny import TOKENIZER_DIR as TOKENIZER
@@ -194,5 +194,12 @@ def test_four_gpu_recipes_are_twins():
     assert qwen["parallel"]["cp_size"] == 4 and qwen["train"]["deepspeed"] == "configs/deepspeed/zero2-offload.json"
     assert qwen["data"]["seq_len"] >= 1 << 20 and qwen["model"]["path"] is None
     assert qwen["attention"]["sparse_policy"] == "always"  # random weights: `auto` would run every layer dense
+    # the memory of 256K tokens per GPU: the MLP in chunks, step 1's allocations recorded (mtrain.planner.memory_terms)
+    assert qwen["model"]["mlp_chunk"] > 0 and qwen["train"]["memory_record"] is True
+    parsed = parse_recipe(repo / "recipes" / "qwen2.5-3b-cp4-longest.yaml")
+    assert parsed.model.mlp_chunk == 32768 and parsed.model.gradient_checkpointing
     accel = yaml.safe_load((repo / "configs" / "accelerate" / "4gpu.yaml").read_text())
     assert accel["num_processes"] == 4 and accel["distributed_type"] == "DEEPSPEED"
+    two = yaml.safe_load((repo / "configs" / "accelerate" / "2gpu.yaml").read_text())  # CP=2 at 512K, the same load
+    assert {k: v for k, v in two.items() if k != "num_processes"} == {k: v for k, v in accel.items() if k != "num_processes"}
+    assert two["num_processes"] == 2

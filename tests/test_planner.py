@@ -129,3 +129,30 @@ def test_traffic_of_a_real_plan_counts_its_columns():
     row = 2 * 2 * 16  # K and V of one column: kv heads x head dim
     assert t.columns_after == (world - 1) * t.per_rank * row * (2 + 4)
     assert dataclasses.asdict(t)["columns_before"] == int(2 * (world - 1) / world * t.columns * row * (2 + 4))
+
+
+def test_memory_terms_place_the_1m_out_of_memory_and_what_fixes_it():
+    """Issue #28: the Qwen2.5-3B shape at 1M tokens, CP=4 (256K per GPU), 4,096-line caps ran out of memory in step 1's
+    forward with 132.2 GiB allocated on 139.8 GiB H200s. With every layer's ring plan held by the graph (the ring
+    Functions before mtrain.parallel.saved_state) the forward needs more than the H200 has; without them, and with the
+    MLP in 32K-token chunks, both passes fit an 80 GB H100; offloading the checkpoints leaves about a third of that."""
+    base = dict(shape="qwen2.5-3b", seq_len=1 << 20, cp=4, gpus=4, node_size=4, ring="flat", verticals=4096,
+                max_vertical=4096, max_slash=4096, loss_chunk=8192)
+    held = planner.memory_terms(planner.spec_from(base, ring_plans_held=True))
+    assert held["ring plans held by the graph (all layers)"] > 70
+    assert held["peak in the forward (held + forward)"] > 139.8
+    fixed = planner.memory_terms(planner.spec_from(base, mlp_chunk=32768))
+    assert fixed["ring plans held by the graph (all layers)"] == 0
+    assert fixed["forward: MLP gate, up, act(gate) (one chunk)"] == pytest.approx(3 * 32768 * 11008 * 2 / 2**30)
+    assert max(fixed["peak in the forward (held + forward)"],
+               fixed["peak in the backward (held + max(layer, loss chunk) + plan)"]) < 70
+    offloaded = planner.memory_terms(planner.spec_from(base, mlp_chunk=32768, offload_activations=True))
+    assert offloaded["activation checkpoints (layer inputs)"] == 0
+    assert offloaded["peak in the backward (held + max(layer, loss chunk) + plan)"] < 30
+    # the fitted sum follows the same switches
+    totals = [planner.plan(planner.spec_from(base, **kw)).memory_gb["total"]
+              for kw in (dict(ring_plans_held=True), {}, dict(mlp_chunk=32768),
+                         dict(mlp_chunk=32768, offload_activations=True))]
+    assert totals == sorted(totals, reverse=True) and totals[0] > 141 > 80 > totals[2]
+    p = planner.plan(planner.spec_from(base, mlp_chunk=32768, offload_activations=True))
+    assert p.host_gb["of which activation checkpoints"] == pytest.approx(4 * 36 * (1 << 18) * 2048 * 2 / 1e9)

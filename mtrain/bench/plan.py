@@ -71,7 +71,8 @@ def _plan_spec(args):
         from mtrain.ops.estimate import sample_height
         kw = dict(seq_len=recipe.data.seq_len, cp=recipe.parallel.cp_size, block_size=a.block_size,
                   scored_rows=a.last_q + a.sample_blocks * sample_height(a.block_size, a.sample_rows),
-                  max_vertical=a.max_vertical,
+                  max_vertical=a.max_vertical, max_slash=a.max_slash, mlp_chunk=recipe.model.mlp_chunk or 0,
+                  offload_activations=recipe.train.offload_activations,
                   grad_accum=recipe.train.grad_accum * recipe.train.micro_batch_size,
                   checkpointing=recipe.model.gradient_checkpointing, loss_chunk=recipe.train.loss_chunk,
                   attention="sparse" if a.kind in ("mtraining", "zigzag-sparse") else "dense",

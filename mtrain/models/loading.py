@@ -118,6 +118,10 @@ def load_model(model_cfg, attn_implementation: str):
         # the recomputation replays each layer's sparse-or-dense choice and index (CONTEXT.recomputing)
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
+    if model_cfg.mlp_chunk:
+        from mtrain.models.memory import chunk_mlp
+
+        chunk_mlp(model, model_cfg.mlp_chunk)  # each layer's MLP in checkpointed token chunks
     model.config.use_cache = False
     return model
 

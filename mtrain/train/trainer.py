@@ -6,6 +6,7 @@ checkpoint folder; rerunning the same command resumes from the `latest` marker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -25,6 +26,8 @@ from mtrain.config import RecipeConfig
 from mtrain.errors import ConfigError, DamagedCheckpointError, MtrainError, os_error_line
 from mtrain.safe_load import check_checkpoint_files
 from mtrain.train.loss import ChunkedLossLM
+from mtrain.train.memory_record import MemoryRecord
+from mtrain.train.memory_record import wanted as memory_record_wanted
 from mtrain.train.metrics import MetricsLogger, usable_wandb_mode
 from mtrain.train.run_folder import (RunLock, architecture, architecture_mismatch, check_resumable,
                                      checkpoint_candidates, verify_file_list, write_file_list)
@@ -451,6 +454,13 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.state.step, desc=f"train {self.out.name}", unit="step",
                    disable=not accelerator.is_main_process, dynamic_ncols=True)
         last = {}
+        record = None
+        if memory_record_wanted(t.memory_record) and self.state.step < t.max_steps:
+            record = MemoryRecord(self.out, accelerator.process_index)  # the first step's allocations (GPU only)
+        # train.offload_activations: what autograd saves (under checkpointing: each layer's input) waits in host memory
+        from mtrain.models.memory import OffloadActivations
+
+        offload = OffloadActivations if t.offload_activations else contextlib.nullcontext
         try:
             while self.state.step < t.max_steps and not self._stop_requested:
                 start = time.perf_counter()
@@ -485,8 +495,9 @@ class Trainer:
                     batch = {k: v.to(device) for k, v in cpu_batch.items()}
                     CONTEXT.doc_ids = batch.pop("doc_ids", None)
                     with accelerator.accumulate(model):
-                        loss_sum, _ = model(batch["input_ids"], batch["position_ids"], batch["labels"],
-                                            batch.get("attention_mask"))
+                        with offload():
+                            loss_sum, _ = model(batch["input_ids"], batch["position_ids"], batch["labels"],
+                                                batch.get("attention_mask"))
                         # Normalise by the global count of valid tokens. accelerate divides by grad_accum
                         # and DDP / DeepSpeed average over ranks: undo both so the gradient is that of the
                         # global token mean (CP ranks' partial gradients add up to the full one).
@@ -521,6 +532,9 @@ class Trainer:
                 scheduler.step()
                 self.state.step += 1
                 self.state.tokens += global_tokens
+                if record is not None:
+                    record.finish(f"end of step {self.state.step}")
+                    record = None
                 elapsed = time.perf_counter() - start
                 last = {
                     "step": self.state.step,
@@ -548,6 +562,10 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
                 if (t.save_every and self.state.step % t.save_every == 0) or self._stop_requested:
                     self._save_checkpoint(accelerator)
+        except Exception as exc:
+            if record is not None:  # e.g. out of memory: where the memory went up to then
+                record.finish(f"step {self.state.step + 1} stopped by {type(exc).__name__}: {str(exc)[:200]}")
+            raise
         finally:
             bar.close()
             signal.signal(signal.SIGTERM, previous)
