@@ -33,9 +33,6 @@ def _plan_tensors(index) -> list:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="the ring Functions keep ctx.plan as a ctx attribute (mtrain/parallel/ring_*.py); "
-                   "the fix (mtrain/parallel/saved_state.py: the plan's tensors through save_for_backward) comes "
-                   "with the lead's merge of branch mem: drop this mark with it")
 @pytest.mark.parametrize("documents", [False, True])
 def test_checkpointed_ring_layer_frees_its_plan_between_forward_and_backward(single_process_group, documents):
     torch.manual_seed(0)

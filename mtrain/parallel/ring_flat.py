@@ -9,6 +9,7 @@ import torch
 from mtrain.parallel.comm import TAG_GRAD, RingComm
 from mtrain.parallel.merge import GradSum, PartialAccumulator
 from mtrain.parallel.plan import RingPlan
+from mtrain.parallel.saved_state import load_state, save_state
 from mtrain.parallel.steps import (
     ColumnGather, finish_column_grads, ring_step_backward, step_forward,
 )
@@ -73,16 +74,16 @@ class RingFlatAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: RingPlan, group, scale: float):
         out, lse, last_kv, columns_kv, aux = _forward(q, k, v, plan, group, scale)
         saved = [q, k, v, out, lse, *last_kv] + (list(columns_kv) if columns_kv is not None else [])
-        ctx.save_for_backward(*saved)
-        ctx.plan, ctx.group, ctx.scale, ctx.aux = plan, group, scale, aux
+        save_state(ctx, saved, plan, aux)  # the plan through save_for_backward: see mtrain.parallel.saved_state
+        ctx.group, ctx.scale = group, scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, last_k, last_v, *columns_kv = ctx.saved_tensors
+        (q, k, v, out, lse, last_k, last_v, *columns_kv), (plan, aux) = load_state(ctx)
         grads = _backward(dout.contiguous(), q, k, v, out, lse, [last_k, last_v], tuple(columns_kv) or None,
-                          ctx.aux, ctx.plan, ctx.group, ctx.scale)
+                          aux, plan, ctx.group, ctx.scale)
         return (*grads, None, None, None)
 
 

@@ -31,6 +31,7 @@ from mtrain.parallel import fa4_steps
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV
 from mtrain.parallel.merge import accum_dtype
 from mtrain.parallel.plan import RingPlan, StepBlocks, gathered_columns
+from mtrain.parallel.saved_state import load_state, save_state
 from mtrain.parallel.steps import step_kwargs
 
 SCHEDULES = ("ring", "gather")
@@ -153,16 +154,17 @@ class RingGatherAttention(torch.autograd.Function):
         else:
             out, lse = partial.attention_forward(q, keys, values, softmax_scale=scale, **args)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, out, lse, keys, values)
-        ctx.merged, ctx.group, ctx.scale, ctx.n_rows, ctx.col_dst = merged, group, scale, n_rows, col_dst
+        save_state(ctx, [q, out, lse, keys, values], merged)  # see mtrain.parallel.saved_state
+        ctx.group, ctx.scale, ctx.n_rows = group, scale, n_rows
         ctx.kdtype = k.dtype
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, out, lse, keys, values = ctx.saved_tensors
-        merged, group, scale, n_rows = ctx.merged, ctx.group, ctx.scale, ctx.n_rows
+        (q, out, lse, keys, values), (merged,) = load_state(ctx)
+        group, scale, n_rows = ctx.group, ctx.scale, ctx.n_rows
+        col_dst = merged.gather_slots[1]
         dout = dout.contiguous()
         args = step_kwargs(merged, merged.rank, q, keys)
         if merged.engine == "fa4":
@@ -170,7 +172,7 @@ class RingGatherAttention(torch.autograd.Function):
                                             args["columns"], scale)
         else:
             dq, dk, dv = partial.attention_backward(dout, q, keys, values, out, lse, softmax_scale=scale, **args)
-        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, ctx.col_dst, n_rows, group, ctx.kdtype), None, None, None,
+        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, col_dst, n_rows, group, ctx.kdtype), None, None, None,
                 None)
 
 

@@ -11,6 +11,7 @@ from mtrain.errors import MtrainError
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV, RingComm
 from mtrain.parallel.merge import GradSum, PartialAccumulator
 from mtrain.parallel.plan import RingPlan
+from mtrain.parallel.saved_state import load_state, save_state
 from mtrain.parallel.steps import (
     ColumnGather, finish_column_grads, ring_step_backward, step_forward,
 )
@@ -161,16 +162,16 @@ class RingHierarchicalAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float):
         out, lse, columns_kv, aux = _forward(q, k, v, plan, group, inner_group, outer_group, scale)
         saved = [q, k, v, out, lse] + (list(columns_kv) if columns_kv is not None else [])
-        ctx.save_for_backward(*saved)
-        ctx.plan, ctx.groups, ctx.scale, ctx.aux = plan, (group, inner_group, outer_group), scale, aux
+        save_state(ctx, saved, plan, aux)  # the plan through save_for_backward: see mtrain.parallel.saved_state
+        ctx.groups, ctx.scale = (group, inner_group, outer_group), scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *columns_kv = ctx.saved_tensors
+        (q, k, v, out, lse, *columns_kv), (plan, aux) = load_state(ctx)
         grads = _backward(
-            dout.contiguous(), q, k, v, out, lse, tuple(columns_kv) or None, ctx.aux, ctx.plan, *ctx.groups, ctx.scale
+            dout.contiguous(), q, k, v, out, lse, tuple(columns_kv) or None, aux, plan, *ctx.groups, ctx.scale
         )
         return (*grads, None, None, None, None, None)
 
