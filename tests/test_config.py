@@ -194,8 +194,9 @@ def test_four_gpu_recipes_are_twins():
     assert qwen["parallel"]["cp_size"] == 4 and qwen["train"]["deepspeed"] == "configs/deepspeed/zero2-offload.json"
     assert qwen["data"]["seq_len"] >= 1 << 20 and qwen["model"]["path"] is None
     assert qwen["attention"]["sparse_policy"] == "always"  # random weights: `auto` would run every layer dense
-    # the memory of 256K tokens per GPU: the MLP in chunks, step 1's allocations recorded (mtrain.planner.memory_terms)
-    assert qwen["model"]["mlp_chunk"] > 0 and qwen["train"]["memory_record"] is True
+    # the memory of 256K tokens per GPU: the MLP in chunks (mtrain.planner.memory_terms); the allocator's record off
+    # until a run shows whether it caused the SystemError of 2026-11-27 (the recipe's comment)
+    assert qwen["model"]["mlp_chunk"] > 0 and qwen["train"]["memory_record"] is False
     parsed = parse_recipe(repo / "recipes" / "qwen2.5-3b-cp4-longest.yaml")
     assert parsed.model.mlp_chunk == 32768 and parsed.model.gradient_checkpointing
     accel = yaml.safe_load((repo / "configs" / "accelerate" / "4gpu.yaml").read_text())
