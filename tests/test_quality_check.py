@@ -212,3 +212,45 @@ def test_the_limit_applies_under_auto_only_and_comes_from_the_registration():
     assert CONTEXT.layers[-1].path == "dense" and CONTEXT.layers[-1].output_error is not None
     with pytest.raises(MtrainError, match="max_output_error must be a finite number > 0"):
         register_kind("mtraining", sparse_policy="auto", max_output_error=0.0)
+
+
+def test_a_layer_that_passed_the_check_is_measured_again_after_the_hold_and_resumes_so():
+    """In training with dense_hold 4: a layer that passes the check (limit above its error) runs sparse and is not
+    measured on the next 4 steps, then again on the 5th; a checkpoint's policy state carries that cadence (a resumed
+    run skips the same steps). A layer over the limit is sent dense and held (measured again when the hold ends)."""
+    from mtrain.models.policy import load_policy_state, policy_state
+
+    q, k, v = inputs("local")
+    index = estimate_vertical_slash(q, k, **dataclasses.asdict(LOCAL))
+    error = float(reference_error(q, k, v, index, estimate_rows(q.shape[1], **dataclasses.asdict(LOCAL)))[1])
+    CONTEXT.dense_hold = 4
+    measured = []
+    for step in range(7):
+        CONTEXT.step = step
+        CONTEXT.layers.clear()
+        call(q, k, v, LOCAL, max_error=error * 1.01, layer=0)
+        (record,) = CONTEXT.layers
+        assert record.path == "sparse"
+        measured.append(record.output_error is not None)
+        if step == 2:
+            saved = policy_state()
+    assert measured == [True, False, False, False, False, True, False]
+    assert dict(saved["checked_until"]) == {0: 5}
+    CONTEXT.checked_until = {}
+    load_policy_state(saved)
+    CONTEXT.step = 3
+    CONTEXT.layers.clear()
+    call(q, k, v, LOCAL, max_error=error * 1.01, layer=0)
+    assert CONTEXT.layers[0].output_error is None  # the resumed run skips step 3's check, as the first one did
+
+    # over the limit: dense now, held dense for the hold (no estimate, no check), measured when it ends
+    CONTEXT.checked_until, CONTEXT.dense_until, CONTEXT.choice_stats = {}, {}, {}
+    paths = []
+    for step in range(10, 16):
+        CONTEXT.step = step
+        CONTEXT.layers.clear()
+        call(q, k, v, LOCAL, max_error=error * 0.99, layer=1)
+        (record,) = CONTEXT.layers
+        paths.append((record.path, record.output_error is not None))
+    assert paths[0] == ("dense", True) and all(p == ("dense", False) for p in paths[1:5]), paths
+    assert paths[5] == ("dense", True), paths

@@ -223,9 +223,9 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     from mtrain.models.context import CONTEXT
 
     marks = len(CONTEXT.densities), len(CONTEXT.layers)
-    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.step
+    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until, CONTEXT.step
     try:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = 0, {}, {}
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = 0, {}, {}, {}
         mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters, warmup=3, back_to_back=True)  # graph captured first
         path = _last_path(marks[1], policy)
         last = CONTEXT.layers[-1] if len(CONTEXT.layers) > marks[1] else None
@@ -254,7 +254,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
             period = hold * HOLD_BACKOFF_MAX
             long_run_ms = (estimating_ms + period * held_ms) / (period + 1)
     finally:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.step = saved
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until, CONTEXT.step = saved
     del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
 
     # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index; the backward
@@ -321,15 +321,15 @@ def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "
         training = True
 
     marks = len(CONTEXT.densities), len(CONTEXT.layers)
-    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak
+    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until
     try:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = 0, {}, {}
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = 0, {}, {}, {}
         with torch.no_grad():
             mtrain_attention(_Layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, scaling=scale,
                              settings=settings, policy=policy, engine=engine, max_error=max_error)
         return _last_path(marks[1], policy)
     finally:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = saved
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = saved
         del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
 
 

@@ -12,8 +12,8 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.context import CONTEXT, hf_inputs, no_mask
-from mtrain.models.policy import (SPARSE_POLICIES, choose_path, hold, quality_error, record_layer, remember_choice,
-                                  replay_choice, scored_rows, skip_estimate)
+from mtrain.models.policy import (SPARSE_POLICIES, check_due, choose_path, hold, passed_check, quality_error,
+                                  record_layer, remember_choice, replay_choice, scored_rows, skip_estimate)
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +111,15 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         # with what the engine derives from the index (another ~100 launches) built in the same graph
         index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids,
                                  prepare=prepare)
-        if max_error is not None and policy == "auto":  # the quality check (attention.max_output_error)
+        checked = max_error is not None and policy == "auto" and check_due(layer_idx, training)
+        if checked:  # the quality check (attention.max_output_error), once per hold period in training
             index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
         path, prediction = choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
                                        target=s.recall, rows=scored_rows(s, q.shape[1]), engine=engine,
                                        graphed=graphed, layer_idx=layer_idx, max_error=max_error)
         hold(layer_idx, prediction, policy, training)
+        if checked:
+            passed_check(layer_idx, path, training)
         record_layer(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
         remember_choice(layer_idx, path, index, training)
         if path == "sparse":
@@ -281,6 +284,7 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
     CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy, CONTEXT.engine = kind, sparse, sparse_policy, engine
     CONTEXT.max_output_error = max_output_error
     CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = dense_hold, {}, {}
+    CONTEXT.checked_until = {}
     if sparse:
         try:
             CONTEXT.settings = SparseSettings(**sparse_settings)

@@ -66,6 +66,9 @@ class AttentionContext:
     hold_streak: dict = field(default_factory=dict)
     """layer index -> how many estimates in a row did not pay for themselves (each doubles the next hold, up to
     HOLD_BACKOFF_MAX x dense_hold)."""
+    checked_until: dict = field(default_factory=dict)
+    """layer index -> the first step at which the quality check (max_output_error) measures that layer again: a
+    layer that passed it is looked at again after dense_hold steps, as a held-dense layer is (see `check_due`)."""
     recomputing: bool = False
     """True while non-reentrant gradient checkpointing recomputes a layer's forward for its backward (set through
     `checkpoint_contexts`): the sparse kinds then replay what that layer's first forward chose (`memo`) instead of

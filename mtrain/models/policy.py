@@ -1,6 +1,6 @@
 """The dense/sparse policy of the sparse kinds, per layer and call: the choice (`choose_path`, on the cost model
 `mtrain.ops.cost` and the estimate's recall), skipping an estimate that cannot pay (`skip_estimate`), the dense holds
-(`hold`) and their state across a checkpoint (`policy_state` / `load_policy_state`, saved by the trainer),
+(`hold`), the quality check's cadence (`check_due` / `passed_check`) and their state across a checkpoint (`policy_state` / `load_policy_state`, saved by the trainer),
 the replay of a layer's choice under gradient checkpointing (`checkpoint_contexts`, `replay_choice`,
 `remember_choice`) and the record of each call (`record_layer`). Its state lives in `CONTEXT`."""
 
@@ -182,6 +182,25 @@ def hold(layer_idx, prediction, policy: str, training: bool) -> None:
     CONTEXT.dense_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold * min(2 ** streak, HOLD_BACKOFF_MAX)
 
 
+def check_due(layer_idx, training: bool) -> bool:
+    """Whether this call measures the quality check's output error (`quality_error`): always outside training, with
+    no layer index or with no hold (dense_hold 0: every call); in training, unless the layer passed the check less
+    than dense_hold steps ago (`passed_check`). The check costs two partial-attention calls over the scored rows'
+    query blocks; a layer's pattern, and so its error, moves slowly in training (the premise of the holds), so a layer
+    that passed is measured once per hold period, the cadence at which a held-dense layer estimates again."""
+    if not training or layer_idx is None or CONTEXT.dense_hold <= 0:
+        return True
+    return CONTEXT.step >= CONTEXT.checked_until.get(layer_idx, -1)
+
+
+def passed_check(layer_idx, path: str, training: bool) -> None:
+    """After a training call measured the check and ran sparse: skip the check on this layer for dense_hold steps.
+    A layer the check sent dense is held dense by `hold` instead (and is measured again when its hold ends)."""
+    if not training or layer_idx is None or CONTEXT.dense_hold <= 0 or path != "sparse":
+        return
+    CONTEXT.checked_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold
+
+
 def policy_state() -> dict:
     """What sparse_policy "auto" carries from one training step to the next, as plain JSON data: each layer's dense
     hold and its back-off streak, and the lagged choice's last statistics (LAGGED_CHOICE). Saved with every
@@ -193,13 +212,15 @@ def policy_state() -> dict:
             event.synchronize()
         stats.append([layer, list(shape), parts, host.tolist()])
     return {"dense_until": sorted(CONTEXT.dense_until.items()), "hold_streak": sorted(CONTEXT.hold_streak.items()),
-            "choice_stats": stats}
+            "checked_until": sorted(CONTEXT.checked_until.items()), "choice_stats": stats}
 
 
 def load_policy_state(state: dict) -> None:
     """Restore what `policy_state` returned (after `register_kind`, which clears the holds)."""
     CONTEXT.dense_until = {layer: step for layer, step in state["dense_until"]}
     CONTEXT.hold_streak = {layer: streak for layer, streak in state["hold_streak"]}
+    # checkpoints written before the check's cadence have no "checked_until": every layer is then checked at once
+    CONTEXT.checked_until = {layer: step for layer, step in state.get("checked_until", [])}
     CONTEXT.choice_stats = {(layer, tuple(shape), parts): (torch.tensor(values, dtype=torch.float64), None)
                             for layer, shape, parts, values in state["choice_stats"]}
 
