@@ -47,6 +47,8 @@ def test_sparse_plan_covers_the_global_mask_once(name, granularity):
         c = col_ids.long()
         nxt = torch.where(c[..., 1:] >= 0, c[..., 1:], c.max() + 1)
         assert bool((nxt > c[..., :-1]).all()), "column lists must be strictly ascending"
+        valid = c >= 0  # front-packed: the kernels read the first `counts` entries
+        assert torch.equal(valid.sum(-1), counts.long()) and not bool((valid[..., 1:] & ~valid[..., :-1]).any())
         empty = (torch.full((*col_ids.shape[:3], 1), -1, dtype=torch.int32), torch.zeros_like(counts))
         local = partial_mask(q_pos, cols.positions, batch=b, heads=h, blocks=empty, columns=(col_ids, counts),
                              block_size=plan.block_size)

@@ -236,18 +236,20 @@ def sparse_plan(index, layout: Layout, rank: int, device: torch.device, column_o
 
 
 def _rank_lists(index, my_global_blocks: torch.Tensor, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block lists, column lists) [B, H, nLQB, *] in global ids of the rank's local query blocks."""
+    """(block lists int64, column lists int32) [B, H, nLQB, *] in global ids of the rank's local query blocks. The
+    column lists stay int32 (and are the index's own tensor where the rows match): at 256K tokens per GPU with
+    4,096-line caps an int64 copy of them is 2 GiB."""
     if not isinstance(index, RowIndex):
         return (index.block_ids.to(device).long()[:, :, my_global_blocks, :],
-                index.col_ids.to(device).long()[:, :, my_global_blocks, :])
+                index.col_ids.to(device, torch.int32)[:, :, my_global_blocks, :])
     held = index.rows.to(device)
     if held is my_global_blocks:  # the rows the rank's cached block list names: nothing to look up or check
-        return index.block_ids.to(device).long(), index.col_ids.to(device).long()
+        return index.block_ids.to(device).long(), index.col_ids.to(device, torch.int32)
     slot = torch.searchsorted(held, my_global_blocks).clamp(max=held.numel() - 1)
     if not torch.equal(held[slot], my_global_blocks):
         raise MtrainError(f"the RowIndex does not hold the query blocks of rank {rank}'s shard; build it from "
                           "that rank's positions (mtrain.parallel.estimate.rank_rows)")
-    return index.block_ids.to(device).long()[:, :, slot, :], index.col_ids.to(device).long()[:, :, slot, :]
+    return index.block_ids.to(device).long()[:, :, slot, :], index.col_ids.to(device, torch.int32)[:, :, slot, :]
 
 
 def build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, column_origin: int) -> RingPlan:
@@ -467,11 +469,20 @@ def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_l
     owner[: union.numel()] = torch.where(real, owner_all[union.clamp(max=seq_len - 1)], -1)
     local[: union.numel()] = torch.where(real, local_all[union.clamp(max=seq_len - 1)], -1)
 
-    col_slots = torch.where(my_cols >= 0, torch.searchsorted(union, my_cols.clamp(min=0)), -1)
+    # int32 throughout (positions < 2**31): these lists are the plan's largest tensors (1 GiB each in int32 at 256K
+    # tokens per GPU with 4,096-line caps), and the sort-based packing with int64 indices held ~13 GiB at once there
+    col_slots = torch.searchsorted(union.to(torch.int32), my_cols.clamp(min=0), out_int32=True)
+    col_slots.masked_fill_(my_cols < 0, -1)
     b, h, n = had_sink.shape
-    # sink tokens are the first entries of the sorted union (they are positions 0..block_size-1)
-    sink_slots = torch.arange(n_sink, device=device).expand(b, h, n, n_sink)
-    sink_slots = torch.where(had_sink.unsqueeze(-1), sink_slots, -1)
-    ids, counts = _pack(torch.cat([sink_slots, col_slots], dim=-1))
+    if n_sink:
+        # sink tokens are the first entries of the sorted union (positions 0..block_size-1): a list that names the
+        # sink block starts with them; the index's column lists are front-packed (valid entries, then -1), so
+        # every list comes out front-packed with no sort
+        sink_slots = torch.arange(n_sink, dtype=torch.int32, device=device).expand(b, h, n, n_sink)
+        ids = torch.where(had_sink.unsqueeze(-1), torch.cat([sink_slots, col_slots], dim=-1),
+                          torch.nn.functional.pad(col_slots, (0, n_sink), value=-1))
+    else:
+        ids = col_slots
+    counts = (ids >= 0).sum(-1, dtype=torch.int32)
     per_rank, send_local, src, by_rank = _gather_tables(owner, local, layout.world_size, rank, bounded)
     return OffRingColumns(positions, owner, local, ids, counts, per_rank, send_local, src, by_rank)
