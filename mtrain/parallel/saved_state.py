@@ -8,6 +8,8 @@ the 1M forward's out-of-memory). The one-device sparse Function does the same (`
 
 from __future__ import annotations
 
+import weakref
+
 from mtrain.ops.partial_autograd import join_tensors, split_tensors
 
 
@@ -20,19 +22,34 @@ def per_call(plan) -> bool:
 
 def save_state(ctx, saved: list, *state) -> None:
     """ctx.save_for_backward(*saved, *the tensors of `state`); the per-call plans of `state` and everything else
-    in it (dicts, tuples, dataclasses) are kept as slots (`split_tensors`). A shared plan stays as it is."""
+    in it (dicts, tuples, dataclasses) are kept as slots (`split_tensors`). A shared plan stays as it is. A per-call
+    plan is also remembered by a weak reference: while something else keeps it alive (its index, cached with it, in
+    a caller that reuses the index), the backward uses it itself, so what the kernels derive in the backward stays
+    in its caches for the next call, as before; under checkpointing nothing keeps it and the backward rebuilds it."""
     tensors: list = []
     kept = tuple(obj if _shared_plan(obj) else split_tensors(obj, tensors) for obj in state)
     ctx.state_layout, ctx.n_saved = kept, len(saved)
+    ctx.state_refs = tuple(weakref.ref(obj) if _per_call_plan(obj) else None for obj in state)
     ctx.save_for_backward(*saved, *tensors)
 
 
 def load_state(ctx) -> tuple[tuple, tuple]:
-    """(the tensors given to `save_state` as `saved`, the state rebuilt from the saved tensors)."""
+    """(the tensors given to `save_state` as `saved`, the state: a per-call plan still alive itself, else rebuilt
+    from the saved tensors)."""
     tensors = ctx.saved_tensors
     saved, rest = tensors[: ctx.n_saved], tensors[ctx.n_saved :]
-    return saved, tuple(join_tensors(obj, rest) for obj in ctx.state_layout)
+    live = tuple(None if ref is None else ref() for ref in ctx.state_refs)
+    return saved, tuple(obj if obj is not None else join_tensors(layout, rest)
+                        for obj, layout in zip(live, ctx.state_layout))
+
+
+def _is_plan(obj) -> bool:
+    return hasattr(obj, "steps") and hasattr(obj, "kernel_caches")
 
 
 def _shared_plan(obj) -> bool:
-    return hasattr(obj, "steps") and hasattr(obj, "kernel_caches") and not per_call(obj)
+    return _is_plan(obj) and not per_call(obj)
+
+
+def _per_call_plan(obj) -> bool:
+    return _is_plan(obj) and per_call(obj)
