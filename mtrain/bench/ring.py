@@ -30,6 +30,7 @@ from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
 from mtrain.parallel.comm import RingComm  # noqa: E402
 from mtrain.parallel.estimate import estimate_index, estimate_lines, estimate_rank_index  # noqa: E402
+from mtrain.parallel.graphed import estimate_rank_index_graphed  # noqa: E402
 from mtrain.parallel.merge import GradSum, PartialAccumulator  # noqa: E402
 from mtrain.parallel.plan import (  # noqa: E402
     build_sparse_plan, dense_plan, rank_blocks, shard_key_blocks, sparse_plan,
@@ -317,9 +318,9 @@ def bench_tokens(tokens, rank, world, args, device, report):
                 scale = 1.0 / math.sqrt(d)
                 est = dict(rows=rank_blocks(layout, seq, rank, args.block_size, device),
                            key_blocks=shard_key_blocks(layout, seq, rank, args.block_size, device))
-                row["estimate_ring_ms"] = timed(lambda: estimate_rank_index(shard[0], shard[1], pos, pos, seq,
-                                                                            settings, scale, None, **est),
-                                                args.iters, args.warmup)
+                row["estimate_ring_ms"] = timed(lambda: estimate_rank_index_graphed(
+                    shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank), **est),
+                    args.iters, args.warmup)  # eager unless --graph-estimate
                 row["estimate_ring_lines_ms"] = timed(lambda: estimate_lines(
                     shard[0], shard[1], pos, pos, seq, settings, scale, None, key_blocks=est["key_blocks"]),
                     args.iters, args.warmup)
@@ -726,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="merge the ring's partial results with the torch merge instead of the fused Triton one")
     parser.add_argument("--schedules", type=lambda s: s.split(","), default=["ring", "gather"],
                         help="comma list of ring_attention schedules to check and time: ring, gather")
+    parser.add_argument("--graph-estimate", action="store_true",
+                        help="replay the context-parallel estimate from a CUDA graph (mtrain.parallel.graphed, "
+                             "MTRAIN_GRAPH_RING_ESTIMATE=1): the estimated variants and the estimate's own time")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     args.check_len = args.check_len[0]
@@ -760,6 +764,10 @@ def main(argv: list[str] | None = None) -> int:
         from mtrain.parallel import merge
 
         merge.FUSED = False
+    if args.graph_estimate:
+        from mtrain.parallel import graphed
+
+        graphed.GRAPH_RING_ESTIMATE = True
     if not args.skip_check:
         try:
             check(rank, world, args, device, report)

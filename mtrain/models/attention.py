@@ -165,7 +165,8 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     import torch.distributed as dist
 
     from mtrain.parallel import ring_attention
-    from mtrain.parallel.estimate import estimate_rank_index, rank_list_widths
+    from mtrain.parallel.estimate import rank_list_widths
+    from mtrain.parallel.graphed import estimate_rank_index_graphed
     from mtrain.parallel.plan import rank_blocks, rank_positions, shard_key_blocks
 
     from mtrain.ops.index import rows_from_lines
@@ -191,10 +192,12 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         positions = rank_positions(CONTEXT.layout, seq_len, rank, q.device)  # cached: no copy to the device per layer
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         rows = rank_blocks(CONTEXT.layout, seq_len, rank, settings.block_size, q.device)
-        index = estimate_rank_index(q.detach(), k.detach(), positions, positions, seq_len, settings, scale,
-                                    CONTEXT.group, doc_ids=CONTEXT.doc_ids, rows=rows,
-                                    key_blocks=shard_key_blocks(CONTEXT.layout, seq_len, rank, settings.block_size,
-                                                                q.device))
+        # replayed from a CUDA graph with MTRAIN_GRAPH_RING_ESTIMATE=1 (mtrain.parallel.graphed), else eager
+        index = estimate_rank_index_graphed(q.detach(), k.detach(), positions, seq_len, settings, scale,
+                                            CONTEXT.group, doc_ids=CONTEXT.doc_ids, rows=rows,
+                                            key_blocks=shard_key_blocks(CONTEXT.layout, seq_len, rank,
+                                                                        settings.block_size, q.device),
+                                            layout_key=(CONTEXT.layout.spec, rank))
         path, prediction = choose_path(index, q, policy=policy, training=training, world=world,
                                        target=settings.recall, rows=scored_rows(settings, seq_len))
         hold(layer_idx, prediction, policy, training)  # the prediction, hence the hold, is the same on every rank

@@ -95,6 +95,51 @@ class _Packed:
         return out
 
 
+class PackedTree:
+    """Any object tree (dataclasses, dicts, tuples, lists; a `mtrain.ops.index.RowIndex` and what its cache holds)
+    with its tensors copied into one flat byte buffer, as `_Packed` does for a SparseIndex; tensors in `keep` (by
+    identity: inputs that outlive every call, such as cached row lists whose identity callers test) stay referenced
+    instead. Device work only (capturable); `unpack` rebuilds the tree from a fresh copy of the buffer."""
+
+    def __init__(self, obj, keep=()):
+        tensors: list = []
+        self.layout = split_tensors(obj, tensors)
+        kept = {id(t) for t in keep}
+        self.kept = {i: t for i, t in enumerate(tensors) if id(t) in kept}
+        self.places, size = [], 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            self.places.append((size, nbytes, t.dtype, tuple(t.shape)))
+            size += -(-nbytes // _ALIGN) * _ALIGN
+        device = next((t.device for t in tensors), torch.device("cpu"))
+        self.flat = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+        for i, ((at, nbytes, dtype, shape), t) in enumerate(zip(self.places, tensors)):
+            if i not in self.kept:
+                self.flat[at:at + nbytes].view(dtype).view(shape).copy_(t)
+
+    def unpack(self):
+        flat = self.flat.clone()
+        views = [self.kept[i] if i in self.kept else flat[at:at + nbytes].view(dtype).view(shape)
+                 for i, (at, nbytes, dtype, shape) in enumerate(self.places)]
+        return join_tensors(self.layout, views)
+
+
+def same_tree(a, b) -> bool:
+    """Whether two object trees hold equal tensors in the same places: integer and bool tensors exactly, floating
+    ones to fp32 rounding (rtol 1e-5, atol 1e-6), and the same non-tensor leaves."""
+    ta, tb = [], []
+    la, lb = split_tensors(a, ta), split_tensors(b, tb)
+    if la != lb or len(ta) != len(tb):
+        return False
+    for x, y in zip(ta, tb):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        same = torch.allclose(x, y, rtol=1e-5, atol=1e-6) if x.is_floating_point() else torch.equal(x, y)
+        if not same:
+            return False
+    return True
+
+
 def prepare_engine(index: SparseIndex, prepare) -> None:
     """Build, into `index._cache`, what block engine `engine` derives from the index: prepare = (engine,
     num_kv_heads, head_dim) with engine "triton" (the deterministic backward's plans) or "fa4" (FA4's lists and the

@@ -15,6 +15,7 @@ from mtrain.parallel.comm import hierarchical_groups, local_world_size_from_env
 from mtrain.parallel import ring_flat, ring_hierarchical
 from mtrain.parallel.estimate import SparseSettings, estimate_rank_index
 from mtrain.parallel.fa4_steps import ENGINES, resolve_engine
+from mtrain.parallel.graphed import estimate_rank_index_graphed
 from mtrain.parallel.layout import Layout
 from mtrain.parallel.plan import (dense_plan, gathered_sparse_plan, rank_blocks, rank_positions,
                                   shard_key_blocks, sparse_plan)
@@ -168,10 +169,18 @@ def ring_attention(
         gather = None
     if sparse is not None:
         positions = rank_positions(layout, seq_len, rank, q.device)  # cached on the device: no copy per call
-        index = estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
-                                    rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-                                    key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-                                    scorer=scorer)
+        if scorer == "auto":  # replayed from a CUDA graph with MTRAIN_GRAPH_RING_ESTIMATE=1, else eager
+            index = estimate_rank_index_graphed(
+                q, k, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
+                rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
+                key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
+                layout_key=(layout.spec, rank))
+        else:
+            index = estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
+                                        rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
+                                        key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size,
+                                                                    q.device),
+                                        scorer=scorer)
     if index is not None:
         _check_index(index, q, seq_len)
         # the gathered schedule's one step straight from the index where the layout allows, else the ring's plan

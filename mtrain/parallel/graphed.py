@@ -1,0 +1,108 @@
+"""The context-parallel estimate replayed from a CUDA graph, opt-in: `MTRAIN_GRAPH_RING_ESTIMATE=1` (or
+GRAPH_RING_ESTIMATE = True). `mtrain.parallel.estimate.estimate_rank_index` makes no host synchronisation where the
+rank's lists are sized from the lines' shapes (`rank_list_widths` "static"), but it issues several hundred small
+kernels and five collectives per layer from Python, and on the GPU the host, not the GPU, sets the estimated ring's
+pace. Its shapes depend only on the input shapes, the settings and the layout, so one capture per key serves every
+layer and step, as the one-device estimate's graph does (`mtrain.ops.graphed`): q and k are copied into the graph's
+buffers, the graph (the Triton scorer, the collectives, the rank's index rows) is replayed, and the index is copied
+out.
+
+Every rank of the group must make the same calls in the same order (they do: the same layers with the same shapes).
+The first call with a key runs eagerly; the second captures on every rank, replays once and compares with an eager
+run, and the ranks agree through one all-reduce whether every rank's replay matched (else, or where a capture failed,
+the key stays eager on every rank, with a warning). Off by default until measured on the GPU: capturing NCCL
+collectives needs every rank to capture the same ones, and a rank whose capture fails midway would leave the
+communicator out of step with the others."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from mtrain.ops.graphed import PackedTree, same_tree
+
+log = logging.getLogger(__name__)
+
+GRAPH_RING_ESTIMATE = os.environ.get("MTRAIN_GRAPH_RING_ESTIMATE") == "1"
+MAX_GRAPHS = 4
+# key -> "warm" (seen once), "eager" (capture failed or did not match on some rank), or a _RankGraph
+_GRAPHS: OrderedDict = OrderedDict()
+
+
+class _RankGraph:
+    """One captured `estimate_rank_index` call: its q / k (and document ids) buffers and the index its replays
+    write, packed into one buffer (the rank's row list `rows` stays the caller's cached tensor: plans test it by
+    identity)."""
+
+    def __init__(self, call, q, k, doc_ids, keep):
+        self.q, self.k = q.detach().clone(), k.detach().clone()
+        self.doc_ids = None if doc_ids is None else doc_ids.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up on a side stream before capture (lazy allocations, plans)
+            call(self.q, self.k, self.doc_ids)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            index = call(self.q, self.k, self.doc_ids)
+            self.packed = PackedTree(index, keep=keep)
+
+    def __call__(self, q, k, doc_ids):
+        self.q.copy_(q)
+        self.k.copy_(k)
+        if doc_ids is not None:
+            self.doc_ids.copy_(doc_ids)
+        self.graph.replay()
+        return self.packed.unpack()
+
+
+def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: float, group, *, doc_ids=None,
+                                rows, key_blocks=None, layout_key=None):
+    """`mtrain.parallel.estimate.estimate_rank_index(q, k, positions, positions, ...)` for this rank's shard, replayed
+    from a CUDA graph where GRAPH_RING_ESTIMATE is on and the tensors are on CUDA (see the module's docstring); else
+    the eager call. rows / key_blocks: the rank's cached query-block rows and key blocks (`mtrain.parallel.plan`);
+    layout_key: what identifies the layout and rank (part of the graph's key)."""
+    from mtrain.parallel.estimate import estimate_rank_index
+
+    def call(qq, kk, dd):
+        return estimate_rank_index(qq, kk, positions, positions, seq_len, settings, scale, group, doc_ids=dd,
+                                   rows=rows, key_blocks=key_blocks)
+
+    if not (GRAPH_RING_ESTIMATE and q.is_cuda) or torch.cuda.is_current_stream_capturing():
+        return call(q, k, doc_ids)
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, None if doc_ids is None else tuple(doc_ids.shape),
+           seq_len, settings, float(scale), layout_key, dist.get_world_size(group))
+    entry = _GRAPHS.get(key)
+    if isinstance(entry, _RankGraph):
+        _GRAPHS.move_to_end(key)
+        return entry(q, k, doc_ids)
+    if entry is None or entry == "eager":
+        if entry is None:
+            _GRAPHS[key] = "warm"
+        return call(q, k, doc_ids)
+    eager = call(q, k, doc_ids)
+    graph, problem = None, None
+    try:
+        graph = _RankGraph(call, q, k, doc_ids, keep=(rows, positions))
+        if not same_tree(graph(q, k, doc_ids), eager):
+            problem = "its replay differs from the eager estimate"
+    except Exception as exc:  # an op that cannot be captured (a host read where the lists need one, say)
+        problem = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
+    agree = torch.tensor([0 if problem else 1], device=q.device)
+    dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)  # every rank takes the same branch (once per key)
+    if not int(agree.item()):
+        _GRAPHS[key] = "eager"
+        warnings.warn("the context-parallel estimate could not be replayed from a CUDA graph on every rank "
+                      f"({problem or 'another rank failed'}); it runs eagerly")
+        return eager
+    _GRAPHS[key] = graph
+    graphs = [name for name, value in _GRAPHS.items() if isinstance(value, _RankGraph)]
+    for name in graphs[:-MAX_GRAPHS]:
+        del _GRAPHS[name]
+    log.info("context-parallel estimate captured as a CUDA graph for q %s", tuple(q.shape))
+    return eager

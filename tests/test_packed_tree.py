@@ -1,0 +1,57 @@
+"""`mtrain.ops.graphed.PackedTree`: what a CUDA-graph replay copies out (the context-parallel estimate's rank index
+with its gathered plan in the cache) comes back equal, sharing no memory with the packed tree except the tensors
+kept by identity; `same_tree` tells equal trees from changed ones."""
+
+import torch
+
+from mtrain.ops.graphed import PackedTree, same_tree
+from mtrain.ops.index import rows_from_lines
+from mtrain.parallel import Layout
+from mtrain.parallel.plan import gathered_sparse_plan, rank_blocks
+
+SEQ, BLOCK, WORLD = 256, 16, 2
+
+
+def _rank_index(rank=0):
+    g = torch.Generator().manual_seed(5)
+    vertical = torch.sort(torch.randint(0, SEQ, (1, 4, 6), generator=g), -1).values
+    slash = torch.cat([torch.arange(0, 3 * BLOCK, BLOCK).expand(1, 4, 3), torch.full((1, 4, 1), 5 * BLOCK)], -1)
+    layout = Layout.create("block-stripe", world_size=WORLD, granularity=BLOCK)
+    rows = rank_blocks(layout, SEQ, rank, BLOCK, torch.device("cpu"))
+    index = rows_from_lines(vertical, slash, SEQ, BLOCK, rows, check=False, bound_widths="static")
+    index._cache["lines"] = (vertical, slash, rows)
+    index._cache["est_recall"] = torch.rand(1, 4, generator=g)
+    plan = gathered_sparse_plan(index, layout, rank, torch.device("cpu"))  # cached in index._cache
+    assert plan is not None
+    return index, rows
+
+
+def test_a_packed_rank_index_unpacks_equal_and_apart():
+    index, rows = _rank_index()
+    packed = PackedTree(index, keep=(rows,))
+    out = packed.unpack()
+    assert type(out) is type(index) and same_tree(out, index)
+    assert out.rows is rows and out._cache["lines"][2] is rows  # kept by identity: plans test the rows so
+    assert out.col_ids.data_ptr() != index.col_ids.data_ptr()
+    before = index.block_ids.clone()
+    out.block_ids.fill_(-7)  # a replay's copy is the caller's own
+    assert torch.equal(index.block_ids, before)
+    again = packed.unpack()
+    assert same_tree(again, index) and again.block_ids.data_ptr() != out.block_ids.data_ptr()
+    plan_key = next(key for key in index._cache if isinstance(key, tuple) and key[0] == "gathered_plan")
+    a, b = again._cache[plan_key], index._cache[plan_key]
+    assert torch.equal(a.steps[0].ids, b.steps[0].ids) and torch.equal(a.columns.ids, b.columns.ids)
+
+
+def test_same_tree_sees_a_changed_entry_and_a_changed_shape():
+    index, rows = _rank_index()
+    other = PackedTree(index, keep=(rows,)).unpack()
+    assert same_tree(other, index)
+    other.col_ids.view(-1)[0] += 1
+    assert not same_tree(other, index)
+    shorter = PackedTree(index).unpack()
+    shorter.col_ids = shorter.col_ids[..., :-1]
+    assert not same_tree(shorter, index)
+    recall = PackedTree(index).unpack()
+    recall._cache["est_recall"] += 1e-3
+    assert not same_tree(recall, index)
