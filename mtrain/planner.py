@@ -288,7 +288,8 @@ def memory_terms(spec: PlanSpec) -> dict:
         "MLP gate, up, act(gate) (one chunk)": 3 * chunk * inter * 2,
         "MLP chunks' outputs + their concatenation": 2 * T * h * 2 if spec.mlp_chunk else 0.0,
         "attention q, k, v, out (+ lse fp32)": T * (2 * dq + 2 * dkv) * 2 + T * s.q_heads * 4,
-        "index rows + plan build (int64 lists, sort)": 2 * 8 * s.q_heads * rows * (spec.block_size + spec.verticals)
+        # the column lists' build holds ~4 int32 copies at once (the clamped ids, their slots, the two shifted forms)
+        "index rows + plan build (int32 column lists)": 4 * 4 * s.q_heads * rows * (spec.block_size + spec.verticals)
         + plan_layer,
     }
     backward = {
