@@ -103,10 +103,11 @@ class AttentionConfig:
     the kernels of every sparse ring step: fa4 (FA4's block-sparse kernels, where it runs: 128-token blocks, no
     document masking; else ours), triton, or auto (fa4 where it runs); flex has no ring steps and is refused there."""
     max_output_error: Optional[float] = None
-    """Under sparse_policy auto on one device (parallel.cp_size 1), the quality check: a layer runs dense where the
-    relative error of the attention output of the rows the estimate scored, with only the pairs inside the estimated
-    index against dense attention (`mtrain.models.policy.quality_error`), exceeds this number, whatever the cost model
-    says. It costs a second scoring of those rows per estimate. null (default) = no check. BENCHMARKS.md ("The
+    """Under sparse_policy auto, the quality check: a layer runs dense where the relative error of the attention
+    output of the rows the estimate scored, with only the pairs inside the estimated index against dense attention
+    (`mtrain.models.policy.quality_error`; under context parallelism measured across the group,
+    `mtrain.parallel.quality.gathered_output_error`), exceeds this number, whatever the cost model says. It costs two
+    partial-attention calls over those rows' query blocks, once per `dense_hold_steps` for a layer that passed. null (default) = no check. BENCHMARKS.md ("The
     quality check", issue #29) has the CPU measurements: the output error follows a layer's perplexity cost where the
     estimate's row mass does not."""
     dense_hold_steps: int = 16
@@ -418,9 +419,6 @@ def _check(recipe: RecipeConfig) -> None:
     if mx is not None and (isinstance(mx, bool) or not isinstance(mx, (int, float)) or not 0 < mx < float("inf")):
         raise ConfigError(f"attention.max_output_error: must be a number > 0 (the relative output error above which "
                           f"a layer runs dense) or null (no quality check), got {mx!r}")
-    if mx is not None and p.cp_size > 1:
-        raise ConfigError(f"attention.max_output_error: the quality check runs on one device only; with "
-                          f"parallel.cp_size {p.cp_size} leave it null")
     if p.cp_size > 1 and a.engine not in ("auto", "triton", "fa4"):
         raise ConfigError(f"attention.engine: '{a.engine}' runs on one device only; with parallel.cp_size "
                           f"{p.cp_size} the ring's steps run fa4 or triton: set attention.engine: auto")

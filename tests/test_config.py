@@ -89,11 +89,11 @@ def test_one_device_engines_are_refused_under_context_parallelism(recipe_file):
     assert load_recipe(recipe_file, ["attention.engine=fa4", "parallel.cp_size=2"]).attention.engine == "fa4"
 
 
-def test_max_output_error_is_one_device_only_and_off_by_default(recipe_file):
+def test_max_output_error_is_off_by_default_and_runs_under_context_parallelism(recipe_file):
     assert load_recipe(recipe_file).attention.max_output_error is None
     assert load_recipe(recipe_file, ["attention.max_output_error=0.03"]).attention.max_output_error == 0.03
-    with pytest.raises(ConfigError, match=r"attention\.max_output_error: the quality check runs on one device only"):
-        load_recipe(recipe_file, ["attention.max_output_error=0.03", "parallel.cp_size=2"])
+    cp = load_recipe(recipe_file, ["attention.max_output_error=0.03", "parallel.cp_size=2"])
+    assert cp.attention.max_output_error == 0.03 and cp.parallel.cp_size == 2
 
 
 def test_resolved_config_round_trips(recipe_file, tmp_path, monkeypatch):

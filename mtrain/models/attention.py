@@ -158,10 +158,12 @@ def _start_gather(q, k, v, world: int, settings):
     return KVGather(k, v, CONTEXT.group, spare=spare_bound(settings, q.shape[0] * q.shape[2], q.shape[1] * world))
 
 
-def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True, engine="auto"):
+def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True, engine="auto",
+          max_error=None):
     """This rank's shard of a context-parallel group: dense ring, or sparse with SparseSettings `settings`, run
     sparse or dense per `policy` (the same path on every rank: see `choose_path`); the sparse steps' block kernels
-    per `engine` (`ring_attention`'s: flex has no ring steps and runs ours)."""
+    per `engine` (`ring_attention`'s: flex has no ring steps and runs ours); `max_error`: the quality check under
+    "auto", measured across the group (`mtrain.parallel.quality.gathered_output_error`)."""
     import torch.distributed as dist
 
     from mtrain.parallel import ring_attention
@@ -198,9 +200,16 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                                             key_blocks=shard_key_blocks(CONTEXT.layout, seq_len, rank,
                                                                         settings.block_size, q.device),
                                             layout_key=(CONTEXT.layout.spec, rank))
+        checked = max_error is not None and policy == "auto" and check_due(layer_idx, training)
+        if checked:  # the quality check across the group: the same figure on every rank, hence the same path
+            index._cache["output_error"] = _ring_quality_error(q, k, v, positions, index, seq_len, settings, scale,
+                                                               rank)
         path, prediction = choose_path(index, q, policy=policy, training=training, world=world,
-                                       target=settings.recall, rows=scored_rows(settings, seq_len))
+                                       target=settings.recall, rows=scored_rows(settings, seq_len),
+                                       max_error=max_error)
         hold(layer_idx, prediction, policy, training)  # the prediction, hence the hold, is the same on every rank
+        if checked:
+            passed_check(layer_idx, path, training)
         recall = None
         if CONTEXT.sample_recall and path == "sparse":  # the same decision on every rank: a collective
             from mtrain.ops.recall import gathered_true_recall
@@ -227,6 +236,20 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                           schedule=CONTEXT.schedule, kv_gather=gather)
 
 
+def _ring_quality_error(q, k, v, positions, index, seq_len, settings, scale, rank):
+    """The quality check's figure for this layer in the CP group (the estimate's scored rows)."""
+    from mtrain.ops.estimate import row_plan
+    from mtrain.parallel.quality import gathered_output_error
+
+    rows = row_plan(seq_len, min(settings.last_q, seq_len), settings.sample_blocks, settings.block_size,
+                    torch.device("cpu"), settings.sample_rows)[0]
+    vertical, slash, _ = index._cache["lines"]
+    with torch.no_grad():
+        return gathered_output_error(q.detach(), k.detach(), v.detach(), positions, (vertical, slash), seq_len,
+                                     settings.block_size, CONTEXT.layout, rank, CONTEXT.group, rows=rows,
+                                     softmax_scale=scale, doc_ids=CONTEXT.doc_ids)
+
+
 def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, settings=False,
                      policy=None, engine=None, max_error=False, **kwargs):
     """HF attention function: query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE
@@ -236,9 +259,9 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     model is that of a training call (forward + backward) when the module is in training mode, else forward only.
     engine: one of ENGINES for the sparse path on one device; None = CONTEXT.engine (a CP ring runs its own
     partial-step kernels).
-    max_error: under "auto" on one device, a layer whose output error on the scored rows exceeds it runs dense (the
-    quality check, `mtrain.models.policy.quality_error`); None = no check; left out = CONTEXT.max_output_error. A CP
-    group refuses it.
+    max_error: under "auto", a layer whose output error on the scored rows exceeds it runs dense (the quality check,
+    `mtrain.models.policy.quality_error`; in a CP group `mtrain.parallel.quality.gathered_output_error`); None = no
+    check; left out = CONTEXT.max_output_error.
 
     Returns (out [B, S_local, Hq, D], None).
     """
@@ -256,10 +279,8 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids, policy=policy, training=training,
                                layer_idx=layer_idx, engine=engine, max_error=max_error)
     else:
-        if max_error is not None and settings is not None and policy == "auto":
-            raise MtrainError("attention.max_output_error (the quality check) runs on one device only, not in a "
-                              "context-parallel group: leave it unset with parallel.cp_size > 1")
-        out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training, engine=engine)
+        out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training, engine=engine,
+                    max_error=max_error)
     return out, None
 
 

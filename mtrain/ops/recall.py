@@ -156,6 +156,15 @@ def output_error(
 
 
 
+def scored_blocks(rows: torch.Tensor, block_size: int, seq_len: int, device) -> tuple:
+    """(positions of the whole query blocks holding `rows` (a CPU tensor of positions), where each row lies among
+    them, the blocks), on `device`: planned on the host once per row set (cached) and copied once."""
+    rows = torch.as_tensor(rows, device="cpu").long().flatten().unique()  # sorted
+    if rows.numel() == 0 or rows[0] < 0 or rows[-1] >= seq_len:
+        raise ValueError(f"rows must be a non-empty set of query positions in [0, {seq_len}); got {rows.numel()} rows")
+    return _row_blocks(rows.numpy().tobytes(), block_size, seq_len, torch.device(device))
+
+
 @functools.lru_cache(maxsize=16)
 def _row_blocks(rows_key: bytes, block_size: int, seq_len: int, device: torch.device):
     """(positions of the whole query blocks holding `rows`, where each row lies among them, the blocks): made on
@@ -191,11 +200,8 @@ def block_output_error(
     if index.seq_len != S or index.block_ids.shape[:2] != (B, Hq):
         raise ValueError(f"index is for [B, Hq] = {tuple(index.block_ids.shape[:2])} and {index.seq_len} tokens; "
                          f"q is [B={B}, S={S}, Hq={Hq}]")
-    rows = torch.as_tensor(rows, device="cpu").long().flatten().unique()  # sorted
-    if rows.numel() == 0 or rows[0] < 0 or rows[-1] >= S:
-        raise ValueError(f"rows must be a non-empty set of query positions in [0, {S}); got {rows.numel()} rows")
     bs = index.block_size
-    pos, at, blocks = _row_blocks(rows.numpy().tobytes(), bs, S, q.device)
+    pos, at, blocks = scored_blocks(rows, bs, S, q.device)
     k_pos = torch.arange(S, device=q.device)
     qs = q[:, pos]
     docs = {} if doc_ids is None else dict(q_doc=doc_ids[:, pos].to(q.device), k_doc=doc_ids.to(q.device))
@@ -204,8 +210,14 @@ def block_output_error(
                  columns=(index.col_ids[:, :, blocks].contiguous(), index.col_counts[:, :, blocks].contiguous()))
     sparse, _ = attention_forward(qs, k, v, **common, **lists)
     dense, _ = attention_forward(qs, k, v, **common)
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o_s, o_d = sparse[:, at].to(dt), dense[:, at].to(dt)  # [B, n, Hq, D]
+    return relative_error(sparse[:, at], dense[:, at], per_head)
+
+
+def relative_error(sparse: torch.Tensor, dense: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+    """sqrt(sum ||sparse - dense||^2 / sum ||dense||^2) of attention outputs [B, n, Hq, D], over the rows and heads:
+    [B] (per_head: over the rows, [B, Hq]); fp32 (fp64 for fp64 inputs)."""
+    dt = torch.float64 if dense.dtype == torch.float64 else torch.float32
+    o_s, o_d = sparse.to(dt), dense.to(dt)
     err = (o_s - o_d).square().sum(-1).sum(1)  # [B, Hq]
     ref = o_d.square().sum(-1).sum(1)
     if not per_head:

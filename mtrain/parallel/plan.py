@@ -388,6 +388,18 @@ def _split_by_origin(rows: torch.Tensor, owner: torch.Tensor, local: torch.Tenso
     return [(ids[o], counts[o]) for o in range(world)], longest
 
 
+def block_owners(layout: Layout, seq_len: int, block_size: int, device: torch.device):
+    """(owner [nG], local [nG]) of each global key block of `block_size` tokens: its rank and local block, where every
+    global block is one local block of one rank under `layout`; else None. Cached per layout."""
+    local_block = layout.local_block_size(seq_len, block_size)
+    return _block_owners(layout.spec, seq_len, local_block, block_size, str(device))
+
+
+def position_owners(layout: Layout, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner [S], local [S]): each global position's rank and its index in that rank's shard. Cached per layout."""
+    return _owners_cached(layout.spec, seq_len, str(device))
+
+
 @functools.lru_cache(maxsize=16)
 def _block_owners(spec: tuple, seq_len: int, local_block: int, block_size: int, device: str):
     """(owner [nG], local [nG]): the rank and local block of each global key block when each global block is
