@@ -75,6 +75,41 @@ def _max_err(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
+_REFERENCES: dict = {}  # per rank process: (mode, docs) -> the single-device reference (`_reference`)
+
+
+def _reference(mode, docs, settings, index, doc_ids, q, k, v, dout, scale) -> dict:
+    """The single-device float64 reference of one (mode, docs) input on the whole sequence: its index (the given one,
+    or the one a single device estimates), out, dq/dk/dv, and the document-free and dense outputs. It does not depend on
+    the world, layout or schedule (the inputs are seeded), so each rank computes it once for all the cases sharing it."""
+    key = (mode, docs)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    ref_index = index
+    if settings is not None:
+        from mtrain.ops.estimate import estimate_vertical_slash
+
+        ref_index = estimate_vertical_slash(
+            q.float(), k.float(), recall=0.9, last_q=16, max_vertical=6, max_slash=6, block_size=BLOCK,
+            min_vertical=2, min_slash=2, share_kv_group=settings.share_kv_group, softmax_scale=scale,
+            doc_ids=doc_ids)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    mask = ref_index.to_mask() if ref_index is not None else None
+    ref = {"index": ref_index}
+    if doc_ids is not None:  # the same-document rule on top of causal + index
+        causal = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()
+        doc_free = mask
+        mask = (causal if mask is None else mask) & doc_mask(doc_ids)
+        ref["doc_free"] = reference_attention(q, k, v, doc_free, scale)
+    ref_out = reference_attention(*full, mask, scale)
+    ref_out.backward(dout)
+    ref["out"], ref["grads"] = ref_out.detach(), [t.grad for t in full]
+    if ref_index is not None:
+        ref["dense"] = reference_attention(q, k, v, None, scale)
+    _REFERENCES[key] = ref
+    return ref
+
+
 def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_world_size=None, docs=False,
               ring_schedule="ring"):
     """One ring run (fwd + bwd) against the float64 reference; docs: with document ids (`make_docs`);
@@ -101,41 +136,25 @@ def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_w
     out.backward(shards[3])
 
     record = {}
+    ref = _reference(mode, docs, settings, index, doc_ids, q, k, v, dout, scale)
     if settings is not None:
         # the index every rank estimated is the one a single device estimates from the whole sequence
-        from mtrain.ops.estimate import estimate_vertical_slash
         from mtrain.parallel.estimate import estimate_index
 
         pos = layout.indices(SEQ_LEN, rank)
         got = estimate_index(shards[0].detach(), shards[1].detach(), pos, pos, SEQ_LEN, settings, scale, None,
                              doc_ids=doc_ids)
-        ref_index = estimate_vertical_slash(
-            q.float(), k.float(), recall=0.9, last_q=16, max_vertical=6, max_slash=6, block_size=BLOCK,
-            min_vertical=2, min_slash=2, share_kv_group=settings.share_kv_group, softmax_scale=scale,
-            doc_ids=doc_ids)
         record["index_equal"] = all(
-            torch.equal(getattr(got, f), getattr(ref_index, f))
+            torch.equal(getattr(got, f), getattr(ref["index"], f))
             for f in ("block_ids", "block_counts", "col_ids", "col_counts"))
-        record["index_density"] = ref_index.density()
-
-    # the single-device reference on the whole sequence, float64 autograd
-    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    mask = ref_index.to_mask() if ref_index is not None else None
-    if doc_ids is not None:  # the same-document rule on top of causal + index
-        causal = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()
-        doc_free = mask
-        mask = (causal if mask is None else mask) & doc_mask(doc_ids)
-        # the documents must matter, or the document cases would prove nothing
-        free_out = reference_attention(q, k, v, doc_free, scale)
-        record["gap_to_doc_free"] = _max_err(out.detach(), layout.shard(free_out, rank))
-    ref_out = reference_attention(*full, mask, scale)
-    ref_out.backward(dout)
-    record["out"] = _max_err(out.detach(), layout.shard(ref_out.detach(), rank))
-    if ref_index is not None:  # the sparse pattern must matter, or the sparse cases would prove nothing
-        dense_out = reference_attention(q, k, v, None, scale)
-        record["gap_to_dense"] = _max_err(out.detach(), layout.shard(dense_out, rank))
-    for name, got, ref in zip(("dq", "dk", "dv"), shards[:3], full):
-        record[name] = _max_err(got.grad, layout.shard(ref.grad, rank))
+        record["index_density"] = ref["index"].density()
+    if doc_ids is not None:  # the documents must matter, or the document cases would prove nothing
+        record["gap_to_doc_free"] = _max_err(out.detach(), layout.shard(ref["doc_free"], rank))
+    record["out"] = _max_err(out.detach(), layout.shard(ref["out"], rank))
+    if ref["index"] is not None:  # the sparse pattern must matter, or the sparse cases would prove nothing
+        record["gap_to_dense"] = _max_err(out.detach(), layout.shard(ref["dense"], rank))
+    for name, got, want in zip(("dq", "dk", "dv"), shards[:3], ref["grads"]):
+        record[name] = _max_err(got.grad, layout.shard(want, rank))
     results[f"{world}/{layout_name}/{mode}{'-docs' if docs else ''}/{schedule}"] = record
 
 
@@ -226,12 +245,24 @@ _WORLDS = {2: (), 4: (2,), 8: (4,)}  # world size -> node sizes of the hierarchi
 DOC_MODES = ("dense", "sparse", "estimate")  # with document ids (world 4: every layout, flat and 2x2)
 
 
+# What every rank imports, once, in the fork server the ranks are forked from: torch, this module (mtrain's ring) and
+# what the first backward pulls in (torch.fx's symbolic shapes, sympy). Spawned, each of the 14 ranks imported them
+# itself: ~10 s of CPU a rank, about half of the fixture's time on 2 cores. The server has run no torch op (no
+# OpenMP pool to inherit) and each rank still sets one thread and its own process group.
+_PRELOAD = [__name__, "torch.fx.experimental.symbolic_shapes", "mtrain.ops.partial_autograd", "mtrain.ops.estimate",
+            "mtrain.parallel.estimate"]
+
+
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)  # if this process starts the server
     results = {}
     for world, hierarchies in _WORLDS.items():
         out_dir = tmp_path_factory.mktemp(f"ring{world}")
-        mp.spawn(_worker, args=(world, str(out_dir / "init"), str(out_dir), hierarchies), nprocs=world, join=True)
+        mp.start_processes(_worker, args=(world, str(out_dir / "init"), str(out_dir), hierarchies), nprocs=world,
+                           join=True, start_method="forkserver")
         for rank in range(world):
             with open(out_dir / f"rank{rank}.json") as f:
                 for case, record in json.load(f).items():
