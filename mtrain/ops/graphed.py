@@ -26,8 +26,6 @@ GRAPH_ESTIMATE = True
 # Captured graphs kept at once (each holds its own memory pool: ~0.1-0.3 GB at 128K); the least recently used
 # goes first. A training run needs one; an eval over many lengths would otherwise keep one per length.
 MAX_GRAPHS = 4
-# key -> "warm" (seen once: kernels compiled), "eager" (capture failed or did not match), or a _Graph
-_GRAPHS: OrderedDict = OrderedDict()
 
 
 class _Graph:
@@ -40,18 +38,14 @@ class _Graph:
         self.k = k.detach().clone()
         self.doc_ids = None if doc_ids is None else doc_ids.clone()
         kwargs = dict(kwargs, scored_q=True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # a warm-up on a side stream before capture (lazy allocations, plans)
-            _estimate(self.q, self.k, self.doc_ids, kwargs, prepare)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of other threads (a data loader pinning memory) stay legal during the capture
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.index = _estimate(self.q, self.k, self.doc_ids, kwargs, prepare)
+
+        def run():
+            index = _estimate(self.q, self.k, self.doc_ids, kwargs, prepare)
             # every output tensor copied, inside the graph, into one flat buffer: a replay's copy is then one clone
             # and a view per tensor (a deep copy of the ~60 tensors costs host time on every layer)
-            self.packed = _Packed(self.index)
+            return index, _Packed(index)
+
+        self.graph, (self.index, self.packed) = capture(run)
 
     def __call__(self, q, k, doc_ids) -> SparseIndex:
         torch.index_select(q, 1, self.rows, out=self.q)
@@ -68,28 +62,16 @@ _ALIGN = 16
 
 class _Packed:
     """A SparseIndex and everything in its cache (tensors inside tuples, dicts and dataclasses) copied into one flat
-    byte buffer, each tensor contiguous at an aligned offset; `unpack` rebuilds an index from a copy of the buffer.
-    Device work only (capturable): the copies are what a graph replays."""
+    byte buffer (`PackedTree` of its lists and cache: the index itself is rebuilt through its constructor, which
+    checks shapes); `unpack` rebuilds an index from a copy of the buffer. Device work only (capturable)."""
 
     def __init__(self, index: SparseIndex):
-        tensors: list = []
-        parts = (index.block_ids, index.block_counts, index.col_ids, index.col_counts, index.seq_len, index.block_size,
-                 dict(index._cache))
-        self.layout = split_tensors(parts, tensors)
-        self.places, size = [], 0
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            self.places.append((size, nbytes, t.dtype, tuple(t.shape)))
-            size += -(-nbytes // _ALIGN) * _ALIGN
-        self.flat = torch.empty(max(size, 1), dtype=torch.uint8, device=index.block_ids.device)
-        for (at, nbytes, dtype, shape), t in zip(self.places, tensors):
-            self.flat[at:at + nbytes].view(dtype).view(shape).copy_(t)
+        self.tree = PackedTree((index.block_ids, index.block_counts, index.col_ids, index.col_counts, index.seq_len,
+                                index.block_size, dict(index._cache)))
 
     def unpack(self) -> SparseIndex:
         """A new index whose tensors are views into one fresh copy of the buffer (nothing shared with it)."""
-        flat = self.flat.clone()
-        views = [flat[at:at + nbytes].view(dtype).view(shape) for at, nbytes, dtype, shape in self.places]
-        *lists, cache = join_tensors(self.layout, views)
+        *lists, cache = self.tree.unpack()
         out = SparseIndex(*lists)
         out._cache.update(cache)
         return out
@@ -138,6 +120,59 @@ def same_tree(a, b) -> bool:
         if not same:
             return False
     return True
+
+
+def capture(run):
+    """(the CUDA graph of `run()`, what `run()` returned in the capture): `run` goes once on a side stream first (lazy
+    allocations, plans, kernels compiled), then is captured on the current stream; thread_local: CUDA calls of other
+    threads (a data loader pinning memory) stay legal during the capture. Keep the returned outputs: replays write
+    them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
+
+
+class GraphCache:
+    """Captured graphs by key (shapes and settings): a key is "warm" once seen (its kernels compiled), "eager" where
+    its capture failed or did not match, or holds its graph; `keep` keeps at most `size` graphs, the least recently
+    used going first (seen again, its key starts over)."""
+
+    def __init__(self):
+        self.entries: OrderedDict = OrderedDict()
+
+    def graph(self, key):
+        """The graph kept for `key` (now the most recently used), or None."""
+        entry = self.entries.get(key)
+        if entry is None or isinstance(entry, str):
+            return None
+        self.entries.move_to_end(key)
+        return entry
+
+    def capture_due(self, key) -> bool:
+        """For a key without a graph: whether this call captures (its second); the first call marks it warm."""
+        entry = self.entries.get(key)
+        if entry is None:
+            self.entries[key] = "warm"
+        return entry == "warm"
+
+    def refuse(self, key) -> None:
+        self.entries[key] = "eager"
+
+    def keep(self, key, graph, size: int) -> None:
+        self.entries[key] = graph
+        graphs = [name for name, value in self.entries.items() if not isinstance(value, str)]
+        for name in graphs[:-size]:
+            del self.entries[name]
+
+
+# key -> "warm", "eager" or a _Graph
+_GRAPHS = GraphCache()
 
 
 def prepare_engine(index: SparseIndex, prepare) -> None:
@@ -192,30 +227,24 @@ def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor 
         return estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, doc_ids is None,
            None if doc_ids is None else tuple(doc_ids.shape), tuple(sorted(kwargs.items())), prepare)
-    entry = _GRAPHS.get(key)
-    if isinstance(entry, _Graph):
-        _GRAPHS.move_to_end(key)
-        return entry(q, k, doc_ids)
-    if entry is None or entry == "eager":
-        if entry is None:
-            _GRAPHS[key] = "warm"
+    graph = _GRAPHS.graph(key)
+    if graph is not None:
+        return graph(q, k, doc_ids)
+    if not _GRAPHS.capture_due(key):
         return estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
     eager = estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
     try:
         graph = _Graph(q, k, doc_ids, kwargs, prepare)
         replayed = graph(q, k, doc_ids)
     except Exception as exc:  # an op that cannot be captured: this key runs eagerly from now on
-        _GRAPHS[key] = "eager"
+        _GRAPHS.refuse(key)
         warnings.warn(f"the pattern estimate could not be captured as a CUDA graph ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0][:200]}); it runs eagerly")
         return eager
     if not same_index(replayed, eager):
-        _GRAPHS[key] = "eager"
+        _GRAPHS.refuse(key)
         warnings.warn("the CUDA-graph replay of the pattern estimate differs from the eager estimate; it runs eagerly")
         return eager
-    _GRAPHS[key] = graph
-    graphs = [name for name, value in _GRAPHS.items() if isinstance(value, _Graph)]
-    for name in graphs[:-MAX_GRAPHS]:  # the least recently used beyond MAX_GRAPHS: seen again, they start over
-        del _GRAPHS[name]
+    _GRAPHS.keep(key, graph, MAX_GRAPHS)
     log.info("pattern estimate captured as a CUDA graph for q %s", tuple(q.shape))
     return eager

@@ -19,19 +19,18 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 
-from mtrain.ops.graphed import PackedTree, same_tree
+from mtrain.ops.graphed import GraphCache, PackedTree, capture, same_tree
 
 log = logging.getLogger(__name__)
 
 GRAPH_RING_ESTIMATE = os.environ.get("MTRAIN_GRAPH_RING_ESTIMATE") == "1"
 MAX_GRAPHS = 4
-# key -> "warm" (seen once), "eager" (capture failed or did not match on some rank), or a _RankGraph
-_GRAPHS: OrderedDict = OrderedDict()
+# key -> "warm", "eager" (capture failed or did not match on some rank) or a _RankGraph
+_GRAPHS = GraphCache()
 
 
 class _RankGraph:
@@ -42,15 +41,12 @@ class _RankGraph:
     def __init__(self, call, q, k, doc_ids, keep):
         self.q, self.k = q.detach().clone(), k.detach().clone()
         self.doc_ids = None if doc_ids is None else doc_ids.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # a warm-up on a side stream before capture (lazy allocations, plans)
-            call(self.q, self.k, self.doc_ids)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+
+        def run():
             index = call(self.q, self.k, self.doc_ids)
-            self.packed = PackedTree(index, keep=keep)
+            return index, PackedTree(index, keep=keep)
+
+        self.graph, (self.index, self.packed) = capture(run)
 
     def __call__(self, q, k, doc_ids):
         self.q.copy_(q)
@@ -77,13 +73,10 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
         return call(q, k, doc_ids)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, None if doc_ids is None else tuple(doc_ids.shape),
            seq_len, settings, float(scale), layout_key, dist.get_world_size(group))
-    entry = _GRAPHS.get(key)
-    if isinstance(entry, _RankGraph):
-        _GRAPHS.move_to_end(key)
-        return entry(q, k, doc_ids)
-    if entry is None or entry == "eager":
-        if entry is None:
-            _GRAPHS[key] = "warm"
+    graph = _GRAPHS.graph(key)
+    if graph is not None:
+        return graph(q, k, doc_ids)
+    if not _GRAPHS.capture_due(key):
         return call(q, k, doc_ids)
     eager = call(q, k, doc_ids)
     graph, problem = None, None
@@ -96,13 +89,10 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
     agree = torch.tensor([0 if problem else 1], device=q.device)
     dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)  # every rank takes the same branch (once per key)
     if not int(agree.item()):
-        _GRAPHS[key] = "eager"
+        _GRAPHS.refuse(key)
         warnings.warn("the context-parallel estimate could not be replayed from a CUDA graph on every rank "
                       f"({problem or 'another rank failed'}); it runs eagerly")
         return eager
-    _GRAPHS[key] = graph
-    graphs = [name for name, value in _GRAPHS.items() if isinstance(value, _RankGraph)]
-    for name in graphs[:-MAX_GRAPHS]:
-        del _GRAPHS[name]
+    _GRAPHS.keep(key, graph, MAX_GRAPHS)
     log.info("context-parallel estimate captured as a CUDA graph for q %s", tuple(q.shape))
     return eager
