@@ -12,8 +12,9 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.context import CONTEXT, hf_inputs, no_mask
-from mtrain.models.policy import (SPARSE_POLICIES, check_due, choose_path, hold, passed_check, quality_error,
-                                  record_layer, remember_choice, replay_choice, scored_rows, skip_estimate)
+from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, choose_path, hold, passed_check,
+                                  quality_error, record_layer, remember_choice, replay_choice, scored_rows,
+                                  skip_estimate)
 
 log = logging.getLogger(__name__)
 
@@ -238,16 +239,14 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
 
 def _ring_quality_error(q, k, v, positions, index, seq_len, settings, scale, rank):
     """The quality check's figure for this layer in the CP group (the estimate's scored rows)."""
-    from mtrain.ops.estimate import row_plan
     from mtrain.parallel.quality import gathered_output_error
 
-    rows = row_plan(seq_len, min(settings.last_q, seq_len), settings.sample_blocks, settings.block_size,
-                    torch.device("cpu"), settings.sample_rows)[0]
     vertical, slash, _ = index._cache["lines"]
     with torch.no_grad():
         return gathered_output_error(q.detach(), k.detach(), v.detach(), positions, (vertical, slash), seq_len,
-                                     settings.block_size, CONTEXT.layout, rank, CONTEXT.group, rows=rows,
-                                     softmax_scale=scale, doc_ids=CONTEXT.doc_ids)
+                                     settings.block_size, CONTEXT.layout, rank, CONTEXT.group,
+                                     rows=check_rows(settings, seq_len), softmax_scale=scale,
+                                     doc_ids=CONTEXT.doc_ids)
 
 
 def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, settings=False,
@@ -289,7 +288,7 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
     """The plugin's registration (`mtrain.models.registry.register_kind` calls it for the kinds of KINDS): register
     `kind` as `mtrain-<kind>`; sparse kinds take `mtrain.parallel.SparseSettings` fields as keywords, and
     `sparse_policy` (SPARSE_POLICIES), `engine` (ENGINES: the block kernels of the sparse path on one device) and
-    `max_output_error` (under "auto" on one device: the quality check's limit, None = none; see `mtrain_attention`).
+    `max_output_error` (under "auto": the quality check's limit, None = none; see `mtrain_attention`).
     Returns the `attn_implementation` name. Each name carries its own settings; registering a name again replaces
     them for every model using it."""
     from transformers import AttentionInterface

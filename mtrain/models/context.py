@@ -28,8 +28,9 @@ class AttentionContext:
     engine: str = "auto"
     """One of ENGINES: which kernels run a one-device sparse layer (`vertical_slash_attention`'s impl)."""
     max_output_error: object = None
-    """Under sparse_policy auto on one device: a layer whose output error on the scored rows exceeds this runs dense
-    (`mtrain.models.policy.quality_error`); None = no quality check. Set from attention.max_output_error."""
+    """Under sparse_policy auto: a layer whose output error on the scored rows exceeds this runs dense
+    (`mtrain.models.policy.quality_error`; in a CP group `mtrain.parallel.quality.gathered_output_error`); None = no
+    quality check. Set from attention.max_output_error."""
     group: object = None
     """The CP process group (None when cp_size == 1)."""
     layout: object = None

@@ -77,14 +77,20 @@ def quality_error(q, k, v, index, s, scaling=None, doc_ids=None) -> torch.Tensor
     `s`) when only the pairs inside `index` are computed, against dense attention on the same rows: fp32 [B]. Their
     query blocks run through the partial-attention kernel twice, on the index's lists and densely
     (`mtrain.ops.recall.block_output_error`): two small kernel calls, no host read."""
-    from mtrain.ops.estimate import row_plan
     from mtrain.ops.recall import block_output_error
 
-    S = q.shape[1]
-    rows = row_plan(S, min(s.last_q, S), s.sample_blocks, s.block_size, torch.device("cpu"), s.sample_rows)[0]
     with torch.no_grad():
-        return block_output_error(q.detach(), k.detach(), v.detach(), index, rows, softmax_scale=scaling,
-                                  doc_ids=doc_ids).float()
+        return block_output_error(q.detach(), k.detach(), v.detach(), index, check_rows(s, q.shape[1]),
+                                  softmax_scale=scaling, doc_ids=doc_ids).float()
+
+
+def check_rows(s, seq_len: int) -> torch.Tensor:
+    """The rows the quality check measures: those the estimate scored under SparseSettings `s` in a `seq_len`-token
+    sequence, as a CPU tensor (`mtrain.ops.estimate.row_plan`, cached per shape)."""
+    from mtrain.ops.estimate import row_plan
+
+    return row_plan(seq_len, min(s.last_q, seq_len), s.sample_blocks, s.block_size, torch.device("cpu"),
+                    s.sample_rows)[0]
 
 
 def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0,

@@ -80,7 +80,7 @@ def _estimate(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale:
     with torch.no_grad():
         rows = scored_rows(seq_len, settings.last_q, settings.sample_blocks, bs, dev, settings.sample_rows)
         n = rows.numel()
-        scored_q = _scored_queries(q, q_pos, rows, seq_len, group)
+        scored_q = scored_queries(q, q_pos, rows, seq_len, group)
         docs = None if doc_ids is None else doc_ids.to(dev)
         logits = row_probs(scored_q, k, rows, scale, docs, k_pos)  # [B, Hkv, G, n, S_local]
         row_max = logits.amax(dim=-1)
@@ -132,7 +132,7 @@ def _rank_gather(t: torch.Tensor, group) -> torch.Tensor:
     return parts.view(world, *t.shape)
 
 
-def _scored_queries(q, q_pos, rows, seq_len: int, group):
+def scored_queries(q, q_pos, rows, seq_len: int, group):
     """[B, n, Hq, D]: the scored rows' queries, wherever the layout put them, on every rank (one small all-reduce
     of exact values: every row is non-zero on one rank only)."""
     local = torch.full((seq_len,), -1, dtype=torch.long, device=q.device)
@@ -162,7 +162,7 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
         rows, row_blocks, table = row_plan(seq_len, settings.last_q, settings.sample_blocks, bs, dev,
                                            settings.sample_rows)
         n = rows.numel()
-        scored_q = _scored_queries(q, q_pos, rows, seq_len, group)
+        scored_q = scored_queries(q, q_pos, rows, seq_len, group)
         docs = None if doc_ids is None else doc_ids.to(dev)
 
         def combine(m, l):

@@ -41,6 +41,7 @@ def gathered_output_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     from mtrain.ops.index import rows_from_lines
     from mtrain.ops.partial import attention_forward, merge_partial
     from mtrain.ops.recall import relative_error, scored_blocks
+    from mtrain.parallel.estimate import scored_queries
     from mtrain.parallel.plan import block_owners, position_owners
 
     dev = q.device
@@ -48,20 +49,15 @@ def gathered_output_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     if blocks_owned is None:
         raise MtrainError(f"the quality check under context parallelism needs whole {block_size}-token blocks on each "
                           "rank (parallel.granularity a multiple of attention.block_size)")
+    positions = positions.to(dev)
     pos, at, blocks = scored_blocks(rows, block_size, seq_len, dev)
-    B, S_local, Hq, D = q.shape
-    # the scored blocks' queries on every rank: zeros but the rows this rank holds, summed (exact)
-    where = torch.full((seq_len,), -1, dtype=torch.long, device=dev)
-    where.index_copy_(0, positions.to(dev).long(), torch.arange(S_local, device=dev))
-    mine = where[pos]
-    qs = torch.where((mine >= 0)[None, :, None, None], q[:, mine.clamp(min=0)], 0).to(q.dtype)
-    dist.all_reduce(qs, group=group)
+    qs = scored_queries(q, positions, pos, seq_len, group)  # the scored blocks' queries on every rank
 
     index = rows_from_lines(lines[0], lines[1], seq_len, block_size, blocks, totals=False, check=False)
     block_lists = _local_lists(index.block_ids, index.block_counts, *blocks_owned, rank)
     column_lists = _local_lists(index.col_ids, index.col_counts, *position_owners(layout, seq_len, dev), rank)
-    docs = {} if doc_ids is None else dict(q_doc=doc_ids[:, pos].to(dev), k_doc=doc_ids[:, positions].to(dev))
-    common = dict(q_pos=pos, k_pos=positions.to(dev), block_size=block_size, softmax_scale=softmax_scale, impl=impl,
+    docs = {} if doc_ids is None else dict(q_doc=doc_ids[:, pos].to(dev), k_doc=doc_ids.to(dev)[:, positions])
+    common = dict(q_pos=pos, k_pos=positions, block_size=block_size, softmax_scale=softmax_scale, impl=impl,
                   **docs)
     parts = [attention_forward(qs, k, v, blocks=block_lists, columns=column_lists, **common),
              attention_forward(qs, k, v, **common)]
