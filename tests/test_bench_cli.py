@@ -107,7 +107,8 @@ def test_ring_smoke():
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           "-m", "mtrain.bench.ring", "--cpu", "--tokens-per-gpu", "128", "--heads", "2", "--kv-heads",
                           "1", "--dim", "16", "--block-size", "32", "--window", "32", "--far-slashes", "2",
-                          "--verticals", "4", "--iters", "1", "--warmup", "0", "--check-len", "128"],
+                          "--verticals", "4", "--iters", "1", "--warmup", "0", "--check-len", "128",
+                          "--graph-estimate"],
                          cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -115,6 +116,8 @@ def test_ring_smoke():
     # the script reports a failing variant and carries on: at these sizes every one must run
     failed = [line for line in run.stdout.splitlines() if "failed:" in line]
     assert all("CUDA only" in line for line in failed), failed
+    # --graph-estimate adds the graphed variant (eager off CUDA: the same code path around the estimate)
+    assert "gather, estimate from a CUDA graph" in run.stdout
     for name in ("dense ", "sparse ", "estimated ", "sparse-g ", "estimated-g "):  # the correctness cases
         assert any(line.startswith(name) and " out " in line for line in run.stdout.splitlines()), name
 

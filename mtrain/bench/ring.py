@@ -30,6 +30,7 @@ from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
 from mtrain.parallel.comm import RingComm  # noqa: E402
 from mtrain.parallel.estimate import estimate_index, estimate_lines, estimate_rank_index  # noqa: E402
+from mtrain.parallel import graphed  # noqa: E402
 from mtrain.parallel.graphed import estimate_rank_index_graphed  # noqa: E402
 from mtrain.parallel.merge import GradSum, PartialAccumulator  # noqa: E402
 from mtrain.parallel.plan import (  # noqa: E402
@@ -303,8 +304,15 @@ def bench_tokens(tokens, rank, world, args, device, report):
             _profile(run, rank, f"cp1_sparse_estimated {tokens} tokens")
         return ms
 
-    def ring_sparse(estimate: bool, schedule: str = "ring"):
+    def ring_sparse(estimate: bool, schedule: str = "ring", graph: bool = False):
         def go():
+            graphed.GRAPH_RING_ESTIMATE = graph  # eager estimate unless this variant replays it from a CUDA graph
+            try:
+                return timed_variant()
+            finally:
+                graphed.GRAPH_RING_ESTIMATE = False
+
+        def timed_variant():
             q, k, v, dout = inputs(seq, h, hkv, d, device)
             layout = Layout.create("block-stripe", world_size=world, granularity=args.block_size)
             index = None if estimate else make_index(seq, args, device)
@@ -313,14 +321,20 @@ def bench_tokens(tokens, rank, world, args, device, report):
             settings = _settings(args) if estimate else None
             shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
             del q, k, v, dout
-            if estimate and schedule == "ring":  # the estimate's own figures, once
+            if estimate and schedule == "ring" and not graph:  # the estimate's own figures, once (eager and graphed)
                 pos = layout.indices(seq, rank).to(device)
                 scale = 1.0 / math.sqrt(d)
                 est = dict(rows=rank_blocks(layout, seq, rank, args.block_size, device),
                            key_blocks=shard_key_blocks(layout, seq, rank, args.block_size, device))
                 row["estimate_ring_ms"] = timed(lambda: estimate_rank_index_graphed(
                     shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank), **est),
-                    args.iters, args.warmup)  # eager unless --graph-estimate
+                    args.iters, args.warmup)  # eager
+                if args.graph_estimate:
+                    graphed.GRAPH_RING_ESTIMATE = True
+                    row["estimate_ring_graphed_ms"] = timed(lambda: estimate_rank_index_graphed(
+                        shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank), **est),
+                        args.iters, max(args.warmup, 2))  # the first call warms, the second captures
+                    graphed.GRAPH_RING_ESTIMATE = False
                 row["estimate_ring_lines_ms"] = timed(lambda: estimate_lines(
                     shard[0], shard[1], pos, pos, seq, settings, scale, None, key_blocks=est["key_blocks"]),
                     args.iters, args.warmup)
@@ -343,7 +357,8 @@ def bench_tokens(tokens, rank, world, args, device, report):
                              shard[:3], shard[3])
             ms = timed(run, args.iters, args.warmup)
             if estimate and args.profile and device.type == "cuda":
-                _profile(run, rank, f"ring_sparse_estimated ({schedule}) CP={world} {tokens} tokens/GPU")
+                _profile(run, rank, f"ring_sparse_estimated ({schedule}{', graphed' if graph else ''}) CP={world} "
+                                    f"{tokens} tokens/GPU")
             return ms
         return go
 
@@ -355,6 +370,11 @@ def bench_tokens(tokens, rank, world, args, device, report):
     if "gather" in args.schedules:
         attempt("ring_sparse_gather_ms", ring_sparse(False, "gather"))
         attempt("ring_sparse_estimated_gather_ms", ring_sparse(True, "gather"))
+    if args.graph_estimate:  # the same estimated variants with the estimate replayed from a CUDA graph
+        if "ring" in args.schedules:
+            attempt("ring_sparse_estimated_graphed_ms", ring_sparse(True, graph=True))
+        if "gather" in args.schedules:
+            attempt("ring_sparse_estimated_gather_graphed_ms", ring_sparse(True, "gather", graph=True))
 
     def ring_sparse_hierarchical():
         q, k, v, dout = inputs(seq, h, hkv, d, device)
@@ -638,7 +658,9 @@ def print_table(report):
                           ("cp1_sparse", None), ("ring_sparse", "cp1_sparse"), ("ring_sparse_hierarchical", "cp1_sparse"),
                           ("ring_sparse_gather", "cp1_sparse"), ("cp1_sparse_estimated", None),
                           ("ring_sparse_estimated", "cp1_sparse_estimated"),
-                          ("ring_sparse_estimated_gather", "cp1_sparse_estimated")):
+                          ("ring_sparse_estimated_gather", "cp1_sparse_estimated"),
+                          ("ring_sparse_estimated_graphed", "cp1_sparse_estimated"),
+                          ("ring_sparse_estimated_gather_graphed", "cp1_sparse_estimated")):
             ms = r.get(key + "_ms")
             if ms is None and key + "_ms_error" not in r:
                 continue  # not asked for (--node-size, --schedules, --skip-dense)
@@ -653,7 +675,9 @@ def print_table(report):
                 ratio = tf / r[base + "_tflops_per_gpu"] if tf else r[base + "_ms"] / ms
             print(f"{t_label:>8} {key:<28} {ms:>9.2f} {tf if tf else float('nan'):>12.1f} "
                   f"{(f'{ratio:.3f}' if ratio else '-'):>8}")
-        for sched, key in (("ring", "ring_sparse_estimated_ms"), ("gather", "ring_sparse_estimated_gather_ms")):
+        for sched, key in (("ring", "ring_sparse_estimated_ms"), ("gather", "ring_sparse_estimated_gather_ms"),
+                           ("ring, estimate from a CUDA graph", "ring_sparse_estimated_graphed_ms"),
+                           ("gather, estimate from a CUDA graph", "ring_sparse_estimated_gather_graphed_ms")):
             if r.get(key) and r.get("cp1_sparse_estimated_ms"):
                 print(f"{'':>9}HEADLINE sparse CP={r['cp']} with online estimate ({sched} schedule) vs CP=1 with its "
                       f"own: {r['cp1_sparse_estimated_ms'] / r[key]:.3f} (engine {r.get('engine')})")
@@ -663,6 +687,9 @@ def print_table(report):
             print(f"{'':>9}estimate: ring {r['estimate_ring_ms']:.2f} ms (lines alone {r.get('estimate_ring_lines_ms', 0):.2f}"
                   f", plan from it {r.get('plan_estimated_ms', 0):.2f}) vs one GPU's {r['estimate_cp1_ms']:.2f} ms "
                   f"({r['estimate_ring_ms'] / r['estimate_cp1_ms']:.2f}x){torch_part}")
+            if r.get("estimate_ring_graphed_ms"):
+                print(f"{'':>9}estimate from a CUDA graph: ring {r['estimate_ring_graphed_ms']:.2f} ms "
+                      f"({r['estimate_ring_graphed_ms'] / r['estimate_cp1_ms']:.2f}x one GPU's)")
         if r.get("index_bytes_per_layer"):
             print(f"{'':>9}index bytes per layer (this rank's rows): {r['index_bytes_per_layer'] / 2**20:.1f} MiB; "
                   f"cap-wide column lists would take {r['index_bytes_cap_wide_cols'] / 2**20:.1f} MiB; density "
@@ -728,8 +755,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", type=lambda s: s.split(","), default=["ring", "gather"],
                         help="comma list of ring_attention schedules to check and time: ring, gather")
     parser.add_argument("--graph-estimate", action="store_true",
-                        help="replay the context-parallel estimate from a CUDA graph (mtrain.parallel.graphed, "
-                             "MTRAIN_GRAPH_RING_ESTIMATE=1): the estimated variants and the estimate's own time")
+                        help="also time the estimated variants and the estimate itself with the context-parallel "
+                             "estimate replayed from a CUDA graph (mtrain.parallel.graphed, as "
+                             "MTRAIN_GRAPH_RING_ESTIMATE=1 does in training), beside the eager ones")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     args.check_len = args.check_len[0]
@@ -764,10 +792,6 @@ def main(argv: list[str] | None = None) -> int:
         from mtrain.parallel import merge
 
         merge.FUSED = False
-    if args.graph_estimate:
-        from mtrain.parallel import graphed
-
-        graphed.GRAPH_RING_ESTIMATE = True
     if not args.skip_check:
         try:
             check(rank, world, args, device, report)
@@ -786,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
     dist.barrier()
+    graphed.release_graphs()  # before the process group goes: a graph holding NCCL work can hang its teardown
     dist.destroy_process_group()
     return 0
 

@@ -16,6 +16,7 @@ communicator out of step with the others."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import warnings
@@ -31,6 +32,19 @@ GRAPH_RING_ESTIMATE = os.environ.get("MTRAIN_GRAPH_RING_ESTIMATE") == "1"
 MAX_GRAPHS = 4
 # key -> "warm", "eager" (capture failed or did not match on some rank) or a _RankGraph
 _GRAPHS = GraphCache()
+
+
+def release_graphs() -> None:
+    """Drop every captured context-parallel estimate (after the GPU finished their replays). A graph that captured
+    NCCL collectives keeps the communicator in use, and tearing the process group down while one is alive can hang
+    in the communicator's destruction (reported against PyTorch: pytorch/pytorch issue 115388): call this before
+    `torch.distributed.destroy_process_group()`. Also run at interpreter exit."""
+    if any(not isinstance(entry, str) for entry in _GRAPHS.entries.values()) and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    _GRAPHS.entries.clear()
+
+
+atexit.register(release_graphs)
 
 
 class _RankGraph:
