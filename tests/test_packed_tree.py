@@ -55,3 +55,30 @@ def test_same_tree_sees_a_changed_entry_and_a_changed_shape():
     recall = PackedTree(index).unpack()
     recall._cache["est_recall"] += 1e-3
     assert not same_tree(recall, index)
+
+
+def test_named_tuples_inside_a_tree_come_back_as_themselves():
+    """FA4's block-sparse lists are a named tuple (`BlockSparseTensorsTorch`) kept in the plans' caches: packing
+    (and the ring's save_for_backward, through the same split / join) must rebuild it from its fields."""
+    import collections
+    import dataclasses
+
+    from mtrain.ops.partial_autograd import join_tensors, split_tensors
+
+    Lists = collections.namedtuple("Lists", ["cnt", "idx", "block_size"])
+
+    @dataclasses.dataclass
+    class Holder:
+        fwd: object
+        extra: tuple
+
+    tree = {"fa4": Holder(Lists(torch.arange(3), torch.ones(2, 2, dtype=torch.int32), (128, 128)),
+                          (torch.zeros(1), 5))}
+    tensors: list = []
+    split = split_tensors(tree, tensors)
+    assert len(tensors) == 3 and isinstance(split["fa4"].fwd, Lists)
+    back = join_tensors(split, tensors)
+    assert isinstance(back["fa4"].fwd, Lists) and back["fa4"].fwd.block_size == (128, 128)
+    assert back["fa4"].fwd.cnt is tensors[0] and back["fa4"].extra[1] == 5
+    out = PackedTree(tree).unpack()
+    assert isinstance(out["fa4"].fwd, Lists) and same_tree(out, tree)

@@ -27,7 +27,7 @@ def split_tensors(obj, tensors: list):
     if isinstance(obj, dict):
         return {key: split_tensors(val, tensors) for key, val in obj.items()}
     if isinstance(obj, (tuple, list)):
-        return type(obj)(split_tensors(val, tensors) for val in obj)
+        return _rebuild(obj, [split_tensors(val, tensors) for val in obj])
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(obj, **{f.name: split_tensors(getattr(obj, f.name), tensors)
                                            for f in dataclasses.fields(obj) if f.init})
@@ -40,11 +40,19 @@ def join_tensors(obj, tensors):
     if isinstance(obj, dict):
         return {key: join_tensors(val, tensors) for key, val in obj.items()}
     if isinstance(obj, (tuple, list)):
-        return type(obj)(join_tensors(val, tensors) for val in obj)
+        return _rebuild(obj, [join_tensors(val, tensors) for val in obj])
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(obj, **{f.name: join_tensors(getattr(obj, f.name), tensors)
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
+
+
+def _rebuild(obj, items: list):
+    """A tuple or list of obj's type holding `items`: a named tuple (FA4's BlockSparseTensorsTorch, say) takes its
+    fields as arguments, the others an iterable."""
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+        return type(obj)(*items)
+    return type(obj)(items)
 
 
 @dataclasses.dataclass(frozen=True)
