@@ -52,7 +52,8 @@ class _RankGraph:
     write, packed into one buffer (the rank's row list `rows` stays the caller's cached tensor: plans test it by
     identity)."""
 
-    def __init__(self, call, q, k, doc_ids, keep):
+    def __init__(self, call, q, k, doc_ids, keep, held):
+        self.held = held  # tensors the graph reads in place (positions, row and key-block lists): alive with it
         self.q, self.k = q.detach().clone(), k.detach().clone()
         self.doc_ids = None if doc_ids is None else doc_ids.clone()
 
@@ -85,8 +86,11 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
 
     if not (GRAPH_RING_ESTIMATE and q.is_cuda) or torch.cuda.is_current_stream_capturing():
         return call(q, k, doc_ids)
+    # the graph reads positions, rows and key_blocks where they are (the callers' cached tensors): the key holds
+    # their identities, and the graph holds them alive, so a replay never reads memory they no longer own
+    held = (positions, rows, key_blocks)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, None if doc_ids is None else tuple(doc_ids.shape),
-           seq_len, settings, float(scale), layout_key, dist.get_world_size(group))
+           seq_len, settings, float(scale), layout_key, dist.get_world_size(group), tuple(map(id, held)))
     graph = _GRAPHS.graph(key)
     if graph is not None:
         return graph(q, k, doc_ids)
@@ -95,7 +99,7 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
     eager = call(q, k, doc_ids)
     graph, problem = None, None
     try:
-        graph = _RankGraph(call, q, k, doc_ids, keep=(rows, positions))
+        graph = _RankGraph(call, q, k, doc_ids, keep=(rows, positions), held=held)
         if not same_tree(graph(q, k, doc_ids), eager):
             problem = "its replay differs from the eager estimate"
     except Exception as exc:  # an op that cannot be captured (a host read where the lists need one, say)
