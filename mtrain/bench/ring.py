@@ -30,7 +30,7 @@ from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
 from mtrain.parallel.comm import RingComm  # noqa: E402
 from mtrain.parallel.estimate import estimate_index, estimate_lines, estimate_rank_index  # noqa: E402
-from mtrain.parallel import graphed  # noqa: E402
+from mtrain.parallel import graphed, ring_gather  # noqa: E402
 from mtrain.parallel.graphed import estimate_rank_index_graphed  # noqa: E402
 from mtrain.parallel.merge import GradSum, PartialAccumulator  # noqa: E402
 from mtrain.parallel.plan import (  # noqa: E402
@@ -304,13 +304,15 @@ def bench_tokens(tokens, rank, world, args, device, report):
             _profile(run, rank, f"cp1_sparse_estimated {tokens} tokens")
         return ms
 
-    def ring_sparse(estimate: bool, schedule: str = "ring", graph: bool = False):
+    def ring_sparse(estimate: bool, schedule: str = "ring", graph: bool = False, fa4_backward: bool = False):
         def go():
             graphed.GRAPH_RING_ESTIMATE = graph  # eager estimate unless this variant replays it from a CUDA graph
+            ring_gather.FA4_GATHER_BACKWARD = "fa4" if fa4_backward else "triton"
             try:
                 return timed_variant()
             finally:
                 graphed.GRAPH_RING_ESTIMATE = False
+                ring_gather.FA4_GATHER_BACKWARD = "triton"
 
         def timed_variant():
             q, k, v, dout = inputs(seq, h, hkv, d, device)
@@ -375,6 +377,9 @@ def bench_tokens(tokens, rank, world, args, device, report):
             attempt("ring_sparse_estimated_graphed_ms", ring_sparse(True, graph=True))
         if "gather" in args.schedules:
             attempt("ring_sparse_estimated_gather_graphed_ms", ring_sparse(True, "gather", graph=True))
+            if impl == "fa4":  # the gathered step's other backward under the fa4 engine (ring_gather.FA4_GATHER_BACKWARD)
+                attempt("ring_sparse_estimated_gather_graphed_fa4bwd_ms",
+                        ring_sparse(True, "gather", graph=True, fa4_backward=True))
 
     def ring_sparse_hierarchical():
         q, k, v, dout = inputs(seq, h, hkv, d, device)
@@ -648,7 +653,7 @@ def print_table(report):
             print(f"{r['check']:<9} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}  "
                   f"dk {r['max_err_dk']:.3e}{lines}")
     print("\n== fwd+bwd per GPU ==")
-    print(f"{'tok/GPU':>8} {'variant':<28} {'ms':>9} {'TFLOP/s/GPU':>12} {'vs CP=1':>8}")
+    print(f"{'tok/GPU':>8} {'variant':<44} {'ms':>9} {'TFLOP/s/GPU':>12} {'vs CP=1':>8}")
     for r in report:
         if "tokens_per_gpu" not in r:
             continue
@@ -660,12 +665,13 @@ def print_table(report):
                           ("ring_sparse_estimated", "cp1_sparse_estimated"),
                           ("ring_sparse_estimated_gather", "cp1_sparse_estimated"),
                           ("ring_sparse_estimated_graphed", "cp1_sparse_estimated"),
-                          ("ring_sparse_estimated_gather_graphed", "cp1_sparse_estimated")):
+                          ("ring_sparse_estimated_gather_graphed", "cp1_sparse_estimated"),
+                          ("ring_sparse_estimated_gather_graphed_fa4bwd", "cp1_sparse_estimated")):
             ms = r.get(key + "_ms")
             if ms is None and key + "_ms_error" not in r:
                 continue  # not asked for (--node-size, --schedules, --skip-dense)
             if ms is None:
-                print(f"{t_label:>8} {key:<28} failed: {r.get(key + '_ms_error', '')[:80]}")
+                print(f"{t_label:>8} {key:<44} failed: {r.get(key + '_ms_error', '')[:80]}")
                 continue
             tf = r.get(key + "_tflops_per_gpu")
             # per-GPU throughput against CP=1 at equal tokens per GPU: dense work per token grows with the
@@ -673,7 +679,7 @@ def print_table(report):
             ratio = None
             if base and r.get(base + "_ms"):
                 ratio = tf / r[base + "_tflops_per_gpu"] if tf else r[base + "_ms"] / ms
-            print(f"{t_label:>8} {key:<28} {ms:>9.2f} {tf if tf else float('nan'):>12.1f} "
+            print(f"{t_label:>8} {key:<44} {ms:>9.2f} {tf if tf else float('nan'):>12.1f} "
                   f"{(f'{ratio:.3f}' if ratio else '-'):>8}")
         for sched, key in (("ring", "ring_sparse_estimated_ms"), ("gather", "ring_sparse_estimated_gather_ms"),
                            ("ring, estimate from a CUDA graph", "ring_sparse_estimated_graphed_ms"),

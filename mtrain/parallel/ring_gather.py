@@ -36,6 +36,12 @@ from mtrain.parallel.steps import step_kwargs
 
 SCHEDULES = ("ring", "gather")
 
+# The backward of the gathered step under the fa4 engine: "triton", our deterministic backward over the step's
+# blocks and columns at once from FA4's merged out / lse (what the one-device fa4 engine runs by default), or
+# "fa4", FA4's block-sparse backward (atomic dQ) plus our column backward. BENCHMARKS.md ("Ring attention on several
+# GPUs") has both timed; the ring schedule's steps keep FA4's backward.
+FA4_GATHER_BACKWARD = "triton"
+
 
 class KVGather:
     """The group's K/V shards gathered into K and V buffers [B, W * S_local + spare, Hkv, D] in the ring's step order
@@ -167,7 +173,7 @@ class RingGatherAttention(torch.autograd.Function):
         col_dst = merged.gather_slots[1]
         dout = dout.contiguous()
         args = step_kwargs(merged, merged.rank, q, keys)
-        if merged.engine == "fa4":
+        if merged.engine == "fa4" and FA4_GATHER_BACKWARD == "fa4":
             dq, dk, dv = fa4_steps.backward(dout, q, keys, values, out, lse, merged, merged.rank, args["k_pos"],
                                             args["columns"], scale)
         else:
