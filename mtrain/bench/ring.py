@@ -304,15 +304,15 @@ def bench_tokens(tokens, rank, world, args, device, report):
             _profile(run, rank, f"cp1_sparse_estimated {tokens} tokens")
         return ms
 
-    def ring_sparse(estimate: bool, schedule: str = "ring", graph: bool = False, fa4_backward: bool = False):
+    def ring_sparse(estimate: bool, schedule: str = "ring", graph: bool = False, triton_backward: bool = False):
         def go():
             graphed.GRAPH_RING_ESTIMATE = graph  # eager estimate unless this variant replays it from a CUDA graph
-            ring_gather.FA4_GATHER_BACKWARD = "fa4" if fa4_backward else "triton"
+            ring_gather.FA4_GATHER_BACKWARD = "triton" if triton_backward else "fa4"
             try:
                 return timed_variant()
             finally:
                 graphed.GRAPH_RING_ESTIMATE = False
-                ring_gather.FA4_GATHER_BACKWARD = "triton"
+                ring_gather.FA4_GATHER_BACKWARD = "fa4"
 
         def timed_variant():
             q, k, v, dout = inputs(seq, h, hkv, d, device)
@@ -378,8 +378,8 @@ def bench_tokens(tokens, rank, world, args, device, report):
         if "gather" in args.schedules:
             attempt("ring_sparse_estimated_gather_graphed_ms", ring_sparse(True, "gather", graph=True))
             if impl == "fa4":  # the gathered step's other backward under the fa4 engine (ring_gather.FA4_GATHER_BACKWARD)
-                attempt("ring_sparse_estimated_gather_graphed_fa4bwd_ms",
-                        ring_sparse(True, "gather", graph=True, fa4_backward=True))
+                attempt("ring_sparse_estimated_gather_graphed_tritonbwd_ms",
+                        ring_sparse(True, "gather", graph=True, triton_backward=True))
 
     def ring_sparse_hierarchical():
         q, k, v, dout = inputs(seq, h, hkv, d, device)
@@ -666,7 +666,7 @@ def print_table(report):
                           ("ring_sparse_estimated_gather", "cp1_sparse_estimated"),
                           ("ring_sparse_estimated_graphed", "cp1_sparse_estimated"),
                           ("ring_sparse_estimated_gather_graphed", "cp1_sparse_estimated"),
-                          ("ring_sparse_estimated_gather_graphed_fa4bwd", "cp1_sparse_estimated")):
+                          ("ring_sparse_estimated_gather_graphed_tritonbwd", "cp1_sparse_estimated")):
             ms = r.get(key + "_ms")
             if ms is None and key + "_ms_error" not in r:
                 continue  # not asked for (--node-size, --schedules, --skip-dense)

@@ -36,11 +36,12 @@ from mtrain.parallel.steps import step_kwargs
 
 SCHEDULES = ("ring", "gather")
 
-# The backward of the gathered step under the fa4 engine: "triton", our deterministic backward over the step's
-# blocks and columns at once from FA4's merged out / lse (what the one-device fa4 engine runs by default), or
-# "fa4", FA4's block-sparse backward (atomic dQ) plus our column backward. BENCHMARKS.md ("Ring attention on several
-# GPUs") has both timed; the ring schedule's steps keep FA4's backward.
-FA4_GATHER_BACKWARD = "triton"
+# The backward of the gathered step under the fa4 engine: "fa4", FA4's block-sparse backward (atomic dQ) plus our
+# column backward, or "triton", our deterministic backward over the step's blocks and columns at once from FA4's
+# merged out / lse (what the one-device fa4 engine runs by default; deterministic, but no faster at the estimate's
+# density and slower on denser lists: BENCHMARKS.md, "Ring attention on several GPUs"). The ring schedule's steps
+# always run FA4's backward.
+FA4_GATHER_BACKWARD = "fa4"
 
 
 class KVGather:
