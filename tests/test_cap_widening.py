@@ -244,3 +244,22 @@ def test_the_scales_fit_the_graph_caches():
 
     scales = 1 + MAX_CAP_SCALE.bit_length() - 1
     assert scales <= min(graphed.MAX_GRAPHS, ring_graphed.MAX_GRAPHS)
+
+
+def test_cp2_ranks_widen_alike(tmp_path):
+    """Under context parallelism (2 ranks, gloo) the layer's estimate across the group is short at 16, 32 and 64
+    lines: every rank doubles its caps on the same calls (the decision reads the est_recall every rank shares) and
+    runs its next estimate with them, none holds it dense, and at 128 lines every rank runs it sparse."""
+    import subprocess
+
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/workers/cap_widening.py", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for row in rows:
+        assert row["ranks"][0] == row["ranks"][1], row
+        assert not row["held"], row
+    assert [(r["ranks"][0][:3], r["scale_after"]) for r in rows] == [
+        (["dense", 1, True], 2), (["dense", 2, True], 4), (["dense", 4, True], 8), (["sparse", 8, False], 8)]
