@@ -118,13 +118,14 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         path, prediction = choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
                                        target=s.recall, rows=scored_rows(s, q.shape[1]), engine=engine,
                                        graphed=graphed, layer_idx=layer_idx, max_error=max_error)
-        scale = CONTEXT.cap_scale.get(layer_idx, 1)
+        cap_scale = CONTEXT.cap_scale.get(layer_idx, 1)
         widened = widen(layer_idx, index, s, q.shape[1], policy, training)  # wider caps next call instead of a hold
         if not widened:
             hold(layer_idx, prediction, policy, training)
         if checked:
             passed_check(layer_idx, path, training)
-        record_layer(layer_idx, path, index, prediction, q, k, scaling, doc_ids, cap_scale=scale, widened=widened)
+        record_layer(layer_idx, path, index, prediction, q, k, scaling, doc_ids, cap_scale=cap_scale,
+                     widened=widened)
         remember_choice(layer_idx, path, index, training)
         if path == "sparse":
             return sparse(index)
@@ -211,7 +212,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         path, prediction = choose_path(index, q, policy=policy, training=training, world=world,
                                        target=settings.recall, rows=scored_rows(settings, seq_len),
                                        max_error=max_error)
-        scale = CONTEXT.cap_scale.get(layer_idx, 1)
+        cap_scale = CONTEXT.cap_scale.get(layer_idx, 1)
         # the prediction and est_recall / output error, hence the widening and the hold, are the same on every rank
         widened = widen(layer_idx, index, settings, seq_len, policy, training)
         if not widened:
@@ -226,7 +227,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                 recall = gathered_true_recall(q.detach(), k.detach(), positions, index._cache["lines"], seq_len,
                                               settings.block_size, CONTEXT.group, softmax_scale=scale,
                                               doc_ids=CONTEXT.doc_ids, n_rows=CONTEXT.recall_rows)
-        record_layer(layer_idx, path, index, prediction, true_recall=recall, cap_scale=scale, widened=widened)
+        record_layer(layer_idx, path, index, prediction, true_recall=recall, cap_scale=cap_scale, widened=widened)
         remember_choice(layer_idx, path, index, training)
         if layer_idx == 0 and CONTEXT.sample_imbalance:  # one layer of the logged steps watches the balance
             from mtrain.parallel.imbalance import gathered_imbalance
