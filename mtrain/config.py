@@ -79,7 +79,7 @@ class AttentionConfig:
     max_vertical: int = 16384
     """Budget cap on vertical (key column) lines per head (16384: on SmolLM2-135M at 64K-128K the former
     4096-line caps bound in early layers and held their recall to 0.53-0.68; a layer that needs more than
-    pays runs dense under sparse_policy auto)."""
+    pays runs dense under sparse_policy auto, or with `widen_caps` estimates again with wider caps)."""
     max_slash: int = 16384
     """Budget cap on slash lines per head, in token diagonals (slashes are chosen per block offset, which
     counts as block_size diagonals)."""
@@ -114,6 +114,14 @@ class AttentionConfig:
     """Under sparse_policy auto, in training: a layer the choice sent dense runs dense without estimating its
     pattern for this many further steps, then estimates again (the estimate is paid before the choice; a
     layer's density moves slowly). 0 = estimate every step."""
+    widen_caps: bool = True
+    """Under sparse_policy auto, in training: a layer that the estimate's recall (more than 0.04 short of `recall`) or
+    the quality check (`max_output_error`) sends dense where the cost model said sparse, and whose caps bind (its
+    estimate is short of `recall`, and doubled they would be larger for the sequence), runs dense this call and estimates again on its next call with its
+    max_vertical / max_slash (and cap_fraction, at most 1) doubled, instead of being held dense for
+    `dense_hold_steps`; doubled again each time, up to 8x (`mtrain.models.policy.widen`, MAX_CAP_SCALE). At 8x, or
+    where the caps already cover the sequence, the layer is held dense as before. Each layer's scale is saved with
+    checkpoints and logged (attn_cap_scale/LNN, attention_widened_layers). false = hold such a layer dense."""
     moba_chunk_size: int = 4096
     """kind moba: key chunk (tokens), a multiple of block_size; each query block gates the chunks by mean key."""
     moba_topk: int = 12
@@ -415,6 +423,8 @@ def _check(recipe: RecipeConfig) -> None:
                                       or a.sample_rows < 1):
         raise ConfigError(f"attention.sample_rows: must be a positive integer or null (= the whole block), "
                           f"got {a.sample_rows!r}")
+    if not isinstance(a.widen_caps, bool):
+        raise ConfigError(f"attention.widen_caps: expected true or false, got {a.widen_caps!r}")
     mx = a.max_output_error
     if mx is not None and (isinstance(mx, bool) or not isinstance(mx, (int, float)) or not 0 < mx < float("inf")):
         raise ConfigError(f"attention.max_output_error: must be a number > 0 (the relative output error above which "

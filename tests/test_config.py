@@ -74,6 +74,8 @@ def test_unknown_key_named_with_suggestion(recipe_file):
         ("attention.max_output_error=0", r"attention\.max_output_error: must be a number > 0"),
         ("attention.max_output_error=-0.1", r"attention\.max_output_error: must be a number > 0"),
         ("attention.max_output_error=.inf", r"attention\.max_output_error: must be a finite number"),
+        ("attention.widen_caps=3", r"attention\.widen_caps: expected true or false, got 3"),
+        ("attention.widen_caps=sometimes", r"attention\.widen_caps: expected true or false, got 'sometimes'"),
     ],
 )
 def test_bad_values_name_the_key(recipe_file, override, message):
@@ -87,6 +89,18 @@ def test_one_device_engines_are_refused_under_context_parallelism(recipe_file):
         load_recipe(recipe_file, ["attention.engine=flex", "parallel.cp_size=2"])
     # the ring's sparse steps run FA4 (falling back to ours where it cannot run)
     assert load_recipe(recipe_file, ["attention.engine=fa4", "parallel.cp_size=2"]).attention.engine == "fa4"
+
+
+def test_widen_caps_is_on_by_default_and_reaches_the_registration(recipe_file, monkeypatch):
+    from mtrain.models import registry
+
+    assert load_recipe(recipe_file).attention.widen_caps is True
+    recipe = load_recipe(recipe_file, ["attention.kind=mtraining", "attention.widen_caps=false"])
+    assert recipe.attention.widen_caps is False
+    seen = {}
+    monkeypatch.setattr(registry, "register_kind", lambda kind, **kw: seen.update(kw) or kind)
+    registry.register_attention(recipe)
+    assert seen["widen_caps"] is False
 
 
 def test_max_output_error_is_off_by_default_and_runs_under_context_parallelism(recipe_file):

@@ -12,9 +12,9 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.context import CONTEXT, hf_inputs, no_mask
-from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, choose_path, hold, passed_check,
-                                  quality_error, record_layer, remember_choice, replay_choice, scored_rows,
-                                  skip_estimate)
+from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, choose_path, hold, layer_settings,
+                                  passed_check, quality_error, record_layer, remember_choice, replay_choice,
+                                  scored_rows, skip_estimate, widen)
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,14 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         path, prediction = choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
                                        target=s.recall, rows=scored_rows(s, q.shape[1]), engine=engine,
                                        graphed=graphed, layer_idx=layer_idx, max_error=max_error)
-        hold(layer_idx, prediction, policy, training)
+        cap_scale = CONTEXT.cap_scale.get(layer_idx, 1)
+        widened = widen(layer_idx, index, s, q.shape[1], policy, training)  # wider caps next call instead of a hold
+        if not widened:
+            hold(layer_idx, prediction, policy, training)
         if checked:
             passed_check(layer_idx, path, training)
-        record_layer(layer_idx, path, index, prediction, q, k, scaling, doc_ids)
+        record_layer(layer_idx, path, index, prediction, q, k, scaling, doc_ids, cap_scale=cap_scale,
+                     widened=widened)
         remember_choice(layer_idx, path, index, training)
         if path == "sparse":
             return sparse(index)
@@ -208,7 +212,11 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         path, prediction = choose_path(index, q, policy=policy, training=training, world=world,
                                        target=settings.recall, rows=scored_rows(settings, seq_len),
                                        max_error=max_error)
-        hold(layer_idx, prediction, policy, training)  # the prediction, hence the hold, is the same on every rank
+        cap_scale = CONTEXT.cap_scale.get(layer_idx, 1)
+        # the prediction and est_recall / output error, hence the widening and the hold, are the same on every rank
+        widened = widen(layer_idx, index, settings, seq_len, policy, training)
+        if not widened:
+            hold(layer_idx, prediction, policy, training)
         if checked:
             passed_check(layer_idx, path, training)
         recall = None
@@ -219,7 +227,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                 recall = gathered_true_recall(q.detach(), k.detach(), positions, index._cache["lines"], seq_len,
                                               settings.block_size, CONTEXT.group, softmax_scale=scale,
                                               doc_ids=CONTEXT.doc_ids, n_rows=CONTEXT.recall_rows)
-        record_layer(layer_idx, path, index, prediction, true_recall=recall)
+        record_layer(layer_idx, path, index, prediction, true_recall=recall, cap_scale=cap_scale, widened=widened)
         remember_choice(layer_idx, path, index, training)
         if layer_idx == 0 and CONTEXT.sample_imbalance:  # one layer of the logged steps watches the balance
             from mtrain.parallel.imbalance import gathered_imbalance
@@ -271,6 +279,7 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     max_error = CONTEXT.max_output_error if max_error is False else max_error
     training = bool(getattr(module, "training", True))
     layer_idx = getattr(module, "layer_idx", None)
+    settings = layer_settings(settings, layer_idx)  # the layer's caps, widened where `widen` widened them
     q, k, v, cached = hf_inputs(module, query, key, value, scaling, dropout)
     if cached is not None:
         return cached, None
@@ -284,11 +293,13 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
-             max_output_error: float | None = None, **sparse_settings) -> str:
+             max_output_error: float | None = None, widen_caps: bool = True, **sparse_settings) -> str:
     """The plugin's registration (`mtrain.models.registry.register_kind` calls it for the kinds of KINDS): register
     `kind` as `mtrain-<kind>`; sparse kinds take `mtrain.parallel.SparseSettings` fields as keywords, and
-    `sparse_policy` (SPARSE_POLICIES), `engine` (ENGINES: the block kernels of the sparse path on one device) and
-    `max_output_error` (under "auto": the quality check's limit, None = none; see `mtrain_attention`).
+    `sparse_policy` (SPARSE_POLICIES), `engine` (ENGINES: the block kernels of the sparse path on one device),
+    `max_output_error` (under "auto": the quality check's limit, None = none; see `mtrain_attention`) and
+    `widen_caps` (under "auto", in training: widen the caps of a layer whose caps bind instead of holding it dense;
+    `mtrain.models.policy.widen`).
     Returns the `attn_implementation` name. Each name carries its own settings; registering a name again replaces
     them for every model using it."""
     from transformers import AttentionInterface
@@ -304,10 +315,12 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
     check_max_output_error(max_output_error)
     if not isinstance(dense_hold, int) or dense_hold < 0:
         raise MtrainError(f"dense_hold must be an integer >= 0 (steps; 0 = estimate every step), got {dense_hold!r}")
+    if not isinstance(widen_caps, bool):
+        raise MtrainError(f"widen_caps must be true or false, got {widen_caps!r}")
     CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy, CONTEXT.engine = kind, sparse, sparse_policy, engine
     CONTEXT.max_output_error = max_output_error
     CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = dense_hold, {}, {}
-    CONTEXT.checked_until = {}
+    CONTEXT.checked_until, CONTEXT.widen_caps, CONTEXT.cap_scale = {}, widen_caps, {}
     if sparse:
         try:
             CONTEXT.settings = SparseSettings(**sparse_settings)

@@ -77,6 +77,13 @@ class AttentionContext:
     memo: dict = field(default_factory=dict)
     """layer index -> (path, lines) of the layer's last forward in training: "sparse" or "dense", and the lines
     its index was built from (`index._cache["lines"]`; small next to the lists, which are rebuilt from them)."""
+    widen_caps: bool = True
+    """Under sparse_policy auto, in training: a layer the estimate's recall or the quality check sends dense (where the
+    cost model said sparse) while its caps bind gets its caps doubled for its next estimate instead of a dense hold
+    (`mtrain.models.policy.widen`). Set from attention.widen_caps."""
+    cap_scale: dict = field(default_factory=dict)
+    """layer index -> how many times wider than the recipe's max_vertical / max_slash (and cap_fraction, at most 1)
+    that layer's caps are (1 when absent; doubled by `widen` up to MAX_CAP_SCALE)."""
     choice_stats: dict = field(default_factory=dict)
     """(layer index, q shape) -> (host tensor, event or None): the work counts and mean estimated recall of that
     layer's last estimate, copied to the host without waiting (see LAGGED_CHOICE)."""
@@ -116,10 +123,15 @@ class LayerRecord:
     held: bool = False
     """True when the layer ran dense without estimating because an earlier step's choice holds (dense_hold)."""
 
+    cap_scale: int = 1
+    """The layer's cap multiplier this call ran with (CONTEXT.cap_scale; 1 = the recipe's caps)."""
+    widened: bool = False
+    """True when this call's choice doubled the layer's caps for its next estimate (`mtrain.models.policy.widen`)."""
+
     def as_floats(self) -> dict:
         density = None if self.density is None else float(self.density)
         out = {"layer": self.layer, "path": self.path, "density": density, "held": self.held, "dense_ms": self.dense_ms,
-               "sparse_ms": self.sparse_ms}
+               "sparse_ms": self.sparse_ms, "cap_scale": self.cap_scale, "widened": self.widened}
         for name in ("est_recall", "true_recall", "output_error"):
             value = getattr(self, name)
             out[name] = None if value is None else float(value.float().mean())

@@ -1,8 +1,9 @@
 """The dense/sparse policy of the sparse kinds, per layer and call: the choice (`choose_path`, on the cost model
 `mtrain.ops.cost` and the estimate's recall), skipping an estimate that cannot pay (`skip_estimate`), the dense holds
 (`hold`), the quality check's cadence (`check_due` / `passed_check`) and their state across a checkpoint (`policy_state` / `load_policy_state`, saved by the trainer),
-the replay of a layer's choice under gradient checkpointing (`checkpoint_contexts`, `replay_choice`,
-`remember_choice`) and the record of each call (`record_layer`). Its state lives in `CONTEXT`."""
+the widening of the caps of a layer whose caps bind (`layer_settings`, `widen`), the replay of a layer's choice under
+gradient checkpointing (`checkpoint_contexts`, `replay_choice`, `remember_choice`) and the record of each call
+(`record_layer`). Its state lives in `CONTEXT`."""
 
 from __future__ import annotations
 
@@ -102,7 +103,9 @@ def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_id
     when the cost model predicts sparse does not pay, or when `target` (the recall asked for) is given and the
     estimate's mean over heads falls short of it by more than RECALL_SLACK, or when `max_error` is given and the
     layer's output error (`quality_error`, which the caller put in `index._cache["output_error"]`) exceeds it (the
-    quality check: attention.max_output_error). The index build is already paid; what the
+    quality check: attention.max_output_error); where one of these two overrules a sparse cost-model choice,
+    `index._cache["overruled"]` says which and with what mean estimated recall (("recall" or "error", the recall read
+    or None): what `widen` reads). The index build is already paid; what the
     dense path saves is everything the kernels derive from it (built lazily on the first kernel call) and the
     kernels. rows: the query rows the estimate scored (the Prediction then carries its predicted cost). engine: the
     block engine that would run the sparse path (its measured rates, where the cost table has them). graphed: the
@@ -124,12 +127,18 @@ def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_id
                               block_size=index.block_size, batch=B, backward=training, device=q.device,
                               world=world, doc_lengths=doc_lengths, estimate_rows=rows, engine=engine,
                               graphed=graphed)
+    by_cost = prediction.path
     has_recall = target is not None and index._cache.get("est_recall") is not None
+    reasons = []
     if has_recall and read[2] < target - RECALL_SLACK:
-        prediction = dataclasses.replace(prediction, path="dense")
+        reasons.append("recall")
     error = read[2 + has_recall] if index._cache.get("output_error") is not None else None
     if max_error is not None and error is not None and error > max_error:
+        reasons.append("error")
+    if reasons:
         prediction = dataclasses.replace(prediction, path="dense")
+        if by_cost == "sparse":
+            index._cache["overruled"] = (reasons[0], read[2] if has_recall else None)
     return prediction.path, prediction
 
 
@@ -141,7 +150,8 @@ def skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 
     if policy != "auto":
         return False
     if training and layer_idx is not None and CONTEXT.step < CONTEXT.dense_until.get(layer_idx, -1):
-        CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, held=True))  # held dense: see dense_hold
+        CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, held=True,  # held dense: see dense_hold
+                                          cap_scale=CONTEXT.cap_scale.get(layer_idx, 1)))
         return True
     from mtrain.ops import cost
 
@@ -154,7 +164,8 @@ def skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 
                                   graphed=graphed)
     if floor.path == "sparse":
         return False
-    CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, floor.dense_ms, floor.sparse_ms))
+    CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, floor.dense_ms, floor.sparse_ms,
+                                      cap_scale=CONTEXT.cap_scale.get(layer_idx, 1)))
     return True
 
 
@@ -188,6 +199,63 @@ def hold(layer_idx, prediction, policy: str, training: bool) -> None:
     CONTEXT.dense_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold * min(2 ** streak, HOLD_BACKOFF_MAX)
 
 
+# The widest a layer's caps grow (`widen`), as a multiple of the recipe's max_vertical / max_slash: the scales 1, 2, 4
+# and 8 give at most four settings per shape, as many estimates as the graph caches keep captured at once
+# (MAX_GRAPHS in mtrain/ops/graphed.py and mtrain/parallel/graphed.py).
+MAX_CAP_SCALE = 8
+
+
+def scaled_settings(s, scale: int):
+    """SparseSettings `s` with caps `scale` x wider: max_vertical, max_slash and cap_fraction (at most 1.0); `s`
+    itself at scale 1."""
+    if scale == 1:
+        return s
+    fraction = None if s.cap_fraction is None else min(1.0, s.cap_fraction * scale)
+    return dataclasses.replace(s, max_vertical=s.max_vertical * scale, max_slash=s.max_slash * scale,
+                               cap_fraction=fraction)
+
+
+def layer_settings(s, layer_idx):
+    """The SparseSettings a layer estimates with: `s` with the layer's caps widened by its CONTEXT.cap_scale (the
+    same object where the layer has none). A layer at another scale has other settings, hence its own key in the
+    estimate's graph caches."""
+    if s is None or layer_idx is None:
+        return s
+    return scaled_settings(s, CONTEXT.cap_scale.get(layer_idx, 1))
+
+
+def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> bool:
+    """After auto decided a training call: where the estimate's recall or the quality check sent the layer dense
+    though the cost model said sparse (`index._cache["overruled"]`, set by `choose_path`) and its caps bind, double
+    the layer's CONTEXT.cap_scale for its next estimate and return True: the caller then sets no dense hold, and the
+    next call estimates again with the wider caps. The caps bind when the estimate fell short of its recall target
+    (the fewest lines reaching it are listed, so an estimate that reached it stopped below its caps and wider caps
+    would list the same lines: a layer the check sends dense with its recall met is held as before) and doubling
+    them gives larger caps for this sequence (`mtrain.ops.estimate.line_caps`: they do not yet cover it). Returns
+    False (the caller holds the layer as before) under attention.widen_caps false, at MAX_CAP_SCALE, where the caps
+    do not bind, or for any other choice. `s`: the settings the layer estimated with (`layer_settings`); `seq_len`: the whole
+    sequence (every rank of a CP group passes the same). Decided from the est_recall / output error the choice read,
+    which every rank of a CP group shares, so every rank widens alike. The layer's lagged choice statistics
+    (LAGGED_CHOICE) are dropped: its next choice reads the estimate at the new caps, not the last one at the old."""
+    overruled = index._cache.get("overruled")
+    if policy != "auto" or not training or not CONTEXT.widen_caps or layer_idx is None or overruled is None:
+        return False
+    _, recall = overruled
+    scale = CONTEXT.cap_scale.get(layer_idx, 1)
+    if scale * 2 > MAX_CAP_SCALE or (recall is not None and recall >= s.recall):
+        return False
+    from mtrain.ops.estimate import line_caps
+
+    wide = scaled_settings(s, 2)
+    caps = [line_caps(seq_len, x.block_size, x.max_vertical, x.max_slash, x.cap_fraction) for x in (s, wide)]
+    if caps[1] == caps[0]:  # the caps already cover the sequence: wider caps list nothing more
+        return False
+    CONTEXT.cap_scale[layer_idx] = scale * 2
+    for key in [key for key in CONTEXT.choice_stats if key[0] == layer_idx]:
+        del CONTEXT.choice_stats[key]
+    return True
+
+
 def check_due(layer_idx, training: bool) -> bool:
     """Whether this call measures the quality check's output error (`quality_error`): always outside training, with
     no layer index or with no hold (dense_hold 0: every call); in training, unless the layer passed the check less
@@ -209,7 +277,8 @@ def passed_check(layer_idx, path: str, training: bool) -> None:
 
 def policy_state() -> dict:
     """What sparse_policy "auto" carries from one training step to the next, as plain JSON data: each layer's dense
-    hold and its back-off streak, and the lagged choice's last statistics (LAGGED_CHOICE). Saved with every
+    hold and its back-off streak, its quality check's cadence, its cap scale (`widen`) and the lagged choice's last
+    statistics (LAGGED_CHOICE). Saved with every
     checkpoint and given back to `load_policy_state`, so that a resumed run takes the paths the uninterrupted one
     would have taken. (Per-step fields, `memo` and the logging lists, start afresh each step.)"""
     stats = []
@@ -218,7 +287,8 @@ def policy_state() -> dict:
             event.synchronize()
         stats.append([layer, list(shape), parts, host.tolist()])
     return {"dense_until": sorted(CONTEXT.dense_until.items()), "hold_streak": sorted(CONTEXT.hold_streak.items()),
-            "checked_until": sorted(CONTEXT.checked_until.items()), "choice_stats": stats}
+            "checked_until": sorted(CONTEXT.checked_until.items()), "cap_scale": sorted(CONTEXT.cap_scale.items()),
+            "choice_stats": stats}
 
 
 def load_policy_state(state: dict) -> None:
@@ -227,18 +297,22 @@ def load_policy_state(state: dict) -> None:
     CONTEXT.hold_streak = {layer: streak for layer, streak in state["hold_streak"]}
     # checkpoints written before the check's cadence have no "checked_until": every layer is then checked at once
     CONTEXT.checked_until = {layer: step for layer, step in state.get("checked_until", [])}
+    # checkpoints written before cap widening have no "cap_scale": every layer then has the recipe's caps
+    CONTEXT.cap_scale = {layer: scale for layer, scale in state.get("cap_scale", [])}
     CONTEXT.choice_stats = {(layer, tuple(shape), parts): (torch.tensor(values, dtype=torch.float64), None)
                             for layer, shape, parts, values in state["choice_stats"]}
 
 
 def record_layer(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None,
-                 true_recall=None) -> None:
+                 true_recall=None, cap_scale: int = 1, widened: bool = False) -> None:
     """Append this call's LayerRecord; on sample_recall steps measure the true recall of a sparse call on
     CONTEXT.recall_rows rows spread evenly over the sequence (ending at the last row). q/k: the whole
     sequence (None under CP, where no rank holds it: the ring measures it across the group and passes
-    `true_recall` instead)."""
+    `true_recall` instead). cap_scale: the layer's cap multiplier this call estimated with; widened: whether this
+    call's choice doubled it (`widen`)."""
     record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=index._cache.get("est_recall"),
-                         true_recall=true_recall, output_error=index._cache.get("output_error"))
+                         true_recall=true_recall, output_error=index._cache.get("output_error"),
+                         cap_scale=cap_scale, widened=widened)
     if prediction is not None:
         record.dense_ms, record.sparse_ms = prediction.dense_ms, prediction.sparse_ms
     if CONTEXT.sample_recall and path == "sparse" and q is not None:

@@ -109,9 +109,12 @@ def attention_stats(records: list) -> dict:
     attn_sparse/LNN (share of its calls that ran sparse), attn_density/LNN (estimated pattern's fraction of
     causal pairs; absent where the cost model skipped the estimate), attn_est_recall/LNN (the estimator's own
     figure, when it gives one), attn_true_recall/LNN (sampled exact recall, on logging.recall_every steps),
-    attn_output_error/LNN (the quality check's output error, under attention.max_output_error).
+    attn_output_error/LNN (the quality check's output error, under attention.max_output_error), attn_cap_scale/LNN
+    (the multiplier of its caps, where attention.widen_caps widened them: `mtrain.models.policy.widen`).
     Over all layers: attention_paths (one letter per layer: s = sparse, d = dense, m = mixed),
     attention_held_layers (share of calls run dense under attention.dense_hold_steps without estimating),
+    attention_widened_layers (how many layers run with widened caps) and attention_widened_calls (how many calls
+    doubled their layer's caps this step) where any did,
     attention_sparse_layers (share of sparse calls), attention_work (fraction of causal pairs computed: the
     density on sparse calls, 1 on dense ones), the means of the recalls (true recall also its minimum) and,
     under the cost model, the predicted ms of the chosen paths and of dense everywhere (attention_pred_ms,
@@ -142,9 +145,16 @@ def attention_stats(records: list) -> dict:
             value = mean([c[key] for c in calls])
             if value is not None:
                 out[f"attn_{key}/{name}"] = value
+        scale = mean([c.get("cap_scale", 1) for c in calls])
+        if scale != 1:
+            out[f"attn_cap_scale/{name}"] = scale
     out["attention_paths"] = "".join(paths)
     if any(r.get("held") for r in rows):  # dense without an estimate: an earlier step's choice holds
         out["attention_held_layers"] = mean([1.0 if r.get("held") else 0.0 for r in rows])
+    widened = [layer for layer, calls in by_layer.items() if any(c.get("cap_scale", 1) != 1 for c in calls)]
+    if widened or any(r.get("widened") for r in rows):  # wider caps than the recipe's: attention.widen_caps
+        out["attention_widened_layers"] = len(widened)
+        out["attention_widened_calls"] = sum(1 for r in rows if r.get("widened"))
     out["attention_sparse_layers"] = mean([1.0 if r["path"] == "sparse" else 0.0 for r in rows])
     out["attention_work"] = mean([r["density"] if r["path"] == "sparse" else 1.0 for r in rows])
     for key in ("est_recall", "true_recall"):

@@ -1,0 +1,48 @@
+"""torchrun worker: cap widening (attention.widen_caps) under context parallelism.
+
+Each rank runs four training calls of one layer on its block-stripe shard of the local pattern of
+`attention_choice` with caps that bind (16 lines; recall 0.5) under "auto". Rank 0 writes one JSON line per call:
+every rank's (path, cap scale the call ran with, whether it widened, mean estimated recall, the widest vertical
+list of its lines)."""
+
+import dataclasses
+import sys
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from attention_choice import BS, inputs
+from cp_step import finish
+from mtrain.models.attention import mtrain_attention
+from mtrain.models.context import CONTEXT
+from mtrain.ops import cost
+from mtrain.parallel import Layout, SparseSettings
+
+
+def main(out_path: str) -> None:
+    cost.CPU = dataclasses.replace(cost.CPU, estimate=(0.0, 0.0))  # the kernels' costs only, as attention_choice
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = Layout.create("block-stripe", world_size=world, granularity=BS)
+    settings = SparseSettings(recall=0.5, block_size=BS, max_vertical=16, max_slash=16, min_vertical=0, min_slash=0)
+    q, k, v = (layout.shard(t, rank, dim=1) for t in inputs("local"))
+    CONTEXT.group, CONTEXT.layout, CONTEXT.doc_ids, CONTEXT.layers = dist.group.WORLD, layout, None, []
+    CONTEXT.local_world_size, CONTEXT.inner_group, CONTEXT.outer_group = None, None, None
+    CONTEXT.dense_hold, CONTEXT.widen_caps = 4, True
+    rows = []
+    for step in range(4):
+        CONTEXT.step = step
+        module = SimpleNamespace(training=True, layer_idx=5)
+        mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, settings=settings,
+                         policy="auto")
+        r = CONTEXT.layers[-1]
+        mine = (r.path, r.cap_scale, r.widened, float(r.est_recall.float().mean()))
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        rows.append({"step": step, "ranks": every, "scale_after": CONTEXT.cap_scale.get(5, 1),
+                     "held": 5 in CONTEXT.dense_until})
+    finish(rank, out_path, rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
