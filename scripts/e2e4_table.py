@@ -137,18 +137,23 @@ def longest_table(runs: list[str], warmup: int) -> str:
         status_file = Path(run) / "status.txt"
         status = status_file.read_text().strip() if status_file.is_file() else ("ok" if rows else "no metrics")
         config = Path(run) / "config.yaml"
-        seq = None
+        seq = max_steps = None
         if config.is_file():
             import yaml
 
-            seq = (yaml.safe_load(config.read_text()) or {}).get("data", {}).get("seq_len")
+            loaded = yaml.safe_load(config.read_text()) or {}
+            seq = loaded.get("data", {}).get("seq_len")
+            max_steps = loaded.get("train", {}).get("max_steps")
         last = rows[-1] if rows else {}
+        if status != "ok" and rows and max_steps and last.get("step", 0) >= max_steps:
+            # every step ran; the box stopped the final checkpoint's save: the length trained
+            status = f"{status} in the final save, after its {max_steps} steps"
         step_s = seq / last["tokens_per_s"] if seq and _num(last.get("tokens_per_s")) else None
         f = run_figures(rows, warmup) if rows else {}
         lines.append(f"| {Path(run).name} | {_fmt(seq, ',')} | {status} | {last.get('step', 0)} | {_fmt(step_s, '.1f')} | "
                      f"{_fmt(last.get('tokens_per_s'), ',.0f')} | {_fmt(f.get('peak_mem_gb'), '.1f')} | "
                      f"{_fmt(f.get('density'), '.3f')} |")
-        if status == "ok" and rows and seq and (longest is None or seq > longest):
+        if (status == "ok" or "after its" in status) and rows and seq and (longest is None or seq > longest):
             longest = seq
     lines += ["", f"- longest that trained: **{_fmt(longest, ',')} tokens** (target >= 1,048,576: "
               f"{'met' if longest and longest >= 1 << 20 else 'missed'})"]

@@ -78,6 +78,9 @@ LOG=$RESULTS/log.txt
 mark() { echo "=== $(date +%T) +${SECONDS}s $*" | tee -a "$LOG"; }
 k() { if [ $(( $1 % 1024 )) = 0 ]; then echo "$(( $1 / 1024 ))k"; else echo "$1"; fi; }  # 262144 -> 256k
 steps_at() { if [ "$1" -ge 524288 ]; then echo "$STEPS_512K"; else echo "$STEPS"; fi; }  # steps of a run at SEQ
+# samples packed at SEQ: the default steps' worth (20 below 512K, 5 from it) or more, so that a shorter run reads the
+# same sequences as the runs recorded in BENCHMARKS.md (the packer picks documents to fill the total it is asked for)
+pack_steps_at() { local d=20; [ "$1" -lt 524288 ] || d=5; local n; n=$(steps_at "$1"); echo $(( n > d ? n : d )); }
 yarn() { awk "BEGIN { f = $1 / $2; print (f < 1 ? 1 : f) }"; }  # YaRN factor from ORIG to SEQ tokens (>= 1)
 wandb_mode() { "$PYTHON" -c "import wandb" 2>/dev/null && echo offline || echo disabled; }
 
@@ -237,7 +240,7 @@ case "${1:-}" in
     MODEL_DIR=$MODEL_DIR scripts/gpu_real_model.sh convert
     mark "model in $MODEL_DIR"
     longdocs
-    for seq in $LENGTHS; do pack "$seq" "$(steps_at "$seq")" "$MODEL_DIR"; done
+    for seq in $LENGTHS; do pack "$seq" "$(pack_steps_at "$seq")" "$MODEL_DIR"; done
     mark "packed"
     set -- $LENGTHS
     # the time left is shared among the runs still to go in proportion to WEIGHT_kind (dense steps cost more)

@@ -96,22 +96,27 @@ def test_comparison_tables(tmp_path):
                                         "imbalance_rank/r1": 1.01} for s, tps in ((1, 5.0), (2, 400.0), (3, 420.0))])
     qwen_ok = _metrics(tmp_path / "q1", [{"step": s, "loss": 12.0, "tokens": 2 * s, "tokens_per_s": 40000.0,
                                           "peak_mem_gb": 70.0} for s in (1, 2)])
-    (qwen_ok / "config.yaml").write_text("data:\n  seq_len: 1048576\n")
-    (qwen_ok / "status.txt").write_text("ok\n")
+    (qwen_ok / "config.yaml").write_text("data:\n  seq_len: 1048576\ntrain:\n  max_steps: 2\n")
+    (qwen_ok / "status.txt").write_text("time box\n")  # every step ran; the box stopped its final save
+    qwen_short = _metrics(tmp_path / "q3", [{"step": 1, "loss": 12.0, "tokens": 3, "tokens_per_s": 9000.0,
+                                             "peak_mem_gb": 120.0}])
+    (qwen_short / "config.yaml").write_text("data:\n  seq_len: 2097152\ntrain:\n  max_steps: 2\n")
+    (qwen_short / "status.txt").write_text("time box\n")  # 1 of its 2 steps: not counted as trained
     qwen_oom = tmp_path / "q2"
     qwen_oom.mkdir()
     (qwen_oom / "config.yaml").write_text("data:\n  seq_len: 1572864\n")
     (qwen_oom / "status.txt").write_text("OOM\n")
     md = tmp_path / "summary.md"
     run = subprocess.run([sys.executable, "scripts/e2e4_table.py", "--pair", "256K", str(sparse), str(dense),
-                          "--target", "3", "--longest", str(qwen_ok), str(qwen_oom), "--out", str(md)],
+                          "--target", "3", "--longest", str(qwen_ok), str(qwen_oom), str(qwen_short), "--out", str(md)],
                          capture_output=True, text=True, cwd=REPO)
     assert run.returncode == 0, run.stderr
     text = md.read_text()
     assert "| mtraining | 3 | 300 | 420 |" in text and "| dense | 4 | 400 | 100 | 10.0 (10.0, 9.5) |" in text
     assert "**4.20x** (target >= 3x: met)" in text  # 420 / 100: the medians of the steps after 2
     assert "largest +0.50%" in text and "(within 1%)" in text and "unequal steps: mtraining 3, dense 4" in text
-    assert "| 1,048,576 | ok | 2 |" in text and "| 1,572,864 | OOM | 0 |" in text
+    assert "| 1,048,576 | time box in the final save, after its 2 steps | 2 |" in text
+    assert "| 1,572,864 | OOM | 0 |" in text and "| 2,097,152 | time box | 1 |" in text
     assert "longest that trained: **1,048,576 tokens** (target >= 1,048,576: met)" in text
 
 
