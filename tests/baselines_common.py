@@ -159,7 +159,7 @@ def _cp_case(rank, world, kind, layout_name, docs, results):
 
 
 def cp_worker(rank, world, init_file, out_dir, kind):
-    """mp.spawn target: every (layout, documents) case of `kind` on this rank; writes rank{N}.json."""
+    """run_ranks target: every (layout, documents) case of `kind` on this rank; writes rank{N}.json."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     results = {}
@@ -186,12 +186,12 @@ def cp_worker(rank, world, init_file, out_dir, kind):
 
 def run_cp(kind: str, tmp_path_factory) -> dict:
     """{case: [record per rank]} for CP 2 and 4 (one spawned gloo group each)."""
-    import torch.multiprocessing as mp
+    from ranks import run_ranks
 
     results: dict = {}
     for world in (2, 4):
         out_dir = tmp_path_factory.mktemp(f"{kind}{world}")
-        mp.spawn(cp_worker, args=(world, str(out_dir / "init"), str(out_dir), kind), nprocs=world, join=True)
+        run_ranks(cp_worker, world, (world, str(out_dir / "init"), str(out_dir), kind))
         for rank in range(world):
             with open(out_dir / f"rank{rank}.json") as f:
                 for case, record in json.load(f).items():

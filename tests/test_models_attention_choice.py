@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -480,9 +479,9 @@ def test_the_engine_reaches_the_sparse_kernels(monkeypatch, given, registered, s
 
 def test_cp2_ranks_agree_on_the_choice(tmp_path):
     out = tmp_path / "rows.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/workers/attention_choice.py", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    from ranks import run_script
+
+    proc = run_script(2, "tests/workers/attention_choice.py", str(out))  # as torchrun --standalone --nproc_per_node=2
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {r["pattern"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert rows["local"]["paths"] == ["sparse", "sparse"]

@@ -2,24 +2,20 @@
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from ranks import run_script
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run a worker under torchrun. A worker killed by SIGABRT from inside gloo ("terminate called without an
-    active exception", no Python traceback; seen about once in 20 full runs with 4 ranks on 2 busy cores) is run
-    once more; any other failure, or a second abort, is returned as it is."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr \
-            and "exitcode: -6" in proc.stderr and "Traceback (most recent call last)" not in proc.stderr.split(
-                "terminate called")[0]:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def torchrun(nproc: int, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run a worker script as `torchrun --standalone` would, its ranks forked from the server of tests/ranks.py
+    (torch, transformers and mtrain imported once). A rank killed by SIGABRT from inside gloo ("terminate called
+    without an active exception", no Python traceback; seen about once in 20 full runs with 4 ranks on 2 busy
+    cores) is run once more; any other failure, or a second abort, is returned as it is."""
+    proc = run_script(nproc, script, *args)
+    if proc.returncode != 0 and "exitcode: -6" in proc.stderr:
+        proc = run_script(nproc, script, *args)
     return proc
 
 

@@ -215,9 +215,9 @@ def test_cp_estimator_gives_the_single_device_lines_for_every_setting(tmp_path):
     """2 gloo ranks on the CPU; identical index and est_recall within 1e-5 (sums in another order)."""
     import json
 
-    import torch.multiprocessing as mp
+    from ranks import run_ranks
 
-    mp.spawn(_cp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    run_ranks(_cp_worker, 2, (2, str(tmp_path / "init"), str(tmp_path / "out")))
     for rank in range(2):
         for case, (same, err, density) in json.loads((tmp_path / f"out.{rank}").read_text()).items():
             assert same, f"rank {rank} {case}: the CP index differs from the single-device one"

@@ -1,7 +1,7 @@
 """The distributed estimate through the Triton scorer (run by the interpreter on gloo): every rank scores the sampled
 rows against its own key blocks, the rows' softmax normaliser is combined over ranks, and the lines equal one device's
 for every block-aligned layout, with documents and shared KV-group budgets; layouts that split blocks fall back to
-the torch scorer (the ranks are fresh processes started with TRITON_INTERPRET=1). Also the ring's fa4 engine falling
+the torch scorer (the ranks are forked from a server started with TRITON_INTERPRET=1, tests/ranks.py). Also the ring's fa4 engine falling
 back to our kernels where FA4 cannot run. (The fused merge kernel: tests/test_ops_merge_kernel.py.)"""
 
 from __future__ import annotations
@@ -87,12 +87,11 @@ def _worker(rank, world, layouts, init_file, out_file):
     dist.destroy_process_group()
 
 
-def _run(tmp_path, world, layouts, monkeypatch):
-    import torch.multiprocessing as mp
+def _run(tmp_path, world, layouts):
+    from ranks import run_ranks
 
-    # the spawned ranks start fresh processes: Triton's interpreter there, whatever this session imported
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    mp.spawn(_worker, args=(world, layouts, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=world, join=True)
+    # the ranks fork from a server that runs Triton's interpreter, whatever this session imported
+    run_ranks(_worker, world, (world, layouts, str(tmp_path / "init"), str(tmp_path / "out")), interpret=True)
     for rank in range(world):
         results = json.loads((tmp_path / f"out.{rank}").read_text())
         assert len(results) == len(layouts) * len(CASES)
@@ -104,13 +103,13 @@ def _run(tmp_path, world, layouts, monkeypatch):
             assert r.get("rows_same", True), f"CP={world} rank {rank} {case}: rank rows differ"
 
 
-def test_triton_cp_estimate_gives_one_devices_lines_cp2(tmp_path, monkeypatch):
-    _run(tmp_path, 2, ("block-stripe", "zigzag", "contiguous", "stripe"), monkeypatch)
+def test_triton_cp_estimate_gives_one_devices_lines_cp2(tmp_path):
+    _run(tmp_path, 2, ("block-stripe", "zigzag", "contiguous", "stripe"))
 
 
 @pytest.mark.slow
-def test_triton_cp_estimate_gives_one_devices_lines_cp4(tmp_path, monkeypatch):
-    _run(tmp_path, 4, ("block-stripe", "zigzag"), monkeypatch)
+def test_triton_cp_estimate_gives_one_devices_lines_cp4(tmp_path):
+    _run(tmp_path, 4, ("block-stripe", "zigzag"))
 
 
 def test_ring_fa4_engine_falls_back_where_fa4_cannot_run(single_process_group):

@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ranks import run_ranks
 
 SEQ, BLOCK, HQ, HKV, DIM = 512, 16, 4, 2, 16
 
@@ -58,8 +59,7 @@ def test_gathered_output_error_equals_one_device(tmp_path, world, layout_name, d
     exact = output_error(q.double(), k.double(), v.double(), index, rows, doc_ids=docs)  # the float64 reference
     assert float(exact[0]) > 0.05
     torch.testing.assert_close(want.double(), exact, rtol=1e-4, atol=0.0)
-    mp.spawn(_worker, args=(world, layout_name, documents, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-             join=True)
+    run_ranks(_worker, world, (world, layout_name, documents, str(tmp_path / "init"), str(tmp_path)))
     for rank in range(world):
         with open(tmp_path / f"rank{rank}.json") as f:
             got = torch.tensor(json.load(f), dtype=torch.float32)
@@ -121,7 +121,7 @@ def test_the_check_in_a_cp_layer_measures_one_devices_figure_and_decides_by_it()
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_layer_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
+        run_ranks(_layer_worker, 2, (2, os.path.join(tmp, "init"), tmp))
         records = []
         for rank in range(2):
             with open(os.path.join(tmp, f"layer{rank}.json")) as f:

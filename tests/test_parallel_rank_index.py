@@ -262,9 +262,9 @@ def _first_round_cases(rank, world, q, k) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_rank_index_rows_equal_the_global_rows(tmp_path, world):
-    import torch.multiprocessing as mp
+    from ranks import run_ranks
 
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=world, join=True)
+    run_ranks(_worker, world, (world, str(tmp_path / "init"), str(tmp_path / "out")))
     accepted = 0
     for rank in range(world):
         results = json.loads((tmp_path / f"out.{rank}").read_text())

@@ -11,7 +11,6 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mtrain.ops import SparseIndex
 from mtrain.parallel import LAYOUT_NAMES, Layout, SparseSettings, ring_attention
@@ -245,24 +244,15 @@ _WORLDS = {2: (), 4: (2,), 8: (4,)}  # world size -> node sizes of the hierarchi
 DOC_MODES = ("dense", "sparse", "estimate")  # with document ids (world 4: every layout, flat and 2x2)
 
 
-# What every rank imports, once, in the fork server the ranks are forked from: torch, this module (mtrain's ring) and
-# what the first backward pulls in (torch.fx's symbolic shapes, sympy). Spawned, each of the 14 ranks imported them
-# itself: ~10 s of CPU a rank, about half of the fixture's time on 2 cores. The server has run no torch op (no
-# OpenMP pool to inherit) and each rank still sets one thread and its own process group.
-_PRELOAD = [__name__, "torch.fx.experimental.symbolic_shapes", "mtrain.ops.partial_autograd", "mtrain.ops.estimate",
-            "mtrain.parallel.estimate"]
-
-
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
-    import multiprocessing
+    # the ranks fork from the server of tests/ranks.py, which imported torch and mtrain's ring once
+    from ranks import run_ranks
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)  # if this process starts the server
     results = {}
     for world, hierarchies in _WORLDS.items():
         out_dir = tmp_path_factory.mktemp(f"ring{world}")
-        mp.start_processes(_worker, args=(world, str(out_dir / "init"), str(out_dir), hierarchies), nprocs=world,
-                           join=True, start_method="forkserver")
+        run_ranks(_worker, world, (world, str(out_dir / "init"), str(out_dir), hierarchies))
         for rank in range(world):
             with open(out_dir / f"rank{rank}.json") as f:
                 for case, record in json.load(f).items():

@@ -9,7 +9,8 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ranks import run_ranks
 
 SEQ, BLOCK, HQ, HKV, DIM, WORLD = 256, 64, 2, 1, 16, 2
 
@@ -32,7 +33,7 @@ def _reference(q, k, v, mask, scale):
 
 
 def _worker(rank, init_file, out_dir):
-    os.environ["TRITON_INTERPRET"] = "1"  # before mtrain.ops' Triton module is imported in this process
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter's server (tests/ranks.py) runs the ranks
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     from mtrain.ops import partial
@@ -92,7 +93,7 @@ def _worker(rank, init_file, out_dir):
 
 
 def test_sparse_ring_reuses_cached_step_data_on_the_kernels(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(_worker, WORLD, (str(tmp_path / "init"), str(tmp_path)), interpret=True)
     for rank in range(WORLD):
         with open(tmp_path / f"rank{rank}.json") as f:
             record = json.load(f)

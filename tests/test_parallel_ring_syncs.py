@@ -90,13 +90,13 @@ def _worker(rank, world, init_file, out_file):
     dist.destroy_process_group()
 
 
-def test_estimated_sparse_ring_reads_back_at_most_once_per_call(tmp_path, monkeypatch):
+def test_estimated_sparse_ring_reads_back_at_most_once_per_call(tmp_path):
     """No syncing op in the estimated sparse ring's per-layer path; no host read at all where the lines' caps are
     small (`STATIC_WIDTH_BYTES`), else exactly one (the lists' widths, in rows_from_lines)."""
-    import torch.multiprocessing as mp
+    from ranks import run_ranks
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks run the scorer and steps' Triton kernels
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    # the ranks run the scorer and steps' Triton kernels: forked from the interpreter's server
+    run_ranks(_worker, 2, (2, str(tmp_path / "init"), str(tmp_path / "out")), interpret=True)
     for rank in range(2):
         got = json.loads((tmp_path / f"out.{rank}").read_text())
         for case in ("static", "read"):

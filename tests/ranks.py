@@ -1,0 +1,131 @@
+"""Gloo ranks for the multi-rank CPU tests, forked from a server that imported torch and mtrain once.
+
+Spawned, each rank imports torch, mtrain's ring and what the first backward pulls in (torch.fx's symbolic shapes,
+sympy) itself: ~4 s of CPU a rank, paid again by every test that starts ranks. `run_ranks` forks them instead from
+a fork server (multiprocessing's `forkserver`) that preloaded those modules and has run no torch op (no OpenMP pool
+to inherit); each rank still sets its own threads and process group.
+
+Two servers, each started on first use and kept for the session: one for compiled Triton (what the ranks of most
+tests run: torch kernels, no Triton at all), one started with TRITON_INTERPRET=1 for ranks that run our Triton
+kernels in the interpreter (triton.jit reads the variable when a kernel module is imported, so a rank cannot switch
+after the server imported them). The servers are this module's own, not multiprocessing's global one.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+# What the servers import before forking: a rank starts with torch, the ring and the estimate loaded (none of these
+# imports Triton).
+PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch.fx.experimental.symbolic_shapes",
+           "mtrain.parallel", "mtrain.parallel.estimate", "mtrain.parallel.plan", "mtrain.ops.partial_autograd",
+           "mtrain.ops.estimate", "mtrain.ops.recall"]
+
+# The interpreter's server imports Triton and our kernels too (interpreted: it runs with TRITON_INTERPRET=1).
+PRELOAD_INTERPRET = PRELOAD + ["triton", "mtrain.ops._triton_attention", "mtrain.ops._triton_estimate",
+                               "mtrain.ops._triton_index", "mtrain.ops._triton_merge"]
+
+# The worker scripts' server (tests/workers/: tiny HF models under CP) imports transformers and mtrain's models too.
+PRELOAD_MODELS = PRELOAD + ["transformers", "transformers.models.qwen2.modeling_qwen2",
+                            "transformers.models.llama.modeling_llama", "mtrain.models.registry", "mtrain.tiny",
+                            "mtrain.train.loss", "mtrain.config"]
+
+_SERVERS: dict[str, object] = {}
+
+
+def _server(kind: str):
+    """kind: "torch", "interpret" (TRITON_INTERPRET=1) or "models" (the worker scripts)."""
+    from multiprocessing import forkserver
+
+    interpret = kind == "interpret"
+    if kind not in _SERVERS:
+        server = forkserver.ForkServer()
+        preload = {"torch": PRELOAD, "interpret": PRELOAD_INTERPRET, "models": PRELOAD_MODELS}[kind]
+        server.set_forkserver_preload(preload)
+        saved = os.environ.pop("TRITON_INTERPRET", None)
+        if interpret:
+            os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            server.ensure_running()  # the server process takes this environment, and its ranks with it
+        finally:
+            os.environ.pop("TRITON_INTERPRET", None)
+            if saved is not None:
+                os.environ["TRITON_INTERPRET"] = saved
+        _SERVERS[kind] = server
+    return _SERVERS[kind]
+
+
+@contextmanager
+def _through(server):
+    """multiprocessing's forkserver Popen connects through the module function: point it at `server` meanwhile."""
+    from multiprocessing import forkserver
+
+    saved = forkserver.connect_to_new_process
+    forkserver.connect_to_new_process = server.connect_to_new_process
+    try:
+        yield
+    finally:
+        forkserver.connect_to_new_process = saved
+
+
+def _entry(rank, fn, env, args):
+    os.environ.update(env)
+    fn(rank, *args)
+
+
+def run_ranks(fn, world: int, args: tuple = (), *, interpret: bool = False, env: dict | None = None) -> None:
+    """Run `fn(rank, *args)` on `world` processes forked from the server, and wait for them (as `mp.spawn(fn,
+    args, nprocs=world, join=True)`; a rank's exception fails the call). `fn` must be importable by name (a
+    module-level function of a test module or helper). `env` is set in each rank before `fn` runs: the
+    parent's later environment does not reach a forked rank. `interpret`: the ranks run Triton's interpreter."""
+    import torch.multiprocessing as mp
+
+    server = _server("interpret" if interpret else "torch")
+    with _through(server):
+        mp.start_processes(_entry, args=(fn, dict(env or {}), tuple(args)), nprocs=world, join=True,
+                           start_method="forkserver")
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script_entry(rank, world, port, script, argv):
+    """A rank as torchrun --standalone starts one: its environment, one OpenMP thread, `python SCRIPT ARGS`."""
+    import runpy
+    import sys
+
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)  # torchrun sets OMP_NUM_THREADS=1 for several ranks; the server's OpenMP read none
+    os.chdir(REPO)
+    path = os.path.join(REPO, script)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))
+    runpy.run_path(path, run_name="__main__")
+
+
+def run_script(world: int, script: str, *argv: str):
+    """`torchrun --standalone --nproc_per_node=WORLD SCRIPT ARGV` (SCRIPT relative to the repository) with the ranks
+    forked from the models' server. Returns a subprocess.CompletedProcess: returncode 0, or 1 with the failing rank's
+    traceback (or its signal, as torchrun's "exitcode: -N") in stderr."""
+    import socket
+    import subprocess
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:  # a free port for the ranks' store (torchrun --standalone picks one too)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    try:
+        with _through(_server("models")):
+            mp.start_processes(_script_entry, args=(world, port, script, tuple(argv)), nprocs=world, join=True,
+                               start_method="forkserver")
+    except mp.ProcessExitedException as err:
+        return subprocess.CompletedProcess(script, 1, "", f"{err}\nexitcode: {err.exit_code}\n")
+    except mp.ProcessRaisedException as err:
+        return subprocess.CompletedProcess(script, 1, "", str(err))
+    return subprocess.CompletedProcess(script, 0, "", "")
