@@ -230,7 +230,8 @@ def _estimate_triton(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings,
     return v_heads, slash, covered / n
 
 
-def _use_triton(scorer: str, q: torch.Tensor, block_size: int, key_blocks) -> bool:
+def use_triton_scorer(scorer: str, q: torch.Tensor, block_size: int, key_blocks) -> bool:
+    """Whether `scorer` ("auto", "torch", "triton") scores with the Triton kernels for these inputs."""
     if scorer not in ("auto", "torch", "triton"):
         raise MtrainError(f"scorer must be 'auto', 'torch' or 'triton'; got {scorer!r}")
     if scorer == "torch":
@@ -335,7 +336,7 @@ def _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_i
     from which the caller measures the recall inside the index it builds."""
     if key_blocks is None and scorer != "torch":
         key_blocks = shard_key_blocks(k_pos, settings.block_size)
-    if _use_triton(scorer, q, settings.block_size, key_blocks):
+    if use_triton_scorer(scorer, q, settings.block_size, key_blocks):
         vertical, slash, recall = _estimate_triton(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids,
                                                    key_blocks)
         return vertical, slash, recall, None
@@ -432,10 +433,27 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
     ring plan built from the index reads nothing back: where lists as wide as the lines allow take at most
     `STATIC_WIDTH_BYTES` (small caps), those widths, with no host read at all (`rows_from_lines(bound_widths=
     "static")`); else bounds from one host read (`bound_widths=True`)."""
+    lines = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks)
+    return rank_index_from_lines(lines, q_pos, k_pos, seq_len, settings, group, rows=rows)
+
+
+def estimate_rank_lines(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
+                        doc_ids: torch.Tensor | None = None, key_blocks: torch.Tensor | None = None):
+    """The first half of `estimate_rank_index` with the Triton scorer: (vertical, slash, est_recall, None), the
+    lines every rank agrees on. No host read where the vertical exchange takes one round (CP groups of at most
+    FIRST_ROUND ranks, or shards short against the cap), at any cap: a CUDA graph can hold it where it cannot hold
+    the index the lines make (`rank_index_from_lines` reads the lists' widths back at large caps)."""
+    return _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, "triton", key_blocks)
+
+
+def rank_index_from_lines(lines, q_pos, k_pos, seq_len: int, settings: SparseSettings, group, *,
+                          rows: torch.Tensor | None = None):
+    """The second half of `estimate_rank_index`: this rank's RowIndex from `lines` = (vertical, slash, est_recall,
+    torch_parts) as `_lines_and_recall` gives them (est_recall None and torch_parts set by the torch scorer, whose
+    recall is measured here inside the index)."""
     from mtrain.ops.index import rows_from_lines
 
-    vertical, slash, recall, parts = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids,
-                                                       scorer, key_blocks)
+    vertical, slash, recall, parts = lines
     bs = settings.block_size
     rows = rank_rows(q_pos, bs) if rows is None else rows
     also = () if recall is None else (recall.double().mean(),)  # what a layer's dense/sparse choice reads

@@ -5,7 +5,9 @@ kernels and five collectives per layer from Python, and on the GPU the host, not
 pace. Its shapes depend only on the input shapes, the settings and the layout, so one capture per key serves every
 layer and step, as the one-device estimate's graph does (`mtrain.ops.graphed`): q and k are copied into the graph's
 buffers, the graph (the Triton scorer, the collectives, the rank's index rows) is replayed, and the index is copied
-out.
+out. Where the index reads its lists' widths back (caps whose cap-wide lists would pass
+`mtrain.parallel.estimate.STATIC_WIDTH_BYTES`, as the recipes' 16,384-line caps do), the graph holds the lines alone
+and the index is built from them eagerly after each replay.
 
 Every rank of the group must make the same calls in the same order (they do: the same layers with the same shapes).
 The first call with a key runs eagerly; the second captures on every rank, replays once and compares with an eager
@@ -48,20 +50,22 @@ atexit.register(release_graphs)
 
 
 class _RankGraph:
-    """One captured `estimate_rank_index` call: its q / k (and document ids) buffers and the index its replays
-    write, packed into one buffer (the rank's row list `rows` stays the caller's cached tensor: plans test it by
-    identity)."""
+    """One captured call of the estimate: its q / k (and document ids) buffers and what its replays write, packed
+    into one buffer (tensors in `keep`, such as the rank's cached row list that plans test by identity, stay the
+    caller's). `lines_only`: the graph holds `estimate_rank_lines` and the caller builds the index from its lines
+    eagerly (`rank_index_from_lines`), where that build reads the lists' widths back (large caps)."""
 
-    def __init__(self, call, q, k, doc_ids, keep, held):
+    def __init__(self, call, q, k, doc_ids, keep, held, lines_only: bool):
         self.held = held  # tensors the graph reads in place (positions, row and key-block lists): alive with it
+        self.lines_only = lines_only
         self.q, self.k = q.detach().clone(), k.detach().clone()
         self.doc_ids = None if doc_ids is None else doc_ids.clone()
 
         def run():
-            index = call(self.q, self.k, self.doc_ids)
-            return index, PackedTree(index, keep=keep)
+            out = call(self.q, self.k, self.doc_ids)
+            return out, PackedTree(out, keep=keep)
 
-        self.graph, (self.index, self.packed) = capture(run)
+        self.graph, (self.out, self.packed) = capture(run)
 
     def __call__(self, q, k, doc_ids):
         self.q.copy_(q)
@@ -77,15 +81,27 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
     """`mtrain.parallel.estimate.estimate_rank_index(q, k, positions, positions, ...)` for this rank's shard, replayed
     from a CUDA graph where GRAPH_RING_ESTIMATE is on and the tensors are on CUDA (see the module's docstring); else
     the eager call. rows / key_blocks: the rank's cached query-block rows and key blocks (`mtrain.parallel.plan`);
-    layout_key: what identifies the layout and rank (part of the graph's key)."""
-    from mtrain.parallel.estimate import estimate_rank_index
+    layout_key: what identifies the layout and rank (part of the graph's key). Where the index of these lines reads
+    the lists' widths back (`rank_list_widths`: large caps), the graph holds the lines alone and the index is built
+    from them eagerly after each replay."""
+    from mtrain.parallel.estimate import (estimate_rank_index, estimate_rank_lines, rank_index_from_lines,
+                                          rank_list_widths, use_triton_scorer)
 
     def call(qq, kk, dd):
         return estimate_rank_index(qq, kk, positions, positions, seq_len, settings, scale, group, doc_ids=dd,
                                    rows=rows, key_blocks=key_blocks)
 
+    def lines(qq, kk, dd):
+        return estimate_rank_lines(qq, kk, positions, positions, seq_len, settings, scale, group, doc_ids=dd,
+                                   key_blocks=key_blocks)
+
+    def index_of(found):
+        return rank_index_from_lines(found, positions, positions, seq_len, settings, group, rows=rows)
+
     if not (GRAPH_RING_ESTIMATE and q.is_cuda) or torch.cuda.is_current_stream_capturing():
         return call(q, k, doc_ids)
+    if key_blocks is None or not use_triton_scorer("auto", q, settings.block_size, key_blocks):
+        return call(q, k, doc_ids)  # the torch scorer reads back (torch.unique): never captured
     # the graph reads positions, rows and key_blocks where they are (the callers' cached tensors): the key holds
     # their identities, and the graph holds them alive, so a replay never reads memory they no longer own
     held = (positions, rows, key_blocks)
@@ -93,14 +109,21 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
            seq_len, settings, float(scale), layout_key, dist.get_world_size(group), tuple(map(id, held)))
     graph = _GRAPHS.graph(key)
     if graph is not None:
-        return graph(q, k, doc_ids)
+        return index_of(graph(q, k, doc_ids)) if graph.lines_only else graph(q, k, doc_ids)
     if not _GRAPHS.capture_due(key):
         return call(q, k, doc_ids)
-    eager = call(q, k, doc_ids)
+    eager_lines = lines(q, k, doc_ids)
+    lines_only = rank_list_widths(eager_lines[0], eager_lines[1], rows.numel()) != "static"
+    eager = index_of(eager_lines)
     graph, problem = None, None
     try:
-        graph = _RankGraph(call, q, k, doc_ids, keep=(rows, positions), held=held)
-        if not same_tree(graph(q, k, doc_ids), eager):
+        if lines_only:
+            graph = _RankGraph(lines, q, k, doc_ids, keep=(), held=held, lines_only=True)
+            same = same_tree(graph(q, k, doc_ids), eager_lines)
+        else:
+            graph = _RankGraph(call, q, k, doc_ids, keep=(rows, positions), held=held, lines_only=False)
+            same = same_tree(graph(q, k, doc_ids), eager)
+        if not same:
             problem = "its replay differs from the eager estimate"
     except Exception as exc:  # an op that cannot be captured (a host read where the lists need one, say)
         problem = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
@@ -112,5 +135,6 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
                       f"({problem or 'another rank failed'}); it runs eagerly")
         return eager
     _GRAPHS.keep(key, graph, MAX_GRAPHS)
-    log.info("context-parallel estimate captured as a CUDA graph for q %s", tuple(q.shape))
+    log.info("context-parallel estimate captured as a CUDA graph for q %s (%s)", tuple(q.shape),
+             "its lines; the index eagerly" if lines_only else "lines and index")
     return eager
