@@ -263,3 +263,19 @@ def test_cp2_ranks_widen_alike(tmp_path):
         assert not row["held"], row
     assert [(r["ranks"][0][:3], r["scale_after"]) for r in rows] == [
         (["dense", 1, True], 2), (["dense", 2, True], 4), (["dense", 4, True], 8), (["sparse", 8, False], 8)]
+
+
+def test_the_real_model_benchmark_settles_a_layers_caps_before_it_decides():
+    """`mtrain.bench.real.training_choice` runs a recall-short layer until widening stops (scales 2, 4, 8), so the
+    path it reports is the one training settles on, and it leaves the settled scale in CONTEXT.cap_scale for the
+    perplexity pass at that length; a layer that does not bind is decided in one call at the recipe's caps."""
+    from mtrain.bench.real import training_choice
+
+    q, k, v = inputs("local")  # [1, S, H, D], as the benchmark captures them
+    scale = q.shape[-1] ** -0.5
+    assert training_choice(5, q, k, v, SHORT, scale) == "sparse"
+    assert CONTEXT.cap_scale[5] == 8  # short at 1x, 2x and 4x (this module's docstring), sparse at 8x
+    assert not CONTEXT.dense_until and not CONTEXT.layers  # holds and records left as they were found
+    assert training_choice(7, q, k, v, TINY, scale) == "dense"  # still short at 8x: dense, as training holds it
+    assert CONTEXT.cap_scale[7] == 8
+    assert training_choice(6, q, k, v, COVERING, scale) == "sparse" and CONTEXT.cap_scale.get(6, 1) == 1

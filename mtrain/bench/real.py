@@ -226,6 +226,10 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until, CONTEXT.step
     try:
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = 0, {}, {}, {}
+        # the caps this layer's training settles on (attention.widen_caps), kept in CONTEXT.cap_scale for the
+        # perplexity pass at this length, which then runs the layer as it was timed
+        CONTEXT.cap_scale.pop(layer, None)
+        _settle_caps(_fwd_bwd(as_trained, q, k, v, dout), marks[1])
         mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters, warmup=3, back_to_back=True)  # graph captured first
         path = _last_path(marks[1], policy)
         last = CONTEXT.layers[-1] if len(CONTEXT.layers) > marks[1] else None
@@ -298,6 +302,20 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     )
 
 
+def _settle_caps(step, mark: int) -> None:
+    """Run the layer's training call until cap widening (`mtrain.models.policy.widen`) stops widening it, as the
+    first steps of a run do, so that the timed calls all run at the caps training settles on (at most
+    log2(MAX_CAP_SCALE) + 1 calls; none beyond the first where the layer is not widened)."""
+    from mtrain.models.context import CONTEXT
+    from mtrain.models.policy import MAX_CAP_SCALE
+
+    for _ in range(MAX_CAP_SCALE.bit_length()):
+        before = len(CONTEXT.layers)
+        step()
+        if not any(record.widened for record in CONTEXT.layers[max(before, mark):]):
+            return
+
+
 def _last_path(mark: int, policy: str) -> str:
     """The path of the last mtrain attention call since CONTEXT.layers had `mark` records (policy "never" records
     nothing: dense)."""
@@ -312,7 +330,8 @@ def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "
                     max_error=None) -> str:
     """The path ("sparse" / "dense") mtrain's attention takes for this layer's captured q/k/v [1, S, H, D] when a
     training step calls it (module in training mode: the cost model prices forward + backward), from one untimed
-    call; for the layers `measure_layer` does not time. Leaves the policy state as it found it."""
+    call; for the layers `measure_layer` does not time. Leaves the policy state as it found it, but for the caps the
+    layer settles on under cap widening (CONTEXT.cap_scale, which the perplexity pass then runs it at)."""
     from mtrain.models.attention import mtrain_attention
     from mtrain.models.context import CONTEXT
 
@@ -324,9 +343,14 @@ def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "
     saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until
     try:
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = 0, {}, {}, {}
-        with torch.no_grad():
-            mtrain_attention(_Layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, scaling=scale,
-                             settings=settings, policy=policy, engine=engine, max_error=max_error)
+        CONTEXT.cap_scale.pop(layer, None)
+
+        def call():
+            with torch.no_grad():
+                mtrain_attention(_Layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                                 scaling=scale, settings=settings, policy=policy, engine=engine, max_error=max_error)
+
+        _settle_caps(call, marks[1])  # the caps training settles on stay in CONTEXT.cap_scale, as measure_layer's
         return _last_path(marks[1], policy)
     finally:
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = saved
