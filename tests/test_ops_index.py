@@ -113,6 +113,23 @@ def test_column_plan_with_a_known_width_lists_the_same_pairs(chunk):
     assert torch.equal(got.counts[..., : want.counts.shape[-1]], want.counts)
 
 
+@pytest.mark.parametrize("width", [None, 11])
+def test_column_plan_from_a_base_equals_the_whole_key_range(width):
+    """Columns that all lie at or after key `base` (the ring's gathered column slots): the plan built over keys
+    base.. (`base=`) equals the one over every key, universe positions included."""
+    gen = torch.Generator().manual_seed(3)
+    S, bs, base = 160, 16, 96
+    index = SparseIndex.from_lines(torch.randint(-3, S, (2, 3, 11), generator=gen),
+                                   torch.randint(0, S, (2, 3, 4), generator=gen), S, bs)
+    shift = 200  # the lists' columns moved to keys base.. of a longer key range
+    col_ids = torch.where(index.col_ids >= 0, index.col_ids + shift, -1).to(index.col_ids.dtype)
+    want = column_plan(col_ids, index.col_counts, S + shift, 4, width=width)
+    got = column_plan(col_ids, index.col_counts, S + shift, 4, width=width, base=base)
+    for field in ("universe", "q_ids", "bits", "counts"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert int(got.universe.max()) >= shift  # the universe holds key positions, not positions from base
+
+
 def test_compact_keeps_order_and_pads():
     flags = torch.tensor([[True, False, True, True], [False, False, False, False]])
     ids, counts = compact(flags)

@@ -9,7 +9,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mtrain.ops._triton_estimate import dot_precision
-from mtrain.ops.index import BOUNDED, ColumnPlan, column_plan, compact, transpose_blocks_csr
+from mtrain.ops.index import BOUNDED, COLUMN_BASE, ColumnPlan, column_plan, compact, transpose_blocks_csr
 from mtrain.ops.lists import doc_ranges, left_pack
 
 _LOG2E = 1.4426950408889634
@@ -887,8 +887,10 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     if has_cols:
         chunk = min(_tile(block_size), 64)
         sub = _subtiles(block_size, "col", D, _tile_cap(q))
+        base = plans.get(COLUMN_BASE, 0)  # the columns lie at keys base.. (the ring's gathered column slots)
         if ("c", chunk) not in plans:
-            plans[("c", chunk)] = column_plan(ci, cc, Sk, chunk, width=ci.shape[-1] if plans.get(BOUNDED) else None)
+            plans[("c", chunk)] = column_plan(ci, cc, Sk, chunk, width=ci.shape[-1] if plans.get(BOUNDED) else None,
+                                              base=base)
         plan = plans[("c", chunk)]
         universe = plan.universe
         u_cap = universe.shape[-1]
@@ -910,7 +912,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             HAS_DOC=has_doc, DQ_ATOMIC=fused, **_opts(q, "col", max(sub["QT"], chunk)),
         )
         _reduce(dkc, dvc, extra_k, extra_v, col_plan, dkc.stride(2), chunk, chunk, D)
-        column_add(dk, dv, dkc, dvc, universe_slots(plan, Sk, plans), group)
+        column_add(dk[:, base:], dv[:, base:], dkc, dvc, universe_slots(plan, Sk, plans, base), group)
     if grad_init is not None and not plans.get(NO_BLOCKS):  # the fp32 dK/dV into grad_init's tensors
         grad_init[1].copy_(dk)
         grad_init[2].copy_(dv)
@@ -1056,19 +1058,20 @@ def _reduce(dst_k, dst_v, extra_k, extra_v, plan, row_stride, rows, sub, D) -> N
 _COLUMN_ADD_KEYS = 64
 
 
-def universe_slots(plan: ColumnPlan, seq_k: int, plans: dict) -> torch.Tensor:
-    """[B, H, seq_k] int32: each key's slot in head h's column universe (`plan.universe` [B, H, U], -1 padded), -1
-    where it is not one of h's columns (cached in `plans` beside the plan; one fill and one scatter, no host
-    synchronisation)."""
-    key = ("slots", plan.chunk, seq_k)
+def universe_slots(plan: ColumnPlan, seq_k: int, plans: dict, base: int = 0) -> torch.Tensor:
+    """[B, H, seq_k - base] int32: each key's (from key `base` on) slot in head h's column universe (`plan.universe`
+    [B, H, U], -1 padded), -1 where it is not one of h's columns (cached in `plans` beside the plan; one fill and one
+    scatter, no host synchronisation)."""
+    key = ("slots", plan.chunk, seq_k, base)
     if key not in plans:
         universe = plan.universe
         B, H, U = universe.shape
-        u = universe.long()
-        slots = torch.full((B, H, seq_k + 1), -1, dtype=torch.int32, device=universe.device)
-        at = torch.where((u >= 0) & (u < seq_k), u, seq_k)  # padding lands in the spare last slot
+        u = universe.long() - base
+        n = seq_k - base
+        slots = torch.full((B, H, n + 1), -1, dtype=torch.int32, device=universe.device)
+        at = torch.where((u >= 0) & (u < n), u, n)  # padding lands in the spare last slot
         slots.scatter_(-1, at, torch.arange(U, dtype=torch.int32, device=universe.device).expand(B, H, U))
-        plans[key] = slots[..., :seq_k]
+        plans[key] = slots[..., :n]
     return plans[key]
 
 

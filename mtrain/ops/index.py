@@ -3,6 +3,8 @@ the extra vertical key columns, plus the transposed views the deterministic back
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +16,11 @@ import torch
 # transposed lists sort every slot, and a head's column universe fits in its column lists' width (its columns are
 # the sink block's and its verticals', every row drawing from them).
 BOUNDED = "bounded"
+
+# Flag of a kernels' `plans` dict: every column of the call's lists lies at or after this key position (the ring's
+# gathered columns sit in slots after the keys of the shards), so the column plan and the columns' dK/dV fold work
+# on the keys from there on instead of the whole key range.
+COLUMN_BASE = "column_base"
 
 
 def compact(flags: torch.Tensor, values: torch.Tensor | None = None,
@@ -163,13 +170,20 @@ class ColumnPlan:
 
 
 def column_plan(col_ids: torch.Tensor, col_counts: torch.Tensor, seq_k: int, chunk: int,
-                width: int | None = None) -> ColumnPlan:
+                width: int | None = None, base: int = 0) -> ColumnPlan:
     """Build the `ColumnPlan` of per-query-block column lists (see `ColumnPlan`); chunk <= 64.
     width: a bound the caller knows on each head's distinct columns (the universe's width; e.g. the lists' width
     when every row of a head draws from the same columns): then no host synchronisation, and the plan's
-    q_ids are as wide as the query blocks."""
+    q_ids are as wide as the query blocks. base: every listed column is at or after this key position (the
+    caller's promise, `COLUMN_BASE`); the plan is built over keys base..seq_k - 1 (its universe still holds key
+    positions)."""
     if not 1 <= chunk <= 64:
         raise ValueError(f"column chunk must be in 1..64 (one int64 bit mask per entry); got {chunk}")
+    if base:
+        shifted = torch.where(col_ids >= base, col_ids - base, -1).to(col_ids.dtype)
+        plan = column_plan(shifted, col_counts, seq_k - base, chunk, width)
+        universe = torch.where(plan.universe >= 0, plan.universe + base, -1).to(plan.universe.dtype)
+        return dataclasses.replace(plan, universe=universe)
     B, H, nqb, maxc = col_ids.shape
     dev = col_ids.device
     slot = torch.arange(maxc, device=dev)

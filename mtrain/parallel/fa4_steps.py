@@ -97,11 +97,11 @@ def step_lists(plan: RingPlan, origin: int, q: torch.Tensor, k: torch.Tensor) ->
     no_blocks = (torch.full((b, h, nq, 1), -1, dtype=torch.int32, device=dev),
                  torch.zeros(b, h, nq, dtype=torch.int32, device=dev))
     from mtrain.ops._triton_attention import NO_BLOCKS
-    from mtrain.ops.index import BOUNDED
+    from mtrain.ops.index import BOUNDED, COLUMN_BASE
 
     lists = StepLists(sparse_tensors(mask_cnt, mask_idx, full_cnt, full_idx, bs),
                       sparse_tensors(mask_q_cnt, mask_q_idx, full_q_cnt, full_q_idx, bs),
-                      no_blocks, {NO_BLOCKS: True, BOUNDED: plan.bounded})
+                      no_blocks, {NO_BLOCKS: True, BOUNDED: plan.bounded, COLUMN_BASE: plan.column_base(origin)})
     cache["fa4"] = lists
     return lists
 

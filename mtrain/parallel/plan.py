@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtrain.errors import MtrainError
-from mtrain.ops.index import BOUNDED, RowIndex, group_counts
+from mtrain.ops.index import BOUNDED, COLUMN_BASE, RowIndex, group_counts
 from mtrain.parallel.dense_rects import Rect, dense_rects
 from mtrain.parallel.layout import Layout
 
@@ -118,7 +118,20 @@ class RingPlan:
         key = (origin, q.shape[0], q.shape[2], k.shape[2], q.shape[3])
         if key not in self.kernel_caches:
             self.kernel_caches[key] = {BOUNDED: True} if self.bounded and self.steps.get(origin) is not None else {}
+            base = self.column_base(origin)
+            if base:
+                self.kernel_caches[key][COLUMN_BASE] = base
         return self.kernel_caches[key]
+
+    def column_base(self, origin: int) -> int:
+        """The first key of the step's gathered columns (appended after its keys: the shard's on the ring's column
+        step, the group's W shards on the gathered one), 0 for a step without columns: every column id of the step's
+        lists is at least this (`mtrain.ops.index.COLUMN_BASE`)."""
+        step = self.steps.get(origin)
+        if step is None or step.columns is None:
+            return 0
+        n_local = self.positions[self.rank].numel()
+        return n_local * len(self.positions) if self.gather_slots is not None else n_local
 
 
 @functools.lru_cache(maxsize=16)
