@@ -59,8 +59,8 @@ def say_engine(engine: str, q, block_size: int) -> str:
 def _deterministic_backward(engine: str) -> bool:
     """Whether a sparse layer's backward must be bitwise repeatable. Our Triton kernels always run their
     deterministic backward (as fast as the atomic one at head dim 64, faster at 128: BENCHMARKS.md); FlashAttention-4
-    has none on Hopper, so the fa4 engine runs FA4's own atomic backward (7.4 + 30.2 ms against 37.9 with ours at 128K,
-    16 q / 2 KV x 128, 5% of pairs) unless the run asked for deterministic algorithms (train.deterministic)."""
+    has none on Hopper, so the fa4 engine runs FA4's own atomic backward (the faster one there: BENCHMARKS.md,
+    "Must-show status (issue #13)") unless the run asked for deterministic algorithms (train.deterministic)."""
     return engine != "fa4" or torch.are_deterministic_algorithms_enabled()
 
 

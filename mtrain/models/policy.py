@@ -19,19 +19,18 @@ SPARSE_POLICIES = ("auto", "always", "never")
 
 
 # Under "auto", a layer whose estimate (mean over heads) falls short of the recall target by more than this runs
-# dense, whatever the cost model says: its caps bind, so the pattern it may list cannot hold the mass. On
-# SmolLM2-135M at 128K (H200, 2026-11-24) the layer means of the estimate were within 0.02 of the true recall;
-# at target 0.99 this rule sends 2 of 30 layers dense (estimates 0.84 and 0.94). The per-head minimum at slack
-# 0.02, tried first, sent 20 layers dense (true layer recalls 0.93-0.99) and the model ran at 1.01x dense;
-# replayed on that run's per-layer times, this rule gives 1.83x, mean recall 0.98, worst layer 0.954.
+# dense (or, with attention.widen_caps, estimates again with wider caps: `widen`), whatever the cost model says: its
+# caps bind, so the pattern it may list cannot hold the mass. The layer mean, not the per-head minimum: on the real
+# model the layer means of the estimate track the true recall closely, while a per-head rule sent most layers dense
+# for little recall (BENCHMARKS.md, the real model's one-GPU runs of 2026-11-24 in docs/benchmarks-history.md).
 RECALL_SLACK = 0.04
 
 
 # Under "auto" on one device, a layer's choice reads the work counts and estimated recall of that layer's previous
 # estimate (same shapes; one step old in training), copied to the host without waiting, instead of its own: reading
 # its own makes the host wait for the GPU to finish the estimate before it can queue the attention kernels, and at
-# 32K on SmolLM2 (H200, fa4 engine) the host's work after that wait (the kernels' launches) cost about as much as
-# the estimate itself. A layer's first estimate (per shape) is read directly. The
+# short lengths the host's work after that wait (the kernels' launches) costs about as much as the estimate itself.
+# A layer's first estimate (per shape) is read directly. The
 # pattern, and so the choice, moves slowly in training (the premise of dense_hold as well). False: read each
 # estimate itself.
 LAGGED_CHOICE = True

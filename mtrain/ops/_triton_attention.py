@@ -580,13 +580,14 @@ def _tile(block_size: int) -> int:
 
 # Kernel sub-tiles (query rows, keys) per kernel for index blocks larger than them: a 128- or 256-token
 # index block runs as 64-row query tiles against 64-key tiles, except dK/dV, whose programs hold 128 keys
-# and loop over 64-row query tiles (the fastest on the H200 at 128K with 128-token blocks, head dim 128: BENCHMARKS.md
-# "Launch choices recorded in the kernels"). A block that is not a multiple of the sub-tile runs as one padded tile.
+# and loop over 64-row query tiles (the fastest measured with 128-token blocks and head dim 128: BENCHMARKS.md,
+# "Kernels: variants tried, launch settings, work split"). A block that is not a multiple of the sub-tile runs as
+# one padded tile.
 SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (32, 64), "colfwd": (128, 32),
            "coldq": (64, 32)}
 # Head dims <= 64 (less matrix work per tile): the forward runs a 128-token block as one 128-row query tile with
-# 4 warps (faster on the H200 with SmolLM2's 9 q / 3 KV heads x 64 at 128-token blocks, bit for bit the same;
-# mtrain/bench/dev/bench_kernel_variants.py). The dQ and dK/dV choices above measured best there too.
+# 4 warps (faster with SmolLM2's 9 q / 3 KV heads x 64 at 128-token blocks, bit for bit the same;
+# mtrain/bench/dev/bench_kernel_variants.py). The dQ and dK/dV choices above are the fastest there too.
 SUBTILE_SMALL_HEADS = {"fwd": (128, 64), "colfwd": (128, 64)}
 # "colfwd" / "coldq": the forward and dQ passes of a column-only index (plans[NO_BLOCKS], the fa4 engine's
 # columns): a few gathered key columns per query tile, where the list-walking passes read whole key blocks.
@@ -616,7 +617,7 @@ def _subtile(block_size: int, want: int) -> int:
 
 
 # Sub-tile sides for fp32 inputs on CUDA at most: their tf32x3 dots (`_prec`) keep split copies of each operand in
-# shared memory, and 64-wide tiles at head dim 128 asked for 256-448 KB of the H200's 227 KB even at one stage.
+# shared memory, and 64-wide tiles at head dim 128 ask for more than a Hopper SM's shared memory even at one stage.
 FP32_TILE = 32
 
 
@@ -840,11 +841,9 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
     # rows' dout anyway); the fused backward has no dQ pass.
     delta = row_delta(dout, out) if fused else torch.empty_like(lse)
     # The backward without `deterministic` (fused): the dK/dV passes of the deterministic backward also add each
-    # tile's dQ share with fp32 atomics, so no dQ pass recomputes the scores. Measured on the H200 (BENCHMARKS.md,
-    # 2026-11-25): about as fast as the deterministic backward at head dim 64 (kernels 0.99-1.05x over SmolLM2's 30
-    # layers at 32K-128K), 1.0-1.6x slower at head dim 128 (the dQ atomics); the earlier atomic engine (a dQ pass adding
-    # dK/dV with atomics, contended by every query block and GQA head) was 5.5-9.5x slower and is gone. Training
-    # uses the deterministic backward.
+    # tile's dQ share with fp32 atomics, so no dQ pass recomputes the scores: about as fast as the deterministic
+    # backward at head dim 64, slower at head dim 128 (the dQ atomics; BENCHMARKS.md, "Kernels: variants tried").
+    # Training uses the deterministic backward.
     dq_init = None
     if grad_init is not None:  # (partial.attention_backward checked shapes, contiguity and deterministic)
         dq = dq_init = grad_init[0]  # the dQ pass reads each row's dq and stores the sum in place

@@ -14,14 +14,14 @@ from mtrain.ops.partial_autograd import partial_attention
 
 
 # Index block sizes for which impl="auto" on CUDA runs FlexAttention instead of our Triton kernels, i.e.
-# where Flex driven by our index was measured faster (index + forward + backward). None: on the H200 at
-# 128K (Qwen2.5-3B heads, bf16) our kernels beat Flex on the identical 128-token-block mask, and Flex's backward does
-# not lower for 64-token blocks with its default configurations, while ours run them (mtrain/bench/attention.py;
-# the figures: BENCHMARKS.md, one-GPU attention on synthetic inputs).
+# where Flex driven by our index was measured faster (index + forward + backward). None: our kernels beat Flex on
+# the identical 128-token-block mask, and Flex's backward does not lower for 64-token blocks with its default
+# configurations, while ours run them (mtrain/bench/attention.py; BENCHMARKS.md, one-GPU attention on synthetic
+# inputs).
 AUTO_FLEX_BLOCK_SIZES: frozenset[int] = frozenset()
 # Index block sizes for which impl="auto" runs the fa4 engine (FlashAttention-4 for the listed blocks) where FA4 is
-# installed, on a GPU of compute capability >= 9, with 16-bit inputs: faster than our kernels alone on the H200 at
-# 128-token blocks, on synthetic inputs and on SmolLM2's whole model (BENCHMARKS.md, one-GPU attention).
+# installed, on a GPU of compute capability >= 9, with 16-bit inputs: faster than our kernels alone at 128-token
+# blocks, on synthetic inputs and on SmolLM2's whole model (BENCHMARKS.md, one-GPU attention).
 # FA4's SM90 backward runs only 128-token key blocks.
 AUTO_FA4_BLOCK_SIZES: frozenset[int] = frozenset({128})
 

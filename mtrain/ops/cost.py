@@ -14,15 +14,12 @@ import math
 import os
 from dataclasses import dataclass
 
-# A layer runs sparse only when sparse is predicted at most this fraction of dense: the fits below are off by
-# up to ~15% (35% on the smallest sparse calls), and a wrong "sparse" costs more than a wrong "dense" (a dense
-# layer is exact and at worst as slow as dense).
+# A layer runs sparse only when sparse is predicted at most this fraction of dense: the fits below are off by up
+# to about this much on small sparse calls, and a wrong "sparse" costs more than a wrong "dense" (a dense layer is
+# exact and at worst as slow as dense). How well the fits predict index shapes they never saw, and how often the
+# choice was the faster path (`mtrain bench cost --validate`): BENCHMARKS.md, "Cost model of the per-layer
+# sparse/dense choice". The estimate is not in that check: it is paid before the choice (see `worth_estimating`).
 SPARSE_MARGIN = 0.85
-# Checked on index shapes the fits never saw (`mtrain bench cost --validate`, H200, 2026-11-23, twice:
-# random slashes + verticals, 32K-128K, heads 9 x 64 and 16 x 128, densities 3-100%): predicted index + forward
-# + backward within ~7% of the measured; 23 of 25 choices optimal, the other two picked dense where sparse was
-# 6-14% faster (near break-even, inside the margin); no choice ran slower than dense. The estimate is not in
-# that check: it is paid before the choice (see `worth_estimating`).
 
 @dataclass(frozen=True)
 class CostTable:

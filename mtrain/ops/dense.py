@@ -41,7 +41,7 @@ def _sdpa(q, k, v, causal, scale):
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    # cuDNN first: the fastest causal fwd+bwd of SDPA's backends on the H200 at long context (BENCHMARKS.md).
+    # cuDNN first: the fastest causal fwd+bwd of SDPA's backends at long context on Hopper (BENCHMARKS.md).
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
              SDPBackend.MATH]
     with sdpa_kernel(order, set_priority=True):

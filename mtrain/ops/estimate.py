@@ -16,8 +16,8 @@ from mtrain.ops.index import SparseIndex
 
 def sample_height(block_size: int, sample_rows: int | None) -> int:
     """Rows scored per sampled query block: sample_rows (at most block_size), or the whole block when None. (64-row
-    samples of 128-token blocks, the 64-token default's rows, were measured on SmolLM2 with the fa4 engine: no
-    faster within run-to-run noise, and perplexity at 64K +1.36% against +0.59%; BENCHMARKS.md.)"""
+    samples of 128-token blocks, the 64-token default's rows, were no faster on SmolLM2 with the fa4 engine and cost
+    perplexity; BENCHMARKS.md.)"""
     return block_size if sample_rows is None else min(block_size, sample_rows)
 
 

@@ -376,9 +376,8 @@ def fa4_vertical_slash(
     Backward from the merged out and lse (exact: each disjoint pair set's softmax backward uses the global
     O / LSE): deterministic=False runs FA4's block-sparse backward (fp32 atomics for dQ) plus our column
     backward and sums dq/dk/dv; deterministic=True (default) runs our deterministic Triton backward over blocks
-    and columns, since FA4 4.0.0b36 has no deterministic block-sparse backward on SM90. On the H200 at 128K
-    (16 q / 2 KV x 128, 5.2% of pairs) the engine took 37.0 ms all in (index included) with FA4's backward, 46.5
-    with ours, impl="triton" 49.5, cuDNN dense 455 (BENCHMARKS.md, "Must-show status (issue #13)").
+    and columns, since FA4 4.0.0b36 has no deterministic block-sparse backward on SM90. Its times against ours
+    and cuDNN: BENCHMARKS.md, "Must-show status (issue #13)".
     Returns (out [B, S, Hq, D] in q.dtype, differentiable; lse [B, Hq, S] fp32, no gradient).
     ImportError (naming the install) when flash_attn.cute is missing.
     """

@@ -125,8 +125,7 @@ def kernel_options_for(block_size: int) -> tuple[dict | None, bool]:
     only configurations whose own tiles divide the block size *before* it reads kernel_options (torch
     2.11-2.13), and the default one (64 x 128) does not: so smaller blocks compile under inductor's
     max_autotune, whose extra backward configurations include 32- and 64-token tiles (and which picks
-    the fastest of them by measurement). That compile is slow: on the H200 at 128K the backward had not
-    finished compiling and autotuning after ~220 s (BENCHMARKS.md)."""
+    the fastest of them by measurement). That compile is slow: minutes at 128K (BENCHMARKS.md)."""
     if block_size >= 128:
         return None, False
     t = max(16, min(64, 1 << (block_size.bit_length() - 1)))

@@ -14,7 +14,7 @@ from mtrain.ops.reference import check_qkv, partial_mask
 # Rows of the torch path's score matrix processed at once, so CPU memory stays bounded.
 _TORCH_CHUNK_ELEMS = 1 << 24
 # Score (and mask) elements per chunk of query blocks on the block-list path: 16 MB tiles stay in the
-# allocator's heap instead of fresh mmaps, which measured ~10-20% faster per step than 64 MB ones.
+# allocator's heap instead of fresh mmaps (larger tiles were slower per step on the CPU).
 _SPARSE_CHUNK_ELEMS = 1 << 22
 
 
@@ -262,8 +262,8 @@ def _mask(codes: _Codes, chunk, qb0: int, qb1: int, bs: int, cdt) -> torch.Tenso
 def _add_rows(acc: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
     """acc[rows[i]] += src[i] for 2-D acc / src, deterministically: a 0/1 CSR matrix (entries sorted by
     destination, stably) times src, so each destination sums its sources in a fixed order. On the CPU this
-    is ~6x faster than sorting + segment_reduce and ~15x faster than index_add_, which expands the index to
-    every element (and index_put_ with accumulate uses atomics unless determinism is switched on)."""
+    beats sorting + segment_reduce and index_add_, which expands the index to every element (and index_put_
+    with accumulate uses atomics unless determinism is switched on)."""
     order = torch.argsort(rows, stable=True)
     crow = torch.zeros(acc.shape[0] + 1, dtype=torch.long, device=rows.device)
     crow[1:] = torch.cumsum(torch.bincount(rows, minlength=acc.shape[0]), 0)

@@ -14,9 +14,9 @@ def accum_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 # The one-pass Triton merge of full-row parts on the GPU (`PartialAccumulator._fused`). Its first version stored the
-# merged lse in place while other warps could still load the same rows, and gave wrong results on 4 H200s; the kernel
+# merged lse in place while other warps could still load the same rows, and gave wrong results on the GPU; the kernel
 # now loads everything before it stores (a barrier between), and mtrain/bench/check.py's "merge" case (fused and torch
-# against float64) passes on the H200. Set False to merge with torch.
+# against float64) passes. Set False to merge with torch.
 FUSED = True
 
 
