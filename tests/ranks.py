@@ -5,10 +5,13 @@ sympy) itself: ~4 s of CPU a rank, paid again by every test that starts ranks. `
 a fork server (multiprocessing's `forkserver`) that preloaded those modules and has run no torch op (no OpenMP pool
 to inherit); each rank still sets its own threads and process group.
 
-Two servers, each started on first use and kept for the session: one for compiled Triton (what the ranks of most
-tests run: torch kernels, no Triton at all), one started with TRITON_INTERPRET=1 for ranks that run our Triton
-kernels in the interpreter (triton.jit reads the variable when a kernel module is imported, so a rank cannot switch
-after the server imported them). The servers are this module's own, not multiprocessing's global one.
+Servers, each started on first use and kept for the session: one for ranks that run torch only (most tests),
+one started with TRITON_INTERPRET=1 for ranks that run our Triton kernels in the interpreter (triton.jit reads the
+variable when a kernel module is imported, so a rank cannot switch after the server imported them), one that also
+imported transformers and mtrain's models for the worker scripts of tests/workers/ (`run_script`), and one for
+`python -m mtrain` (`run_mtrain`, `run_module`). `run_script` and `run_module` start a rank as `torchrun
+--standalone` would (its variables, one thread, the repository as working directory). The servers are this
+module's own, not multiprocessing's global one.
 """
 
 from __future__ import annotations
@@ -31,27 +34,36 @@ PRELOAD_MODELS = PRELOAD + ["transformers", "transformers.models.qwen2.modeling_
                             "transformers.models.llama.modeling_llama", "mtrain.models.registry", "mtrain.tiny",
                             "mtrain.train.loss", "mtrain.config"]
 
+# `python -m mtrain` under a launcher: the trainer, accelerate and the CLI as well. This server starts with the
+# environment the CLI sets before it imports anything (mtrain.offline.set_offline: the hub's offline variables, which
+# huggingface_hub reads when it is imported); DeepSpeed, which reads DS_ACCELERATOR when imported, is left to the ranks.
+PRELOAD_CLI = PRELOAD_MODELS + ["accelerate", "mtrain.cli", "mtrain.train.trainer"]
+
 _SERVERS: dict[str, object] = {}
 
 
 def _server(kind: str):
-    """kind: "torch", "interpret" (TRITON_INTERPRET=1) or "models" (the worker scripts)."""
+    """kind: "torch", "interpret" (TRITON_INTERPRET=1), "models" (the worker scripts) or "cli" (`-m mtrain`)."""
     from multiprocessing import forkserver
 
     interpret = kind == "interpret"
     if kind not in _SERVERS:
         server = forkserver.ForkServer()
-        preload = {"torch": PRELOAD, "interpret": PRELOAD_INTERPRET, "models": PRELOAD_MODELS}[kind]
+        preload = {"torch": PRELOAD, "interpret": PRELOAD_INTERPRET, "models": PRELOAD_MODELS, "cli": PRELOAD_CLI}[kind]
         server.set_forkserver_preload(preload)
-        saved = os.environ.pop("TRITON_INTERPRET", None)
+        saved = dict(os.environ)
+        os.environ.pop("TRITON_INTERPRET", None)
         if interpret:
             os.environ["TRITON_INTERPRET"] = "1"
+        if kind == "cli":
+            from mtrain.offline import set_offline
+
+            set_offline([])
         try:
             server.ensure_running()  # the server process takes this environment, and its ranks with it
         finally:
-            os.environ.pop("TRITON_INTERPRET", None)
-            if saved is not None:
-                os.environ["TRITON_INTERPRET"] = saved
+            os.environ.clear()
+            os.environ.update(saved)
         _SERVERS[kind] = server
     return _SERVERS[kind]
 
@@ -90,42 +102,91 @@ def run_ranks(fn, world: int, args: tuple = (), *, interpret: bool = False, env:
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _script_entry(rank, world, port, script, argv):
-    """A rank as torchrun --standalone starts one: its environment, one OpenMP thread, `python SCRIPT ARGS`."""
+def _script_entry(rank, world, port, script, argv, env=None, log_dir=None):
+    """A rank as torchrun --standalone starts one: its environment, one OpenMP thread, `python SCRIPT ARGS` (or
+    `python -m MODULE ARGS` where `script` is "-m MODULE"); with `log_dir`, its stdout and stderr go to
+    log_dir/rank{N}.log."""
     import runpy
     import sys
 
     import torch
 
+    if log_dir is not None:
+        log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for fd in (1, 2):
+            os.dup2(log, fd)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    os.environ.update(env or {})
     torch.set_num_threads(1)  # torchrun sets OMP_NUM_THREADS=1 for several ranks; the server's OpenMP read none
     os.chdir(REPO)
+    if script.startswith("-m "):
+        module = script[3:]
+        sys.argv = [module, *argv]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
     path = os.path.join(REPO, script)
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(path))
     runpy.run_path(path, run_name="__main__")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:  # a free port for the ranks' store (torchrun --standalone picks one too)
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_script(world: int, script: str, *argv: str):
     """`torchrun --standalone --nproc_per_node=WORLD SCRIPT ARGV` (SCRIPT relative to the repository) with the ranks
     forked from the models' server. Returns a subprocess.CompletedProcess: returncode 0, or 1 with the failing rank's
     traceback (or its signal, as torchrun's "exitcode: -N") in stderr."""
-    import socket
     import subprocess
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:  # a free port for the ranks' store (torchrun --standalone picks one too)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     try:
         with _through(_server("models")):
-            mp.start_processes(_script_entry, args=(world, port, script, tuple(argv)), nprocs=world, join=True,
-                               start_method="forkserver")
+            mp.start_processes(_script_entry, args=(world, _free_port(), script, tuple(argv)), nprocs=world,
+                               join=True, start_method="forkserver")
     except mp.ProcessExitedException as err:
         return subprocess.CompletedProcess(script, 1, "", f"{err}\nexitcode: {err.exit_code}\n")
     except mp.ProcessRaisedException as err:
         return subprocess.CompletedProcess(script, 1, "", str(err))
     return subprocess.CompletedProcess(script, 0, "", "")
+
+
+def run_module(world: int, module: str, *argv: str, env: dict | None = None) -> tuple[int, str]:
+    """`torchrun --standalone --nproc_per_node=WORLD -m MODULE ARGV` with the ranks forked from the CLI's server;
+    `env` is set in each rank first (DS_ACCELERATOR=cpu for DeepSpeed). Returns (0 or 1, the ranks' stdout and
+    stderr: rank 0's log, then the others', then a failing rank's traceback or signal)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        returncode, failure = 0, ""
+        try:
+            with _through(_server("cli")):
+                mp.start_processes(_script_entry, args=(world, _free_port(), f"-m {module}", tuple(argv),
+                                                        dict(env or {}), log_dir),
+                                   nprocs=world, join=True, start_method="forkserver")
+        except mp.ProcessExitedException as err:
+            returncode, failure = 1, f"{err}\nexitcode: {err.exit_code}\n"
+        except mp.ProcessRaisedException as err:
+            returncode, failure = 1, str(err)
+        logs = []
+        for rank in range(world):
+            path = os.path.join(log_dir, f"rank{rank}.log")
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    logs.append(f.read())
+    return returncode, "".join(logs) + failure
+
+
+def run_mtrain(world: int, *argv: str, env: dict | None = None) -> tuple[int, str]:
+    """`torchrun --standalone --nproc_per_node=WORLD -m mtrain ARGV`, as `run_module`."""
+    return run_module(world, "mtrain", *argv, env=env)

@@ -14,6 +14,7 @@ import torch
 from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
 from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
 from planted import Payload
+from ranks import run_mtrain
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 256
@@ -160,12 +161,12 @@ def test_yarn_written_to_exported_config(tmp_path, packed):
 
 def test_dp2_cp2_runs(tmp_path, packed):
     """4 processes: 2 data-parallel groups of 2 context-parallel ranks, sparse MTraining attention."""
-    proc = _torchrun(4, "train", str(_recipe(tmp_path, packed, "dpcp", max_steps=2, save_every=0, grad_accum=1,
-                                                micro_batch_size=1)),
-                     "--set", "parallel.cp_size=2", "--set", "attention.kind=mtraining", "--set", "attention.block_size=32",
-                     "--set", "attention.sparse_policy=always", "--set", "parallel.granularity=32")
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
+    returncode, out = run_mtrain(4, "train", str(_recipe(tmp_path, packed, "dpcp", max_steps=2, save_every=0,
+                                                         grad_accum=1, micro_batch_size=1)),
+                                 "--set", "parallel.cp_size=2", "--set", "attention.kind=mtraining",
+                                 "--set", "attention.block_size=32", "--set", "attention.sparse_policy=always",
+                                 "--set", "parallel.granularity=32")
+    assert returncode == 0, out
     rows = [json.loads(line) for line in (tmp_path / "dpcp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["tokens"] for r in rows] == [2 * SEQ, 4 * SEQ]  # 2 DP groups x 1 sequence per step
@@ -180,13 +181,13 @@ def test_cp2_gather_schedule_gives_the_ring_loss(tmp_path, packed):
     same terms in another order) and the same attention density."""
     runs = {}
     for schedule in ("ring", "gather"):
-        proc = _torchrun(2, "train", str(_recipe(tmp_path, packed, schedule, max_steps=3, save_every=0, export=False)),
-                         "--set", "parallel.cp_size=2", "--set", "attention.kind=mtraining",
-                         "--set", "attention.block_size=32", "--set", "attention.sparse_policy=always",
-                         "--set", "parallel.granularity=32", "--set", f"parallel.schedule={schedule}",
-                         "--set", "logging.log_every=1", "--set", "model.gradient_checkpointing=true")
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out[-3000:]
+        returncode, out = run_mtrain(2, "train", str(_recipe(tmp_path, packed, schedule, max_steps=3, save_every=0,
+                                                             export=False)),
+                                     "--set", "parallel.cp_size=2", "--set", "attention.kind=mtraining",
+                                     "--set", "attention.block_size=32", "--set", "attention.sparse_policy=always",
+                                     "--set", "parallel.granularity=32", "--set", f"parallel.schedule={schedule}",
+                                     "--set", "logging.log_every=1", "--set", "model.gradient_checkpointing=true")
+        assert returncode == 0, out[-3000:]
         runs[schedule] = [json.loads(line) for line in (tmp_path / schedule / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in runs["gather"]] == [r["step"] for r in runs["ring"]] == [1, 2, 3]
     for ring, gather in zip(runs["ring"], runs["gather"]):
@@ -196,19 +197,11 @@ def test_cp2_gather_schedule_gives_the_ring_loss(tmp_path, packed):
 
 
 def _run_deepspeed(tmp_path, recipe, *overrides, cp: int = 2):
-    """torchrun CP=cp (cp processes) under DeepSpeed ZeRO-2 on the CPU (DS_ACCELERATOR=cpu for the children only)."""
-    env_before = os.environ.get("DS_ACCELERATOR")
-    os.environ["DS_ACCELERATOR"] = "cpu"  # inherited by the torchrun children
-    try:
-        proc = _torchrun(cp, "train", str(recipe), "--set", f"parallel.cp_size={cp}",
-                         "--set", f"train.deepspeed={REPO / 'configs' / 'deepspeed' / 'zero2.json'}", *overrides)
-        out, _ = proc.communicate(timeout=900)
-    finally:
-        if env_before is None:
-            os.environ.pop("DS_ACCELERATOR")
-        else:
-            os.environ["DS_ACCELERATOR"] = env_before
-    return proc.returncode, out
+    """CP=cp ranks (forked as torchrun would start them, tests/ranks.py) under DeepSpeed ZeRO-2 on the CPU
+    (DS_ACCELERATOR=cpu for the ranks only)."""
+    return run_mtrain(cp, "train", str(recipe), "--set", f"parallel.cp_size={cp}",
+                      "--set", f"train.deepspeed={REPO / 'configs' / 'deepspeed' / 'zero2.json'}", *overrides,
+                      env={"DS_ACCELERATOR": "cpu"})
 
 
 def test_deepspeed_zero2_cp2_gives_the_ddp_loss_curve(tmp_path, packed):
