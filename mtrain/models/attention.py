@@ -12,9 +12,9 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.context import CONTEXT, hf_inputs, no_mask
-from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, choose_path, hold, layer_settings,
-                                  passed_check, quality_error, record_layer, remember_choice, replay_choice,
-                                  scored_rows, skip_estimate, widen)
+from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, choose_path, layer_settings, passed_check,
+                                  quality_error, record_layer, remember_choice, replay_choice, scored_rows,
+                                  skip_estimate, widen_or_hold)
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,8 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         path, prediction = choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
                                        target=s.recall, rows=scored_rows(s, q.shape[1]), engine=engine,
                                        graphed=graphed, layer_idx=layer_idx, max_error=max_error)
-        cap_scale = CONTEXT.cap_scale.get(layer_idx, 1)
-        widened = widen(layer_idx, index, s, q.shape[1], policy, training)  # wider caps next call instead of a hold
-        if not widened:
-            hold(layer_idx, prediction, policy, training)
+        # wider caps next call where they bind, else the dense hold
+        cap_scale, widened = widen_or_hold(layer_idx, index, s, q.shape[1], prediction, policy, training)
         if checked:
             passed_check(layer_idx, path, training)
         record_layer(layer_idx, path, index, prediction, q, k, scaling, doc_ids, cap_scale=cap_scale,
@@ -212,11 +210,8 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         path, prediction = choose_path(index, q, policy=policy, training=training, world=world,
                                        target=settings.recall, rows=scored_rows(settings, seq_len),
                                        max_error=max_error)
-        cap_scale = CONTEXT.cap_scale.get(layer_idx, 1)
         # the prediction and est_recall / output error, hence the widening and the hold, are the same on every rank
-        widened = widen(layer_idx, index, settings, seq_len, policy, training)
-        if not widened:
-            hold(layer_idx, prediction, policy, training)
+        cap_scale, widened = widen_or_hold(layer_idx, index, settings, seq_len, prediction, policy, training)
         if checked:
             passed_check(layer_idx, path, training)
         recall = None

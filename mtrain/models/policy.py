@@ -1,7 +1,7 @@
 """The dense/sparse policy of the sparse kinds, per layer and call: the choice (`choose_path`, on the cost model
 `mtrain.ops.cost` and the estimate's recall), skipping an estimate that cannot pay (`skip_estimate`), the dense holds
 (`hold`), the quality check's cadence (`check_due` / `passed_check`) and their state across a checkpoint (`policy_state` / `load_policy_state`, saved by the trainer),
-the widening of the caps of a layer whose caps bind (`layer_settings`, `widen`), the replay of a layer's choice under
+the widening of the caps of a layer whose caps bind (`layer_settings`, `widen`, `widen_or_hold`), the replay of a layer's choice under
 gradient checkpointing (`checkpoint_contexts`, `replay_choice`, `remember_choice`) and the record of each call
 (`record_layer`). Its state lives in `CONTEXT`."""
 
@@ -253,6 +253,16 @@ def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> boo
     for key in [key for key in CONTEXT.choice_stats if key[0] == layer_idx]:
         del CONTEXT.choice_stats[key]
     return True
+
+
+def widen_or_hold(layer_idx, index, s, seq_len: int, prediction, policy: str, training: bool) -> tuple[int, bool]:
+    """After auto decided a training call: `widen` the layer's caps where they bind, else `hold` it as before.
+    Returns (the cap scale this call estimated with, whether it widened), what `record_layer` records."""
+    cap_scale = CONTEXT.cap_scale.get(layer_idx, 1)
+    widened = widen(layer_idx, index, s, seq_len, policy, training)
+    if not widened:
+        hold(layer_idx, prediction, policy, training)
+    return cap_scale, widened
 
 
 def check_due(layer_idx, training: bool) -> bool:
