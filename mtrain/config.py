@@ -214,6 +214,11 @@ class TrainConfig:
     and write RUN/memory/rankN.txt (the allocation sites live at the step's peak, largest first), at the end of that
     step or when it runs out of memory. Also on with the environment variable MTRAIN_MEMORY_RECORD=1. Slows that
     step down; off the GPU it does nothing."""
+    profile_step: int = 0
+    """Profile this step (1-based; 0 = none) with torch.profiler on every rank and write RUN/profile/rankN.txt: the
+    step's wall time, each layer's attention calls (host and device ms) and the operators and kernels taking the most
+    time (`mtrain.train.step_profile`). Also set by the environment variable MTRAIN_PROFILE_STEP=N. The profiled step
+    runs slower than the others: its tokens/s is not a speed figure."""
 
 
 @dataclass

@@ -225,3 +225,50 @@ def test_trainer_with_the_memory_keys_gives_the_same_losses(tmp_path):
     for a, b in zip(losses["memory"], losses["plain"]):
         assert abs(a - b) <= 1e-6 * abs(b), losses
     assert not (tmp_path / "memory" / "memory").exists()  # no CUDA: nothing recorded
+
+
+def test_trainer_profiles_the_step_it_is_asked_to(tmp_path):
+    """train.profile_step 2 on a 2-step run: RUN/profile/rank0.txt holds step 2's wall time, one line per layer's
+    attention calls (forward and the checkpointed recompute: 2 calls a layer) and the operator tables; the losses are
+    the unprofiled run's (fp32, 1e-6)."""
+    import json
+
+    import yaml
+
+    from mtrain.config import load_recipe
+    from mtrain.data import pack
+    from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
+    from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
+    from mtrain.train.trainer import Trainer
+
+    write_jsonl(tmp_path / "docs.jsonl", generate(CorpusSpec(num_docs=20, max_sentences=30, seed=3)))
+    pack([f"{tmp_path / 'docs.jsonl'}:jsonl"], str(TOKENIZER_DIR), 256, tmp_path / "packed", progress=False, workers=1)
+    losses = {}
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for name, step in (("plain", 0), ("profiled", 2)):
+            recipe = {"model": {"config": str(MODEL_CONFIG), "tokenizer": str(TOKENIZER_DIR),
+                                "gradient_checkpointing": True},
+                      "data": {"path": str(tmp_path / "packed"), "seq_len": 256},
+                      "attention": {"kind": "mtraining", "block_size": 32, "sparse_policy": "always"},
+                      "optim": {"lr": 3e-3, "warmup_steps": 1}, "logging": {"wandb": "disabled"},
+                      "train": {"output_dir": str(tmp_path / name), "max_steps": 2, "save_every": 0, "export": False,
+                                "deterministic": True, "profile_step": step}}
+            path = tmp_path / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(recipe))
+            Trainer(load_recipe(path)).run()
+            rows = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            losses[name] = [json.loads(r)["loss"] for r in rows]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for a, b in zip(losses["profiled"], losses["plain"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b), losses
+    assert not (tmp_path / "plain" / "profile").exists()
+    text = (tmp_path / "profiled" / "profile" / "rank0.txt").read_text()
+    assert text.startswith("# step 2\n# step wall time ")
+    layers = json.loads(MODEL_CONFIG.read_text())["num_hidden_layers"]
+    for layer in range(layers):
+        line = next(x for x in text.splitlines() if x.startswith(f"mtrain.attention L{layer:02d} "))
+        assert int(line.split()[2]) == 2, line  # the forward and the checkpointed recompute
+    assert "most self host time" in text  # (the device table only where a GPU was recorded)
+    assert "aten::" in text

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -278,13 +279,28 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     q, k, v, cached = hf_inputs(module, query, key, value, scaling, dropout)
     if cached is not None:
         return cached, None
-    if CONTEXT.group is None:
-        out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids, policy=policy, training=training,
-                               layer_idx=layer_idx, engine=engine, max_error=max_error)
-    else:
-        out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training, engine=engine,
-                    max_error=max_error)
+    with profile_range(layer_idx):
+        if CONTEXT.group is None:
+            out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids, policy=policy, training=training,
+                                   layer_idx=layer_idx, engine=engine, max_error=max_error)
+        else:
+            out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training, engine=engine,
+                        max_error=max_error)
     return out, None
+
+
+PROFILE_LABEL = "mtrain.attention"
+"""Prefix of the torch.profiler ranges around each attention call (`profile_range`; read by
+`mtrain.train.step_profile`)."""
+
+
+def profile_range(layer_idx):
+    """A record_function range `mtrain.attention LNN` around one attention call while a torch profiler records
+    (`train.profile_step`); a no-op context otherwise."""
+    if not getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+        return contextlib.nullcontext()
+    layer = "L??" if layer_idx is None else f"L{int(layer_idx):02d}"
+    return torch.profiler.record_function(f"{PROFILE_LABEL} {layer}")
 
 
 def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",

@@ -28,6 +28,8 @@ from mtrain.safe_load import check_checkpoint_files
 from mtrain.train.loss import ChunkedLossLM
 from mtrain.train.memory_record import MemoryRecord
 from mtrain.train.memory_record import wanted as memory_record_wanted
+from mtrain.train.step_profile import StepProfile
+from mtrain.train.step_profile import wanted as profile_step_wanted
 from mtrain.train.metrics import MetricsLogger, usable_wandb_mode
 from mtrain.train.run_folder import (RunLock, architecture, architecture_mismatch, check_resumable,
                                      checkpoint_candidates, verify_file_list, write_file_list)
@@ -461,8 +463,13 @@ class Trainer:
         from mtrain.models.memory import OffloadActivations
 
         offload = OffloadActivations if t.offload_activations else contextlib.nullcontext
+        profile_at = profile_step_wanted(t.profile_step)
+        profiler = None
         try:
             while self.state.step < t.max_steps and not self._stop_requested:
+                if self.state.step + 1 == profile_at:
+                    profiler = StepProfile(self.out, accelerator.process_index, profile_at)
+                    profiler.start()
                 start = time.perf_counter()
                 samples = []
                 for _ in range(t.grad_accum * t.micro_batch_size):
@@ -536,6 +543,9 @@ class Trainer:
                     record.finish(f"end of step {self.state.step}")
                     record = None
                 elapsed = time.perf_counter() - start
+                if profiler is not None:  # after the step's clock: writing the profile is not the step's time
+                    profiler.finish()
+                    profiler = None
                 last = {
                     "step": self.state.step,
                     "loss": loss,
@@ -565,6 +575,8 @@ class Trainer:
         except Exception as exc:
             if record is not None:  # e.g. out of memory: where the memory went up to then
                 record.finish(f"step {self.state.step + 1} stopped by {type(exc).__name__}: {str(exc)[:200]}")
+            if profiler is not None:
+                profiler.finish(f"stopped by {type(exc).__name__}")
             raise
         finally:
             bar.close()

@@ -1,0 +1,122 @@
+"""Where one training step's time went (`train.profile_step`, or MTRAIN_PROFILE_STEP=N): torch.profiler records step N
+on every rank (host and, on a GPU, device activity) and RUN/profile/rankR.txt is written (atomically) at the end of
+that step: the step's wall time, the device and host time of each layer's attention call (the `mtrain.attention LNN`
+ranges `mtrain.models.attention.profile_range` puts around every call, recomputed forwards included; the path each
+layer took is the step's `attention_paths` in metrics.jsonl), and the operators and kernels that took the most device
+time and the most host time. A diagnostic: the profiled step runs slower than the
+others (the profiler's own cost), so its tokens/s is not a speed figure."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from mtrain.models.attention import PROFILE_LABEL as LABEL
+
+log = logging.getLogger(__name__)
+
+ENV = "MTRAIN_PROFILE_STEP"
+TOP = 40
+
+
+def wanted(config_step: int) -> int:
+    """The step to profile (1-based; 0 = none): MTRAIN_PROFILE_STEP if set, else the recipe's train.profile_step."""
+    env = os.environ.get(ENV, "").strip()
+    if env:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            log.warning("%s=%r is not a step number: no step is profiled", ENV, env)
+            return 0
+    return max(0, int(config_step or 0))
+
+
+def _device_time(evt) -> float:
+    """Microseconds of device time of a key_averages entry, on any torch that names it device_* or cuda_*."""
+    for name in ("device_time_total", "cuda_time_total"):
+        value = getattr(evt, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def _self_device_time(evt) -> float:
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(evt, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def summarise(averages, wall_s: float, top: int = TOP) -> str:
+    """The profile's text: per attention label (by layer) host and device ms; then the entries with the
+    most self device time and the most host time. `averages`: `prof.key_averages()`."""
+    rows = list(averages)
+    lines = [f"# step wall time {wall_s * 1e3:.1f} ms"]
+    total_device = sum(_self_device_time(e) for e in rows) / 1e3
+    lines.append(f"# device time of every kernel, summed: {total_device:.1f} ms")
+    att = [e for e in rows if e.key.startswith(LABEL)]
+    host_all = dev_all = 0.0
+    if att:
+        lines.append("")
+        lines.append("attention calls (forward and recomputed forward; the backward's kernels are in the tables below)")
+        lines.append(f"{'label':34s} {'calls':>5s} {'host ms':>10s} {'device ms':>10s}")
+        for e in sorted(att, key=lambda e: e.key):
+            host, dev = e.cpu_time_total / 1e3, _device_time(e) / 1e3
+            lines.append(f"{e.key:34s} {e.count:5d} {host:10.1f} {dev:10.1f}")
+            host_all += host
+            dev_all += dev
+        lines.append(f"{'every layer':34s} {sum(e.count for e in att):5d} {host_all:10.1f} {dev_all:10.1f}")
+    tables = [("most self host time", lambda e: float(e.self_cpu_time_total))]
+    if total_device > 0:  # a device was recorded (on a GPU)
+        tables.insert(0, ("most self device time", _self_device_time))
+    for title, key in tables:
+        lines.append("")
+        lines.append(f"{title}: name | calls | self device ms | self host ms")
+        for e in sorted((e for e in rows if not e.key.startswith(LABEL)), key=key, reverse=True)[:top]:
+            lines.append(f"{e.key[:90]:90s} {e.count:6d} {_self_device_time(e) / 1e3:10.2f} "
+                         f"{e.self_cpu_time_total / 1e3:10.2f}")
+    return "\n".join(lines) + "\n"
+
+
+class StepProfile:
+    """`start()` before the step, `finish()` after it (writes RUN/profile/rankR.txt). Host activity always, the
+    device's where CUDA is available."""
+
+    def __init__(self, out_dir: Path, rank: int, step: int):
+        self.path = Path(out_dir) / "profile" / f"rank{rank}.txt"
+        self.step = step
+        self.prof = None
+        self.t0 = 0.0
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self.prof = profile(activities=activities)
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def finish(self, reason: str = "") -> None:
+        if self.prof is None:
+            return
+        prof, self.prof = self.prof, None
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - self.t0
+            prof.__exit__(None, None, None)
+            text = f"# step {self.step}{'; ' + reason if reason else ''}\n" + summarise(prof.key_averages(), wall)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, self.path)
+            log.info("step %d profile written to %s", self.step, self.path)
+        except Exception as exc:  # a diagnostic must not hide the run's own error
+            log.warning("step %d profile not written: %s", self.step, exc)
