@@ -281,7 +281,7 @@ case "${1:-}" in
           --plot "$RESULTS/loss-$(k "$seq").png" 2>&1 || true
         echo '```'
       done; } > "$summary"
-    tar czf "$RESULTS/runs.tar.gz" runs/e2e4-*k-*/metrics.jsonl runs/e2e4-*k-*/config.yaml runs/e2e4-logs 2>/dev/null || true
+    tar czf "$RESULTS/runs.tar.gz" runs/e2e4-*k-*/metrics.jsonl runs/e2e4-*k-*/config.yaml runs/e2e4-*k-*/profile runs/e2e4-logs 2>/dev/null || true
     mark "done: $(ls "$RESULTS" | tr '\n' ' ')" ;;
   reap)  # reap LOG: kill what still writes a launch's log (the launches do this themselves; for a stray run by hand)
     mkdir -p "$RESULTS" && reap "${2:?reap needs the launch log}" ;;
