@@ -122,6 +122,12 @@ class AttentionConfig:
     `dense_hold_steps`; doubled again each time, up to 8x (`mtrain.models.policy.widen`, MAX_CAP_SCALE). At 8x, or
     where the caps already cover the sequence, the layer is held dense as before. Each layer's scale is saved with
     checkpoints and logged (attn_cap_scale/LNN, attention_widened_layers). false = hold such a layer dense."""
+    widen_max_list_mib: int = 0
+    """With widen_caps: widen a layer only while its index lists at the doubled caps would take at most this many MiB
+    on one rank (int32 block and column lists as wide as the caps allow, over the rank's query blocks: what the index,
+    the ring plan and the kernels' plans build and pass over every call); above it the layer is held dense as at 8x.
+    0 (default) = no limit. At 512K tokens with CP=4, 64-token blocks and 9 heads, the lists at 16,384-line caps take
+    ~1.2 GiB per rank and double with each widening."""
     moba_chunk_size: int = 4096
     """kind moba: key chunk (tokens), a multiple of block_size; each query block gates the chunks by mean key."""
     moba_topk: int = 12
@@ -430,6 +436,9 @@ def _check(recipe: RecipeConfig) -> None:
                           f"got {a.sample_rows!r}")
     if not isinstance(a.widen_caps, bool):
         raise ConfigError(f"attention.widen_caps: expected true or false, got {a.widen_caps!r}")
+    if isinstance(a.widen_max_list_mib, bool) or not isinstance(a.widen_max_list_mib, int) or a.widen_max_list_mib < 0:
+        raise ConfigError(f"attention.widen_max_list_mib: must be an integer >= 0 (MiB of a rank's index lists at the "
+                          f"widened caps; 0 = no limit), got {a.widen_max_list_mib!r}")
     mx = a.max_output_error
     if mx is not None and (isinstance(mx, bool) or not isinstance(mx, (int, float)) or not 0 < mx < float("inf")):
         raise ConfigError(f"attention.max_output_error: must be a number > 0 (the relative output error above which "

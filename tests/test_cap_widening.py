@@ -236,6 +236,46 @@ def test_widen_caps_is_validated_and_reaches_the_context():
         register_kind("mtraining", sparse_policy="auto", widen_caps="yes")
 
 
+def test_widening_stops_where_the_wider_lists_would_exceed_the_limit(estimates):
+    """attention.widen_max_list_mib: with the limit between the lists' bytes at 4x and at 8x the caps (by
+    `list_bytes` over the index's query blocks: per block and head two entries per slash offset, the sink and the
+    diagonal, one per vertical, int32), the layer widens to 4x and is then held dense as at MAX_CAP_SCALE; with no
+    limit the same calls widen to 8x."""
+    from mtrain.models.policy import list_bytes
+    from mtrain.ops.estimate import line_caps
+
+    def caps(scale):
+        x = scaled_settings(SHORT, scale)
+        return line_caps(SEQ, BS, x.max_vertical, x.max_slash, x.cap_fraction)
+
+    _, first = call(SHORT, 0)
+    index = estimates[0][1]
+    b, h, rows = index.block_ids.shape[:3]
+    cap_v, cap_s = caps(8)
+    assert list_bytes(index, cap_v, cap_s) == b * h * rows * (2 * cap_s + 2 + cap_v) * 4
+    CONTEXT.widen_max_list_bytes = (list_bytes(index, *caps(4)) + list_bytes(index, *caps(8))) // 2
+    paths = [(first.path, first.cap_scale, first.widened)]
+    for step in range(1, 3):
+        _, record = call(SHORT, step)
+        paths.append((record.path, record.cap_scale, record.widened))
+    assert paths == [("dense", 1, True), ("dense", 2, True), ("dense", 4, False)]
+    assert CONTEXT.cap_scale == {5: 4} and CONTEXT.dense_until[5] == 2 + 1 + CONTEXT.dense_hold
+    CONTEXT.widen_max_list_bytes = 0  # no limit: the next estimate widens on to 8x and reaches the recall
+    CONTEXT.dense_until.clear()
+    _, record = call(SHORT, 3)
+    assert (record.path, record.widened) == ("dense", True) and CONTEXT.cap_scale == {5: 8}
+
+
+def test_widen_max_list_mib_is_validated_and_reaches_the_context():
+    register_kind("mtraining", sparse_policy="auto", widen_max_list_mib=512)
+    assert CONTEXT.widen_max_list_bytes == 512 * 2**20
+    register_kind("mtraining", sparse_policy="auto")
+    assert CONTEXT.widen_max_list_bytes == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(MtrainError, match="widen_max_list_mib must be an integer >= 0"):
+            register_kind("mtraining", sparse_policy="auto", widen_max_list_mib=bad)
+
+
 def test_the_scales_fit_the_graph_caches():
     """Every scale a layer can reach (1, 2, 4, ... MAX_CAP_SCALE) is one estimate setting per shape: no more of them
     than the estimate's graph caches keep."""

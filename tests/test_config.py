@@ -76,6 +76,8 @@ def test_unknown_key_named_with_suggestion(recipe_file):
         ("attention.max_output_error=.inf", r"attention\.max_output_error: must be a finite number"),
         ("attention.widen_caps=3", r"attention\.widen_caps: expected true or false, got 3"),
         ("attention.widen_caps=sometimes", r"attention\.widen_caps: expected true or false, got 'sometimes'"),
+        ("attention.widen_max_list_mib=-1", r"attention\.widen_max_list_mib: must be an integer >= 0"),
+        ("attention.widen_max_list_mib=lots", r"attention\.widen_max_list_mib: expected an integer, got 'lots'"),
     ],
 )
 def test_bad_values_name_the_key(recipe_file, override, message):
@@ -101,6 +103,10 @@ def test_widen_caps_is_on_by_default_and_reaches_the_registration(recipe_file, m
     monkeypatch.setattr(registry, "register_kind", lambda kind, **kw: seen.update(kw) or kind)
     registry.register_attention(recipe)
     assert seen["widen_caps"] is False
+    assert seen["widen_max_list_mib"] == 0
+    recipe = load_recipe(recipe_file, ["attention.kind=mtraining", "attention.widen_max_list_mib=1024"])
+    registry.register_attention(recipe)
+    assert seen["widen_max_list_mib"] == 1024
 
 
 def test_max_output_error_is_off_by_default_and_runs_under_context_parallelism(recipe_file):

@@ -304,13 +304,15 @@ def profile_range(layer_idx):
 
 
 def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
-             max_output_error: float | None = None, widen_caps: bool = True, **sparse_settings) -> str:
+             max_output_error: float | None = None, widen_caps: bool = True, widen_max_list_mib: int = 0,
+             **sparse_settings) -> str:
     """The plugin's registration (`mtrain.models.registry.register_kind` calls it for the kinds of KINDS): register
     `kind` as `mtrain-<kind>`; sparse kinds take `mtrain.parallel.SparseSettings` fields as keywords, and
     `sparse_policy` (SPARSE_POLICIES), `engine` (ENGINES: the block kernels of the sparse path on one device),
     `max_output_error` (under "auto": the quality check's limit, None = none; see `mtrain_attention`) and
     `widen_caps` (under "auto", in training: widen the caps of a layer whose caps bind instead of holding it dense;
-    `mtrain.models.policy.widen`).
+    `mtrain.models.policy.widen`) and `widen_max_list_mib` (widen only while the rank's index lists at the wider caps
+    take at most this many MiB; 0 = no limit).
     Returns the `attn_implementation` name. Each name carries its own settings; registering a name again replaces
     them for every model using it."""
     from transformers import AttentionInterface
@@ -328,10 +330,13 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
         raise MtrainError(f"dense_hold must be an integer >= 0 (steps; 0 = estimate every step), got {dense_hold!r}")
     if not isinstance(widen_caps, bool):
         raise MtrainError(f"widen_caps must be true or false, got {widen_caps!r}")
+    if isinstance(widen_max_list_mib, bool) or not isinstance(widen_max_list_mib, int) or widen_max_list_mib < 0:
+        raise MtrainError(f"widen_max_list_mib must be an integer >= 0 (0 = no limit), got {widen_max_list_mib!r}")
     CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy, CONTEXT.engine = kind, sparse, sparse_policy, engine
     CONTEXT.max_output_error = max_output_error
     CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = dense_hold, {}, {}
     CONTEXT.checked_until, CONTEXT.widen_caps, CONTEXT.cap_scale = {}, widen_caps, {}
+    CONTEXT.widen_max_list_bytes = widen_max_list_mib * 2**20
     if sparse:
         try:
             CONTEXT.settings = SparseSettings(**sparse_settings)

@@ -81,6 +81,9 @@ class AttentionContext:
     """Under sparse_policy auto, in training: a layer the estimate's recall or the quality check sends dense (where the
     cost model said sparse) while its caps bind gets its caps doubled for its next estimate instead of a dense hold
     (`mtrain.models.policy.widen`). Set from attention.widen_caps."""
+    widen_max_list_bytes: int = 0
+    """`widen` doubles a layer's caps only while the rank's index lists at the doubled caps take at most this many
+    bytes (`mtrain.models.policy.list_bytes`); 0 = no limit. Set from attention.widen_max_list_mib."""
     cap_scale: dict = field(default_factory=dict)
     """layer index -> how many times wider than the recipe's max_vertical / max_slash (and cap_fraction, at most 1)
     that layer's caps are (1 when absent; doubled by `widen` up to MAX_CAP_SCALE)."""

@@ -223,6 +223,15 @@ def layer_settings(s, layer_idx):
     return scaled_settings(s, CONTEXT.cap_scale.get(layer_idx, 1))
 
 
+def list_bytes(index, cap_v: int, cap_s: int) -> int:
+    """Bytes of the int32 block and column lists over the query blocks `index` holds (every block of a one-device
+    SparseIndex, a CP rank's own in a RowIndex) when they are as wide as caps of `cap_v` verticals and `cap_s` slash
+    block offsets allow: per query block and head, two block entries per slash offset (a slash line crosses at most
+    two key blocks), the sink and diagonal blocks, and one column entry per vertical."""
+    b, h, rows = index.block_ids.shape[:3]
+    return b * h * rows * (2 * cap_s + 2 + cap_v) * 4
+
+
 def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> bool:
     """After auto decided a training call: where the estimate's recall or the quality check sent the layer dense
     though the cost model said sparse (`index._cache["overruled"]`, set by `choose_path`) and its caps bind, double
@@ -232,7 +241,8 @@ def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> boo
     would list the same lines: a layer the check sends dense with its recall met is held as before) and doubling
     them gives larger caps for this sequence (`mtrain.ops.estimate.line_caps`: they do not yet cover it). Returns
     False (the caller holds the layer as before) under attention.widen_caps false, at MAX_CAP_SCALE, where the caps
-    do not bind, or for any other choice. `s`: the settings the layer estimated with (`layer_settings`); `seq_len`: the whole
+    do not bind, where the lists at the doubled caps would exceed CONTEXT.widen_max_list_bytes (`list_bytes`), or for
+    any other choice. `s`: the settings the layer estimated with (`layer_settings`); `seq_len`: the whole
     sequence (every rank of a CP group passes the same). Decided from the est_recall / output error the choice read,
     which every rank of a CP group shares, so every rank widens alike. The layer's lagged choice statistics
     (LAGGED_CHOICE) are dropped: its next choice reads the estimate at the new caps, not the last one at the old."""
@@ -248,6 +258,9 @@ def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> boo
     wide = scaled_settings(s, 2)
     caps = [line_caps(seq_len, x.block_size, x.max_vertical, x.max_slash, x.cap_fraction) for x in (s, wide)]
     if caps[1] == caps[0]:  # the caps already cover the sequence: wider caps list nothing more
+        return False
+    limit = CONTEXT.widen_max_list_bytes
+    if limit and list_bytes(index, *caps[1]) > limit:  # lists this wide cost more to build than a dense layer saves
         return False
     CONTEXT.cap_scale[layer_idx] = scale * 2
     for key in [key for key in CONTEXT.choice_stats if key[0] == layer_idx]:
