@@ -187,9 +187,9 @@ def test_offload_moves_the_checkpointed_layer_inputs():
     assert hooks.moved > 0
 
 
-def test_trainer_with_the_memory_keys_gives_the_same_losses(tmp_path):
-    """One process, tiny model, activation checkpointing: model.mlp_chunk, train.offload_activations and
-    train.memory_record (a no-op without CUDA) through the trainer give the plain run's losses (fp32, 1e-6)."""
+def tiny_losses(tmp_path, runs, *, steps: int, docs: dict, attention: dict | None = None) -> dict:
+    """{name: per-step losses} of tiny-model trainer runs (one process, fp32, deterministic, activation checkpointing,
+    256-token samples of synthetic documents made by CorpusSpec(**docs)); runs: (name, model keys, train keys)."""
     import json
 
     import yaml
@@ -200,20 +200,20 @@ def test_trainer_with_the_memory_keys_gives_the_same_losses(tmp_path):
     from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
     from mtrain.train.trainer import Trainer
 
-    write_jsonl(tmp_path / "docs.jsonl", generate(CorpusSpec(num_docs=40, max_sentences=40, seed=5)))
+    write_jsonl(tmp_path / "docs.jsonl", generate(CorpusSpec(**docs)))
     pack([f"{tmp_path / 'docs.jsonl'}:jsonl"], str(TOKENIZER_DIR), 256, tmp_path / "packed", progress=False, workers=1)
     losses = {}
     before = torch.are_deterministic_algorithms_enabled()
     try:
-        for name, model_keys, train_keys in (
-                ("plain", {}, {}),
-                ("memory", {"mlp_chunk": 48}, {"offload_activations": True, "memory_record": True})):
+        for name, model_keys, train_keys in runs:
             recipe = {"model": {"config": str(MODEL_CONFIG), "tokenizer": str(TOKENIZER_DIR),
                                 "gradient_checkpointing": True, **model_keys},
                       "data": {"path": str(tmp_path / "packed"), "seq_len": 256},
                       "optim": {"lr": 3e-3, "warmup_steps": 1}, "logging": {"wandb": "disabled"},
-                      "train": {"output_dir": str(tmp_path / name), "max_steps": 3, "save_every": 0, "export": False,
-                                "deterministic": True, **train_keys}}
+                      "train": {"output_dir": str(tmp_path / name), "max_steps": steps, "save_every": 0,
+                                "export": False, "deterministic": True, **train_keys}}
+            if attention:
+                recipe["attention"] = attention
             path = tmp_path / f"{name}.yaml"
             path.write_text(yaml.safe_dump(recipe))
             Trainer(load_recipe(path)).run()
@@ -221,6 +221,15 @@ def test_trainer_with_the_memory_keys_gives_the_same_losses(tmp_path):
             losses[name] = [json.loads(r)["loss"] for r in rows]
     finally:
         torch.use_deterministic_algorithms(before)
+    return losses
+
+
+def test_trainer_with_the_memory_keys_gives_the_same_losses(tmp_path):
+    """One process, tiny model, activation checkpointing: model.mlp_chunk, train.offload_activations and
+    train.memory_record (a no-op without CUDA) through the trainer give the plain run's losses (fp32, 1e-6)."""
+    losses = tiny_losses(tmp_path, (("plain", {}, {}),
+                                    ("memory", {"mlp_chunk": 48}, {"offload_activations": True, "memory_record": True})),
+                         steps=3, docs={"num_docs": 40, "max_sentences": 40, "seed": 5})
     assert len(losses["plain"]) == 3
     for a, b in zip(losses["memory"], losses["plain"]):
         assert abs(a - b) <= 1e-6 * abs(b), losses
@@ -233,34 +242,11 @@ def test_trainer_profiles_the_step_it_is_asked_to(tmp_path):
     the unprofiled run's (fp32, 1e-6)."""
     import json
 
-    import yaml
+    from mtrain.tiny import MODEL_CONFIG
 
-    from mtrain.config import load_recipe
-    from mtrain.data import pack
-    from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
-    from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
-    from mtrain.train.trainer import Trainer
-
-    write_jsonl(tmp_path / "docs.jsonl", generate(CorpusSpec(num_docs=20, max_sentences=30, seed=3)))
-    pack([f"{tmp_path / 'docs.jsonl'}:jsonl"], str(TOKENIZER_DIR), 256, tmp_path / "packed", progress=False, workers=1)
-    losses = {}
-    before = torch.are_deterministic_algorithms_enabled()
-    try:
-        for name, step in (("plain", 0), ("profiled", 2)):
-            recipe = {"model": {"config": str(MODEL_CONFIG), "tokenizer": str(TOKENIZER_DIR),
-                                "gradient_checkpointing": True},
-                      "data": {"path": str(tmp_path / "packed"), "seq_len": 256},
-                      "attention": {"kind": "mtraining", "block_size": 32, "sparse_policy": "always"},
-                      "optim": {"lr": 3e-3, "warmup_steps": 1}, "logging": {"wandb": "disabled"},
-                      "train": {"output_dir": str(tmp_path / name), "max_steps": 2, "save_every": 0, "export": False,
-                                "deterministic": True, "profile_step": step}}
-            path = tmp_path / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(recipe))
-            Trainer(load_recipe(path)).run()
-            rows = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-            losses[name] = [json.loads(r)["loss"] for r in rows]
-    finally:
-        torch.use_deterministic_algorithms(before)
+    losses = tiny_losses(tmp_path, (("plain", {}, {"profile_step": 0}), ("profiled", {}, {"profile_step": 2})),
+                         steps=2, docs={"num_docs": 20, "max_sentences": 30, "seed": 3},
+                         attention={"kind": "mtraining", "block_size": 32, "sparse_policy": "always"})
     for a, b in zip(losses["profiled"], losses["plain"], strict=True):
         assert abs(a - b) <= 1e-6 * abs(b), losses
     assert not (tmp_path / "plain" / "profile").exists()

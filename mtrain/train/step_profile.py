@@ -35,21 +35,23 @@ def wanted(config_step: int) -> int:
     return max(0, int(config_step or 0))
 
 
-def _device_time(evt) -> float:
-    """Microseconds of device time of a key_averages entry, on any torch that names it device_* or cuda_*."""
-    for name in ("device_time_total", "cuda_time_total"):
+def _attr(evt, names: tuple[str, ...]) -> float:
+    """The first of `names` that a key_averages entry has (torch names device times device_* or, older, cuda_*)."""
+    for name in names:
         value = getattr(evt, name, None)
         if value is not None:
             return float(value)
     return 0.0
+
+
+def _device_time(evt) -> float:
+    """Microseconds of device time of a key_averages entry, its children's included."""
+    return _attr(evt, ("device_time_total", "cuda_time_total"))
 
 
 def _self_device_time(evt) -> float:
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        value = getattr(evt, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
+    """Microseconds of device time of a key_averages entry itself."""
+    return _attr(evt, ("self_device_time_total", "self_cuda_time_total"))
 
 
 def summarise(averages, wall_s: float, top: int = TOP) -> str:
