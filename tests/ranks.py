@@ -192,7 +192,7 @@ def run_mtrain(world: int, *argv: str, env: dict | None = None) -> tuple[int, st
     return run_module(world, "mtrain", *argv, env=env)
 
 
-def _main_entry(_, target, argv, env, log_dir):
+def _main_entry(_, target, argv, env, log_dir, cwd):
     """One process as `python TARGET ARGV` starts (no launcher variables): `target` "-m MODULE" or a script path
     relative to the repository; its stdout and stderr go to log_dir/stdout and log_dir/stderr. An uncaught exception
     prints its traceback and exits 1, as the interpreter does."""
@@ -204,7 +204,7 @@ def _main_entry(_, target, argv, env, log_dir):
         os.dup2(os.open(os.path.join(log_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     os.environ.update(env)
     os.environ["PYTHONUNBUFFERED"] = "1"
-    os.chdir(REPO)
+    os.chdir(cwd)
     try:
         if target.startswith("-m "):
             sys.argv = [target[3:], *argv]
@@ -224,7 +224,7 @@ def _main_entry(_, target, argv, env, log_dir):
 class Launch:
     """Processes started by `start`: poll / wait / kill them as a launcher's process group, read their output."""
 
-    def __init__(self, world, target, argv, env, launcher):
+    def __init__(self, world, target, argv, env, launcher, cwd):
         import tempfile
 
         import torch.multiprocessing as mp
@@ -239,7 +239,7 @@ class Launch:
                                                    start_method="forkserver")
             else:
                 self._context = mp.start_processes(_main_entry, args=(target, tuple(argv), dict(env or {}),
-                                                                      self.log_dir),
+                                                                      self.log_dir, str(cwd or REPO)),
                                                    nprocs=1, join=False, start_method="forkserver")
         self._launcher, self._failure = launcher, ""
 
@@ -306,22 +306,23 @@ class Launch:
         self._dir.cleanup()
 
 
-def start(world: int, target: str, *argv: str, env: dict | None = None, launcher: bool = True) -> Launch:
+def start(world: int, target: str, *argv: str, env: dict | None = None, launcher: bool = True, cwd=None) -> Launch:
     """Start `torchrun --standalone --nproc_per_node=WORLD TARGET ARGV` (`launcher`; TARGET "-m MODULE" or a script
-    relative to the repository), or with `launcher=False` one plain `python TARGET ARGV` (no launcher variables), its
-    processes forked from the CLI's server; returns at once (`Launch`)."""
+    relative to the repository; the repository as working directory), or with `launcher=False` one plain `python
+    TARGET ARGV` (no launcher variables; in `cwd`, by default the repository), its processes forked from the CLI's
+    server; returns at once (`Launch`)."""
     if not launcher and world != 1:
         raise ValueError("a plain python process is one process")
-    return Launch(world, target, argv, env, launcher)
+    return Launch(world, target, argv, env, launcher, cwd)
 
 
-def run_cli(*argv: str, module: str = "mtrain", env: dict | None = None, timeout: float = 300):
-    """`python -m MODULE ARGV` from the repository root, forked from the CLI's server instead of a fresh interpreter
-    (the same program: runpy runs MODULE as __main__, in a process of its own); returns a
+def run_cli(*argv: str, module: str = "mtrain", env: dict | None = None, timeout: float = 300, cwd=None):
+    """`python -m MODULE ARGV` (in `cwd`, by default the repository root), forked from the CLI's server instead of a
+    fresh interpreter (the same program: runpy runs MODULE as __main__, in a process of its own); returns a
     subprocess.CompletedProcess with its exit status, stdout and stderr."""
     import subprocess
 
-    launch = start(1, f"-m {module}", *argv, env=env, launcher=False)
+    launch = start(1, f"-m {module}", *argv, env=env, launcher=False, cwd=cwd)
     try:
         returncode = launch.wait(timeout)
         out, err = launch.output()
