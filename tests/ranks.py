@@ -55,6 +55,10 @@ def _server(kind: str):
         os.environ.pop("TRITON_INTERPRET", None)
         if interpret:
             os.environ["TRITON_INTERPRET"] = "1"
+        if kind in ("torch", "interpret"):
+            # every rank of these servers runs one thread (torchrun sets OMP_NUM_THREADS=1 for several ranks): numpy's
+            # OpenBLAS (the interpreter's tl.dot) sizes its pool when the server imports it, from these variables
+            os.environ.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         if kind == "cli":
             from mtrain.offline import set_offline
 
