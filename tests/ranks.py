@@ -55,6 +55,10 @@ def _server(kind: str):
         os.environ.pop("TRITON_INTERPRET", None)
         if interpret:
             os.environ["TRITON_INTERPRET"] = "1"
+        if kind in ("torch", "interpret"):
+            # every rank of these servers runs one thread (torchrun sets OMP_NUM_THREADS=1 for several ranks): numpy's
+            # OpenBLAS (the interpreter's tl.dot) sizes its pool when the server imports it, from these variables
+            os.environ.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         if kind == "cli":
             from mtrain.offline import set_offline
 
@@ -190,3 +194,142 @@ def run_module(world: int, module: str, *argv: str, env: dict | None = None) -> 
 def run_mtrain(world: int, *argv: str, env: dict | None = None) -> tuple[int, str]:
     """`torchrun --standalone --nproc_per_node=WORLD -m mtrain ARGV`, as `run_module`."""
     return run_module(world, "mtrain", *argv, env=env)
+
+
+def _main_entry(_, target, argv, env, log_dir, cwd):
+    """One process as `python TARGET ARGV` starts (no launcher variables): `target` "-m MODULE" or a script path
+    relative to the repository; its stdout and stderr go to log_dir/stdout and log_dir/stderr. An uncaught exception
+    prints its traceback and exits 1, as the interpreter does."""
+    import runpy
+    import sys
+    import traceback
+
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(os.path.join(log_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    os.environ.update(env)
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    os.chdir(cwd)
+    try:
+        if target.startswith("-m "):
+            sys.argv = [target[3:], *argv]
+            runpy.run_module(target[3:], run_name="__main__", alter_sys=True)
+        else:
+            path = os.path.join(REPO, target)
+            sys.argv = [path, *argv]
+            sys.path.insert(0, os.path.dirname(path))
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        raise SystemExit(1)
+
+
+class Launch:
+    """Processes started by `start`: poll / wait / kill them as a launcher's process group, read their output."""
+
+    def __init__(self, world, target, argv, env, launcher, cwd):
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        self.world, self.returncode = world, None
+        self._dir = tempfile.TemporaryDirectory()
+        self.log_dir = self._dir.name
+        with _through(_server("cli")):
+            if launcher:
+                args = (world, _free_port(), target, tuple(argv), dict(env or {}), self.log_dir)
+                self._context = mp.start_processes(_script_entry, args=args, nprocs=world, join=False,
+                                                   start_method="forkserver")
+            else:
+                self._context = mp.start_processes(_main_entry, args=(target, tuple(argv), dict(env or {}),
+                                                                      self.log_dir, str(cwd or REPO)),
+                                                   nprocs=1, join=False, start_method="forkserver")
+        self._launcher, self._failure = launcher, ""
+
+    def _join(self, timeout) -> bool:
+        import torch.multiprocessing as mp
+
+        try:
+            done = self._context.join(timeout)
+        except mp.ProcessExitedException as err:
+            if self._launcher:  # as torchrun: 1, and the rank's exit code or signal in its report
+                self.returncode, self._failure = 1, f"{err}\nexitcode: {err.exit_code}\n"
+            else:  # the process's own status (a signal as -N, as subprocess reports it)
+                self.returncode = err.exit_code
+            return True
+        except mp.ProcessRaisedException as err:
+            self.returncode, self._failure = 1, str(err)
+            return True
+        if done:
+            self.returncode = 0
+        return done
+
+    def poll(self):
+        if self.returncode is None:
+            self._join(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+        import time
+
+        deadline = None if timeout is None else time.time() + timeout
+        while self.returncode is None and not self._join(1.0):
+            if deadline is not None and time.time() > deadline:
+                self.kill()
+                raise subprocess.TimeoutExpired(str(self._context), timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL every process, as `kill -9` of a launcher's process group, and reap them."""
+        import signal
+
+        for process in self._context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGKILL)
+        for process in self._context.processes:
+            process.join()
+        self.returncode = -signal.SIGKILL
+
+    def output(self) -> tuple[str, str]:
+        """(stdout, stderr): with the launcher, rank 0's log, then the others', in stdout, and a failing rank's
+        traceback or signal in stderr."""
+        def read(name):
+            path = os.path.join(self.log_dir, name)
+            if not os.path.exists(path):
+                return ""
+            with open(path, errors="replace") as f:
+                return f.read()
+
+        if self._launcher:
+            return "".join(read(f"rank{rank}.log") for rank in range(self.world)), self._failure
+        return read("stdout"), read("stderr")
+
+    def close(self) -> None:
+        self._dir.cleanup()
+
+
+def start(world: int, target: str, *argv: str, env: dict | None = None, launcher: bool = True, cwd=None) -> Launch:
+    """Start `torchrun --standalone --nproc_per_node=WORLD TARGET ARGV` (`launcher`; TARGET "-m MODULE" or a script
+    relative to the repository; the repository as working directory), or with `launcher=False` one plain `python
+    TARGET ARGV` (no launcher variables; in `cwd`, by default the repository), its processes forked from the CLI's
+    server; returns at once (`Launch`)."""
+    if not launcher and world != 1:
+        raise ValueError("a plain python process is one process")
+    return Launch(world, target, argv, env, launcher, cwd)
+
+
+def run_cli(*argv: str, module: str = "mtrain", env: dict | None = None, timeout: float = 300, cwd=None):
+    """`python -m MODULE ARGV` (in `cwd`, by default the repository root), forked from the CLI's server instead of a
+    fresh interpreter (the same program: runpy runs MODULE as __main__, in a process of its own); returns a
+    subprocess.CompletedProcess with its exit status, stdout and stderr."""
+    import subprocess
+
+    launch = start(1, f"-m {module}", *argv, env=env, launcher=False, cwd=cwd)
+    try:
+        returncode = launch.wait(timeout)
+        out, err = launch.output()
+    finally:
+        launch.close()
+    return subprocess.CompletedProcess([module, *argv], returncode, out, err)

@@ -861,12 +861,13 @@ def test_resume_with_two_processes_of_a_one_process_run_is_refused_not_damaged(w
     if meta == "older":
         _as_older_checkpoints(run)
     config = (run / "config.yaml").read_bytes()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                           "mtrain", "train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}", "--set",
-                           "train.max_steps=3"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    # one per rank; the two ranks write to one pipe at once, so two lines can arrive joined: split on the prefix
+    from ranks import run_mtrain
+
+    # as torchrun --standalone --nproc_per_node=2 -m mtrain ..., the ranks forked (tests/ranks.py)
+    returncode, out = run_mtrain(2, "train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}", "--set",
+                                 "train.max_steps=3")
+    assert returncode != 0, out[-3000:]
+    # one per rank (split on the prefix: two ranks writing to one pipe at once could join two lines)
     lines = ["mtrain train: error:" + part for part in out.split("mtrain train: error:")[1:]]
     assert len(lines) == 2, out[-3000:]
     for line in lines:

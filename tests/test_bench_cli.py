@@ -12,14 +12,22 @@ from pathlib import Path
 
 import pytest
 
+from ranks import run_cli
+
 REPO = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = ("attention", "real", "ring", "train", "cost", "plan", "imbalance", "check")
 
 
-def mtrain(*args, env=None, timeout=300):
-    """`python -m mtrain ARGS` from the repository root; returns the finished process (its exit status checked)."""
-    run = subprocess.run([sys.executable, "-m", "mtrain", *args], cwd=REPO, capture_output=True, text=True,
-                         timeout=timeout, env={**os.environ, **(env or {})})
+def mtrain(*args, env=None, timeout=300, module="mtrain"):
+    """`python -m MODULE ARGS` from the repository root; returns the finished process (its exit status checked).
+    Forked from the CLI's server (tests/ranks.py run_cli: the same program, without a fresh interpreter's imports),
+    but where Triton's interpreter is asked for: transformers imported Triton in that server, so such a run starts
+    a fresh interpreter."""
+    if "TRITON_INTERPRET" in (env or {}):
+        run = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+                             timeout=timeout, env={**os.environ, **env})
+    else:
+        run = run_cli(*args, module=module, env=env, timeout=timeout)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return run
 
@@ -42,9 +50,7 @@ def test_options_and_help_pass_through_to_the_subcommand():
     assert "--model" in mtrain("bench", "real", "--help").stdout
     assert "--write-table" in mtrain("bench", "cost", "--help").stdout
     assert "--quick" in mtrain("bench", "check", "--help").stdout
-    run = subprocess.run([sys.executable, "-m", "mtrain.bench.plan", "--help"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 0 and "--node-size" in run.stdout
+    assert "--node-size" in mtrain("--help", module="mtrain.bench.plan", timeout=120).stdout
 
 
 def test_plan_and_imbalance(capsys):

@@ -290,12 +290,10 @@ def test_cp2_ranks_widen_alike(tmp_path):
     """Under context parallelism (2 ranks, gloo) the layer's estimate across the group is short at 16, 32 and 64
     lines: every rank doubles its caps on the same calls (the decision reads the est_recall every rank shares) and
     runs its next estimate with them, none holds it dense, and at 128 lines every rank runs it sparse."""
-    import subprocess
+    from ranks import run_script
 
     out = tmp_path / "rows.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/workers/cap_widening.py", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_script(2, "tests/workers/cap_widening.py", str(out))  # as torchrun --standalone --nproc_per_node=2
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     for row in rows:

@@ -1,7 +1,5 @@
 """Recipe loading: typed validation, overrides, clear errors naming the key."""
 
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -137,8 +135,9 @@ def test_resolved_config_round_trips(recipe_file, tmp_path, monkeypatch):
 
 
 def test_cli_bogus_key_is_one_short_line(recipe_file):
-    proc = subprocess.run([sys.executable, "-m", "mtrain", "train", str(recipe_file), "--set", "train.bogus_key=1"],
-                          capture_output=True, text=True, cwd=recipe_file.parent)
+    from ranks import run_cli  # python -m mtrain, forked from the CLI's server
+
+    proc = run_cli("train", str(recipe_file), "--set", "train.bogus_key=1", cwd=recipe_file.parent)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

@@ -31,7 +31,7 @@ def test_train_cp2_on_one_block_per_rank(tmp_path):
     from mtrain.data import pack
     from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
     from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
-    from test_train_e2e import _torchrun
+    from ranks import run_mtrain
 
     write_jsonl(tmp_path / "docs.jsonl", generate(CorpusSpec(num_docs=30, max_sentences=20, seed=5)))
     pack([f"{tmp_path / 'docs.jsonl'}:jsonl"], str(TOKENIZER_DIR), 128, tmp_path / "packed", progress=False, workers=1)
@@ -45,9 +45,8 @@ def test_train_cp2_on_one_block_per_rank(tmp_path):
                   "export": False},
     }
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    proc = _torchrun(2, "train", str(tmp_path / "recipe.yaml"))
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-4000:]
+    returncode, out = run_mtrain(2, "train", str(tmp_path / "recipe.yaml"))  # as torchrun --standalone would
+    assert returncode == 0, out[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["imbalance_worker"] >= 1.0 and r["imbalance_step"] >= 1.0 for r in rows), rows

@@ -3,13 +3,12 @@ SmolLM2's tokenizer through data/smollm2-512k.yaml as the 4-GPU runs read them."
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from mtrain.data.longdocs import code_repos, write_long_docs
+from ranks import run_cli
 from real_model import require_real_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,16 +65,13 @@ def test_pack_long_documents_with_the_real_tokenizer(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     shutil.copy(REPO / "data" / "smollm2-512k.yaml", data)
-    run = subprocess.run([sys.executable, "-m", "mtrain.data.longdocs", "--out", str(data / "longdocs"),
-                          "--code-chars", "400000", "--min-doc-chars", "30000"], capture_output=True, text=True,
-                         cwd=REPO)
+    run = run_cli("--out", str(data / "longdocs"), "--code-chars", "400000", "--min-doc-chars", "30000",
+                  module="mtrain.data.longdocs")  # python -m, forked from the CLI's server (tests/ranks.py)
     assert run.returncode == 0, run.stderr
     assert "code:" in run.stdout and "books:" in run.stdout
     seq = 16384
-    pack = subprocess.run([sys.executable, "-m", "mtrain", "pack", str(data / "smollm2-512k.yaml"), "--tokenizer",
-                           str(model), "--seq-len", str(seq), "--total-tokens", str(6 * seq), "--out",
-                           str(data / "packed"), "--no-progress", "--workers", "1"], capture_output=True, text=True,
-                          cwd=REPO)
+    pack = run_cli("pack", str(data / "smollm2-512k.yaml"), "--tokenizer", str(model), "--seq-len", str(seq),
+                   "--total-tokens", str(6 * seq), "--out", str(data / "packed"), "--no-progress", "--workers", "1")
     assert pack.returncode == 0, pack.stderr[-2000:]
     summary = json.loads(pack.stdout.strip().splitlines()[-1])
     assert summary["num_samples"] >= 6 and summary["seq_len"] == seq

@@ -39,9 +39,10 @@ def long_packed(tmp_path_factory):
     from mtrain.data.longdocs import write_long_docs
 
     write_long_docs(root / "longdocs", code_chars=200_000, min_doc_chars=30_000)
-    run = subprocess.run([sys.executable, "-m", "mtrain", "pack", str(root / "smollm2-512k.yaml"), "--tokenizer",
-                          str(model), "--seq-len", "512", "--total-tokens", "2048", "--out", str(root / "packed"),
-                          "--no-progress", "--workers", "1"], capture_output=True, text=True, cwd=REPO)
+    from ranks import run_cli  # python -m mtrain, forked from the CLI's server
+
+    run = run_cli("pack", str(root / "smollm2-512k.yaml"), "--tokenizer", str(model), "--seq-len", "512",
+                  "--total-tokens", "2048", "--out", str(root / "packed"), "--no-progress", "--workers", "1")
     assert run.returncode == 0, run.stderr[-2000:]
     return root / "packed"
 

@@ -5,8 +5,6 @@ within its stated error of the measured runs, and traffic read from a real ring 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -85,13 +83,15 @@ def test_out_of_sample_errors_are_the_ones_benchmarks_states():
 
 
 def test_cli_plans_the_paper_recipe_and_rejects_bad_flags(tmp_path):
-    run = [sys.executable, "-m", "mtrain", "bench", "plan"]
-    ok = subprocess.run(run + ["recipes/qwen2.5-3b-512k-mtraining.yaml", "--gpus", "32", "--json",
-                               str(tmp_path / "p.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    from ranks import run_cli  # python -m mtrain, forked from the CLI's server
+
+    run = ["bench", "plan"]
+    ok = run_cli(*run, "recipes/qwen2.5-3b-512k-mtraining.yaml", "--gpus", "32", "--json", str(tmp_path / "p.json"),
+                 timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "CP=32 over 32 x h200 (4 node(s) of 8)" in ok.stdout and "FITS" in ok.stdout
     assert (tmp_path / "p.json").is_file()
-    bad = subprocess.run(run + ["--gpu", "tpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    bad = run_cli(*run, "--gpu", "tpu", timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown; choose one of" in bad.stderr
 
 

@@ -1,13 +1,12 @@
 """The converted real model (SmolLM2-135M from its GGUF) in mtrain's attention kinds, on real prose (CPU, fp32)."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from mtrain.models.context import CONTEXT
 from mtrain.models.registry import register_kind
+from ranks import run_cli
 from real_model import REAL_MODEL, load_real_model, prose_ids, require_real_model
 
 SEQ = 1024
@@ -64,8 +63,7 @@ def test_convert_reports_bad_input_in_one_line(tmp_path):
     bad = tmp_path / "model.bin"
     bad.write_bytes(b"not a gguf")
     for target, expect in ((tmp_path / "absent.gguf", "no GGUF file"), (bad, "is not a .gguf file")):
-        proc = subprocess.run([sys.executable, "-m", "mtrain", "convert", str(target), "--out", str(tmp_path / "o")],
-                              capture_output=True, text=True, timeout=120)
+        proc = run_cli("convert", str(target), "--out", str(tmp_path / "o"), timeout=120)  # python -m mtrain, forked
         assert proc.returncode == 2
         assert expect in proc.stderr and "Traceback" not in proc.stderr
         assert not (tmp_path / "o").exists()

@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import torch
 from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
 from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
 from planted import Payload
-from ranks import run_mtrain
+from ranks import run_mtrain, start
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 256
@@ -47,11 +46,29 @@ def _recipe(tmp_path: Path, packed: Path, out: str, **train) -> Path:
 
 
 def _torchrun(nproc: int, *args):
-    """`torchrun -m mtrain ARGS` in its own session, so a SIGKILL reaches every rank."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "mtrain", *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    """`torchrun --standalone -m mtrain ARGS`, its ranks forked as torchrun would start them (tests/ranks.py start);
+    returns at once: `kill()` sends every rank SIGKILL, as kill -9 of the launcher's process group."""
+    return start(nproc, "-m mtrain", *args)
+
+
+def _finish(launch, timeout: float = 600) -> tuple[int, str]:
+    """Wait for a launch: (its exit status, the ranks' output)."""
+    try:
+        returncode = launch.wait(timeout)
+        return returncode, "".join(launch.output())
+    finally:
+        launch.close()
+
+
+def _kill_after_checkpoint(launch, marker: Path, step: str) -> None:
+    """SIGKILL every process of `launch` once `marker` (checkpoints/latest) names `step`."""
+    deadline = time.time() + 300
+    while not (marker.exists() and marker.read_text().strip() == step):
+        assert launch.poll() is None, "".join(launch.output())[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    launch.kill()
+    launch.close()
 
 
 def _losses(run: Path) -> dict:
@@ -78,9 +95,8 @@ def _check_golden(losses: dict) -> None:
 def test_train_resume_export(tmp_path, packed):
     """CP=2 under torchrun: 6 steps straight vs killed (kill -9) after the step-3 checkpoint and rerun."""
     cp2 = ["--set", "parallel.cp_size=2"]  # packed documents masked inside the ring
-    full = _torchrun(2, "train", str(_recipe(tmp_path, packed, "full")), *cp2)
-    out, _ = full.communicate(timeout=600)
-    assert full.returncode == 0, out
+    returncode, out = _finish(_torchrun(2, "train", str(_recipe(tmp_path, packed, "full")), *cp2))
+    assert returncode == 0, out
     ref = _losses(tmp_path / "full")
     assert sorted(ref) == [1, 2, 3, 4, 5, 6]
     assert ref[6] < ref[1]
@@ -88,18 +104,10 @@ def test_train_resume_export(tmp_path, packed):
 
     # Same recipe, killed with SIGKILL once the step-3 checkpoint is committed, then rerun unchanged.
     recipe = _recipe(tmp_path, packed, "killed")
-    marker = tmp_path / "killed" / "checkpoints" / "latest"
-    proc = _torchrun(2, "train", str(recipe), *cp2)
-    deadline = time.time() + 300
-    while not (marker.exists() and marker.read_text().strip() == "step-0000003"):
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    resumed = _torchrun(2, "train", str(recipe), *cp2)
-    out, _ = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, out
+    _kill_after_checkpoint(_torchrun(2, "train", str(recipe), *cp2), tmp_path / "killed" / "checkpoints" / "latest",
+                           "step-0000003")
+    returncode, out = _finish(_torchrun(2, "train", str(recipe), *cp2))
+    assert returncode == 0, out
     assert "resumed from" in out
     got = _losses(tmp_path / "killed")
     assert got == ref  # bit-identical, every step, no duplicated lines
@@ -313,19 +321,14 @@ def test_deepspeed_zero2_checkpoints_load_tensors_only(tmp_path, packed, config)
 
 def _auto_policy_run(tmp_path: Path, packed: Path, out: str, world: int, policy: str = "auto"):
     """`mtrain train` of the sparse kind under sparse_policy `policy` (auto: with dense holds; the stand-in cost model
-    of tests/workers/auto_policy_train.py runs every layer sparse and finds the estimate paid on some), CP = world,
-    in its own session (for kill -9)."""
+    of tests/workers/auto_policy_train.py runs every layer sparse and finds the estimate paid on some), CP = world:
+    `python SCRIPT` (world 1) or its ranks as torchrun starts them, forked (tests/ranks.py start); returns at once."""
     recipe = _recipe(tmp_path, packed, out, max_steps=8, save_every=4, grad_accum=1, micro_batch_size=1, export=False)
     sets = ["attention.kind=mtraining", f"attention.sparse_policy={policy}", "attention.dense_hold_steps=1",
             "attention.block_size=64", "attention.recall=0.8", "attention.last_q=32", "parallel.granularity=64",
             f"parallel.cp_size={world}", "logging.log_every=1"]
     args = [a for s in sets for a in ("--set", s)]
-    cmd = ([sys.executable, "tests/workers/auto_policy_train.py"] if world == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-            "tests/workers/auto_policy_train.py"])
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([*cmd, "train", str(recipe), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return start(world, "tests/workers/auto_policy_train.py", "train", str(recipe), *args, launcher=world > 1)
 
 
 def _steps(run: Path) -> list[dict]:
@@ -341,9 +344,8 @@ def test_sparse_resume_is_bit_identical(tmp_path, packed, world, policy):
     """mtraining under sparse_policy auto with dense holds active, and under always: killed (kill -9) after the
     step-4 checkpoint and rerun, the run logs what the uninterrupted one does, bit for bit: losses, per-layer paths,
     held layers, densities. The holds and the lagged choice's statistics are saved with the checkpoint."""
-    full = _auto_policy_run(tmp_path, packed, "full", world, policy)
-    out, _ = full.communicate(timeout=600)
-    assert full.returncode == 0, out[-3000:]
+    returncode, out = _finish(_auto_policy_run(tmp_path, packed, "full", world, policy))
+    assert returncode == 0, out[-3000:]
     ref = _steps(tmp_path / "full")
     assert [r["step"] for r in ref] == list(range(1, 9))
     if policy == "auto":
@@ -354,17 +356,9 @@ def test_sparse_resume_is_bit_identical(tmp_path, packed, world, policy):
         assert all(set(r["attention_paths"]) == {"s"} for r in ref), ref
         assert not any(r.get("attention_held_layers", 0) for r in ref), ref
 
-    marker = tmp_path / "killed" / "checkpoints" / "latest"
-    proc = _auto_policy_run(tmp_path, packed, "killed", world, policy)
-    deadline = time.time() + 300
-    while not (marker.exists() and marker.read_text().strip() == "step-0000004"):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    resumed = _auto_policy_run(tmp_path, packed, "killed", world, policy)
-    out, _ = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, out[-3000:]
+    _kill_after_checkpoint(_auto_policy_run(tmp_path, packed, "killed", world, policy),
+                           tmp_path / "killed" / "checkpoints" / "latest", "step-0000004")
+    returncode, out = _finish(_auto_policy_run(tmp_path, packed, "killed", world, policy))
+    assert returncode == 0, out[-3000:]
     assert "resumed from" in out
     assert _steps(tmp_path / "killed") == ref
