@@ -227,9 +227,12 @@ def list_bytes(index, cap_v: int, cap_s: int) -> int:
     """Bytes of the int32 block and column lists over the query blocks `index` holds (every block of a one-device
     SparseIndex, a CP rank's own in a RowIndex) when they are as wide as caps of `cap_v` verticals and `cap_s` slash
     block offsets allow: per query block and head, two block entries per slash offset (a slash line crosses at most
-    two key blocks), the sink and diagonal blocks, and one column entry per vertical."""
+    two key blocks), the sink and diagonal blocks, and one column entry per vertical
+    (`mtrain.parallel.estimate.lists_bytes`, what a rank's index sizes its lists by)."""
+    from mtrain.parallel.estimate import lists_bytes
+
     b, h, rows = index.block_ids.shape[:3]
-    return b * h * rows * (2 * cap_s + 2 + cap_v) * 4
+    return lists_bytes(b, h, rows, cap_s, cap_v)
 
 
 def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> bool:

@@ -408,10 +408,17 @@ def _covered_rows(lists, rows, probs, pooled, k_pos) -> torch.Tensor:
 STATIC_WIDTH_BYTES = 64 * 2**20
 
 
+def lists_bytes(b: int, h: int, n_rows: int, n_slash: int, n_vertical: int) -> int:
+    """Bytes of int32 block and column lists over `n_rows` query blocks of `h` heads (batch `b`) as wide as `n_slash`
+    slash block offsets (two key blocks each: a slash line crosses at most two) plus the sink and diagonal blocks, and
+    `n_vertical` columns, allow."""
+    return b * h * n_rows * (2 * n_slash + 2 + n_vertical) * 4
+
+
 def static_list_bytes(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) -> int:
     """Bytes of a rank's block and column lists (int32) over `n_rows` query blocks at the widths the lines allow."""
     b, h = vertical.shape[:2]
-    return b * h * n_rows * (2 * slash.shape[-1] + 2 + vertical.shape[-1]) * 4
+    return lists_bytes(b, h, n_rows, slash.shape[-1], vertical.shape[-1])
 
 
 def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) -> bool | str:
