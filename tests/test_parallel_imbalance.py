@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -76,6 +78,34 @@ def test_rank_holding_only_the_sink_block():
                                          128, 64, torch.tensor([rank])), layout, rank)
         assert mine.dtype == torch.float64
         assert torch.equal(mine, torch.cat([whole["work"][rank], whole["local"][rank:rank + 1]]))
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_rank_work_is_its_row_of_the_whole_measure(name, monkeypatch):
+    """Each rank's `rank_work` (counted per key block, a few list rows at a time, from the global index or from its
+    own rows only) equals its row of `imbalance` computed from every entry: random verticals and slashes, CP = 4,
+    flat and hierarchical (2 x 2) step orders, with the row budget so small that every list row is its own chunk."""
+    from mtrain.ops.index import rows_from_lines
+    measure = importlib.import_module("mtrain.parallel.imbalance")  # the package exports the function of that name
+
+    g = torch.Generator().manual_seed(1)
+    seq_len, block = 512, 16
+    vertical, slash = torch.randint(0, seq_len, (1, 2, 9), generator=g), torch.randint(0, seq_len, (1, 2, 7), generator=g)
+    index = SparseIndex.from_lines(vertical, slash, seq_len, block)
+    for local in (None, 2):
+        layout = Layout.create(name, world_size=4, granularity=16, local_world_size=local)
+        whole = imbalance(index, layout, local_world_size=local)
+        for budget in (measure._ROW_BUDGET, 1):
+            monkeypatch.setattr(measure, "_ROW_BUDGET", budget)
+            for rank in range(4):
+                expected = torch.cat([whole["work"][rank], whole["local"][rank:rank + 1]])
+                got = measure.rank_work(index, layout, rank, local_world_size=local)
+                assert got.dtype == torch.float64
+                assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12), (local, budget, rank)
+                held = layout.indices(seq_len, rank) // block  # the query blocks this rank holds tokens of
+                rows = rows_from_lines(vertical, slash, seq_len, block, torch.unique(held))
+                assert torch.allclose(measure.rank_work(rows, layout, rank, local_world_size=local), expected,
+                                      rtol=1e-12, atol=1e-12), (local, budget, rank)
 
 
 def test_vertical_column_lands_on_its_owner_step():

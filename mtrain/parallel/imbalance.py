@@ -10,6 +10,8 @@ from mtrain.parallel.ring_hierarchical import node_grid, origin_rank
 
 # entries folded per index_add when a block spans several ranks (token stripe), to bound memory
 _CHUNK = 1 << 16
+# list entries masked at a time by rank_work (bounds its temporaries on a widened layer's lists)
+_ROW_BUDGET = 1 << 24
 
 
 def _tokens_per_block_and_rank(layout: Layout, seq_len: int, block_size: int) -> torch.Tensor:
@@ -54,15 +56,15 @@ def _key_rank_sums(q_rows: torch.Tensor, k_blocks: torch.Tensor, tokens: torch.T
 def _by_step(pair_work: torch.Tensor, local_world_size: int | None) -> torch.Tensor:
     """[W, W] (query rank r, key rank r') -> [W, W] (rank r, ring step t): the flat ring visits r' = r - t;
     the hierarchical one (nodes of L ranks) the rank `origin_rank` gives for step t = o * L + i."""
-    world = pair_work.shape[0]
-    r = torch.arange(world).view(-1, 1)
+    world, dev = pair_work.shape[0], pair_work.device
+    r = torch.arange(world, device=dev).view(-1, 1)
     if not local_world_size:
-        return pair_work[r, (r - torch.arange(world).view(1, -1)) % world]
+        return pair_work[r, (r - torch.arange(world, device=dev).view(1, -1)) % world]
     origins = torch.tensor([
         [origin_rank(node_grid(rank, world, local_world_size, rank % local_world_size), t // local_world_size,
                      t % local_world_size) for t in range(world)]
         for rank in range(world)
-    ])
+    ], device=dev)
     return pair_work[r, origins]
 
 
@@ -119,28 +121,51 @@ def imbalance(index, layout: Layout, *, vertical_on_ring: bool = False, local_wo
     }
 
 
+def _row_chunks(ids: torch.Tensor, counts: torch.Tensor, row_ids: torch.Tensor):
+    """(ids [r, M], valid [r, M], global query block [r]) over the rows of a [B, H, nQB, M] list, a few rows at a
+    time so the masks stay within _ROW_BUDGET entries whatever the lists' width (a widened layer's lists take GBs)."""
+    width = max(int(ids.shape[-1]), 1)
+    flat_ids, flat_counts = ids.reshape(-1, ids.shape[-1]), counts.reshape(-1)
+    rows = row_ids.view(1, -1).expand(ids.shape[0] * ids.shape[1], -1).reshape(-1)
+    step = max(_ROW_BUDGET // width, 1)
+    slot = torch.arange(ids.shape[-1], device=ids.device)
+    for start in range(0, flat_ids.shape[0], step):
+        part = flat_ids[start:start + step]
+        valid = (slot < flat_counts[start:start + step, None].long()) & (part >= 0)
+        yield part, valid, rows[start:start + step]
+
+
 def rank_work(index, layout: Layout, rank: int, *, local_world_size: int | None = None) -> torch.Tensor:
     """Rank `rank`'s row of `imbalance`'s measure from its own rows of the index (a `mtrain.ops.index.RowIndex`
     holding at least them, or a global SparseIndex): float64 [W + 1], its work at each ring step in step order,
-    then its off-ring (sink + vertical) work. Nothing of the other ranks' rows is needed."""
+    then its off-ring (sink + vertical) work. Nothing of the other ranks' rows is needed.
+
+    Counted where the lists live (the GPU in training) by per-key-block weights: no entry list is extracted, nothing
+    of the lists' size is copied to the host and no host synchronisation is made (a widened layer's lists at 512K
+    take GBs, and copying them made one step of the 4-GPU run ~20 s longer). The result stays on that device."""
     seq_len, block_size = int(index.seq_len), int(index.block_size)
     world = layout.world_size
-    tokens = _tokens_per_block_and_rank(layout, seq_len, block_size)
+    dev = index.block_ids.device
+    tokens = _tokens_per_block_and_rank(layout, seq_len, block_size).to(dev)  # [nB, W]
     mine = tokens[:, rank]
     row_ids = getattr(index, "rows", None)
-    q_rows, k_blocks = _valid_entries(index.block_ids.cpu(), index.block_counts.cpu(), row_ids)
-    c_rows, _ = _valid_entries(index.col_ids.cpu(), index.col_counts.cpu(), row_ids)
+    row_ids = (torch.arange(index.block_ids.shape[2]) if row_ids is None else row_ids).to(dev).long()
     area = float(block_size * block_size)
-    sink = k_blocks == 0
-    extra = torch.zeros(tokens.shape[0], dtype=torch.float64)
-    extra.index_add_(0, q_rows[sink], tokens[0].sum().expand(int(sink.sum())).clone())
-    extra.index_add_(0, c_rows, torch.ones(c_rows.numel(), dtype=torch.float64))
-    key_sums = _key_rank_sums(q_rows[~sink], k_blocks[~sink], tokens)
-    by_origin = mine @ key_sums / area  # [W]: work against each origin's shard
-    pair = torch.zeros(world, world, dtype=torch.float64)
+    # key_weight[j] = sum of mine[i] over the (i, j) entries of the block lists: the work against key block j is
+    # key_weight[j] * tokens[j]; j = 0 (the sink) is attended off the ring, once per listing row
+    key_weight = torch.zeros(tokens.shape[0], dtype=torch.float64, device=dev)
+    for ids, valid, rows in _row_chunks(index.block_ids, index.block_counts, row_ids):
+        weight = torch.where(valid, mine[rows][:, None], 0.0)
+        key_weight.index_add_(0, ids.clamp(min=0).long().flatten(), weight.flatten())
+    column_weight = torch.zeros((), dtype=torch.float64, device=dev)  # one token each, off the ring
+    for _, valid, rows in _row_chunks(index.col_ids, index.col_counts, row_ids):
+        column_weight += (valid.sum(-1).double() * mine[rows]).sum()
+    by_origin = tokens[1:].t() @ key_weight[1:] / area  # [W]: work against each origin's shard
+    local = (key_weight[0] * tokens[0].sum() + column_weight) / area
+    pair = torch.zeros(world, world, dtype=torch.float64, device=dev)
     pair[rank] = by_origin
     by_step = _by_step(pair, local_world_size)[rank]
-    return torch.cat([by_step, (mine @ extra / area).view(1)])
+    return torch.cat([by_step, local.view(1)])
 
 
 def gathered_imbalance(index, layout: Layout, rank: int, group, *, local_world_size: int | None = None) -> dict:
@@ -150,8 +175,7 @@ def gathered_imbalance(index, layout: Layout, rank: int, group, *, local_world_s
     ranks = each rank's work over the mean work (its own share of the imbalance; max(ranks) == worker)."""
     import torch.distributed as dist
 
-    # on the index's device: NCCL gathers CUDA tensors only (rank_work counts on the host)
-    mine = rank_work(index, layout, rank, local_world_size=local_world_size).to(index.block_ids.device)
+    mine = rank_work(index, layout, rank, local_world_size=local_world_size)  # on the index's device, as NCCL needs
     rows = [torch.empty_like(mine) for _ in range(layout.world_size)]
     dist.all_gather(rows, mine, group=group)
     table = torch.stack(rows)
