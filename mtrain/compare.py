@@ -439,15 +439,32 @@ def eval_score(results: dict | None, kind: str, length: str):
     return value.get("average") if _numeric(value.get("average")) else None
 
 
+def eval_stderr(results: dict | None, kind: str, length: str):
+    """The standard error `eval_score`'s figure carries (`mtrain.eval.scoring`): NIAH's over every sample of the
+    length, RULER's average over its tasks; None where the results hold none (older results, one sample)."""
+    if kind == "niah":
+        cell = (((results or {}).get("tasks") or {}).get("niah") or {}).get(length)
+    else:
+        cell = ((results or {}).get(kind) or {}).get(length)
+    value = cell.get("stderr") if isinstance(cell, dict) else None
+    return value if _numeric(value) else None
+
+
+def _score_cell(results: dict | None, kind: str, length: str) -> str:
+    score, err = eval_score(results, kind, length), eval_stderr(results, kind, length)
+    return _fmt(score, ".1f") if score is None or err is None else f"{score:.1f} ±{err:.1f}"
+
+
 def format_eval_table(summaries: list[dict]) -> str | None:
     """NIAH (mean over depths) and RULER average per length, one row per run that has eval results; None if
-    no run has any. A dash marks a length a run was not evaluated at."""
+    no run has any. A dash marks a length a run was not evaluated at; "±" gives the standard error of the mean
+    over the samples, where the results carry it."""
     with_eval = [s for s in summaries if s["eval"]]
     columns = eval_columns(with_eval)
     if not with_eval or not columns:
         return None
     headers = ["run"] + [c[0] for c in columns]
-    rows = [[s["run"]] + [_fmt(eval_score(s["eval"], kind, L), ".1f") for _, kind, L in columns] for s in with_eval]
+    rows = [[s["run"]] + [_score_cell(s["eval"], kind, L) for _, kind, L in columns] for s in with_eval]
     return _aligned(headers, rows)
 
 

@@ -27,6 +27,8 @@
 # the last.
 #
 # Environment: MODEL_DIR (/root/smollm2), WHEELS (.whl-study), STEPS (200 training steps per run), SEQ (32768),
+# EVALS (mtraining dense base mtraining-sparse dense-sparse: the evaluations, side by side; NAME-sparse is model NAME
+# evaluated with MTraining's attention on every layer; the study's table, study.md, pairs each with dense's),
 # OUT (results), STAGES (default "data train eval compare": any subset, in that order), TRAIN_ARGS / EVAL_ARGS (extra `mtrain
 # train` / `mtrain eval` arguments, e.g. EVAL_ARGS="--lengths 4096,8192" for a shorter pass). A CPU smoke run of
 # the whole chain: MODEL_DIR=models/smollm2-135m SEQ=2048 STEPS=2 TRAIN_ARGS="--set model.dtype=float32
@@ -39,6 +41,7 @@ STEPS=${STEPS:-200}
 SEQ=${SEQ:-32768}
 RESULTS=${OUT:-runs/fidelity}
 STAGES=${STAGES:-data train eval compare}
+EVALS=${EVALS:-mtraining dense base mtraining-sparse dense-sparse}
 PACKED=data/packed/smollm2-$SEQ
 export PYTHONPATH="/root/pylib:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 MTRAIN="python -m mtrain"
@@ -108,10 +111,13 @@ PY
       # the three evaluations side by side on the one GPU (a 135M model's decoding leaves it mostly idle); each
       # logs to $RESULTS/eval-NAME.log and keeps its predictions, so a call cut short resumes where it stopped
       pids=()
-      for pair in "mtraining:runs/smollm2-32k-mtraining/final" "dense:runs/smollm2-32k-dense/final" "base:$base"; do
-        name=${pair%%:*}
+      for name in $EVALS; do
+        model=${name%-sparse}
+        case $model in base) path=$base ;; *) path=runs/smollm2-32k-$model/final ;; esac
+        attn=()  # NAME-sparse: the model evaluated with MTraining's attention, every layer sparse
+        [ "$name" = "$model" ] || attn=(--attention mtraining --sparse sparse_policy=always)
         out=runs/smollm2-32k-eval/$name
-        ( $MTRAIN eval eval/smollm2-32k.yaml --model "${pair#*:}" --out "$out" --no-progress ${EVAL_ARGS:-} \
+        ( $MTRAIN eval eval/smollm2-32k.yaml --model "$path" --out "$out" --no-progress "${attn[@]}" ${EVAL_ARGS:-} \
             > "$RESULTS/eval-$name.log" 2>&1 && keep "$out/results.json" "eval-$name" && mark "evaluated $name" ) &
         pids+=($!)
       done
@@ -123,6 +129,11 @@ PY
     if has compare; then
       $MTRAIN compare runs/smollm2-32k-mtraining runs/smollm2-32k-dense --plot "$RESULTS/loss.png" \
         | tee "$RESULTS/compare.txt"
+      # the study's table: every evaluation with standard errors and counts, paired differences from dense's
+      evals=()
+      for name in $EVALS; do [ ! -d "runs/smollm2-32k-eval/$name/predictions" ] || evals+=(--eval "$name=runs/smollm2-32k-eval/$name"); done
+      [ ${#evals[@]} = 0 ] || python scripts/fidelity_table.py "${evals[@]}" --reference dense \
+        --run dense=runs/smollm2-32k-dense --run mtraining=runs/smollm2-32k-mtraining --out "$RESULTS/study.md"
     fi ;;
   *)
     echo "usage: $0 stage | run   (see the header)" >&2; exit 2 ;;

@@ -49,6 +49,13 @@ def test_eval_scores_side_by_side(tmp_path, capsys):
     assert table[2].split() == ["tiny-extend", "75.0", "100.0", "12.5", "4.0"]
     assert table[3].split() == ["tiny-extend-dense", "0.0", "-", "-", "-"]
     assert format_eval_table([summarize(one)]) is None
+    # results that carry standard errors (mtrain.eval.scoring) show them beside the score
+    with_errors = _run(tmp_path, "tiny-extend-se", 8000, str(tmp_path / "tiny" / "final"),
+                       {"tasks": {"niah": {"1024": {"score": 75.0, "stderr": 12.5, "n": 10}}},
+                        "niah": {"1024": {"0.0": 100.0, "50.0": 50.0}},
+                        "ruler": {"1024": {"average": 12.5, "stderr": 3.25, "tasks": 13, "n": 65}}})
+    assert format_eval_table([summarize(with_errors)]).splitlines()[2].split() == [
+        "tiny-extend-se", "75.0", "±12.5", "12.5", "±3.2"]
     plot = tmp_path / "cmp.png"
     assert main(["compare", one, two, twin, "--plot", str(plot)]) == 0
     out = capsys.readouterr().out

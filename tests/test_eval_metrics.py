@@ -95,9 +95,36 @@ def test_scoring_averages_ruler_tasks_per_length_and_ignores_rewritten_duplicate
         "ruler/qa_1": [_rec("ruler/qa_1", 64, 0, prediction="in Paris", references=["paris", "france"])],
     }
     results = score_records(records)
-    assert results["tasks"]["ruler/niah_single_1"]["64"] == {"metric": "string_match_all", "score": 50.0, "n": 2}
+    # scores 1 and 0: sample sd sqrt(0.5), over sqrt(2) -> 0.5, x100
+    assert results["tasks"]["ruler/niah_single_1"]["64"] == {"metric": "string_match_all", "score": 50.0,
+                                                             "stderr": 50.0, "n": 2}
     assert results["tasks"]["ruler/qa_1"]["64"]["score"] == 100.0
-    assert results["ruler"]["64"] == {"average": 75.0, "tasks": 2}
+    assert results["tasks"]["ruler/qa_1"]["64"]["stderr"] is None  # one sample: not defined
+    assert results["ruler"]["64"] == {"average": 75.0, "stderr": None, "tasks": 2, "n": 3}
+
+
+def test_standard_errors_against_statistics():
+    """Each cell's standard error is the sample standard deviation over sqrt(n) (Python's statistics module as the
+    reference), and the RULER average's combines its tasks' as independent means: sqrt(sum se^2) / T."""
+    import math
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    answers = {"ruler/niah_single_1": [rng.random() < 0.7 for _ in range(9)],
+               "ruler/niah_multikey_1": [rng.random() < 0.4 for _ in range(6)]}
+    records = {name: [_rec(name, 64, i, prediction="1234567" if hit else "no", references=["1234567"])
+                      for i, hit in enumerate(hits)] for name, hits in answers.items()}
+    results = score_records(records)
+    expected = {}
+    for name, hits in answers.items():
+        scores = [100.0 * hit for hit in hits]
+        expected[name] = statistics.stdev(scores) / math.sqrt(len(scores))
+        assert results["tasks"][name]["64"]["stderr"] == pytest.approx(expected[name], rel=1e-12)
+        assert results["tasks"][name]["64"]["score"] == pytest.approx(statistics.mean(scores), rel=1e-12)
+    combined = math.sqrt(sum(e * e for e in expected.values())) / 2
+    assert results["ruler"]["64"]["stderr"] == pytest.approx(combined, rel=1e-12)
+    assert results["ruler"]["64"]["n"] == 15
 
 
 def test_niah_grid_scores_each_depth():
@@ -106,3 +133,75 @@ def test_niah_grid_scores_each_depth():
     results = score_records(records)
     assert results["niah"]["32"] == {"0.0": 50.0, "50.0": 100.0}
     assert results["tasks"]["niah"]["32"]["score"] == 75.0
+
+
+def test_paired_difference_of_two_evaluations(tmp_path):
+    """Two evaluations of the same prompts: per task and length the mean of the per-sample differences and their
+    standard error (statistics module as the reference), on the samples both hold; the RULER average of the
+    differences combines its tasks as independent means; loglik tasks are left out."""
+    import math
+    import os
+    import statistics
+
+    from mtrain.eval.predictions import append_records, predictions_path
+    from mtrain.eval.scoring import paired_difference
+
+    hits = {"a": {"ruler/niah_single_1": [1, 1, 0, 1, 1, 0], "niah": [1, 1, 1, 0]},
+            "b": {"ruler/niah_single_1": [1, 0, 0, 1, 0, 0, 1], "niah": [1, 0, 1, 1]}}  # b has one sample more
+    for side, tasks in hits.items():
+        os.makedirs(tmp_path / side / "predictions")
+        for name, row in tasks.items():
+            append_records(predictions_path(str(tmp_path / side), name),
+                           [_rec(name, 64, i, prediction="7" if h else "no", references=["7"], meta={"depth": 0.0})
+                            for i, h in enumerate(row)])
+        append_records(predictions_path(str(tmp_path / side), "pg19"), [_rec("pg19", 64, 0, nll=1.0, tokens=4)])
+    result = paired_difference(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert set(result["tasks"]) == {"ruler/niah_single_1", "niah"}
+    for name in ("ruler/niah_single_1", "niah"):
+        a, b = hits["a"][name], hits["b"][name][:len(hits["a"][name])]
+        diffs = [100.0 * (x - y) for x, y in zip(a, b)]
+        cell = result["tasks"][name]["64"]
+        assert cell["n"] == len(diffs)
+        assert cell["diff"] == pytest.approx(statistics.mean(diffs), rel=1e-12)
+        assert cell["stderr"] == pytest.approx(statistics.stdev(diffs) / math.sqrt(len(diffs)), rel=1e-12)
+    assert result["ruler"]["64"]["diff"] == pytest.approx(result["tasks"]["ruler/niah_single_1"]["64"]["diff"])
+    assert result["ruler"]["64"]["tasks"] == 1 and result["niah"]["64"]["n"] == 4
+
+
+def test_fidelity_table_script(tmp_path, capsys):
+    """scripts/fidelity_table.py: scores with errors and counts, the paired differences from the reference, PG-19
+    relative to it, the runs' final loss; a bad --reference is a usage error."""
+    import importlib.util
+    import json
+    import os
+
+    from mtrain.eval.predictions import append_records, predictions_path
+
+    spec = importlib.util.spec_from_file_location("fidelity_table", os.path.join(os.path.dirname(__file__), "..",
+                                                                                 "scripts", "fidelity_table.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for side, row, nll in (("dense", [1, 1, 0, 1], 4.0), ("mtraining", [1, 0, 0, 1], 4.4)):
+        os.makedirs(tmp_path / side / "predictions")
+        append_records(predictions_path(str(tmp_path / side), "niah"),
+                       [_rec("niah", 4096, i, prediction="7" if h else "no", references=["7"], meta={"depth": 0.0})
+                        for i, h in enumerate(row)])
+        append_records(predictions_path(str(tmp_path / side), "pg19"), [_rec("pg19", 4096, 0, nll=nll, tokens=4)])
+        (tmp_path / f"run-{side}").mkdir()
+        (tmp_path / f"run-{side}" / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "loss": 2.0 + (0.1 if side == "mtraining" else 0.0)}) + "\n"
+                    for s in range(1, 4)))
+    out = tmp_path / "study.md"
+    assert script.main(["--eval", f"dense={tmp_path / 'dense'}", "--eval", f"mtraining={tmp_path / 'mtraining'}",
+                        "--reference", "dense", "--run", f"dense={tmp_path / 'run-dense'}",
+                        "--run", f"mtraining={tmp_path / 'run-mtraining'}", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| mtraining | 2.1000 (last 3 steps) | +5.00% |" in text
+    # dense 75 ±25 (n=4); mtraining 50 ±28.9; differences (0, -100, 0, 0): -25 ±25
+    assert "| dense | 4K | 75.0 ±25.0 (n=4) |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| mtraining | 4K"))
+    assert "50.0 ±28.9 (n=4)" in row and "-25.0 ±25.0 (n=4)" in row
+    assert f"{100 * (math.exp(1.1) / math.exp(1.0) - 1):+.2f}%" in row
+    with pytest.raises(SystemExit):
+        script.main(["--eval", f"dense={tmp_path / 'dense'}", "--reference", "base"])
+    capsys.readouterr()

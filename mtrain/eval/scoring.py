@@ -58,7 +58,7 @@ def score_records(records_by_task: dict[str, list[dict]]) -> dict:
             scorer, scale = METRICS[task.metric]
             per_sample = [scorer(_clean(task.family, r["prediction"]), r["references"]) for r in recs]
             tasks[name][str(length)] = {"metric": task.metric, "score": scale * sum(per_sample) / len(recs),
-                                        "n": len(recs)}
+                                        "stderr": standard_error(per_sample, scale), "n": len(recs)}
             if name == "niah":
                 cells: dict[float, list[float]] = defaultdict(list)
                 for r, s in zip(recs, per_sample):
@@ -68,12 +68,15 @@ def score_records(records_by_task: dict[str, list[dict]]) -> dict:
     ruler = {n: tasks[n] for n in RULER_TASKS if n in tasks}
     if ruler:
         lengths = sorted({int(L) for t in ruler.values() for L in t})
-        results["ruler"] = {
-            str(L): {"average": sum(t[str(L)]["score"] for t in ruler.values() if str(L) in t)
-                     / sum(1 for t in ruler.values() if str(L) in t),
-                     "tasks": sum(1 for t in ruler.values() if str(L) in t)}
-            for L in lengths
-        }
+        results["ruler"] = {}
+        for L in lengths:
+            cells = [t[str(L)] for t in ruler.values() if str(L) in t]
+            errors = [c.get("stderr") for c in cells]
+            # the tasks' samples are drawn independently: the average's variance is the sum of theirs over T^2
+            stderr = (math.sqrt(sum(e * e for e in errors)) / len(cells)
+                      if all(e is not None for e in errors) else None)
+            results["ruler"][str(L)] = {"average": sum(c["score"] for c in cells) / len(cells), "stderr": stderr,
+                                        "tasks": len(cells), "n": sum(c["n"] for c in cells)}
     if niah:
         results["niah"] = niah
     return results
@@ -82,6 +85,68 @@ def score_records(records_by_task: dict[str, list[dict]]) -> dict:
 def _clean(family: str, prediction: str) -> str:
     # RULER scores its own post-processed prediction; the others score the raw text
     return ruler_postprocess(prediction) if family in ("ruler", "niah") else prediction
+
+
+def standard_error(per_sample: list[float], scale: float = 1.0) -> float | None:
+    """Standard error of the mean of `per_sample` (sample standard deviation over sqrt(n)), times `scale`; None
+    with fewer than 2 samples, where it is not defined."""
+    n = len(per_sample)
+    if n < 2:
+        return None
+    mean = sum(per_sample) / n
+    return scale * math.sqrt(sum((x - mean) ** 2 for x in per_sample) / (n - 1) / n)
+
+
+def _per_sample(records_by_task: dict[str, list[dict]]) -> dict[tuple[str, int], dict[int, float]]:
+    """{(task, length): {sample index: score in [0, 1]}} of the generation tasks (as `score_records` scores them)."""
+    out: dict[tuple[str, int], dict[int, float]] = {}
+    for name, records in records_by_task.items():
+        task = get_task(name)
+        if task.kind == "loglik":
+            continue
+        scorer, _ = METRICS[task.metric]
+        for r in _unique(records):
+            out.setdefault((name, r["length"]), {})[r["index"]] = scorer(_clean(task.family, r["prediction"]),
+                                                                           r["references"])
+    return out
+
+
+def paired_difference(out_a: str, out_b: str) -> dict:
+    """Scores of evaluation `out_a` minus those of `out_b` (two `mtrain eval --out` folders of one suite and seed, so
+    sample i of a task and length is the same prompt in both), on the samples both hold, with the standard error of
+    the paired differences: the right error for two models on the same prompts, smaller than the two means' errors
+    combined when the models agree on most samples. Returns {"tasks": {task: {length: {"diff", "stderr", "n"}}},
+    "ruler": {length: {"diff", "stderr", "tasks", "n"}}, "niah": {length: ...}} in the scores' scale (x100)."""
+    a, b = _per_sample(load_predictions(out_a)), _per_sample(load_predictions(out_b))
+    tasks: dict[str, dict] = {}
+    for key in sorted(set(a) & set(b)):
+        name, length = key
+        common = sorted(set(a[key]) & set(b[key]))
+        if not common:
+            continue
+        _, scale = METRICS[get_task(name).metric]
+        diffs = [a[key][i] - b[key][i] for i in common]
+        tasks.setdefault(name, {})[str(length)] = {"diff": scale * sum(diffs) / len(diffs),
+                                                   "stderr": standard_error(diffs, scale), "n": len(diffs)}
+    results: dict = {"tasks": tasks}
+    ruler = {n: tasks[n] for n in RULER_TASKS if n in tasks}
+    lengths = sorted({int(L) for t in ruler.values() for L in t})
+    if lengths:
+        results["ruler"] = {}
+        for L in lengths:
+            cells = [t[str(L)] for t in ruler.values() if str(L) in t]
+            errors = [c["stderr"] for c in cells]
+            results["ruler"][str(L)] = {
+                "diff": sum(c["diff"] for c in cells) / len(cells),
+                "stderr": math.sqrt(sum(e * e for e in errors)) / len(cells) if None not in errors else None,
+                "tasks": len(cells), "n": sum(c["n"] for c in cells)}
+    if "niah" in tasks:
+        results["niah"] = tasks["niah"]
+    return results
+
+
+def _fmt_err(value) -> str:
+    return "" if value is None else f"{value:.4f}"
 
 
 def load_predictions(out_dir: str) -> dict[str, list[dict]]:
@@ -100,12 +165,14 @@ def score_run(out_dir: str) -> dict:
         json.dump(results, f, indent=2, sort_keys=True)
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["task", "length", "metric", "score", "n"])
+        writer.writerow(["task", "length", "metric", "score", "stderr", "n"])
         for name, by_length in results["tasks"].items():
             for length, cell in by_length.items():
-                writer.writerow([name, length, cell["metric"], f"{cell['score']:.4f}", cell["n"]])
+                writer.writerow([name, length, cell["metric"], f"{cell['score']:.4f}", _fmt_err(cell.get("stderr")),
+                                 cell["n"]])
         for length, cell in results.get("ruler", {}).items():
-            writer.writerow(["ruler/average", length, f"mean of {cell['tasks']} tasks", f"{cell['average']:.4f}", ""])
+            writer.writerow(["ruler/average", length, f"mean of {cell['tasks']} tasks", f"{cell['average']:.4f}",
+                             _fmt_err(cell.get("stderr")), cell.get("n", "")])
     if "ruler" in results:
         with open(os.path.join(out_dir, "ruler_table.md"), "w") as f:
             f.write(ruler_table(results))

@@ -225,9 +225,11 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
                                               doc_ids=CONTEXT.doc_ids, n_rows=CONTEXT.recall_rows)
         record_layer(layer_idx, path, index, prediction, true_recall=recall, cap_scale=cap_scale, widened=widened)
         remember_choice(layer_idx, path, index, training)
-        if layer_idx == 0 and CONTEXT.sample_imbalance:  # one layer of the logged steps watches the balance
+        if path == "sparse" and CONTEXT.sample_imbalance:  # the first sparse layer of a logged step watches the
+            # balance (every rank of the group takes the same path, so all of them join the collective); once a step
             from mtrain.parallel.imbalance import gathered_imbalance
 
+            CONTEXT.sample_imbalance = False
             measured = gathered_imbalance(index, CONTEXT.layout, rank, CONTEXT.group,
                                           local_world_size=CONTEXT.local_world_size)
             CONTEXT.imbalances.append((measured["worker"], measured["step"], measured["ranks"]))

@@ -91,8 +91,9 @@ class AttentionContext:
     """(layer index, q shape) -> (host tensor, event or None): the work counts and mean estimated recall of that
     layer's last estimate, copied to the host without waiting (see LAGGED_CHOICE)."""
     sample_imbalance: bool = True
-    """Whether layer 0 measures the imbalance in this forward (the trainer sets it on the steps it logs): each CP rank
-    counts its own rows' work on the CPU and one small all-gather combines them."""
+    """Whether the next layer that runs sparse measures the imbalance (the trainer sets it on the steps it logs; that
+    layer clears it, so one layer a step measures, whichever layers `auto` holds dense): each CP rank counts its own
+    rows' work where its lists are (`mtrain.parallel.imbalance.rank_work`) and one small all-gather combines them."""
 
 
 CONTEXT = AttentionContext()
