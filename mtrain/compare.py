@@ -24,6 +24,7 @@ import threading
 import zlib
 from pathlib import Path
 
+from mtrain.atomic import atomic_path
 from mtrain.errors import MtrainError
 
 REQUIRED = ("step", "tokens", "loss", "tokens_per_s")
@@ -474,15 +475,9 @@ def _length_label(length: int) -> str:
 
 def _atomic_write(out: str | Path, write) -> Path:
     """Write through a temporary file beside `out`, then rename: a reader never sees a half-written file."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
+    with atomic_path(out) as tmp:
         write(tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    return Path(out)
 
 
 def _save(fig, out: str | Path) -> Path:

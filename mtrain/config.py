@@ -110,6 +110,13 @@ class AttentionConfig:
     partial-attention calls over those rows' query blocks, once per `dense_hold_steps` for a layer that passed. null (default) = no check. BENCHMARKS.md ("The
     quality check", issue #29) has the CPU measurements: the output error follows a layer's perplexity cost where the
     estimate's row mass does not."""
+    escalate_recall: Optional[float] = None
+    """With max_output_error: a layer whose output error on the scored rows exceeds it first estimates again at this
+    recall (above `recall`, at most 1) and keeps it for the rest of the run (saved with checkpoints, logged as
+    attn_layer_recall/LNN); the check then reads the new index, and only a layer still over the limit goes dense under
+    auto. Under sparse_policy always the check runs for this alone and the layer stays sparse. Spends the higher
+    recall's pairs only on the layers whose error needs them, where raising `recall` spends them on every layer.
+    null (default) = no escalation."""
     dense_hold_steps: int = 16
     """Under sparse_policy auto, in training: a layer the choice sent dense runs dense without estimating its
     pattern for this many further steps, then estimates again (the estimate is paid before the choice; a
@@ -439,6 +446,14 @@ def _check(recipe: RecipeConfig) -> None:
     if isinstance(a.widen_max_list_mib, bool) or not isinstance(a.widen_max_list_mib, int) or a.widen_max_list_mib < 0:
         raise ConfigError(f"attention.widen_max_list_mib: must be an integer >= 0 (MiB of a rank's index lists at the "
                           f"widened caps; 0 = no limit), got {a.widen_max_list_mib!r}")
+    er = a.escalate_recall
+    if er is not None:
+        if isinstance(er, bool) or not isinstance(er, (int, float)) or not a.recall < er <= 1:
+            raise ConfigError(f"attention.escalate_recall: must be a number above attention.recall ({a.recall}) and at "
+                              f"most 1 (the recall a layer the quality check fails estimates at), got {er!r}")
+        if a.max_output_error is None:
+            raise ConfigError("attention.escalate_recall needs attention.max_output_error (the check that decides which "
+                              "layers escalate): set both, e.g. max_output_error: 0.025, escalate_recall: 0.995")
     mx = a.max_output_error
     if mx is not None and (isinstance(mx, bool) or not isinstance(mx, (int, float)) or not 0 < mx < float("inf")):
         raise ConfigError(f"attention.max_output_error: must be a number > 0 (the relative output error above which "

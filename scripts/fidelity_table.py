@@ -17,10 +17,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from mtrain.atomic import write_text_atomic  # noqa: E402
 from mtrain.eval.scoring import load_predictions, paired_difference, score_records  # noqa: E402
 
 
@@ -117,11 +117,7 @@ def main(argv=None) -> int:
     text = table(evals, args.reference, runs, args.last_steps)
     print(text, end="")
     if args.out:
-        folder = os.path.dirname(os.path.abspath(args.out))
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, args.out)
+        write_text_atomic(args.out, text)
     return 0
 
 

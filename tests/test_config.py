@@ -76,6 +76,9 @@ def test_unknown_key_named_with_suggestion(recipe_file):
         ("attention.widen_caps=sometimes", r"attention\.widen_caps: expected true or false, got 'sometimes'"),
         ("attention.widen_max_list_mib=-1", r"attention\.widen_max_list_mib: must be an integer >= 0"),
         ("attention.widen_max_list_mib=lots", r"attention\.widen_max_list_mib: expected an integer, got 'lots'"),
+        ("attention.escalate_recall=0.995", r"attention\.escalate_recall needs attention\.max_output_error"),
+        ("attention.escalate_recall=0.99", r"attention\.escalate_recall: must be a number above attention\.recall"),
+        ("attention.escalate_recall=1.5", r"attention\.escalate_recall: must be a number above attention\.recall"),
     ],
 )
 def test_bad_values_name_the_key(recipe_file, override, message):
@@ -105,6 +108,11 @@ def test_widen_caps_is_on_by_default_and_reaches_the_registration(recipe_file, m
     recipe = load_recipe(recipe_file, ["attention.kind=mtraining", "attention.widen_max_list_mib=1024"])
     registry.register_attention(recipe)
     assert seen["widen_max_list_mib"] == 1024
+    assert seen["escalate_recall"] is None
+    recipe = load_recipe(recipe_file, ["attention.kind=mtraining", "attention.max_output_error=0.025",
+                                       "attention.escalate_recall=0.995"])
+    registry.register_attention(recipe)
+    assert seen["escalate_recall"] == 0.995 and seen["max_output_error"] == 0.025
 
 
 def test_max_output_error_is_off_by_default_and_runs_under_context_parallelism(recipe_file):

@@ -108,6 +108,21 @@ def _layer_worker(rank, world, init_file, out_dir):
         (layer,) = CONTEXT.layers
         record[name] = {"path": layer.path,
                         "error": None if layer.output_error is None else float(layer.output_error[0])}
+    # attention.escalate_recall across the group: caps with room, a limit between one device's errors at recall 0.4
+    # and at 0.46 (an escalation the estimate reaches): the layer escalates on every rank and runs sparse
+    wide = dataclasses.replace(settings, max_vertical=64, max_slash=64)
+    errors = {}
+    for recall in (0.4, 0.46):
+        s = dataclasses.replace(wide, recall=recall)
+        lines = estimate_lines(*shard[:2], positions, positions, N, s, q.shape[-1] ** -0.5, None)
+        errors[recall] = float(block_output_error(q, k, v, SparseIndex.from_lines(*lines, N, BS), rows)[0])
+    CONTEXT.layers.clear()
+    CONTEXT.escalate_recall, CONTEXT.layer_recall, CONTEXT.choice_stats = 0.46, {}, {}
+    mtrain_attention(SimpleNamespace(training=True, layer_idx=0), *(t.transpose(1, 2) for t in shard), None,
+                     settings=wide, policy="auto", max_error=(errors[0.4] + errors[0.46]) / 2)
+    (layer,) = CONTEXT.layers
+    record["escalated"] = {"path": layer.path, "recall": layer.escalated_recall, "error": float(layer.output_error[0]),
+                           "one_device": errors}
     with open(os.path.join(out_dir, f"layer{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.barrier()
@@ -117,7 +132,8 @@ def _layer_worker(rank, world, init_file, out_dir):
 def test_the_check_in_a_cp_layer_measures_one_devices_figure_and_decides_by_it():
     """Through `mtrain_attention` on 2 gloo ranks under sparse_policy auto, on a pattern where sparse pays: no limit,
     sparse and no figure; a limit just above the layer's error, sparse; just below, dense on every rank; the logged
-    figure is one device's on the same lines (1e-5)."""
+    figure is one device's on the same lines (1e-5). With attention.escalate_recall and a limit between one device's
+    errors at the base and the escalated recall, every rank escalates and runs sparse on the escalated index."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,4 +148,9 @@ def test_the_check_in_a_cp_layer_measures_one_devices_figure_and_decides_by_it()
         for name, path in (("above", "sparse"), ("below", "dense")):
             assert record[name]["path"] == path, record
             assert record[name]["error"] == pytest.approx(record["one_device"], rel=1e-5)
+        escalated = record["escalated"]
+        low, high = escalated["one_device"]["0.4"], escalated["one_device"]["0.46"]
+        assert high < low
+        assert escalated["path"] == "sparse" and escalated["recall"] == 0.46, escalated
+        assert escalated["error"] == pytest.approx(high, rel=1e-5)  # the escalated index's figure
     assert records[0] == records[1]

@@ -256,3 +256,58 @@ def test_a_layer_that_passed_the_check_is_measured_again_after_the_hold_and_resu
         paths.append((record.path, record.output_error is not None))
     assert paths[0] == ("dense", True) and all(p == ("dense", False) for p in paths[1:5]), paths
     assert paths[5] == ("dense", True), paths
+
+
+WIDE = dataclasses.replace(LOCAL, max_vertical=64, max_slash=64)  # caps with room: a higher recall lists more
+
+
+def test_a_layer_over_the_limit_escalates_its_recall_and_keeps_it():
+    """attention.escalate_recall: a layer whose output error at its recall exceeds the limit estimates again at the
+    escalated recall in the same call, and keeps it (CONTEXT.layer_recall, the policy state, the logged record).
+    Under auto, with a limit between the two indexes' errors, it runs sparse on the escalated index (without
+    escalation the check sends it dense); under always it stays sparse. Both outputs equal the sparse kernels on the
+    index estimated directly at the escalated recall, and the recorded error is that index's own."""
+    from mtrain.models.policy import load_policy_state, policy_state, quality_error
+    from mtrain.train.metrics import attention_stats
+
+    q, k, v = inputs("local")
+    high = dataclasses.replace(WIDE, recall=0.46)  # an escalation its estimate reaches (within RECALL_SLACK)
+    base_index = estimate_vertical_slash(q, k, **dataclasses.asdict(WIDE))
+    high_index = estimate_vertical_slash(q, k, **dataclasses.asdict(high))
+    low_err = float(quality_error(q, k, v, base_index, WIDE).amax())
+    high_err = float(quality_error(q, k, v, high_index, high).amax())
+    assert high_err < low_err and high_index.density() > base_index.density()
+    limit = (low_err + high_err) / 2
+    want = vertical_slash_attention(q, k, v, high_index)
+
+    CONTEXT.layers.clear()
+    call(q, k, v, WIDE, max_error=limit, layer=0)  # no escalation configured: the check sends it dense
+    assert CONTEXT.layers[-1].path == "dense" and CONTEXT.layer_recall == {}
+
+    for policy, layer in (("auto", 1), ("always", 2)):
+        CONTEXT.escalate_recall, CONTEXT.layers, CONTEXT.choice_stats = 0.46, [], {}
+        out = call(q, k, v, WIDE, policy=policy, max_error=limit, layer=layer)
+        (record,) = CONTEXT.layers
+        assert record.path == "sparse" and record.escalated_recall == 0.46, policy
+        assert CONTEXT.layer_recall[layer] == 0.46
+        assert float(record.output_error.amax()) == pytest.approx(high_err, rel=1e-5)
+        assert torch.equal(out, want), policy
+        assert attention_stats([record])[f"attn_layer_recall/L{layer:02d}"] == 0.46
+    saved = policy_state()
+    assert dict(saved["layer_recall"]) == {1: 0.46, 2: 0.46}
+    CONTEXT.layer_recall = {}
+    load_policy_state(saved)
+    assert CONTEXT.layer_recall == {1: 0.46, 2: 0.46}
+    # the next call of an escalated layer estimates at its recall from the start (no check needed to get there)
+    CONTEXT.layers.clear()
+    out = call(q, k, v, WIDE, policy="always", max_error=None, layer=2)
+    assert torch.equal(out, want) and CONTEXT.layers[-1].escalated_recall == 0.46
+
+
+def test_escalation_is_validated_at_registration():
+    from mtrain.models.registry import register_kind
+
+    with pytest.raises(MtrainError, match="escalate_recall needs max_output_error"):
+        register_kind("mtraining", sparse_policy="auto", escalate_recall=0.995)
+    with pytest.raises(MtrainError, match="escalate_recall must be a number above recall"):
+        register_kind("mtraining", sparse_policy="auto", max_output_error=0.02, escalate_recall=0.9, recall=0.99)

@@ -13,6 +13,7 @@ import os
 import time
 from typing import Any
 
+from mtrain.atomic import write_json_atomic
 from mtrain.errors import MtrainError
 from mtrain.eval.backends.base import Backend, PromptTooLongError, rope_config
 # the predictions file format, re-exported: callers import PREDICTIONS, predictions_path and read_records from here
@@ -86,10 +87,7 @@ class Manifest:
         tasks[name] = settings
 
     def save(self) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=2, sort_keys=True)
-        os.replace(tmp, self.path)
+        write_json_atomic(self.path, self.data, indent=2, sort_keys=True)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import csv
 import glob
-import json
 import math
 import os
 from collections import defaultdict
 
+from mtrain.atomic import atomic_path, write_json_atomic, write_text_atomic
 from mtrain.eval.metrics import METRICS, ruler_postprocess
 from mtrain.eval.registry import get_task
 from mtrain.eval.predictions import PREDICTIONS, read_records
@@ -161,9 +161,8 @@ def load_predictions(out_dir: str) -> dict[str, list[dict]]:
 def score_run(out_dir: str) -> dict:
     """Score OUT/predictions and write results.json, results.csv, ruler_table.md and the plots; returns results."""
     results = score_records(load_predictions(out_dir))
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2, sort_keys=True)
-    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+    write_json_atomic(os.path.join(out_dir, "results.json"), results, indent=2, sort_keys=True)
+    with atomic_path(os.path.join(out_dir, "results.csv")) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["task", "length", "metric", "score", "stderr", "n"])
         for name, by_length in results["tasks"].items():
@@ -174,8 +173,7 @@ def score_run(out_dir: str) -> dict:
             writer.writerow(["ruler/average", length, f"mean of {cell['tasks']} tasks", f"{cell['average']:.4f}",
                              _fmt_err(cell.get("stderr")), cell.get("n", "")])
     if "ruler" in results:
-        with open(os.path.join(out_dir, "ruler_table.md"), "w") as f:
-            f.write(ruler_table(results))
+        write_text_atomic(os.path.join(out_dir, "ruler_table.md"), ruler_table(results))
     from mtrain.eval import plots
 
     if "niah" in results:

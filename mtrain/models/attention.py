@@ -13,9 +13,9 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.context import CONTEXT, hf_inputs, no_mask
-from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, choose_path, layer_settings, passed_check,
-                                  quality_error, record_layer, remember_choice, replay_choice, scored_rows,
-                                  skip_estimate, widen_or_hold)
+from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, check_wanted, choose_path, escalate,
+                                  layer_settings, passed_check, quality_error, record_layer, remember_choice,
+                                  replay_choice, scored_rows, skip_estimate, widen_or_hold)
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,14 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         # with what the engine derives from the index (another ~100 launches) built in the same graph
         index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids,
                                  prepare=prepare)
-        checked = max_error is not None and policy == "auto" and check_due(layer_idx, training)
+        checked = check_wanted(max_error, policy) and check_due(layer_idx, training)
         if checked:  # the quality check (attention.max_output_error), once per hold period in training
             index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
+            if escalate(layer_idx, index, max_error):  # over the limit: estimate again at the escalated recall
+                s = dataclasses.replace(s, recall=CONTEXT.layer_recall[layer_idx])
+                index = estimate_graphed(q.detach(), k.detach(), **{**fields, "recall": s.recall},
+                                         softmax_scale=scaling, doc_ids=doc_ids, prepare=prepare)
+                index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
         path, prediction = choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
                                        target=s.recall, rows=scored_rows(s, q.shape[1]), engine=engine,
                                        graphed=graphed, layer_idx=layer_idx, max_error=max_error)
@@ -199,15 +204,23 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         rows = rank_blocks(CONTEXT.layout, seq_len, rank, settings.block_size, q.device)
         # replayed from a CUDA graph with MTRAIN_GRAPH_RING_ESTIMATE=1 (mtrain.parallel.graphed), else eager
-        index = estimate_rank_index_graphed(q.detach(), k.detach(), positions, seq_len, settings, scale,
-                                            CONTEXT.group, doc_ids=CONTEXT.doc_ids, rows=rows,
-                                            key_blocks=shard_key_blocks(CONTEXT.layout, seq_len, rank,
-                                                                        settings.block_size, q.device),
-                                            layout_key=(CONTEXT.layout.spec, rank))
-        checked = max_error is not None and policy == "auto" and check_due(layer_idx, training)
+        key_blocks = shard_key_blocks(CONTEXT.layout, seq_len, rank, settings.block_size, q.device)
+
+        def estimate(s):
+            return estimate_rank_index_graphed(q.detach(), k.detach(), positions, seq_len, s, scale, CONTEXT.group,
+                                               doc_ids=CONTEXT.doc_ids, rows=rows, key_blocks=key_blocks,
+                                               layout_key=(CONTEXT.layout.spec, rank))
+
+        index = estimate(settings)
+        checked = check_wanted(max_error, policy) and check_due(layer_idx, training)
         if checked:  # the quality check across the group: the same figure on every rank, hence the same path
             index._cache["output_error"] = _ring_quality_error(q, k, v, positions, index, seq_len, settings, scale,
                                                                rank)
+            if escalate(layer_idx, index, max_error):  # over the limit on every rank: again at the escalated recall
+                settings = dataclasses.replace(settings, recall=CONTEXT.layer_recall[layer_idx])
+                index = estimate(settings)
+                index._cache["output_error"] = _ring_quality_error(q, k, v, positions, index, seq_len, settings,
+                                                                   scale, rank)
         path, prediction = choose_path(index, q, policy=policy, training=training, world=world,
                                        target=settings.recall, rows=scored_rows(settings, seq_len),
                                        max_error=max_error)
@@ -307,14 +320,15 @@ def profile_range(layer_idx):
 
 def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
              max_output_error: float | None = None, widen_caps: bool = True, widen_max_list_mib: int = 0,
-             **sparse_settings) -> str:
+             escalate_recall: float | None = None, **sparse_settings) -> str:
     """The plugin's registration (`mtrain.models.registry.register_kind` calls it for the kinds of KINDS): register
     `kind` as `mtrain-<kind>`; sparse kinds take `mtrain.parallel.SparseSettings` fields as keywords, and
     `sparse_policy` (SPARSE_POLICIES), `engine` (ENGINES: the block kernels of the sparse path on one device),
     `max_output_error` (under "auto": the quality check's limit, None = none; see `mtrain_attention`) and
     `widen_caps` (under "auto", in training: widen the caps of a layer whose caps bind instead of holding it dense;
     `mtrain.models.policy.widen`) and `widen_max_list_mib` (widen only while the rank's index lists at the wider caps
-    take at most this many MiB; 0 = no limit).
+    take at most this many MiB; 0 = no limit), `escalate_recall` (with `max_output_error`: the recall a layer that
+    fails the check estimates at from then on, `mtrain.models.policy.escalate`; None = none).
     Returns the `attn_implementation` name. Each name carries its own settings; registering a name again replaces
     them for every model using it."""
     from transformers import AttentionInterface
@@ -334,11 +348,20 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
         raise MtrainError(f"widen_caps must be true or false, got {widen_caps!r}")
     if isinstance(widen_max_list_mib, bool) or not isinstance(widen_max_list_mib, int) or widen_max_list_mib < 0:
         raise MtrainError(f"widen_max_list_mib must be an integer >= 0 (0 = no limit), got {widen_max_list_mib!r}")
+    if escalate_recall is not None:
+        base = sparse_settings.get("recall", SparseSettings.recall)
+        if isinstance(escalate_recall, bool) or not isinstance(escalate_recall, (int, float)) \
+                or not base < escalate_recall <= 1:
+            raise MtrainError(f"escalate_recall must be a number above recall ({base}) and at most 1, "
+                              f"got {escalate_recall!r}")
+        if max_output_error is None:
+            raise MtrainError("escalate_recall needs max_output_error (the check that decides which layers escalate)")
     CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy, CONTEXT.engine = kind, sparse, sparse_policy, engine
     CONTEXT.max_output_error = max_output_error
     CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = dense_hold, {}, {}
     CONTEXT.checked_until, CONTEXT.widen_caps, CONTEXT.cap_scale = {}, widen_caps, {}
     CONTEXT.widen_max_list_bytes = widen_max_list_mib * 2**20
+    CONTEXT.escalate_recall, CONTEXT.layer_recall = escalate_recall, {}
     if sparse:
         try:
             CONTEXT.settings = SparseSettings(**sparse_settings)

@@ -84,6 +84,11 @@ class AttentionContext:
     widen_max_list_bytes: int = 0
     """`widen` doubles a layer's caps only while the rank's index lists at the doubled caps take at most this many
     bytes (`mtrain.models.policy.list_bytes`); 0 = no limit. Set from attention.widen_max_list_mib."""
+    escalate_recall: object = None
+    """With max_output_error: the recall a layer whose output error exceeds it estimates at from then on
+    (`mtrain.models.policy.escalate`); None = no escalation. Set from attention.escalate_recall."""
+    layer_recall: dict = field(default_factory=dict)
+    """layer index -> the recall that layer estimates at where `escalate` raised it (absent: the settings' recall)."""
     cap_scale: dict = field(default_factory=dict)
     """layer index -> how many times wider than the recipe's max_vertical / max_slash (and cap_fraction, at most 1)
     that layer's caps are (1 when absent; doubled by `widen` up to MAX_CAP_SCALE)."""
@@ -130,12 +135,15 @@ class LayerRecord:
     cap_scale: int = 1
     """The layer's cap multiplier this call ran with (CONTEXT.cap_scale; 1 = the recipe's caps)."""
     widened: bool = False
+    escalated_recall: float | None = None
+    """The recall this call's layer estimates at where `escalate` raised it (CONTEXT.layer_recall), else None."""
     """True when this call's choice doubled the layer's caps for its next estimate (`mtrain.models.policy.widen`)."""
 
     def as_floats(self) -> dict:
         density = None if self.density is None else float(self.density)
         out = {"layer": self.layer, "path": self.path, "density": density, "held": self.held, "dense_ms": self.dense_ms,
-               "sparse_ms": self.sparse_ms, "cap_scale": self.cap_scale, "widened": self.widened}
+               "sparse_ms": self.sparse_ms, "cap_scale": self.cap_scale, "widened": self.widened,
+               "escalated_recall": self.escalated_recall}
         for name in ("est_recall", "true_recall", "output_error"):
             value = getattr(self, name)
             out[name] = None if value is None else float(value.float().mean())

@@ -215,12 +215,14 @@ def scaled_settings(s, scale: int):
 
 
 def layer_settings(s, layer_idx):
-    """The SparseSettings a layer estimates with: `s` with the layer's caps widened by its CONTEXT.cap_scale (the
-    same object where the layer has none). A layer at another scale has other settings, hence its own key in the
+    """The SparseSettings a layer estimates with: `s` with the layer's caps widened by its CONTEXT.cap_scale and its
+    recall raised to its CONTEXT.layer_recall (`escalate`) (the same object where the layer has neither). A layer at another scale has other settings, hence its own key in the
     estimate's graph caches."""
     if s is None or layer_idx is None:
         return s
-    return scaled_settings(s, CONTEXT.cap_scale.get(layer_idx, 1))
+    s = scaled_settings(s, CONTEXT.cap_scale.get(layer_idx, 1))
+    recall = CONTEXT.layer_recall.get(layer_idx)
+    return s if recall is None or recall == s.recall else dataclasses.replace(s, recall=recall)
 
 
 def list_bytes(index, cap_v: int, cap_s: int) -> int:
@@ -271,6 +273,31 @@ def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> boo
     return True
 
 
+def escalate(layer_idx, index, max_error) -> bool:
+    """After the quality check measured a layer (`index._cache["output_error"]`): where the error exceeds `max_error`,
+    CONTEXT.escalate_recall is set and the layer does not already estimate at it, make that the layer's recall from
+    now on (CONTEXT.layer_recall, read by `layer_settings`) and return True: the caller estimates again with the
+    layer's settings and checks the new index before its choice. The layer's lagged choice statistics are dropped (its
+    choice reads the new estimate). The error is the same on every rank of a CP group, so every rank escalates alike."""
+    er = CONTEXT.escalate_recall
+    error = index._cache.get("output_error")
+    if er is None or layer_idx is None or max_error is None or error is None:
+        return False
+    # the worst sequence of the batch, as `choose_path` reads it; one host read, on the calls that measure the check
+    if CONTEXT.layer_recall.get(layer_idx) == er or not float(error.double().amax()) > max_error:
+        return False
+    CONTEXT.layer_recall[layer_idx] = er
+    for key in [key for key in CONTEXT.choice_stats if key[0] == layer_idx]:
+        del CONTEXT.choice_stats[key]
+    return True
+
+
+def check_wanted(max_error, policy: str) -> bool:
+    """Whether a call measures the quality check at all (its cadence aside: `check_due`): under "auto" with a limit,
+    and under "always" where the check also decides recall escalation (CONTEXT.escalate_recall)."""
+    return max_error is not None and (policy == "auto" or (policy == "always" and CONTEXT.escalate_recall is not None))
+
+
 def widen_or_hold(layer_idx, index, s, seq_len: int, prediction, policy: str, training: bool) -> tuple[int, bool]:
     """After auto decided a training call: `widen` the layer's caps where they bind, else `hold` it as before.
     Returns (the cap scale this call estimated with, whether it widened), what `record_layer` records."""
@@ -302,7 +329,8 @@ def passed_check(layer_idx, path: str, training: bool) -> None:
 
 def policy_state() -> dict:
     """What sparse_policy "auto" carries from one training step to the next, as plain JSON data: each layer's dense
-    hold and its back-off streak, its quality check's cadence, its cap scale (`widen`) and the lagged choice's last
+    hold and its back-off streak, its quality check's cadence, its cap scale (`widen`), its escalated recall
+    (`escalate`) and the lagged choice's last
     statistics (LAGGED_CHOICE). Saved with every
     checkpoint and given back to `load_policy_state`, so that a resumed run takes the paths the uninterrupted one
     would have taken. (Per-step fields, `memo` and the logging lists, start afresh each step.)"""
@@ -313,7 +341,7 @@ def policy_state() -> dict:
         stats.append([layer, list(shape), parts, host.tolist()])
     return {"dense_until": sorted(CONTEXT.dense_until.items()), "hold_streak": sorted(CONTEXT.hold_streak.items()),
             "checked_until": sorted(CONTEXT.checked_until.items()), "cap_scale": sorted(CONTEXT.cap_scale.items()),
-            "choice_stats": stats}
+            "layer_recall": sorted(CONTEXT.layer_recall.items()), "choice_stats": stats}
 
 
 def load_policy_state(state: dict) -> None:
@@ -324,6 +352,8 @@ def load_policy_state(state: dict) -> None:
     CONTEXT.checked_until = {layer: step for layer, step in state.get("checked_until", [])}
     # checkpoints written before cap widening have no "cap_scale": every layer then has the recipe's caps
     CONTEXT.cap_scale = {layer: scale for layer, scale in state.get("cap_scale", [])}
+    # ... and none before recall escalation: every layer then estimates at the recipe's recall
+    CONTEXT.layer_recall = {layer: recall for layer, recall in state.get("layer_recall", [])}
     CONTEXT.choice_stats = {(layer, tuple(shape), parts): (torch.tensor(values, dtype=torch.float64), None)
                             for layer, shape, parts, values in state["choice_stats"]}
 
@@ -337,7 +367,8 @@ def record_layer(layer_idx, path, index, prediction, q=None, k=None, scaling=Non
     call's choice doubled it (`widen`)."""
     record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=index._cache.get("est_recall"),
                          true_recall=true_recall, output_error=index._cache.get("output_error"),
-                         cap_scale=cap_scale, widened=widened)
+                         cap_scale=cap_scale, widened=widened,
+                         escalated_recall=CONTEXT.layer_recall.get(layer_idx) if layer_idx is not None else None)
     if prediction is not None:
         record.dense_ms, record.sparse_ms = prediction.dense_ms, prediction.sparse_ms
     if CONTEXT.sample_recall and path == "sparse" and q is not None:

@@ -32,12 +32,13 @@ def register_attention(recipe) -> str:
     if a.kind in baselines.BASELINE_KINDS:  # they take the recipe's baseline keys and ignore the rest
         shared = {f.name for f in dataclasses.fields(a)} - {"kind", "sparse_policy", "dense_hold_steps", "engine",
                                                              "max_output_error", "widen_caps",
-                                                             "widen_max_list_mib"}
+                                                             "widen_max_list_mib", "escalate_recall"}
     settings = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name in shared}
     if a.kind not in baselines.BASELINE_KINDS:
         settings["max_output_error"] = a.max_output_error
         settings["widen_caps"] = a.widen_caps
         settings["widen_max_list_mib"] = a.widen_max_list_mib
+        settings["escalate_recall"] = a.escalate_recall
     return register_kind(a.kind, sparse_policy=a.sparse_policy, dense_hold=a.dense_hold_steps, engine=a.engine,
                          **settings)
 
@@ -49,7 +50,8 @@ def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int =
     the recipe's attention.sparse_policy, default "auto", reaches it through `register_attention`; called directly a
     sparse kind runs sparse on every layer unless told otherwise), `engine` (`mtrain.models.attention.ENGINES`:
     the block kernels of the sparse path on one device), `max_output_error` (the quality check of "auto"),
-    `widen_caps` and `widen_max_list_mib` (the cap widening of "auto": see `mtrain.models.attention.register`); the baselines take `BaselineSettings` fields and ignore
+    `widen_caps` and `widen_max_list_mib` (the cap widening of "auto"), `escalate_recall` (see
+    `mtrain.models.attention.register`); the baselines take `BaselineSettings` fields and ignore
     the rest. Returns the `attn_implementation` name.
     Each name carries its own settings; registering a name again replaces them for every model using it."""
     if kind not in KINDS:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from mtrain.atomic import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 ENV = "MTRAIN_MEMORY_RECORD"
@@ -128,10 +130,7 @@ class MemoryRecord:
             snapshot = torch.cuda.memory._snapshot()
             text = f"# {reason}; torch.cuda.max_memory_allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB\n"
             text += summarise(snapshot, torch.cuda.current_device())
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, text)
             log.info("memory record (%s) written to %s", reason, self.path)
         except Exception as exc:  # a diagnostic must not hide the run's own error
             log.warning("memory record (%s) not written: %s", reason, exc)

@@ -9,6 +9,8 @@ import os
 import secrets
 from pathlib import Path
 
+from mtrain.atomic import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 
@@ -53,9 +55,7 @@ class MetricsLogger:
                     kept.append(line)
             except (ValueError, KeyError):
                 continue  # a torn last line from a killed run
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:
@@ -110,11 +110,13 @@ def attention_stats(records: list) -> dict:
     causal pairs; absent where the cost model skipped the estimate), attn_est_recall/LNN (the estimator's own
     figure, when it gives one), attn_true_recall/LNN (sampled exact recall, on logging.recall_every steps),
     attn_output_error/LNN (the quality check's output error, under attention.max_output_error), attn_cap_scale/LNN
-    (the multiplier of its caps, where attention.widen_caps widened them: `mtrain.models.policy.widen`).
+    (the multiplier of its caps, where attention.widen_caps widened them: `mtrain.models.policy.widen`),
+    attn_layer_recall/LNN (its recall, where attention.escalate_recall raised it: `mtrain.models.policy.escalate`).
     Over all layers: attention_paths (one letter per layer: s = sparse, d = dense, m = mixed),
     attention_held_layers (share of calls run dense under attention.dense_hold_steps without estimating),
     attention_widened_layers (how many layers run with widened caps) and attention_widened_calls (how many calls
-    doubled their layer's caps this step) where any did,
+    doubled their layer's caps this step) where any did, attention_escalated_layers (layers estimating at
+    attention.escalate_recall) where any do,
     attention_sparse_layers (share of sparse calls), attention_work (fraction of causal pairs computed: the
     density on sparse calls, 1 on dense ones), the means of the recalls (true recall also its minimum) and,
     under the cost model, the predicted ms of the chosen paths and of dense everywhere (attention_pred_ms,
@@ -148,6 +150,9 @@ def attention_stats(records: list) -> dict:
         scale = mean([c.get("cap_scale", 1) for c in calls])
         if scale != 1:
             out[f"attn_cap_scale/{name}"] = scale
+        raised = mean([c.get("escalated_recall") for c in calls])
+        if raised is not None:
+            out[f"attn_layer_recall/{name}"] = raised
     out["attention_paths"] = "".join(paths)
     if any(r.get("held") for r in rows):  # dense without an estimate: an earlier step's choice holds
         out["attention_held_layers"] = mean([1.0 if r.get("held") else 0.0 for r in rows])
@@ -155,6 +160,9 @@ def attention_stats(records: list) -> dict:
     if widened or any(r.get("widened") for r in rows):  # wider caps than the recipe's: attention.widen_caps
         out["attention_widened_layers"] = len(widened)
         out["attention_widened_calls"] = sum(1 for r in rows if r.get("widened"))
+    escalated = [layer for layer, calls in by_layer.items() if any(c.get("escalated_recall") for c in calls)]
+    if escalated:  # layers estimating at attention.escalate_recall
+        out["attention_escalated_layers"] = len(escalated)
     out["attention_sparse_layers"] = mean([1.0 if r["path"] == "sparse" else 0.0 for r in rows])
     out["attention_work"] = mean([r["density"] if r["path"] == "sparse" else 1.0 for r in rows])
     for key in ("est_recall", "true_recall"):

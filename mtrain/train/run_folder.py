@@ -16,6 +16,7 @@ import os
 import re
 from pathlib import Path
 
+from mtrain.atomic import write_json_atomic
 from mtrain.errors import DamagedCheckpointError, MtrainError
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,7 @@ def _files(folder: Path) -> list[Path]:
 def write_file_list(folder: Path) -> None:
     """Record the size and sha256 of every file in a finished checkpoint folder (before it is renamed in)."""
     listing = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _files(folder)}
-    tmp = folder / (FILES + ".tmp")
-    tmp.write_text(json.dumps(listing, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, folder / FILES)
+    write_json_atomic(folder / FILES, listing, indent=1, sort_keys=True)
 
 
 def verify_file_list(folder: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from mtrain.atomic import write_text_atomic
 from mtrain.models.attention import PROFILE_LABEL as LABEL
 
 log = logging.getLogger(__name__)
@@ -115,10 +116,7 @@ class StepProfile:
             wall = time.perf_counter() - self.t0
             prof.__exit__(None, None, None)
             text = f"# step {self.step}{'; ' + reason if reason else ''}\n" + summarise(prof.key_averages(), wall)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, text)
             log.info("step %d profile written to %s", self.step, self.path)
         except Exception as exc:  # a diagnostic must not hide the run's own error
             log.warning("step %d profile not written: %s", self.step, exc)

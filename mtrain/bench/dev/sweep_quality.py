@@ -24,6 +24,7 @@ dense: attention.max_output_error without the cost model), --dense L,L a pass wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -215,6 +216,24 @@ def quality_paths(per_layer: list[dict], n_layers: int, max_error: float, key: s
     return {i: "dense" if err[i] > max_error else "sparse" for i in range(n_layers)}
 
 
+@contextlib.contextmanager
+def escalation(limit: float, recall: float):
+    """The quality check at `limit` with recall escalation to `recall` (`mtrain.models.policy.escalate`) for the passes
+    inside: every layer starts at the setting's recall; the layers it escalated are left in `escalation.last`."""
+    from mtrain.models.context import CONTEXT
+
+    saved = CONTEXT.max_output_error, CONTEXT.escalate_recall, CONTEXT.layer_recall
+    CONTEXT.max_output_error, CONTEXT.escalate_recall, CONTEXT.layer_recall = limit, recall, {}
+    try:
+        yield
+        escalation.last = sorted(CONTEXT.layer_recall)
+    finally:
+        CONTEXT.max_output_error, CONTEXT.escalate_recall, CONTEXT.layer_recall = saved
+
+
+escalation.last = []
+
+
 HEADER = ("| S | text | setting | ppl dense | ppl sparse | rise | density | true recall mean | worst layer | "
           "worst head | rows < 0.9 | row p1 | s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
@@ -264,6 +283,10 @@ def main() -> int:
     ap.add_argument("--dense", action="append", default=[], metavar="L,L,...",
                     help="after each every-layer-sparse cell, one pass with these layers dense and the rest sparse "
                          "(repeatable): e.g. the layers another measure would send dense")
+    ap.add_argument("--escalate", action="append", default=[], metavar="E:R",
+                    help="after each every-layer-sparse cell, one pass with recall escalation (repeatable): every layer "
+                         "sparse, and a layer whose output error on the scored rows exceeds E estimates again at recall "
+                         "R (attention.max_output_error E with attention.escalate_recall R, under policy always)")
     ap.add_argument("--one-layer", action="store_true",
                     help="also each layer sparse alone (the others dense), per cell: the per-layer rise and measures")
     args = ap.parse_args()
@@ -334,6 +357,16 @@ def main() -> int:
                              rise=extra["ppl"] / ppl_dense - 1, seconds=time.perf_counter() - t0,
                              dense_seconds=dense_s, yarn_factor=factor,
                              dense_layers=[i for i, p in paths.items() if p == "dense"])
+                found.append(extra)
+            for spec in args.escalate:
+                t0 = time.perf_counter()
+                limit, recall = (float(x) for x in spec.split(":"))
+                with escalation(limit, recall):
+                    extra = sparse_pass(net, ids, settings, args.recall_rows)
+                extra.update(seq_len=seq_len, text=text, setting=f"{name} escalate {limit}:{recall}",
+                             ppl_dense=ppl_dense, rise=extra["ppl"] / ppl_dense - 1,
+                             seconds=time.perf_counter() - t0, dense_seconds=dense_s, yarn_factor=factor,
+                             escalated_layers=escalation.last)
                 found.append(extra)
             if args.one_layer:
                 cell["one_layer"] = one_layer_sweep(net, ids, settings, args.recall_rows, ppl_dense, n_layers)
