@@ -23,8 +23,9 @@
 # convert + pack 80 s; 200 steps at 32K take 5.2 min per run (mtraining and dense alike, ~1.3 s/step); eval at
 # EVAL_ARGS="--samples 3" 4.5 min per model
 # (198 generations, RULER decodes its full max_new_tokens), run for the three models side by side. The whole
-# study is about 20 minutes of machine time: calls of up to ~9 min after `stage`, each within the warm window of
-# the last.
+# study was about 20 minutes of machine time then: calls of up to ~9 min after `stage`, each within the warm window
+# of the last. Since 2026-11-27 the suite asks 10 NIAH prompts and 5 RULER samples per task and length, and EVALS runs
+# five evaluations side by side (not yet timed; expect the eval stage to take about twice as long).
 #
 # Environment: MODEL_DIR (/root/smollm2), WHEELS (.whl-study), STEPS (200 training steps per run), SEQ (32768),
 # EVALS (mtraining dense base mtraining-sparse dense-sparse: the evaluations, side by side; NAME-sparse is model NAME
