@@ -178,3 +178,26 @@ def test_bench_real_perplexity_follows_the_training_choice(tmp_path, monkeypatch
     assert all(line.startswith(f"perplexity, {rows[name]['label']}: ") for line, name in zip(said, rows))
     assert any("training choice" in line and f"{len(sparse_layers)} of {n_layers} layers sparse" in line
                for line in said)
+
+
+@pytest.mark.slow  # the real model's perplexity passes at 256 tokens (~50 s on 2 cores)
+def test_bench_real_escalates_a_layer_over_the_limit(tmp_path):
+    """--escalate-recall with --max-output-error: a layer whose error exceeds the limit (here any: 1e-9) estimates at
+    the escalated recall from then on, and the summary names it (policy always: at 256 tokens auto skips the estimate);
+    without the check the flag is refused up front."""
+    from mtrain.bench import real as bench_real
+    from mtrain.models.context import CONTEXT
+    from mtrain.parallel import SparseSettings
+
+    settings = SparseSettings(block_size=64, last_q=32, recall=0.9)
+    with pytest.raises(SystemExit, match="needs --max-output-error"):
+        bench_real.run("no-such-model", 256, settings=settings, escalate_recall=0.99)
+    saved = CONTEXT.escalate_recall, CONTEXT.layer_recall
+    try:
+        summary = bench_real.run(str(require_real_model()), 256, settings=settings, layers=[1], iters=1, hold=2,
+                                 recall_rows=32, out_dir=str(tmp_path), log=lambda _: None, max_error=1e-9, policy="always",
+                                 escalate_recall=0.99)
+    finally:
+        CONTEXT.escalate_recall, CONTEXT.layer_recall = saved
+    # the timed layer, and those of the perplexity passes (which run every layer under the same check)
+    assert summary["escalate_recall"] == 0.99 and 1 in summary["escalated_layers"]

@@ -405,10 +405,11 @@ def _true_recall(q, k, index, scale, rows: int | None) -> torch.Tensor:
 def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="auto", device=None, dtype=None,
         iters: int = 5, hold: int | None = None, engine: str = "auto",
         layers: list[int] | None = None, recall_rows: int | None = None, out_dir: str | None = None,
-        text: str = "prose", log=print, max_error: float | None = None) -> dict:
+        text: str = "prose", log=print, max_error: float | None = None, escalate_recall: float | None = None) -> dict:
     """Benchmark one model at one length on text of kind `text` (`mtrain.data.texts.TEXT_KINDS`); returns (and
     writes to out_dir/real_<S>.json, or real_<S>_<text>.json for a kind other than prose) the results. max_error: the
-    policy's quality check (attention.max_output_error) in the timed calls and both choices."""
+    policy's quality check (attention.max_output_error) in the timed calls and both choices; escalate_recall: with it,
+    attention.escalate_recall (a layer over the limit estimates at this recall from then on)."""
     from mtrain.config import AttentionConfig
     from mtrain.parallel import SparseSettings
 
@@ -417,6 +418,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     settings = settings or SparseSettings()
+    if escalate_recall is not None and (max_error is None or not settings.recall < escalate_recall <= 1):
+        raise SystemExit(f"--escalate-recall {escalate_recall} needs --max-output-error and a recall above "
+                         f"{settings.recall} and at most 1")
     path = resolve_model(model)
     from transformers import AutoTokenizer
 
@@ -431,11 +435,13 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     log(f"model {path.name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q / "
         f"{cfg.num_key_value_heads} kv heads x {head_dim}; S={seq_len}, YaRN factor {factor:g}, {dtype}, "
         f"{device.type}; engine {engine}; text {text}: {TEXT_LABELS[text]}; settings {settings}"
-        f"{'' if max_error is None else f'; max_output_error {max_error}'}")
+        f"{'' if max_error is None else f'; max_output_error {max_error}'}"
+        f"{'' if escalate_recall is None else f'; escalate_recall {escalate_recall}'}")
 
     from mtrain.models.context import CONTEXT
 
     CONTEXT.choice_stats.clear()  # a fresh run: no layer's choice reads an estimate from before it (LAGGED_CHOICE)
+    CONTEXT.escalate_recall, CONTEXT.layer_recall = escalate_recall, {}  # every layer starts at the settings' recall
     t0 = time.perf_counter()
     qkv = capture_qkv(net, ids)
     log(f"captured q/k/v of {len(qkv)} layers in {time.perf_counter() - t0:.1f} s")
@@ -515,6 +521,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "held_layers": [r.layer for r in results if r.held], "dense_hold_steps": hold,
         "sparse_layers": sum(r.path == "sparse" for r in results),
         "policy": policy, "engine": engine, "max_output_error": max_error, "ppl_dense": ppl_dense,
+        "escalate_recall": escalate_recall, "escalated_layers": sorted(CONTEXT.layer_recall),
         # the perplexity rows (see the module docstring): which choice each is, and the layers that ran sparse in it
         "training_paths": training_paths,
         "training_paths_timed": [r.layer for r in results],
@@ -602,6 +609,9 @@ def add_arguments(parser: argparse.ArgumentParser, required: bool = False) -> No
     real.add_argument("--max-output-error", type=float, default=None, metavar="E",
                       help="attention.max_output_error: under --policy auto, a layer whose output error on the "
                            "estimate's scored rows exceeds E runs dense (the quality check; default: none)")
+    real.add_argument("--escalate-recall", type=float, default=None, metavar="R",
+                      help="attention.escalate_recall (with --max-output-error): a layer over the limit estimates "
+                           "again at recall R and keeps it (default: none)")
     real.add_argument("--sparse", action="append", default=[], metavar="KEY=VALUE",
                       help="sparse attention setting (SparseSettings field), e.g. --sparse recall=0.95 (repeatable)")
 
@@ -630,7 +640,8 @@ def run_cli(args) -> int:
             run(args.model, seq_len, settings=settings, policy=args.policy, engine=args.engine,
                 yarn=args.yarn, iters=args.iters, hold=args.hold, layers=args.layers,
                 recall_rows=args.recall_rows, out_dir=args.out, text=args.text, log=log,
-                max_error=getattr(args, "max_output_error", None))
+                max_error=getattr(args, "max_output_error", None),
+                escalate_recall=getattr(args, "escalate_recall", None))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return 0
