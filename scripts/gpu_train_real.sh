@@ -133,7 +133,7 @@ PY
       # the study's table: every evaluation with standard errors and counts, paired differences from dense's
       evals=()
       for name in $EVALS; do [ ! -d "runs/smollm2-32k-eval/$name/predictions" ] || evals+=(--eval "$name=runs/smollm2-32k-eval/$name"); done
-      [ ${#evals[@]} = 0 ] || python scripts/fidelity_table.py "${evals[@]}" --reference dense \
+      [ ${#evals[@]} = 0 ] || python -m mtrain.eval.study "${evals[@]}" --reference dense \
         --run dense=runs/smollm2-32k-dense --run mtraining=runs/smollm2-32k-mtraining --out "$RESULTS/study.md"
     fi ;;
   *)

@@ -168,19 +168,15 @@ def test_paired_difference_of_two_evaluations(tmp_path):
     assert result["ruler"]["64"]["tasks"] == 1 and result["niah"]["64"]["n"] == 4
 
 
-def test_fidelity_table_script(tmp_path, capsys):
-    """scripts/fidelity_table.py: scores with errors and counts, the paired differences from the reference, PG-19
+def test_study_table(tmp_path, capsys):
+    """python -m mtrain.eval.study: scores with errors and counts, the paired differences from the reference, PG-19
     relative to it, the runs' final loss; a bad --reference is a usage error."""
-    import importlib.util
     import json
     import os
 
+    from mtrain.eval import study as script
     from mtrain.eval.predictions import append_records, predictions_path
 
-    spec = importlib.util.spec_from_file_location("fidelity_table", os.path.join(os.path.dirname(__file__), "..",
-                                                                                 "scripts", "fidelity_table.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     for side, row, nll in (("dense", [1, 1, 0, 1], 4.0), ("mtraining", [1, 0, 0, 1], 4.4)):
         os.makedirs(tmp_path / side / "predictions")
         append_records(predictions_path(str(tmp_path / side), "niah"),

@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """The fidelity study's table (scripts/gpu_train_real.sh): several `mtrain eval --out` folders of one suite and seed
 side by side, each score with its standard error and sample count, and each evaluation's paired difference from a
 reference evaluation (the same prompts, so the differences' standard error), plus the training runs' final loss.
 
-    python scripts/fidelity_table.py --eval dense=runs/smollm2-32k-eval/dense \\
+    python -m mtrain.eval.study --eval dense=runs/smollm2-32k-eval/dense \\
         --eval mtraining=runs/smollm2-32k-eval/mtraining --reference dense \\
         --run dense=runs/smollm2-32k-dense --run mtraining=runs/smollm2-32k-mtraining --out study.md
 
@@ -18,10 +17,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from mtrain.atomic import write_text_atomic  # noqa: E402
-from mtrain.eval.scoring import load_predictions, paired_difference, score_records  # noqa: E402
+from mtrain.atomic import write_text_atomic
+from mtrain.eval.scoring import load_predictions, paired_difference, score_records
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:
@@ -99,7 +96,7 @@ def table(evals: dict[str, str], reference: str | None, runs: dict[str, str], la
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m mtrain.eval.study", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--eval", action="append", default=[], metavar="NAME=DIR", required=True,
                         help="an `mtrain eval --out` folder (repeatable)")
