@@ -418,9 +418,13 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     settings = settings or SparseSettings()
-    if escalate_recall is not None and (max_error is None or not settings.recall < escalate_recall <= 1):
+    from mtrain.models.attention import check_escalate_recall
+
+    try:
+        check_escalate_recall(escalate_recall, settings.recall, max_error)
+    except MtrainError as err:
         raise SystemExit(f"--escalate-recall {escalate_recall} needs --max-output-error and a recall above "
-                         f"{settings.recall} and at most 1")
+                         f"{settings.recall} and at most 1 ({err})") from None
     path = resolve_model(model)
     from transformers import AutoTokenizer
 

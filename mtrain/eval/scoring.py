@@ -68,15 +68,7 @@ def score_records(records_by_task: dict[str, list[dict]]) -> dict:
     ruler = {n: tasks[n] for n in RULER_TASKS if n in tasks}
     if ruler:
         lengths = sorted({int(L) for t in ruler.values() for L in t})
-        results["ruler"] = {}
-        for L in lengths:
-            cells = [t[str(L)] for t in ruler.values() if str(L) in t]
-            errors = [c.get("stderr") for c in cells]
-            # the tasks' samples are drawn independently: the average's variance is the sum of theirs over T^2
-            stderr = (math.sqrt(sum(e * e for e in errors)) / len(cells)
-                      if all(e is not None for e in errors) else None)
-            results["ruler"][str(L)] = {"average": sum(c["score"] for c in cells) / len(cells), "stderr": stderr,
-                                        "tasks": len(cells), "n": sum(c["n"] for c in cells)}
+        results["ruler"] = {str(L): _task_average(ruler, str(L), "score", "average") for L in lengths}
     if niah:
         results["niah"] = niah
     return results
@@ -85,6 +77,17 @@ def score_records(records_by_task: dict[str, list[dict]]) -> dict:
 def _clean(family: str, prediction: str) -> str:
     # RULER scores its own post-processed prediction; the others score the raw text
     return ruler_postprocess(prediction) if family in ("ruler", "niah") else prediction
+
+
+def _task_average(tasks: dict[str, dict], length: str, key: str, name: str) -> dict:
+    """The mean of `key` over the tasks' cells at `length` (as `name`), with its standard error (the tasks' samples are
+    drawn independently: the mean's variance is the sum of theirs over T^2; None where a task has none), the number
+    of tasks and of samples."""
+    cells = [t[length] for t in tasks.values() if length in t]
+    errors = [c.get("stderr") for c in cells]
+    stderr = math.sqrt(sum(e * e for e in errors)) / len(cells) if None not in errors else None
+    return {name: sum(c[key] for c in cells) / len(cells), "stderr": stderr, "tasks": len(cells),
+            "n": sum(c["n"] for c in cells)}
 
 
 def standard_error(per_sample: list[float], scale: float = 1.0) -> float | None:
@@ -132,14 +135,7 @@ def paired_difference(out_a: str, out_b: str) -> dict:
     ruler = {n: tasks[n] for n in RULER_TASKS if n in tasks}
     lengths = sorted({int(L) for t in ruler.values() for L in t})
     if lengths:
-        results["ruler"] = {}
-        for L in lengths:
-            cells = [t[str(L)] for t in ruler.values() if str(L) in t]
-            errors = [c["stderr"] for c in cells]
-            results["ruler"][str(L)] = {
-                "diff": sum(c["diff"] for c in cells) / len(cells),
-                "stderr": math.sqrt(sum(e * e for e in errors)) / len(cells) if None not in errors else None,
-                "tasks": len(cells), "n": sum(c["n"] for c in cells)}
+        results["ruler"] = {str(L): _task_average(ruler, str(L), "diff", "diff") for L in lengths}
     if "niah" in tasks:
         results["niah"] = tasks["niah"]
     return results

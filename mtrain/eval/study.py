@@ -36,7 +36,8 @@ def final_loss(run_dir: str, last: int) -> tuple[float, int]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise SystemExit(f"{path}: no such file (a training run folder holds metrics.jsonl)")
-    losses = [r["loss"] for r in map(json.loads, open(path)) if "loss" in r]
+    with open(path) as f:
+        losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
     if not losses:
         raise SystemExit(f"{path}: no step logged a loss")
     tail = losses[-last:]

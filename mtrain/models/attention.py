@@ -43,6 +43,17 @@ def check_max_output_error(value) -> None:
                           f"layer runs dense) or null (no quality check); got {value!r}")
 
 
+def check_escalate_recall(value, recall: float, max_output_error) -> None:
+    """attention.escalate_recall must be None, or a number above `recall` and at most 1 with a `max_output_error` (the
+    check that decides which layers escalate)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not recall < value <= 1:
+        raise MtrainError(f"escalate_recall must be a number above recall ({recall}) and at most 1, got {value!r}")
+    if max_output_error is None:
+        raise MtrainError("escalate_recall needs max_output_error (the check that decides which layers escalate)")
+
+
 def say_engine(engine: str, q, block_size: int) -> str:
     """The engine a sparse layer runs for attention.engine `engine` (`resolve_impl`), logged once per choice."""
     from mtrain.ops.attention import resolve_impl
@@ -348,14 +359,7 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
         raise MtrainError(f"widen_caps must be true or false, got {widen_caps!r}")
     if isinstance(widen_max_list_mib, bool) or not isinstance(widen_max_list_mib, int) or widen_max_list_mib < 0:
         raise MtrainError(f"widen_max_list_mib must be an integer >= 0 (0 = no limit), got {widen_max_list_mib!r}")
-    if escalate_recall is not None:
-        base = sparse_settings.get("recall", SparseSettings.recall)
-        if isinstance(escalate_recall, bool) or not isinstance(escalate_recall, (int, float)) \
-                or not base < escalate_recall <= 1:
-            raise MtrainError(f"escalate_recall must be a number above recall ({base}) and at most 1, "
-                              f"got {escalate_recall!r}")
-        if max_output_error is None:
-            raise MtrainError("escalate_recall needs max_output_error (the check that decides which layers escalate)")
+    check_escalate_recall(escalate_recall, sparse_settings.get("recall", SparseSettings.recall), max_output_error)
     CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy, CONTEXT.engine = kind, sparse, sparse_policy, engine
     CONTEXT.max_output_error = max_output_error
     CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = dense_hold, {}, {}

@@ -219,19 +219,17 @@ def quality_paths(per_layer: list[dict], n_layers: int, max_error: float, key: s
 @contextlib.contextmanager
 def escalation(limit: float, recall: float):
     """The quality check at `limit` with recall escalation to `recall` (`mtrain.models.policy.escalate`) for the passes
-    inside: every layer starts at the setting's recall; the layers it escalated are left in `escalation.last`."""
+    inside: every layer starts at the setting's recall. Yields a list that holds the layers it escalated on exit."""
     from mtrain.models.context import CONTEXT
 
     saved = CONTEXT.max_output_error, CONTEXT.escalate_recall, CONTEXT.layer_recall
     CONTEXT.max_output_error, CONTEXT.escalate_recall, CONTEXT.layer_recall = limit, recall, {}
+    escalated: list[int] = []
     try:
-        yield
-        escalation.last = sorted(CONTEXT.layer_recall)
+        yield escalated
+        escalated.extend(sorted(CONTEXT.layer_recall))
     finally:
         CONTEXT.max_output_error, CONTEXT.escalate_recall, CONTEXT.layer_recall = saved
-
-
-escalation.last = []
 
 
 HEADER = ("| S | text | setting | ppl dense | ppl sparse | rise | density | true recall mean | worst layer | "
@@ -361,12 +359,12 @@ def main() -> int:
             for spec in args.escalate:
                 t0 = time.perf_counter()
                 limit, recall = (float(x) for x in spec.split(":"))
-                with escalation(limit, recall):
+                with escalation(limit, recall) as escalated:
                     extra = sparse_pass(net, ids, settings, args.recall_rows)
                 extra.update(seq_len=seq_len, text=text, setting=f"{name} escalate {limit}:{recall}",
                              ppl_dense=ppl_dense, rise=extra["ppl"] / ppl_dense - 1,
                              seconds=time.perf_counter() - t0, dense_seconds=dense_s, yarn_factor=factor,
-                             escalated_layers=escalation.last)
+                             escalated_layers=escalated)
                 found.append(extra)
             if args.one_layer:
                 cell["one_layer"] = one_layer_sweep(net, ids, settings, args.recall_rows, ppl_dense, n_layers)
