@@ -124,6 +124,20 @@ def test_sparse_prefill_keeping_every_pair_matches_sdpa(backend):
     assert dense.loglikelihood(ids)[0] == pytest.approx(reference, rel=1e-5)
 
 
+def test_sparse_calls_leave_no_records_behind():
+    # mtrain attention records every call for the trainer's log, which clears them each step; an evaluation's
+    # samples would otherwise pile them up (on a GPU each held a replayed index's whole buffer: out of memory)
+    from mtrain.models.context import CONTEXT
+
+    ours = HFBackend(tiny_checkpoint(max_positions=512), prefill_chunk=512, attn_implementation="mtrain-mtraining",
+                     sparse={"block_size": 16, "sparse_policy": "always"})
+    ids = _prompt(300)
+    ours.loglikelihood(ids)
+    assert CONTEXT.layers == [] and CONTEXT.densities == []
+    ours.generate(ids, 2, [])
+    assert CONTEXT.layers == [] and CONTEXT.densities == []
+
+
 def test_bad_backend_attention_settings_are_clear_errors():
     from mtrain.errors import MtrainError
 

@@ -104,6 +104,27 @@ class AttentionContext:
 CONTEXT = AttentionContext()
 
 
+def clear_records() -> None:
+    """Forget the per-call logging lists (densities, imbalances, layer records). The trainer does this at every
+    step; a caller that runs the model outside training (an evaluation's samples) does it after each sample, or
+    the lists grow with every call."""
+    CONTEXT.densities, CONTEXT.imbalances, CONTEXT.layers = [], [], []
+
+
+def own(value):
+    """`value` with every tensor in it (a tensor, or a tuple / list of them) that is a view into a larger buffer
+    copied into memory of its own (the others are returned as they are). An index replayed from a CUDA graph holds
+    its lists and cache as views into one flat buffer (`mtrain.ops.graphed`): a small tensor kept from it past the
+    layer (its lines for the recomputation, its recall for the log) would keep the whole buffer alive, every list
+    and plan of every layer of the step."""
+    if isinstance(value, torch.Tensor):
+        shares = value.untyped_storage().nbytes() > value.numel() * value.element_size()
+        return value.clone() if shares else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(own(v) for v in value)
+    return value
+
+
 @dataclass
 class LayerRecord:
     """What one sparse-kind attention call decided and measured. Tensors stay on the device (no host sync in

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from mtrain.models.context import CONTEXT, LayerRecord
+from mtrain.models.context import CONTEXT, LayerRecord, own
 
 SPARSE_POLICIES = ("auto", "always", "never")
 """How a sparse kind picks its path per layer: the cost model (`mtrain.ops.cost`), sparse everywhere, or dense."""
@@ -365,7 +365,8 @@ def record_layer(layer_idx, path, index, prediction, q=None, k=None, scaling=Non
     sequence (None under CP, where no rank holds it: the ring measures it across the group and passes
     `true_recall` instead). cap_scale: the layer's cap multiplier this call estimated with; widened: whether this
     call's choice doubled it (`widen`)."""
-    record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=index._cache.get("est_recall"),
+    # own copies of the index's small tensors: a graph-replayed index's are views into its one buffer (`own`)
+    record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=own(index._cache.get("est_recall")),
                          true_recall=true_recall, output_error=index._cache.get("output_error"),
                          cap_scale=cap_scale, widened=widened,
                          escalated_recall=CONTEXT.layer_recall.get(layer_idx) if layer_idx is not None else None)
@@ -411,7 +412,7 @@ def remember_choice(layer_idx, path: str, index, training: bool) -> None:
     """Keep this training forward's choice for the layer's recomputation (see `checkpoint_contexts`)."""
     if not training or layer_idx is None or not torch.is_grad_enabled():
         return
-    lines = None if index is None else index._cache.get("lines")
+    lines = None if index is None else own(index._cache.get("lines"))  # not views that keep the lists alive
     if path == "sparse" and lines is None:
         CONTEXT.memo.pop(layer_idx, None)  # nothing to rebuild from: the recomputation estimates again
     else:

@@ -403,7 +403,7 @@ class Trainer:
 
         from mtrain.data import TrainingReader
         from mtrain.models import export_hf, load_model, load_tokenizer
-        from mtrain.models.context import CONTEXT
+        from mtrain.models.context import CONTEXT, clear_records
         from mtrain.train.metrics import attention_stats
 
         self.reader = TrainingReader(r.data.path, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, seed=t.seed,
@@ -484,7 +484,7 @@ class Trainer:
                 # every CP rank counted the whole sample's tokens: count each sequence once
                 global_valid, global_tokens = max(1.0, float(counts[0])), int(counts[1]) // self.mesh.cp_size
 
-                CONTEXT.densities, CONTEXT.imbalances, CONTEXT.layers = [], [], []
+                clear_records()
                 CONTEXT.step = self.state.step  # dense_hold counts optimizer steps
                 every = r.logging.recall_every
                 CONTEXT.sample_recall = bool(every) and (self.state.step + 1) % every == 0

@@ -87,6 +87,12 @@ class HFBackend(Backend):
             yield start, out.last_hidden_state
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> str:
+        try:
+            return self._generate(prompt_ids, max_new_tokens, stop)
+        finally:
+            _forget_records()
+
+    def _generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> str:
         import torch
         from transformers import DynamicCache
 
@@ -115,6 +121,12 @@ class HFBackend(Backend):
         return text
 
     def loglikelihood(self, ids: Sequence[int]) -> tuple[float, int]:
+        try:
+            return self._loglikelihood(ids)
+        finally:
+            _forget_records()
+
+    def _loglikelihood(self, ids: Sequence[int]) -> tuple[float, int]:
         import torch
         from transformers import DynamicCache
 
@@ -133,6 +145,14 @@ class HFBackend(Backend):
                     logp = torch.log_softmax(logits, dim=-1)
                     total -= float(logp.gather(1, targets[s:s + 1024, None]).sum())
         return total, len(ids) - 1
+
+
+def _forget_records() -> None:
+    """Drop the records mtrain's attention kinds leave per call (`mtrain.models.context.clear_records`): the
+    trainer clears them every step; here nothing reads them, and over an evaluation's samples they would pile up."""
+    from mtrain.models.context import clear_records
+
+    clear_records()
 
 
 def _first_stop(text: str, stop: Sequence[str]) -> int | None:
