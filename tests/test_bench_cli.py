@@ -124,6 +124,7 @@ def test_ring_smoke():
     assert all("CUDA only" in line for line in failed), failed
     # --graph-estimate adds the graphed variant (eager off CUDA: the same code path around the estimate)
     assert "gather, estimate from a CUDA graph" in run.stdout
+    assert "MiB as wide as the lists used" in run.stdout  # the index's bytes, as held and as the pattern uses them
     for name in ("dense ", "sparse ", "estimated ", "sparse-g ", "estimated-g "):  # the correctness cases
         (line,) = [line for line in run.stdout.splitlines() if line.startswith(name) and " out " in line]
         words = line.split()

@@ -35,6 +35,9 @@ def test_bench_real_reports_what_the_gpu_table_needs(tmp_path):
     assert summary["perplexity"]["training_choice"]["sparse_layers"] == [
         i for i, path in enumerate(summary["training_paths"]) if path == "sparse"]
     assert summary["training_paths"][1] == layer["path"]
+    # the index's lists as held, and as wide as the lists used: never more, and both reported per layer
+    assert 0 < layer["extra"]["index_bytes_used_widths"] <= layer["extra"]["index_bytes"]
+    assert summary["index_mib_per_layer_max"] == layer["extra"]["index_bytes"] / 2**20
     # how much of the vertical cap the estimate used: a row never lists more columns than its head has verticals,
     # nor than its list is wide
     extra = layer["extra"]

@@ -290,6 +290,10 @@ def test_sampled_true_recall_matches_a_float64_reference():
     stats = attention_stats(CONTEXT.layers)
     assert stats["attn_true_recall/L07"] == pytest.approx(float(expected.mean()), abs=1e-5)
     assert stats["attention_true_recall_min"] == stats["attention_true_recall"]
+    # the index's size on this rank: its block and column lists as held (one call: the largest of the step)
+    held = sum(t.numel() * t.element_size() for t in (index.block_ids, index.block_counts, index.col_ids,
+                                                       index.col_counts))
+    assert record.index_bytes == held > 0 and stats["attention_index_mib"] == held / 2**20
 
 
 def test_dense_layers_measure_no_true_recall():
@@ -315,7 +319,7 @@ def test_attention_stats_per_layer():
     assert stats["attention_work"] == pytest.approx((0.2 + 1 + 0.4 + 1) / 4)
     assert stats["attention_pred_ms"] == pytest.approx(5 + 10 + 6 + 10)
     assert stats["attention_pred_dense_ms"] == pytest.approx(40)
-    assert "attention_true_recall" not in stats
+    assert "attention_true_recall" not in stats and "attention_index_mib" not in stats  # no index sizes recorded
     json.dumps(stats)  # metrics.jsonl takes it as is
     assert attention_stats([]) == {}
 

@@ -519,3 +519,22 @@ def test_bad_builder_is_refused():
     with pytest.raises(ValueError, match="impl must be"):
         SparseIndex.from_lines(torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(1, 2, 3, dtype=torch.long), 16, 4,
                                impl="cuda")
+
+
+def test_list_bytes_as_held_and_as_wide_as_used():
+    # B=1, H=2, 4 query blocks; block lists padded to 8 slots with at most 3 used, column lists padded to 10 with
+    # at most 4 used (int32 ids, int32 counts)
+    from mtrain.ops.index import list_bytes, used_list_bytes
+
+    block_ids = torch.full((1, 2, 4, 8), -1, dtype=torch.int32)
+    block_counts = torch.tensor([[[1, 2, 3, 1], [1, 1, 2, 2]]], dtype=torch.int32)
+    col_ids = torch.full((1, 2, 4, 10), -1, dtype=torch.int32)
+    col_counts = torch.tensor([[[0, 4, 1, 0], [2, 0, 0, 3]]], dtype=torch.int32)
+    for b in range(2):
+        for r in range(4):
+            block_ids[0, b, r, :int(block_counts[0, b, r])] = torch.arange(int(block_counts[0, b, r]))
+            col_ids[0, b, r, :int(col_counts[0, b, r])] = torch.arange(int(col_counts[0, b, r]))
+    index = SparseIndex(block_ids, block_counts, col_ids, col_counts, seq_len=64, block_size=16)
+    counts = 2 * 8 * 4  # two [1, 2, 4] int32 count tensors
+    assert list_bytes(index) == 8 * 8 * 4 + 8 * 10 * 4 + counts  # 8 (batch, head, block) rows
+    assert used_list_bytes(index) == 8 * 3 * 4 + 8 * 4 * 4 + counts

@@ -19,7 +19,6 @@ at small lengths (slow; for smoke tests).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from mtrain.atomic import write_json_atomic
 from mtrain.bench.timing import timed
 from mtrain.errors import MtrainError
 
@@ -197,6 +197,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
 
     from mtrain.models.attention import mtrain_attention
     from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
+    from mtrain.ops.index import list_bytes, used_list_bytes
 
     sparse_kw = dict(_settings_kwargs(settings), softmax_scale=scale)
     sparse_kw["last_q"] = min(settings.last_q, q.shape[1])
@@ -298,6 +299,8 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
                # verticals the estimate chose (most in one head) against the width of the column lists (on CUDA
                # the vertical cap: the memory the lists take and the graph copies)
                "verticals_max": verticals, "output_error": output_err, "column_list_width": int(index.col_ids.shape[-1]),
+               # the layer's lists as held, and as wide as the longest list this pattern uses
+               "index_bytes": list_bytes(index), "index_bytes_used_widths": used_list_bytes(index),
                "columns_per_row_max": int(counts.max()), "columns_per_row_mean": float(counts.mean())},
     )
 
@@ -542,6 +545,8 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "verticals_max": max(r.extra["verticals_max"] for r in results),
         "column_list_width": max(r.extra["column_list_width"] for r in results),
         "columns_per_row_max": max(r.extra["columns_per_row_max"] for r in results),
+        "index_mib_per_layer_max": max(r.extra["index_bytes"] for r in results) / 2**20,
+        "index_mib_used_widths_max": max(r.extra["index_bytes_used_widths"] for r in results) / 2**20,
     }
     log(f"whole model ({len(results)} layers): dense {dense_total:.1f} ms, mtrain {mtrain_total:.1f} ms "
         f"({summary['speedup']:.2f}x), steady state over {hold + 1} steps {steady_total:.1f} ms "
@@ -560,16 +565,16 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"layer {summary['index_ms_range'][0]:.2f}-{summary['index_ms_range'][1]:.2f} ms eager, "
         f"{summary['index_graph_ms_range'][0]:.2f}-{summary['index_graph_ms_range'][1]:.2f} ms from the CUDA graph; "
         f"verticals per head at most {summary['verticals_max']}, columns per query block at most "
-        f"{summary['columns_per_row_max']} (lists {summary['column_list_width']} wide)")
+        f"{summary['columns_per_row_max']} (lists {summary['column_list_width']} wide); index lists per layer at most "
+        f"{summary['index_mib_per_layer_max']:.1f} MiB ({summary['index_mib_used_widths_max']:.1f} MiB as wide as "
+        f"the lists used)")
     for name, row in summary["perplexity"].items():
         log(f"perplexity, {row['label']}: {row['ppl']:.3f} ({100 * row['rise']:+.2f}% over dense); "
             f"{len(row['sparse_layers'])} of {len(training_paths)} layers sparse {_ranges(row['sparse_layers'])}")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         target = Path(out_dir) / (f"real_{seq_len}.json" if text == "prose" else f"real_{seq_len}_{text}.json")
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, target)
+        write_json_atomic(target, summary, indent=1)
     return summary
 
 

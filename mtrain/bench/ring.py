@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from mtrain.bench import timing  # noqa: E402
 from mtrain.bench.synthetic import window_slash_lines  # noqa: E402
 from mtrain.ops import SparseIndex  # noqa: E402
+from mtrain.ops.index import list_bytes, used_list_bytes  # noqa: E402
 from mtrain.ops.attention import resolve_impl, vertical_slash_attention  # noqa: E402
 from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
@@ -345,8 +346,8 @@ def bench_tokens(tokens, rank, world, args, device, report):
                 row["plan_estimated_ms"] = timed(lambda: build_sparse_plan(mine, layout, rank, device, origin),
                                                  args.iters, args.warmup)
                 row["density_ring_estimated"] = mine.density()
-                row["index_bytes_per_layer"] = sum(t.numel() * t.element_size() for t in (
-                    mine.block_ids, mine.block_counts, mine.col_ids, mine.col_counts))
+                row["index_bytes_per_layer"] = list_bytes(mine)
+                row["index_bytes_used_widths"] = used_list_bytes(mine)
                 # what column lists as wide as the vertical cap would take (int32 per slot, this rank's rows)
                 row["index_bytes_cap_wide_cols"] = (mine.col_ids.shape[0] * mine.col_ids.shape[1]
                                                     * mine.col_ids.shape[2] * settings.max_vertical * 4)
@@ -497,8 +498,7 @@ def bench_model(rank, world, args, device, report) -> None:
                "same_lines_as_one_device": bool(same_all.item()),
                "true_recall_mean": float(recall.mean()), "true_recall_min": float(recall.min()),
                "density": mine.density(), "est_recall": float(mine._cache["est_recall"].mean()),
-               "index_bytes": sum(t.numel() * t.element_size() for t in (mine.block_ids, mine.block_counts,
-                                                                          mine.col_ids, mine.col_counts)),
+               "index_bytes": list_bytes(mine), "index_bytes_used_widths": used_list_bytes(mine),
                "index_bytes_cap_wide_cols": (mine.col_ids.shape[0] * mine.col_ids.shape[1] * mine.col_ids.shape[2]
                                              * settings.max_vertical * 4)}
         per_layer.append(row)
@@ -516,6 +516,7 @@ def bench_model(rank, world, args, device, report) -> None:
                "true_recall_worst_layer": min(r["true_recall_mean"] for r in per_layer),
                "density_mean": statistics.mean(r["density"] for r in per_layer),
                "index_mib_per_layer_max": max(r["index_bytes"] for r in per_layer) / 2**20,
+               "index_mib_used_widths_max": max(r["index_bytes_used_widths"] for r in per_layer) / 2**20,
                "index_mib_cap_wide_cols": per_layer[0]["index_bytes_cap_wide_cols"] / 2**20,
                "per_layer": per_layer}
     report.append(summary)
@@ -529,8 +530,8 @@ def bench_model(rank, world, args, device, report) -> None:
               f"lines equal one device's on every layer and rank: {summary['same_lines_all_layers']}; true recall "
               f"mean {summary['true_recall_mean']:.4f}, worst layer {summary['true_recall_worst_layer']:.4f}; "
               f"density {summary['density_mean']:.4f}; index {summary['index_mib_per_layer_max']:.1f} MiB per layer "
-              f"(column lists as wide as the {settings.max_vertical} cap: {summary['index_mib_cap_wide_cols']:.0f} "
-              "MiB)", flush=True)
+              f"at most ({summary['index_mib_used_widths_max']:.1f} MiB as wide as the lists used; column lists as "
+              f"wide as the {settings.max_vertical} cap: {summary['index_mib_cap_wide_cols']:.0f} MiB)", flush=True)
 
 
 def _profile(run, rank: int, label: str) -> None:
@@ -697,7 +698,8 @@ def print_table(report):
                 print(f"{'':>9}estimate from a CUDA graph: ring {r['estimate_ring_graphed_ms']:.2f} ms "
                       f"({r['estimate_ring_graphed_ms'] / r['estimate_cp1_ms']:.2f}x one GPU's)")
         if r.get("index_bytes_per_layer"):
-            print(f"{'':>9}index bytes per layer (this rank's rows): {r['index_bytes_per_layer'] / 2**20:.1f} MiB; "
+            print(f"{'':>9}index bytes per layer (this rank's rows): {r['index_bytes_per_layer'] / 2**20:.1f} MiB "
+                  f"({r['index_bytes_used_widths'] / 2**20:.1f} MiB as wide as the lists used); "
                   f"cap-wide column lists would take {r['index_bytes_cap_wide_cols'] / 2**20:.1f} MiB; density "
                   f"{r.get('density_ring_estimated', float('nan')):.4f}")
         if r.get("density_cp1") and r.get("density_ring") and r.get("cp1_sparse_ms") and r.get("ring_sparse_ms"):

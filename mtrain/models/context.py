@@ -156,15 +156,18 @@ class LayerRecord:
     cap_scale: int = 1
     """The layer's cap multiplier this call ran with (CONTEXT.cap_scale; 1 = the recipe's caps)."""
     widened: bool = False
+    """True when this call's choice doubled the layer's caps for its next estimate (`mtrain.models.policy.widen`)."""
     escalated_recall: float | None = None
     """The recall this call's layer estimates at where `escalate` raised it (CONTEXT.layer_recall), else None."""
-    """True when this call's choice doubled the layer's caps for its next estimate (`mtrain.models.policy.widen`)."""
+    index_bytes: int = 0
+    """Bytes of this call's index lists on this rank (`mtrain.ops.index.list_bytes`: its rows under CP), 0 where no
+    index was estimated."""
 
     def as_floats(self) -> dict:
         density = None if self.density is None else float(self.density)
         out = {"layer": self.layer, "path": self.path, "density": density, "held": self.held, "dense_ms": self.dense_ms,
                "sparse_ms": self.sparse_ms, "cap_scale": self.cap_scale, "widened": self.widened,
-               "escalated_recall": self.escalated_recall}
+               "escalated_recall": self.escalated_recall, "index_bytes": self.index_bytes}
         for name in ("est_recall", "true_recall", "output_error"):
             value = getattr(self, name)
             out[name] = None if value is None else float(value.float().mean())

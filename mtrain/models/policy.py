@@ -365,10 +365,12 @@ def record_layer(layer_idx, path, index, prediction, q=None, k=None, scaling=Non
     sequence (None under CP, where no rank holds it: the ring measures it across the group and passes
     `true_recall` instead). cap_scale: the layer's cap multiplier this call estimated with; widened: whether this
     call's choice doubled it (`widen`)."""
+    from mtrain.ops.index import list_bytes
+
     # own copies of the index's small tensors: a graph-replayed index's are views into its one buffer (`own`)
     record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=own(index._cache.get("est_recall")),
                          true_recall=true_recall, output_error=index._cache.get("output_error"),
-                         cap_scale=cap_scale, widened=widened,
+                         cap_scale=cap_scale, widened=widened, index_bytes=list_bytes(index),
                          escalated_recall=CONTEXT.layer_recall.get(layer_idx) if layer_idx is not None else None)
     if prediction is not None:
         record.dense_ms, record.sparse_ms = prediction.dense_ms, prediction.sparse_ms

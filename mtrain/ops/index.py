@@ -310,6 +310,23 @@ def _expand_rows(offs, rows, counts, pick, sink, width: int) -> torch.Tensor:
     return torch.where(t < counts[..., None], ids, -1).to(torch.int32)
 
 
+def list_bytes(index) -> int:
+    """Bytes of an index's block and column lists (ids and counts) as held: a `SparseIndex` or a `RowIndex`."""
+    return sum(t.numel() * t.element_size() for t in (index.block_ids, index.block_counts, index.col_ids,
+                                                       index.col_counts))
+
+
+def used_list_bytes(index) -> int:
+    """Bytes the same lists would take as wide as their longest list (the widths the pattern uses, not the caps'):
+    one host read of the two counts' maxima."""
+    rows = index.block_ids.numel() // max(1, index.block_ids.shape[-1])
+    widths = [int(index.block_counts.max()) if index.block_counts.numel() else 0,
+              int(index.col_counts.max()) if index.col_counts.numel() else 0]
+    ids = rows * (widths[0] * index.block_ids.element_size() + widths[1] * index.col_ids.element_size())
+    return ids + index.block_counts.numel() * index.block_counts.element_size() + \
+        index.col_counts.numel() * index.col_counts.element_size()
+
+
 @dataclass
 class SparseIndex:
     """Which (query, key) pairs vertical-slash attention computes, in GLOBAL coordinates.

@@ -117,6 +117,7 @@ def attention_stats(records: list) -> dict:
     attention_widened_layers (how many layers run with widened caps) and attention_widened_calls (how many calls
     doubled their layer's caps this step) where any did, attention_escalated_layers (layers estimating at
     attention.escalate_recall) where any do,
+    attention_index_mib (the largest index of the step on this rank: its block and column lists, MiB),
     attention_sparse_layers (share of sparse calls), attention_work (fraction of causal pairs computed: the
     density on sparse calls, 1 on dense ones), the means of the recalls (true recall also its minimum) and,
     under the cost model, the predicted ms of the chosen paths and of dense everywhere (attention_pred_ms,
@@ -163,6 +164,9 @@ def attention_stats(records: list) -> dict:
     escalated = [layer for layer, calls in by_layer.items() if any(c.get("escalated_recall") for c in calls)]
     if escalated:  # layers estimating at attention.escalate_recall
         out["attention_escalated_layers"] = len(escalated)
+    largest = max(r.get("index_bytes", 0) for r in rows)
+    if largest:  # the lists of the step's largest index (this rank's rows)
+        out["attention_index_mib"] = largest / 2**20
     out["attention_sparse_layers"] = mean([1.0 if r["path"] == "sparse" else 0.0 for r in rows])
     out["attention_work"] = mean([r["density"] if r["path"] == "sparse" else 1.0 for r in rows])
     for key in ("est_recall", "true_recall"):
