@@ -168,6 +168,53 @@ def test_paired_difference_of_two_evaluations(tmp_path):
     assert result["ruler"]["64"]["tasks"] == 1 and result["niah"]["64"]["n"] == 4
 
 
+def test_pooled_scores_and_differences_over_lengths(tmp_path):
+    """Every length's samples of a task pooled into one cell (statistics module as the reference), the RULER tasks'
+    pooled cells averaged as at one length, and the paired differences pooled the same way on the samples both
+    evaluations hold."""
+    import math
+    import os
+    import statistics
+
+    from mtrain.eval.predictions import append_records, predictions_path
+    from mtrain.eval.scoring import load_predictions, paired_difference, pooled_scores
+
+    hits = {"a": {("niah", 64): [1, 1, 0, 1], ("niah", 128): [0, 1, 1], ("ruler/niah_single_1", 64): [1, 0, 1],
+                  ("ruler/niah_single_1", 128): [1, 1], ("ruler/vt", 64): [0, 1]},
+            "b": {("niah", 64): [1, 0, 0, 1], ("niah", 128): [1, 1, 1], ("ruler/niah_single_1", 64): [1, 1, 1],
+                  ("ruler/niah_single_1", 128): [0, 1, 1], ("ruler/vt", 64): [0, 0]}}  # b: one sample more at 128
+    for side, cells in hits.items():
+        os.makedirs(tmp_path / side / "predictions")
+        by_task = {}
+        for (name, length), row in cells.items():
+            by_task.setdefault(name, []).extend(
+                _rec(name, length, i, prediction="7" if h else "no", references=["7"], meta={"depth": 0.0})
+                for i, h in enumerate(row))
+        for name, records in by_task.items():
+            append_records(predictions_path(str(tmp_path / side), name), records)
+
+    def cell(values):
+        return statistics.mean(values), statistics.stdev(values) / math.sqrt(len(values)), len(values)
+
+    pool = pooled_scores(load_predictions(str(tmp_path / "a")))
+    niah = [100.0 * h for h in hits["a"][("niah", 64)] + hits["a"][("niah", 128)]]
+    mean, err, n = cell(niah)
+    assert pool["niah"]["score"] == pytest.approx(mean) and pool["niah"]["stderr"] == pytest.approx(err)
+    assert pool["niah"]["n"] == n == 7
+    single = cell([100.0 * h for h in hits["a"][("ruler/niah_single_1", 64)] + hits["a"][("ruler/niah_single_1", 128)]])
+    vt = cell([100.0 * h for h in hits["a"][("ruler/vt", 64)]])  # vt scores a hit as 100 too (its answer found)
+    assert pool["ruler"]["average"] == pytest.approx((single[0] + vt[0]) / 2)
+    assert pool["ruler"]["stderr"] == pytest.approx(math.sqrt(single[1] ** 2 + vt[1] ** 2) / 2)
+    assert pool["ruler"]["tasks"] == 2 and pool["ruler"]["n"] == 7
+
+    diffs = paired_difference(str(tmp_path / "a"), str(tmp_path / "b"))["pooled"]
+    paired = [100.0 * (x - y) for length in (64, 128)
+              for x, y in zip(hits["a"][("niah", length)], hits["b"][("niah", length)])]
+    mean, err, n = cell(paired)
+    assert diffs["niah"]["diff"] == pytest.approx(mean) and diffs["niah"]["stderr"] == pytest.approx(err)
+    assert diffs["niah"]["n"] == n == 7
+
+
 def test_study_table(tmp_path, capsys):
     """python -m mtrain.eval.study: scores with errors and counts, the paired differences from the reference, PG-19
     relative to it, the runs' final loss; a bad --reference is a usage error."""
@@ -201,3 +248,28 @@ def test_study_table(tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--eval", f"dense={tmp_path / 'dense'}", "--reference", "base"])
     capsys.readouterr()
+
+
+def test_study_table_pools_every_length(tmp_path, capsys):
+    """With more than one length, each evaluation ends with an "all" row: its prompts of every length pooled, and
+    the paired difference pooled the same way."""
+    import os
+
+    from mtrain.eval import study as script
+    from mtrain.eval.predictions import append_records, predictions_path
+
+    rows = {"dense": {4096: [1, 1, 0, 1], 8192: [1, 0]}, "mtraining": {4096: [1, 0, 0, 1], 8192: [1, 1]}}
+    for side, by_length in rows.items():
+        os.makedirs(tmp_path / side / "predictions")
+        append_records(predictions_path(str(tmp_path / side), "niah"),
+                       [_rec("niah", length, i, prediction="7" if h else "no", references=["7"],
+                             meta={"depth": 0.0}) for length, row in by_length.items() for i, h in enumerate(row)])
+    out = tmp_path / "study.md"
+    assert script.main(["--eval", f"dense={tmp_path / 'dense'}", "--eval", f"mtraining={tmp_path / 'mtraining'}",
+                        "--reference", "dense", "--out", str(out)]) == 0
+    capsys.readouterr()
+    text = out.read_text()
+    # dense: 4 of 6 found (66.7 ±21.1); mtraining: 4 of 6; paired differences (0, -100, 0, 0, 0, +100): 0 ±25.8
+    assert "| dense | all | 66.7 ±21.1 (n=6) |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| mtraining | all"))
+    assert "66.7 ±21.1 (n=6)" in row and "+0.0 ±25.8 (n=6)" in row

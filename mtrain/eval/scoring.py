@@ -119,7 +119,8 @@ def paired_difference(out_a: str, out_b: str) -> dict:
     sample i of a task and length is the same prompt in both), on the samples both hold, with the standard error of
     the paired differences: the right error for two models on the same prompts, smaller than the two means' errors
     combined when the models agree on most samples. Returns {"tasks": {task: {length: {"diff", "stderr", "n"}}},
-    "ruler": {length: {"diff", "stderr", "tasks", "n"}}, "niah": {length: ...}} in the scores' scale (x100)."""
+    "ruler": {length: {"diff", "stderr", "tasks", "n"}}, "niah": {length: ...}, "pooled": the same over all lengths
+    (as `pooled_scores`)} in the scores' scale (x100)."""
     a, b = _per_sample(load_predictions(out_a)), _per_sample(load_predictions(out_b))
     tasks: dict[str, dict] = {}
     for key in sorted(set(a) & set(b)):
@@ -138,7 +139,40 @@ def paired_difference(out_a: str, out_b: str) -> dict:
         results["ruler"] = {str(L): _task_average(ruler, str(L), "diff", "diff") for L in lengths}
     if "niah" in tasks:
         results["niah"] = tasks["niah"]
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for key in sorted(set(a) & set(b)):
+        pooled[key[0]] += [a[key][i] - b[key][i] for i in sorted(set(a[key]) & set(b[key]))]
+    results["pooled"] = _pooled(pooled, "diff", "diff")
     return results
+
+
+def pooled_scores(records_by_task: dict[str, list[dict]]) -> dict:
+    """Every generation task's samples of all lengths pooled into one cell: {"tasks": {task: {"score", "stderr",
+    "n"}}, "niah": that cell of NIAH, "ruler": {"average", "stderr", "tasks", "n"}} (x100; a key is absent where its
+    tasks are). Pooling over lengths is what resolves small differences: a NIAH cell of 10 prompts moves by 10 points
+    per prompt, the 40 prompts of four lengths by 2.5."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for (name, _), samples in sorted(_per_sample(records_by_task).items()):
+        values[name] += [samples[i] for i in sorted(samples)]
+    return _pooled(values, "score", "average")
+
+
+def _pooled(values: dict[str, list[float]], key: str, average: str) -> dict:
+    """Cells {key, "stderr", "n"} of per-sample values in [0, 1] (or differences of them), scaled as each task's
+    metric is; the RULER tasks' average as `average` (`_task_average`)."""
+    tasks = {}
+    for name, vals in values.items():
+        if vals:
+            _, scale = METRICS[get_task(name).metric]
+            tasks[name] = {"all": {key: scale * sum(vals) / len(vals), "stderr": standard_error(vals, scale),
+                                   "n": len(vals)}}
+    out: dict = {"tasks": {name: cell["all"] for name, cell in tasks.items()}}
+    ruler = {n: tasks[n] for n in RULER_TASKS if n in tasks}
+    if ruler:
+        out["ruler"] = _task_average(ruler, "all", key, average)
+    if "niah" in tasks:
+        out["niah"] = tasks["niah"]["all"]
+    return out
 
 
 def _fmt_err(value) -> str:

@@ -7,7 +7,9 @@ reference evaluation (the same prompts, so the differences' standard error), plu
         --run dense=runs/smollm2-32k-dense --run mtraining=runs/smollm2-32k-mtraining --out study.md
 
 Scores are x100 (NIAH: answer found; RULER: the mean of its tasks' RULER metrics); perplexity is PG-19's held-out
-text, token-weighted; "±" is one standard error. Final loss: the mean over the last --last-steps logged steps.
+text, token-weighted; "±" is one standard error. Each evaluation ends with an "all" row: its prompts of every length
+pooled (`mtrain.eval.scoring.pooled_scores`), whose errors are the ones a 2-point difference is read against. Final
+loss: the mean over the last --last-steps logged steps.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import sys
 
 from mtrain.atomic import write_text_atomic
-from mtrain.eval.scoring import load_predictions, paired_difference, score_records
+from mtrain.eval.scoring import load_predictions, paired_difference, pooled_scores, score_records
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:
@@ -92,6 +94,18 @@ def table(evals: dict[str, str], reference: str | None, runs: dict[str, str], la
                 row += [_diff((d or {}).get("niah", {}).get(key)) if d else "–",
                         _diff((d or {}).get("ruler", {}).get(key)) if d else "–",
                         f"{100 * (ppl['score'] / ref_ppl['score'] - 1):+.2f}%" if d and ppl and ref_ppl else "–"]
+            lines.append("| " + " | ".join(row) + " |")
+        # every length pooled: the same prompts' scores together, which resolve what one length's cannot
+        pool = pooled_scores(load_predictions(evals[name]))
+        niah, ruler = pool.get("niah"), pool.get("ruler")
+        if len(lengths) > 1 and (niah or ruler):
+            row = [name, "all",
+                   _cell(niah["score"], niah.get("stderr"), niah["n"]) if niah else "–",
+                   _cell(ruler["average"], ruler.get("stderr"), ruler.get("n")) if ruler else "–", "–"]
+            if reference:
+                d = (diffs.get(name) or {}).get("pooled", {})
+                row += [_diff(d.get("niah")) if name in diffs else "–", _diff(d.get("ruler")) if name in diffs else "–",
+                        "–"]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
