@@ -573,3 +573,16 @@ def test_auto_decides_from_the_layers_previous_estimate():
     finally:
         policy.LAGGED_CHOICE = True
     assert [r.path for r in CONTEXT.layers] == ["sparse", "dense"]
+
+
+def test_lagged_statistics_keep_a_few_shapes_per_layer():
+    """An evaluation calls each layer with a new sequence length per prompt: the lagged statistics keep the layer's
+    CHOICE_STATS_PER_LAYER most recent shapes, not one entry per prompt."""
+    import mtrain.models.policy as policy
+
+    q, k, v = inputs("local")
+    lengths = [q.shape[1] - i * BS for i in range(policy.CHOICE_STATS_PER_LAYER + 3)]
+    for S in lengths:
+        call(q[:, :S], k[:, :S], v[:, :S], LOCAL, "auto", training=False, layer=3)
+    kept = [key[1][1] for key in CONTEXT.choice_stats if key[0] == 3]
+    assert kept == lengths[-policy.CHOICE_STATS_PER_LAYER:]

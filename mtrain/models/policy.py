@@ -35,6 +35,10 @@ RECALL_SLACK = 0.04
 # estimate itself.
 LAGGED_CHOICE = True
 
+# The lagged statistics kept per layer: one per (shape, parts) the layer was called with, the least recently used
+# going first beyond this many (a training run needs one or two: with and without the quality check's error).
+CHOICE_STATS_PER_LAYER = 4
+
 
 def _choice_stats(index, q, target, layer_idx) -> list:
     """[listed block entries, listed column entries(, mean est_recall)(, output error)] that `choose_path` decides
@@ -64,7 +68,11 @@ def _choice_stats(index, q, target, layer_idx) -> list:
         event.record()
     else:
         host, event = now.clone(), None
-    CONTEXT.choice_stats[key] = (host, event)
+    CONTEXT.choice_stats.pop(key, None)
+    CONTEXT.choice_stats[key] = (host, event)  # now the layer's most recent
+    mine = [k for k in CONTEXT.choice_stats if k[0] == layer_idx]
+    for old in mine[:-CHOICE_STATS_PER_LAYER]:  # an evaluation meets a new shape with every prompt: keep a few
+        del CONTEXT.choice_stats[old]
     host, event = before if before is not None else (host, event)
     if event is not None:
         event.synchronize()  # the previous estimate's copy finished long ago: no wait in practice
