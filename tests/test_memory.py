@@ -258,3 +258,54 @@ def test_trainer_profiles_the_step_it_is_asked_to(tmp_path):
         assert int(line.split()[2]) == 2, line  # the forward and the checkpointed recompute
     assert "most self host time" in text  # (the device table only where a GPU was recorded)
     assert "aten::" in text
+
+
+def test_checkpointed_model_holds_no_replayed_index_after_its_layers_forward(monkeypatch):
+    """On a GPU each layer's index comes from a CUDA-graph replay as views into one flat buffer
+    (`mtrain.ops.graphed`); here every estimate is passed through that packing (the replay's unpack) so
+    the CPU runs the same views. Under activation checkpointing a layer's forward must leave none of them alive:
+    after the model's forward, before the backward, no tensor of any layer's index remains (the layer's log record
+    and its recomputation lines keep copies of their own), and the step's gradients equal an unpacked run's."""
+    import gc
+    import weakref
+
+    import mtrain.ops.graphed as graphed
+    from mtrain.models.context import CONTEXT, clear_records
+    from mtrain.models.registry import register_kind
+    from mtrain.ops.partial_autograd import split_tensors
+
+    real = graphed.estimate_graphed
+    views = []
+
+    def replayed(*args, **kwargs):
+        index = real(*args, **kwargs)
+        tree = graphed._clone(index)  # as a replay returns it: every tensor a view of one flat buffer
+        tensors = []
+        split_tensors((tree.block_ids, tree.block_counts, tree.col_ids, tree.col_counts, dict(tree._cache)), tensors)
+        views.extend(weakref.ref(t) for t in tensors)
+        return tree
+
+    name = register_kind("mtraining", sparse_policy="always", block_size=16, recall=0.9)
+    results = []
+    for packed in (False, True):
+        monkeypatch.setattr(graphed, "estimate_graphed", replayed if packed else real)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32, attn_implementation=name)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
+        model.config.use_cache = False
+        model.train()
+        ids, pos, labels = _batch()
+        clear_records()
+        CONTEXT.memo.clear()
+        loss, _ = ChunkedLossLM(model, chunk=40)(ids, pos, labels)
+        if packed:
+            gc.collect()
+            assert len(CONTEXT.layers) == model.config.num_hidden_layers
+            assert all(r.path == "sparse" for r in CONTEXT.layers)
+            assert views and not [ref for ref in views if ref() is not None]
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}))
+        clear_records()
+        CONTEXT.memo.clear()
+    _assert_same(results[1], results[0])
