@@ -24,8 +24,11 @@
 # EVAL_ARGS="--samples 3" 4.5 min per model
 # (198 generations, RULER decodes its full max_new_tokens), run for the three models side by side. The whole
 # study was about 20 minutes of machine time then: calls of up to ~9 min after `stage`, each within the warm window
-# of the last. Since 2026-11-27 the suite asks 10 NIAH prompts and 5 RULER samples per task and length, and EVALS runs
-# five evaluations side by side (not yet timed; expect the eval stage to take about twice as long).
+# of the last. The suite asks 20 NIAH prompts (10 until 2026-11-28) and 5 RULER samples per task and length, and EVALS runs
+# up to five evaluations side by side. Measured on one H100 (2026-11-28, 10 NIAH prompts, STEPS=120): convert 58 s, pack
+# 20 s, training 220 s (mtraining) and 210 s (dense), the evaluations ~5-7 min each with others beside them; plan on
+# four calls after `stage`. (That run's sparse evaluations ran out of memory: a fault, fixed since, kept every call's
+# index alive.)
 #
 # Environment: MODEL_DIR (/root/smollm2), WHEELS (.whl-study), STEPS (200 training steps per run), SEQ (32768),
 # EVALS (mtraining dense base mtraining-sparse dense-sparse: the evaluations, side by side; NAME-sparse is model NAME
