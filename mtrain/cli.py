@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from mtrain.errors import MtrainError, os_error_line
+from mtrain.errors import MtrainError, os_error_line, out_of_memory
 from mtrain.offline import OFFLINE_VARS, set_offline  # noqa: F401  (OFFLINE_VARS: re-exported, its old home)
 
 # subcommand module -> registered in this order in `mtrain --help`
@@ -52,6 +52,18 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+OOM_ADVICE = {
+    "train": "Training resumes from its last checkpoint when rerun. To fit: more GPUs for the sequence "
+             "(parallel.cp_size), model.gradient_checkpointing: true, model.mlp_chunk, train.offload_activations, "
+             "DeepSpeed optimizer offload (configs/deepspeed/zero2-offload.json), or a shorter data.seq_len; "
+             "`mtrain bench plan RECIPE` estimates the memory per GPU.",
+    "eval": "The predictions written so far are kept: rerun the same command to resume. To fit: fewer evaluations "
+            "side by side on one GPU, fewer --lengths, or a smaller prefill_chunk in the suite's backend.",
+    None: "Nothing was lost that a rerun would not redo; run it on a GPU with more memory or with smaller sizes.",
+}
+"""What to tell a user whose command ran out of GPU memory, by command."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     set_offline(argv)
@@ -81,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug: one line here, the traceback with --debug
         if debug:
             raise
+        if out_of_memory(exc):  # not a bug: the work does not fit as set; say what was kept and what to change
+            print(f"mtrain {args.command}: error: out of GPU memory ({_one_line(exc)[:300]}). "
+                  f"{OOM_ADVICE.get(args.command, OOM_ADVICE[None])}", file=sys.stderr)
+            return 1
         print(f"mtrain {args.command}: internal error: {type(exc).__name__}: {_one_line(exc)[:500]}; "
               "rerun with --debug for the traceback and report it", file=sys.stderr)
         return 1

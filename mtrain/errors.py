@@ -19,6 +19,15 @@ class DamagedCheckpointError(MtrainError):
     """A training checkpoint that cannot be read back (truncated, corrupt, or holding code instead of data)."""
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is a GPU allocation failure: torch's OutOfMemoryError, or the plain RuntimeError that cuBLAS and
+    DeepSpeed raise for one."""
+    if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
 _OS_HINTS = {
     errno.ENOSPC: "free space on that disk or point the output elsewhere",
     errno.EDQUOT: "free space within your quota or point the output elsewhere",

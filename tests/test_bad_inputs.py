@@ -592,6 +592,38 @@ def test_os_error_outside_checks_is_one_line(tmp_path, capsys, monkeypatch):
     assert_one_line(err, "/ro/metrics.jsonl", "read-only", "writable")
 
 
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_out_of_gpu_memory_is_one_line_with_what_to_change(tmp_path, capsys, monkeypatch, command):
+    """Running out of GPU memory is not a bug: one line (exit 1) saying so, what a rerun resumes from and which
+    settings make the work fit; another error stays an internal error."""
+    import torch
+
+    import mtrain.eval.cli as eval_cli
+    import mtrain.train.cli as train_cli
+
+    module, name = (train_cli, "run_train") if command == "train" else (eval_cli, "run")
+    argv = ["train", str(tmp_path / "recipe.yaml")] if command == "train" else ["eval", "--out", str(tmp_path / "o")]
+
+    def oom(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB. GPU 0 has a total capacity "
+                                     "of 79.18 GiB of which 77.44 MiB is free.")
+
+    monkeypatch.setattr(module, name, oom)
+    rc, err = run_cli(argv, capsys)
+    assert rc == 1
+    if command == "train":
+        assert_one_line(err, "out of GPU memory", "Tried to allocate 96.00 MiB", "last checkpoint", "parallel.cp_size")
+    else:
+        assert_one_line(err, "out of GPU memory", "Tried to allocate 96.00 MiB", "rerun the same command", "--lengths")
+
+    def bug(args):
+        raise RuntimeError("index out of range")
+
+    monkeypatch.setattr(module, name, bug)
+    rc, err = run_cli(argv, capsys)
+    assert rc == 1 and "internal error" in err and "out of GPU memory" not in err
+
+
 def test_max_steps_below_the_resumed_step_leaves_the_run_as_it_was(world, tmp_path, capsys):
     """Resuming a run at step 2 with train.max_steps=1 is refused before anything is written: config.yaml keeps the
     run's settings and final/ its weights (it used to exit 0, re-export final/ from step 2 and record max_steps 1)."""

@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from mtrain.errors import out_of_memory
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the script only
 
 SHAPES = {
@@ -147,14 +149,6 @@ def _host_gb() -> tuple[float, float]:
     return psutil.Process().memory_info().rss / 2**30, peak_kb / 2**20
 
 
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    # DeepSpeed's and cuBLAS' allocation failures surface as plain RuntimeErrors
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
-
-
 def predicted_fit(points: list[tuple[int, float]], candidates: list[int], limit_gb: float) -> int | None:
     """The longest of `candidates` whose peak memory, extrapolated linearly from the last two measured
     (length, peak GB) `points`, stays under `limit_gb`; None with fewer than two points or none fitting."""
@@ -242,7 +236,7 @@ def find_max(args) -> None:
                 times.append(time.perf_counter() - t0)
                 loss = float(loss_sum.detach() / n)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if not _is_oom(exc):
+            if not out_of_memory(exc):
                 raise
             status = f"OOM after {len(times)} steps"
         peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
