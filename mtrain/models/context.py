@@ -121,7 +121,8 @@ def own(value):
         shares = value.untyped_storage().nbytes() > value.numel() * value.element_size()
         return value.clone() if shares else value
     if isinstance(value, (tuple, list)):
-        return type(value)(own(v) for v in value)
+        items = [own(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a named tuple too
     return value
 
 
