@@ -123,6 +123,7 @@ def paired_difference(out_a: str, out_b: str) -> dict:
     (as `pooled_scores`)} in the scores' scale (x100)."""
     a, b = _per_sample(load_predictions(out_a)), _per_sample(load_predictions(out_b))
     tasks: dict[str, dict] = {}
+    pooled: dict[str, list[float]] = defaultdict(list)  # every length's differences of a task, for "pooled"
     for key in sorted(set(a) & set(b)):
         name, length = key
         common = sorted(set(a[key]) & set(b[key]))
@@ -130,6 +131,7 @@ def paired_difference(out_a: str, out_b: str) -> dict:
             continue
         _, scale = METRICS[get_task(name).metric]
         diffs = [a[key][i] - b[key][i] for i in common]
+        pooled[name] += diffs
         tasks.setdefault(name, {})[str(length)] = {"diff": scale * sum(diffs) / len(diffs),
                                                    "stderr": standard_error(diffs, scale), "n": len(diffs)}
     results: dict = {"tasks": tasks}
@@ -139,9 +141,6 @@ def paired_difference(out_a: str, out_b: str) -> dict:
         results["ruler"] = {str(L): _task_average(ruler, str(L), "diff", "diff") for L in lengths}
     if "niah" in tasks:
         results["niah"] = tasks["niah"]
-    pooled: dict[str, list[float]] = defaultdict(list)
-    for key in sorted(set(a) & set(b)):
-        pooled[key[0]] += [a[key][i] - b[key][i] for i in sorted(set(a[key]) & set(b[key]))]
     results["pooled"] = _pooled(pooled, "diff", "diff")
     return results
 

@@ -60,7 +60,8 @@ def _diff(cell) -> str:
 
 
 def table(evals: dict[str, str], reference: str | None, runs: dict[str, str], last: int) -> str:
-    results = {name: score_records(load_predictions(path)) for name, path in evals.items()}
+    predictions = {name: load_predictions(path) for name, path in evals.items()}  # read once: scored, then pooled
+    results = {name: score_records(records) for name, records in predictions.items()}
     lengths = sorted({int(L) for r in results.values() for kind in ("niah", "ruler") for L in (r.get(kind) or {})}
                      | {int(L) for r in results.values() for L in r["tasks"].get("pg19", {})})
     lines = []
@@ -96,16 +97,15 @@ def table(evals: dict[str, str], reference: str | None, runs: dict[str, str], la
                         f"{100 * (ppl['score'] / ref_ppl['score'] - 1):+.2f}%" if d and ppl and ref_ppl else "–"]
             lines.append("| " + " | ".join(row) + " |")
         # every length pooled: the same prompts' scores together, which resolve what one length's cannot
-        pool = pooled_scores(load_predictions(evals[name]))
+        pool = pooled_scores(predictions[name])
         niah, ruler = pool.get("niah"), pool.get("ruler")
         if len(lengths) > 1 and (niah or ruler):
             row = [name, "all",
                    _cell(niah["score"], niah.get("stderr"), niah["n"]) if niah else "–",
                    _cell(ruler["average"], ruler.get("stderr"), ruler.get("n")) if ruler else "–", "–"]
             if reference:
-                d = (diffs.get(name) or {}).get("pooled", {})
-                row += [_diff(d.get("niah")) if name in diffs else "–", _diff(d.get("ruler")) if name in diffs else "–",
-                        "–"]
+                d = (diffs.get(name) or {}).get("pooled", {})  # none for the reference: its cells read "–"
+                row += [_diff(d.get("niah")), _diff(d.get("ruler")), "–"]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

@@ -4,6 +4,7 @@ the extra vertical key columns, plus the transposed views the deterministic back
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dataclasses import dataclass, field
 
@@ -319,7 +320,7 @@ def list_bytes(index) -> int:
 def used_list_bytes(index) -> int:
     """Bytes the same lists would take as wide as their longest list (the widths the pattern uses, not the caps'):
     one host read of the two counts' maxima."""
-    rows = index.block_ids.numel() // max(1, index.block_ids.shape[-1])
+    rows = math.prod(index.block_ids.shape[:-1])  # (batch, head, query block) lists
     widths = [int(index.block_counts.max()) if index.block_counts.numel() else 0,
               int(index.col_counts.max()) if index.col_counts.numel() else 0]
     ids = rows * (widths[0] * index.block_ids.element_size() + widths[1] * index.col_ids.element_size())
