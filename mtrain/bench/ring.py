@@ -348,9 +348,7 @@ def bench_tokens(tokens, rank, world, args, device, report):
                 row["density_ring_estimated"] = mine.density()
                 row["index_bytes_per_layer"] = list_bytes(mine)
                 row["index_bytes_used_widths"] = used_list_bytes(mine)
-                # what column lists as wide as the vertical cap would take (int32 per slot, this rank's rows)
-                row["index_bytes_cap_wide_cols"] = (mine.col_ids.shape[0] * mine.col_ids.shape[1]
-                                                    * mine.col_ids.shape[2] * settings.max_vertical * 4)
+                row["index_bytes_cap_wide_cols"] = _cap_wide_column_bytes(mine, settings)
                 if args.torch_scorer:
                     row["estimate_ring_torch_ms"] = timed(lambda: estimate_rank_index(
                         shard[0], shard[1], pos, pos, seq, settings, scale, None, scorer="torch", **est),
@@ -499,8 +497,7 @@ def bench_model(rank, world, args, device, report) -> None:
                "true_recall_mean": float(recall.mean()), "true_recall_min": float(recall.min()),
                "density": mine.density(), "est_recall": float(mine._cache["est_recall"].mean()),
                "index_bytes": list_bytes(mine), "index_bytes_used_widths": used_list_bytes(mine),
-               "index_bytes_cap_wide_cols": (mine.col_ids.shape[0] * mine.col_ids.shape[1] * mine.col_ids.shape[2]
-                                             * settings.max_vertical * 4)}
+               "index_bytes_cap_wide_cols": _cap_wide_column_bytes(mine, settings)}
         per_layer.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -532,6 +529,13 @@ def bench_model(rank, world, args, device, report) -> None:
               f"density {summary['density_mean']:.4f}; index {summary['index_mib_per_layer_max']:.1f} MiB per layer "
               f"at most ({summary['index_mib_used_widths_max']:.1f} MiB as wide as the lists used; column lists as "
               f"wide as the {settings.max_vertical} cap: {summary['index_mib_cap_wide_cols']:.0f} MiB)", flush=True)
+
+
+def _cap_wide_column_bytes(index, settings) -> int:
+    """What column lists as wide as the vertical cap would take: int32 per slot over the index's (batch, head, query
+    block) lists, this rank's rows."""
+    b, h, n = index.col_ids.shape[:3]
+    return b * h * n * settings.max_vertical * 4
 
 
 def _profile(run, rank: int, label: str) -> None:
