@@ -32,7 +32,8 @@
 #
 # Environment: MODEL_DIR (/root/smollm2), WHEELS (.whl-study), STEPS (200 training steps per run), SEQ (32768),
 # EVALS (mtraining dense base mtraining-sparse dense-sparse: the evaluations, side by side; NAME-sparse is model NAME
-# evaluated with MTraining's attention on every layer; the study's table, study.md, pairs each with dense's),
+# evaluated with MTraining's attention on every layer, with the mtraining run's settings (`mtrain eval
+# --attention-from`); the study's table, study.md, pairs each with dense's), KINDS (mtraining dense: the runs trained),
 # OUT (results), STAGES (default "data train eval compare": any subset, in that order), TRAIN_ARGS / EVAL_ARGS (extra `mtrain
 # train` / `mtrain eval` arguments, e.g. EVAL_ARGS="--lengths 4096,8192" for a shorter pass). A CPU smoke run of
 # the whole chain: MODEL_DIR=models/smollm2-135m SEQ=2048 STEPS=2 TRAIN_ARGS="--set model.dtype=float32
@@ -88,7 +89,7 @@ case "${1:-}" in
       mark packed
     fi
     if has train; then
-      for kind in mtraining dense; do  # the same data order, seed, steps and tokens
+      for kind in ${KINDS:-mtraining dense}; do  # the same data order, seed, steps and tokens
         run=runs/smollm2-32k-$kind
         [ -d "$run/final" ] || $MTRAIN train recipes/smollm2-32k-$kind.yaml --set model.path="$MODEL_DIR" \
           --set data.path="$PACKED" --set data.seq_len="$SEQ" --set train.max_steps="$STEPS" ${TRAIN_ARGS:-}
@@ -118,8 +119,10 @@ PY
       for name in $EVALS; do
         model=${name%-sparse}
         case $model in base) path=$base ;; *) path=runs/smollm2-32k-$model/final ;; esac
-        attn=()  # NAME-sparse: the model evaluated with MTraining's attention, every layer sparse
-        [ "$name" = "$model" ] || attn=(--attention mtraining --sparse sparse_policy=always)
+        # NAME-sparse: the model evaluated with MTraining's attention as the mtraining run trained with it (its
+        # config.yaml: block size, recall, the quality check and recall escalation), every layer sparse
+        attn=()
+        [ "$name" = "$model" ] || attn=(--attention-from runs/smollm2-32k-mtraining --sparse sparse_policy=always)
         out=runs/smollm2-32k-eval/$name
         ( $MTRAIN eval eval/smollm2-32k.yaml --model "$path" --out "$out" --no-progress "${attn[@]}" ${EVAL_ARGS:-} \
             > "$RESULTS/eval-$name.log" 2>&1 && keep "$out/results.json" "eval-$name" && mark "evaluated $name" ) &

@@ -11,6 +11,7 @@ from test_eval_helpers import tiny_checkpoint
 from mtrain.errors import MtrainError
 from mtrain.eval.cli import attention_options
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE_SPARSE = {"attn_implementation": "mtrain-mtraining", "sparse": {"recall": 0.9, "last_q": 32}}
 
 
@@ -69,6 +70,72 @@ def test_cli_runs_mtraining_attention_with_sparse_settings(tmp_path):
     assert backend["backend"] == "hf" and backend["attn_implementation"] == "mtrain-mtraining"
     assert backend["sparse"] == {"recall": 0.95, "block_size": 64}
     assert os.path.getsize(os.path.join(out, "niah_heatmap.png")) > 0
+
+
+def test_attention_from_a_recipe_or_a_run_folder_carries_the_training_settings(tmp_path):
+    """--attention-from: the kind and every setting the estimate and the per-layer choice read (the quality check and
+    recall escalation included), not those only training reads; --sparse refines them; a run folder reads the
+    config.yaml training saved."""
+    from mtrain.config import parse_recipe
+
+    recipe = os.path.join(REPO, "recipes", "smollm2-32k-mtraining.yaml")
+    options = attention_options(None, [], {}, from_path=recipe)
+    assert options["attn_implementation"] == "mtrain-mtraining"
+    sparse = options["sparse"]
+    assert sparse["block_size"] == 64 and sparse["sparse_policy"] == "always" and sparse["recall"] == 0.99
+    assert sparse["max_output_error"] == 0.025 and sparse["escalate_recall"] == 0.995
+    assert not {"dense_hold", "widen_caps", "widen_max_list_mib"} & set(sparse)
+    refined = attention_options(None, ["sparse_policy=never", "recall=0.95"], {}, from_path=recipe)["sparse"]
+    assert refined == {**sparse, "sparse_policy": "never", "recall": 0.95}
+    run = tmp_path / "run"
+    run.mkdir()
+    parse_recipe(recipe, ["attention.recall=0.97", "attention.escalate_recall=0.999"]).save(run / "config.yaml")
+    from_run = attention_options(None, [], {}, from_path=str(run))["sparse"]
+    assert from_run == {**sparse, "recall": 0.97, "escalate_recall": 0.999}
+    # a dense recipe names its kind and no sparse settings
+    dense = os.path.join(REPO, "recipes", "smollm2-32k-dense.yaml")
+    assert attention_options(None, [], {}, from_path=dense) == {"attn_implementation": "mtrain-dense"}
+
+
+@pytest.mark.parametrize("kind, items, source, message", [
+    ("mtraining", [], "recipe", "--attention and --attention-from both choose the attention: give one"),
+    (None, [], "empty-dir", "holds no config.yaml"),
+    (None, [], "missing", "does not exist; give a recipe YAML or a training run's folder"),
+    (None, [], "bad-yaml", "--attention-from"),
+    (None, ["recall=0.999"], "recipe", "--sparse: escalate_recall must be a number above recall (0.999)"),
+    ("mtraining", ["escalate_recall=0.995"], None, "--sparse: escalate_recall needs max_output_error"),
+    ("mtraining", ["max_output_error=0"], None, "--sparse: max_output_error must be a finite number > 0"),
+])
+def test_bad_attention_source_names_the_problem(tmp_path, kind, items, source, message):
+    paths = {"recipe": os.path.join(REPO, "recipes", "smollm2-32k-mtraining.yaml"), "empty-dir": str(tmp_path),
+             "missing": str(tmp_path / "nope.yaml"), "bad-yaml": str(tmp_path / "bad.yaml"), None: None}
+    (tmp_path / "bad.yaml").write_text("attention:\n  recal: 0.9\n")
+    with pytest.raises(MtrainError) as err:
+        attention_options(kind, items, {}, from_path=paths[source])
+    assert message in str(err.value)
+
+
+def test_sparse_evaluation_runs_the_quality_check_and_escalates(tmp_path):
+    """The settings reach the evaluation's attention: with the check at a limit every layer exceeds (1e-9), each
+    layer of a one-chunk prefill escalates to the given recall, as in training; with no limit none does."""
+    from mtrain.eval.backends.hf import HFBackend
+    from mtrain.models.context import CONTEXT
+
+    ids = list(range(1, 511))
+    settings = {"sparse_policy": "always", "block_size": 64, "last_q": 32, "recall": 0.9}
+    saved = CONTEXT.escalate_recall, CONTEXT.layer_recall, CONTEXT.max_output_error
+    try:
+        plain = HFBackend(tiny_checkpoint(), attn_implementation="mtrain-mtraining", prefill_chunk=1024,
+                          sparse=settings, dtype="float32")
+        plain.loglikelihood(ids)
+        assert CONTEXT.layer_recall == {}
+        checked = HFBackend(tiny_checkpoint(), attn_implementation="mtrain-mtraining", prefill_chunk=1024,
+                            sparse={**settings, "max_output_error": 1e-9, "escalate_recall": 0.99}, dtype="float32")
+        checked.loglikelihood(ids)
+        layers = checked.model.config.num_hidden_layers
+        assert CONTEXT.layer_recall == {layer: 0.99 for layer in range(layers)}
+    finally:
+        CONTEXT.escalate_recall, CONTEXT.layer_recall, CONTEXT.max_output_error = saved
 
 
 @pytest.mark.parametrize("lengths", [1, 2, 4])

@@ -42,10 +42,14 @@ def register(subparsers) -> None:
     parser.add_argument("--attention", metavar="KIND",
                         help="attention the hf backend runs: mtrain's dense, mtraining, zigzag-dense, zigzag-sparse, or "
                         "transformers' sdpa, eager (default: the suite's backend.attn_implementation, else sdpa)")
+    parser.add_argument("--attention-from", metavar="RECIPE_OR_RUN",
+                        help="the attention a recipe YAML or a training run's folder (its config.yaml) names: the kind "
+                        "and every sparse setting, the quality check and recall escalation included, so a trained "
+                        "model is evaluated with the attention it trained with; --sparse items refine it")
     parser.add_argument("--sparse", dest="sparse", action="append", default=[], metavar="KEY=VALUE",
-                        help="setting of a sparse --attention (mtrain.parallel.SparseSettings fields, sparse_policy, or "
-                        "engine: auto, triton, flex, fa4), e.g. --sparse recall=0.95 --sparse block_size=64 "
-                        "(repeatable; VALUE is YAML)")
+                        help="setting of a sparse --attention (mtrain.parallel.SparseSettings fields, sparse_policy, "
+                        "engine: auto, triton, flex, fa4, max_output_error, escalate_recall), e.g. --sparse "
+                        "recall=0.95 --sparse block_size=64 (repeatable; VALUE is YAML)")
     parser.add_argument("--tasks", help="comma-separated task names or patterns, e.g. niah,ruler/*,pg19")
     parser.add_argument("--lengths", type=_int_list,
                         help="comma-separated lengths replacing the suite's, e.g. 4096,8192")
@@ -82,11 +86,11 @@ def run(args: argparse.Namespace) -> int:
         backend = args.backend or suite.backend.get("name", "hf")
         options = {"max_length": args.max_length} if args.max_length else {}
         options.update(_backend_overrides(args.overrides))
-        attention = attention_options(args.attention, args.sparse, suite.backend)
+        attention = attention_options(args.attention, args.sparse, suite.backend, from_path=args.attention_from)
         if attention:
             if backend == "vllm":
-                raise MtrainError("--attention/--sparse choose the hf backend's attention; vLLM runs its own: "
-                                  "use --backend hf")
+                raise MtrainError("--attention/--attention-from/--sparse choose the hf backend's attention; vLLM "
+                                  "runs its own: use --backend hf")
             backend = "hf"  # auto too: only the hf backend runs mtrain's attention
             options.update(attention)
         results = run_suite(suite, args.model, args.out, backend=backend, backend_options=options,
@@ -116,19 +120,27 @@ def _backend_overrides(items: list[str]) -> dict:
 TRANSFORMERS_ATTENTION = ("sdpa", "eager")
 
 
-def attention_options(kind: str | None, sparse_items: list[str], suite_backend: dict) -> dict:
-    """hf backend options from `--attention KIND` and `--sparse KEY=VALUE` items, validated (one line naming the
-    bad kind or key). Without --attention, --sparse applies to the suite's `attn_implementation`."""
+def attention_options(kind: str | None, sparse_items: list[str], suite_backend: dict,
+                      from_path: str | None = None) -> dict:
+    """hf backend options from `--attention KIND`, `--attention-from RECIPE_OR_RUN` and `--sparse KEY=VALUE` items,
+    validated (one line naming the bad kind or key). Without either, --sparse applies to the suite's
+    `attn_implementation` and refines its sparse settings; with one, it refines that one's."""
     from mtrain.config import parse_override_value
-    from mtrain.models.attention import ENGINES
+    from mtrain.models.attention import ENGINES, check_escalate_recall, check_max_output_error
     from mtrain.models.policy import SPARSE_POLICIES
     from mtrain.models.registry import KINDS
     from mtrain.parallel import SparseSettings
 
-    if kind is None and not sparse_items:
+    if kind is None and from_path is None and not sparse_items:
         return {}
+    if kind is not None and from_path is not None:
+        raise MtrainError("--attention and --attention-from both choose the attention: give one")
     options: dict = {}
-    if kind is not None:
+    settings: dict = {}
+    if from_path is not None:
+        kind, settings = _recipe_attention(from_path)
+        options["attn_implementation"] = f"mtrain-{kind}"
+    elif kind is not None:
         name = kind[len("mtrain-"):] if kind.startswith("mtrain-") else kind
         if name in KINDS:
             options["attn_implementation"] = f"mtrain-{name}"
@@ -137,14 +149,16 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
         else:
             raise MtrainError(f"--attention {kind!r}: unknown attention kind; choose one of "
                               f"{', '.join([*KINDS, *TRANSFORMERS_ATTENTION])}")
+    else:
+        settings = dict(suite_backend.get("sparse") or {})
     implementation = options.get("attn_implementation") or suite_backend.get("attn_implementation", "sdpa")
+    sparse_kind = implementation[len("mtrain-"):] if implementation.startswith("mtrain-") else None
+    sparse = sparse_kind in KINDS and KINDS[sparse_kind][0]
     if sparse_items:
-        sparse_kind = implementation[len("mtrain-"):] if implementation.startswith("mtrain-") else None
-        if sparse_kind not in KINDS or not KINDS[sparse_kind][0]:
+        if not sparse:
             raise MtrainError(f"--sparse needs a sparse attention kind (--attention mtraining or zigzag-sparse), "
                               f"not {implementation!r}")
-        valid = [*SparseSettings.__dataclass_fields__, "sparse_policy", "engine"]
-        settings = dict(suite_backend.get("sparse") or {}) if kind is None else {}
+        valid = [*SparseSettings.__dataclass_fields__, *POLICY_KEYS]
         for item in sparse_items:
             key, sep, text = item.partition("=")
             if not sep or not key:
@@ -152,17 +166,52 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
             if key not in valid:
                 raise MtrainError(f"--sparse {item!r}: unknown key {key!r}; valid keys: {', '.join(valid)}")
             settings[key] = parse_override_value(text)
+    if sparse and settings:
         if settings.get("sparse_policy", "always") not in SPARSE_POLICIES:
             raise MtrainError(f"--sparse sparse_policy={settings['sparse_policy']!r}: choose one of "
                               f"{', '.join(SPARSE_POLICIES)}")
         if settings.get("engine", "auto") not in ENGINES:
             raise MtrainError(f"--sparse engine={settings['engine']!r}: choose one of {', '.join(ENGINES)}")
         try:  # values checked here, before any model is loaded
-            SparseSettings(**{k: v for k, v in settings.items() if k not in ("sparse_policy", "engine")})
+            fields = {k: v for k, v in settings.items() if k in SparseSettings.__dataclass_fields__}
+            SparseSettings(**fields)
+            check_max_output_error(settings.get("max_output_error"))
+            check_escalate_recall(settings.get("escalate_recall"), fields.get("recall", SparseSettings.recall),
+                                  settings.get("max_output_error"))
         except (TypeError, ValueError, MtrainError) as err:
             raise MtrainError(f"--sparse: {' '.join(str(err).split())}") from None
+    if settings:
         options["sparse"] = settings
     return options
+
+
+# --sparse keys besides the SparseSettings fields: how the kind runs per layer (what register_kind takes)
+POLICY_KEYS = ("sparse_policy", "engine", "max_output_error", "escalate_recall")
+
+
+def _recipe_attention(path: str) -> tuple[str, dict]:
+    """The attention kind and sparse settings of a recipe YAML, or of a run folder's config.yaml (what `mtrain train`
+    saved): the settings `mtrain.models.registry.recipe_attention` gives, less those that only training reads (the
+    dense hold, cap widening) and those left unset."""
+    from mtrain.config import parse_recipe
+    from mtrain.errors import ConfigError
+    from mtrain.models import attention
+    from mtrain.models.registry import recipe_attention
+
+    recipe_path = os.path.join(path, "config.yaml") if os.path.isdir(path) else path
+    if not os.path.isfile(recipe_path):
+        where = "holds no config.yaml (the settings `mtrain train` saves in its output_dir)" if os.path.isdir(path) \
+            else "does not exist"
+        raise MtrainError(f"--attention-from {path}: {where}; give a recipe YAML or a training run's folder")
+    try:
+        recipe = parse_recipe(recipe_path)
+    except ConfigError as err:
+        raise MtrainError(f"--attention-from {path}: {' '.join(str(err).split())}") from None
+    kind, options = recipe_attention(recipe.attention)
+    if kind in attention.KINDS and not attention.KINDS[kind][0]:  # a dense kind reads none of them
+        return kind, {}
+    training_only = ("dense_hold", "widen_caps", "widen_max_list_mib")
+    return kind, {k: v for k, v in options.items() if k not in training_only and v is not None}
 
 
 def summary(results: dict) -> str:

@@ -24,11 +24,18 @@ _PLUGIN_OF = {kind: plugin for plugin in PLUGINS for kind in plugin.KINDS}
 
 def register_attention(recipe) -> str:
     """Register the recipe's attention kind with transformers; return the `attn_implementation` name."""
+    kind, options = recipe_attention(recipe.attention)
+    return register_kind(kind, **options)
+
+
+def recipe_attention(a) -> tuple[str, dict]:
+    """A recipe's `attention:` section (`mtrain.config.AttentionConfig`) as `register_kind`'s arguments: the kind and
+    its keywords (sparse_policy, dense_hold, engine and the settings the kind reads). `mtrain eval --attention-from`
+    evaluates with these, so a model is judged with the attention it trained with."""
     from mtrain.parallel import SparseSettings
 
     # Every recipe key under `attention:` that is also a SparseSettings field reaches the estimator.
     shared = {f.name for f in dataclasses.fields(SparseSettings)}
-    a = recipe.attention
     if a.kind in baselines.BASELINE_KINDS:  # they take the recipe's baseline keys and ignore the rest
         shared = {f.name for f in dataclasses.fields(a)} - {"kind", "sparse_policy", "dense_hold_steps", "engine",
                                                              "max_output_error", "widen_caps",
@@ -39,8 +46,7 @@ def register_attention(recipe) -> str:
         settings["widen_caps"] = a.widen_caps
         settings["widen_max_list_mib"] = a.widen_max_list_mib
         settings["escalate_recall"] = a.escalate_recall
-    return register_kind(a.kind, sparse_policy=a.sparse_policy, dense_hold=a.dense_hold_steps, engine=a.engine,
-                         **settings)
+    return a.kind, {"sparse_policy": a.sparse_policy, "dense_hold": a.dense_hold_steps, "engine": a.engine, **settings}
 
 
 def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
