@@ -33,7 +33,8 @@
 # Environment: MODEL_DIR (/root/smollm2), WHEELS (.whl-study), STEPS (200 training steps per run), SEQ (32768),
 # EVALS (mtraining dense base mtraining-sparse dense-sparse: the evaluations, side by side; NAME-sparse is model NAME
 # evaluated with MTraining's attention on every layer, with the mtraining run's settings (`mtrain eval
-# --attention-from`); the study's table, study.md, pairs each with dense's), KINDS (mtraining dense: the runs trained),
+# --attention-from`; SPARSE_EVAL_ARGS adds `--sparse KEY=VALUE` items to those); the study's table, study.md, pairs
+# each with dense's), KINDS (mtraining dense: the runs trained),
 # OUT (results), STAGES (default "data train eval compare": any subset, in that order), TRAIN_ARGS / EVAL_ARGS (extra `mtrain
 # train` / `mtrain eval` arguments, e.g. EVAL_ARGS="--lengths 4096,8192" for a shorter pass). A CPU smoke run of
 # the whole chain: MODEL_DIR=models/smollm2-135m SEQ=2048 STEPS=2 TRAIN_ARGS="--set model.dtype=float32
@@ -122,7 +123,7 @@ PY
         # NAME-sparse: the model evaluated with MTraining's attention as the mtraining run trained with it (its
         # config.yaml: block size, recall, the quality check and recall escalation), every layer sparse
         attn=()
-        [ "$name" = "$model" ] || attn=(--attention-from runs/smollm2-32k-mtraining --sparse sparse_policy=always)
+        [ "$name" = "$model" ] || attn=(--attention-from runs/smollm2-32k-mtraining --sparse sparse_policy=always ${SPARSE_EVAL_ARGS:-})
         out=runs/smollm2-32k-eval/$name
         ( $MTRAIN eval eval/smollm2-32k.yaml --model "$path" --out "$out" --no-progress "${attn[@]}" ${EVAL_ARGS:-} \
             > "$RESULTS/eval-$name.log" 2>&1 && keep "$out/results.json" "eval-$name" && mark "evaluated $name" ) &
