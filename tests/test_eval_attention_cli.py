@@ -102,14 +102,18 @@ def test_attention_from_a_recipe_or_a_run_folder_carries_the_training_settings(t
     (None, [], "empty-dir", "holds no config.yaml"),
     (None, [], "missing", "does not exist; give a recipe YAML or a training run's folder"),
     (None, [], "bad-yaml", "--attention-from"),
+    (None, [], "no-check", "bad.yaml: escalate_recall needs max_output_error"),
     (None, ["recall=0.999"], "recipe", "--sparse: escalate_recall must be a number above recall (0.999)"),
     ("mtraining", ["escalate_recall=0.995"], None, "--sparse: escalate_recall needs max_output_error"),
     ("mtraining", ["max_output_error=0"], None, "--sparse: max_output_error must be a finite number > 0"),
 ])
 def test_bad_attention_source_names_the_problem(tmp_path, kind, items, source, message):
     paths = {"recipe": os.path.join(REPO, "recipes", "smollm2-32k-mtraining.yaml"), "empty-dir": str(tmp_path),
-             "missing": str(tmp_path / "nope.yaml"), "bad-yaml": str(tmp_path / "bad.yaml"), None: None}
-    (tmp_path / "bad.yaml").write_text("attention:\n  recal: 0.9\n")
+             "missing": str(tmp_path / "nope.yaml"), "bad-yaml": str(tmp_path / "bad.yaml"),
+             "no-check": str(tmp_path / "bad.yaml"), None: None}
+    # keys only a cross-field check catches reach the same validation as --sparse items
+    text = "  kind: mtraining\n  escalate_recall: 0.995\n" if source == "no-check" else "  recal: 0.9\n"
+    (tmp_path / "bad.yaml").write_text("attention:\n" + text)
     with pytest.raises(MtrainError) as err:
         attention_options(kind, items, {}, from_path=paths[source])
     assert message in str(err.value)

@@ -167,11 +167,13 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
                 raise MtrainError(f"--sparse {item!r}: unknown key {key!r}; valid keys: {', '.join(valid)}")
             settings[key] = parse_override_value(text)
     if sparse and settings:
+        # where the settings came from, for the message: --sparse items, else the recipe, else the suite
+        source = "--sparse" if sparse_items else f"--attention-from {from_path}" if from_path else "backend.sparse"
         if settings.get("sparse_policy", "always") not in SPARSE_POLICIES:
-            raise MtrainError(f"--sparse sparse_policy={settings['sparse_policy']!r}: choose one of "
+            raise MtrainError(f"{source} sparse_policy={settings['sparse_policy']!r}: choose one of "
                               f"{', '.join(SPARSE_POLICIES)}")
         if settings.get("engine", "auto") not in ENGINES:
-            raise MtrainError(f"--sparse engine={settings['engine']!r}: choose one of {', '.join(ENGINES)}")
+            raise MtrainError(f"{source} engine={settings['engine']!r}: choose one of {', '.join(ENGINES)}")
         try:  # values checked here, before any model is loaded
             fields = {k: v for k, v in settings.items() if k in SparseSettings.__dataclass_fields__}
             SparseSettings(**fields)
@@ -179,7 +181,7 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
             check_escalate_recall(settings.get("escalate_recall"), fields.get("recall", SparseSettings.recall),
                                   settings.get("max_output_error"))
         except (TypeError, ValueError, MtrainError) as err:
-            raise MtrainError(f"--sparse: {' '.join(str(err).split())}") from None
+            raise MtrainError(f"{source}: {' '.join(str(err).split())}") from None
     if settings:
         options["sparse"] = settings
     return options
