@@ -151,3 +151,23 @@ def test_scripts_holds_launch_helpers_only():
         pytest.skip("not a git checkout")
     extra = [p for p in tracked if not (p.endswith(".sh") or p == "scripts/e2e4_table.py")]
     assert not extra, extra
+
+
+def test_line_differences_count_the_lines_each_side_alone_chose():
+    """`mtrain bench ring --model` reports where the ring's lines differ from one device's: per head, the verticals
+    and slashes only one side chose (sets: order and padding do not count)."""
+    import torch
+
+    from mtrain.bench.ring import line_differences
+
+    one_v = torch.tensor([[[5, 9, 40, -1], [0, 3, -1, -1]]])
+    one_s = torch.tensor([[[0, 64, -1], [0, 128, 256]]])
+    same = line_differences((one_v, one_s), (one_v.flip(-1), one_s.flip(-1), None))
+    assert same == {"verticals_only_one_device": 0, "verticals_only_ring": 0, "slashes_only_one_device": 0,
+                    "slashes_only_ring": 0, "heads_differing": 0}
+    # head 0: vertical 40 swapped for 41 (a near-tie at the cutoff); head 1: one more slash on the ring's side
+    ring_v = torch.tensor([[[41, 9, 5, -1, -1], [3, 0, -1, -1, -1]]])
+    ring_s = torch.tensor([[[64, 0, -1, -1], [0, 128, 256, 320]]])
+    assert line_differences((one_v, one_s), (ring_v, ring_s)) == {
+        "verticals_only_one_device": 1, "verticals_only_ring": 1, "slashes_only_one_device": 0,
+        "slashes_only_ring": 1, "heads_differing": 2}

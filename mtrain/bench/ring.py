@@ -150,6 +150,27 @@ def _estimate_one_device(q, k, settings: SparseSettings):
     return estimate_vertical_slash(q, k, **dataclasses.asdict(settings))
 
 
+def line_differences(one_lines, ring_lines) -> dict:
+    """How the ring's lines differ from one device's: (vertical [B, H, nv], slash [B, H, ns], ...) as the estimates
+    cache them (`index._cache["lines"]`: key positions and token diagonals, -1 padded, any order), compared as sets
+    per (batch, head). Counts of the verticals and slashes only one side chose, and the heads where any differ: a
+    near-tie at the recall cutoff swaps one or two lines in a head, a fault in the estimate many."""
+    counts = dict.fromkeys(("verticals_only_one_device", "verticals_only_ring", "slashes_only_one_device",
+                            "slashes_only_ring", "heads_differing"), 0)
+    (v1, s1), (v2, s2) = one_lines[:2], ring_lines[:2]
+    for b in range(v1.shape[0]):
+        for h in range(v1.shape[1]):
+            differ = False
+            for kind, mine, theirs in (("verticals", v1[b, h], v2[b, h]), ("slashes", s1[b, h], s2[b, h])):
+                x, y = mine[mine >= 0], theirs[theirs >= 0]
+                only_one, only_ring = int((~torch.isin(x, y)).sum()), int((~torch.isin(y, x)).sum())
+                counts[f"{kind}_only_one_device"] += only_one
+                counts[f"{kind}_only_ring"] += only_ring
+                differ = differ or bool(only_one or only_ring)
+            counts["heads_differing"] += differ
+    return counts
+
+
 def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse):
     q, k, v, dout = inputs(seq_len, hq, hkv, args.dim, device)
     settings = _settings(args)
@@ -472,6 +493,7 @@ def bench_model(rank, world, args, device, report) -> None:
                     and torch.equal(one.col_counts[:, :, mine.rows], mine.col_counts))
         same_all = torch.tensor(float(same), device=device)
         dist.all_reduce(same_all, op=dist.ReduceOp.MIN)
+        differences = line_differences(one._cache["lines"], mine._cache["lines"])  # the lines: global, as every rank's
         with torch.no_grad():
             recall = gathered_true_recall(shard[0], shard[1], pos, mine._cache["lines"], seq, args.block_size, None,
                                           softmax_scale=scale, n_rows=args.recall_rows)
@@ -493,7 +515,7 @@ def bench_model(rank, world, args, device, report) -> None:
                                                             softmax_scale=scale), shard, dout)
             dense_ms = timed(drun, max(1, args.iters // 2), 1)
         row = {"layer": n, "ring_sparse_estimated_ms": ms, "gather_sparse_estimated_ms": gather_ms,
-               "same_lines_as_one_device": bool(same_all.item()),
+               "same_lines_as_one_device": bool(same_all.item()), "line_differences": differences,
                "true_recall_mean": float(recall.mean()), "true_recall_min": float(recall.min()),
                "density": mine.density(), "est_recall": float(mine._cache["est_recall"].mean()),
                "index_bytes": list_bytes(mine), "index_bytes_used_widths": used_list_bytes(mine),
@@ -509,6 +531,8 @@ def bench_model(rank, world, args, device, report) -> None:
                "sparse_ring_model_ms": total, "sparse_gather_model_ms": gather_total, "dense_ring_layer_ms": dense_ms,
                "dense_ring_model_ms": None if dense_ms is None else dense_ms * len(per_layer),
                "same_lines_all_layers": all(r["same_lines_as_one_device"] for r in per_layer),
+               "layers_with_other_lines": {r["layer"]: r["line_differences"] for r in per_layer
+                                           if r["line_differences"]["heads_differing"]},
                "true_recall_mean": statistics.mean(r["true_recall_mean"] for r in per_layer),
                "true_recall_worst_layer": min(r["true_recall_mean"] for r in per_layer),
                "density_mean": statistics.mean(r["density"] for r in per_layer),
@@ -529,6 +553,10 @@ def bench_model(rank, world, args, device, report) -> None:
               f"density {summary['density_mean']:.4f}; index {summary['index_mib_per_layer_max']:.1f} MiB per layer "
               f"at most ({summary['index_mib_used_widths_max']:.1f} MiB as wide as the lists used; column lists as "
               f"wide as the {settings.max_vertical} cap: {summary['index_mib_cap_wide_cols']:.0f} MiB)", flush=True)
+        for layer, diff in summary["layers_with_other_lines"].items():  # where, and how many lines, the ring differs
+            print(f"  layer {layer}: lines differ from one device's in {diff['heads_differing']} heads: verticals "
+                  f"{diff['verticals_only_one_device']} only one device's, {diff['verticals_only_ring']} only the "
+                  f"ring's; slashes {diff['slashes_only_one_device']} / {diff['slashes_only_ring']}", flush=True)
 
 
 def _cap_wide_column_bytes(index, settings) -> int:
