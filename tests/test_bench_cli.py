@@ -171,3 +171,26 @@ def test_line_differences_count_the_lines_each_side_alone_chose():
     assert line_differences((one_v, one_s), (ring_v, ring_s)) == {
         "verticals_only_one_device": 1, "verticals_only_ring": 1, "slashes_only_one_device": 0,
         "slashes_only_ring": 1, "heads_differing": 2}
+
+
+@pytest.mark.slow  # two gloo ranks, the Triton interpreter, SmolLM2's first two layers at 1024 tokens (~1 min)
+def test_ring_on_real_attention_lists_one_devices_lines():
+    """`mtrain bench ring --model` on SmolLM2's captured q/k/v, CP=2 block-stripe: the ring's online estimate gives one
+    device's lines on every layer (no line only one side chose), with the true recall near the target."""
+    from real_model import require_real_model
+
+    model = require_real_model()
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "mtrain.bench.ring", "--cpu", "--model", str(model), "--tokens-per-gpu", "512",
+                          "--block-size", "64", "--layers", "2", "--iters", "1", "--warmup", "0", "--skip-dense",
+                          "--schedules", "ring", "--recall-rows", "16"],
+                         cwd=REPO, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"layer"')]
+    assert [r["layer"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["same_lines_as_one_device"], r
+        assert set(r["line_differences"].values()) == {0}, r
+        assert r["true_recall_mean"] > 0.95, r
+    assert "lines equal one device's on every layer and rank: True" in run.stdout
