@@ -28,7 +28,8 @@
 # up to five evaluations side by side. Measured on one H100 (2026-11-28, 10 NIAH prompts, STEPS=120): convert 58 s, pack
 # 20 s, training 220 s (mtraining) and 210 s (dense), the evaluations ~5-7 min each with others beside them; plan on
 # four calls after `stage`. On one H200 (2026-11-28, 20 NIAH prompts, STEPS=120, EVALS of four): convert 49 s, pack
-# 17 s, training 160 s (mtraining) and 200 s (dense), the four evaluations side by side ~7 min: two calls after `stage`.
+# 17 s, training ~175 s (mtraining) and ~200 s (dense), the four evaluations side by side ~7 min: two calls after
+# `stage`.
 #
 # Environment: MODEL_DIR (/root/smollm2), WHEELS (.whl-study), STEPS (200 training steps per run), SEQ (32768),
 # EVALS (mtraining dense base mtraining-sparse dense-sparse: the evaluations, side by side; NAME-sparse is model NAME
