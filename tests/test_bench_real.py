@@ -38,6 +38,9 @@ def test_bench_real_reports_what_the_gpu_table_needs(tmp_path):
     # the index's lists as held, and as wide as the lists used: never more, and both reported per layer
     assert 0 < layer["extra"]["index_bytes_used_widths"] <= layer["extra"]["index_bytes"]
     assert summary["index_mib_per_layer_max"] == layer["extra"]["index_bytes"] / 2**20
+    # and with list-free columns (the estimator keeps the lines): positive, reported in the summary
+    assert layer["extra"]["index_bytes_list_free"] > 0
+    assert summary["index_mib_list_free_max"] == layer["extra"]["index_bytes_list_free"] / 2**20
     # how much of the vertical cap the estimate used: a row never lists more columns than its head has verticals,
     # nor than its list is wide
     extra = layer["extra"]

@@ -11,7 +11,7 @@ import torch
 
 KERNEL_TEST_FILES = [
     "test_ops_partial.py", "test_ops_sparse_attention.py", "test_ops_docmask.py", "test_ops_subtile.py",
-    "test_ops_estimate_kernel.py", "test_ops_merge_kernel.py",
+    "test_ops_estimate_kernel.py", "test_ops_merge_kernel.py", "test_ops_columns.py",
 ]
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(

@@ -197,6 +197,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
 
     from mtrain.models.attention import mtrain_attention
     from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
+    from mtrain.ops.columns import list_free_bytes
     from mtrain.ops.index import list_bytes, used_list_bytes
 
     sparse_kw = dict(_settings_kwargs(settings), softmax_scale=scale)
@@ -301,6 +302,8 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
                "verticals_max": verticals, "output_error": output_err, "column_list_width": int(index.col_ids.shape[-1]),
                # the layer's lists as held, and as wide as the longest list this pattern uses
                "index_bytes": list_bytes(index), "index_bytes_used_widths": used_list_bytes(index),
+               # the same index with list-free columns (mtrain.ops.columns): blocks, verticals, flags, backward plan
+               "index_bytes_list_free": list_free_bytes(index),
                "columns_per_row_max": int(counts.max()), "columns_per_row_mean": float(counts.mean())},
     )
 
@@ -547,6 +550,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "columns_per_row_max": max(r.extra["columns_per_row_max"] for r in results),
         "index_mib_per_layer_max": max(r.extra["index_bytes"] for r in results) / 2**20,
         "index_mib_used_widths_max": max(r.extra["index_bytes_used_widths"] for r in results) / 2**20,
+        "index_mib_list_free_max": max((r.extra.get("index_bytes_list_free") or 0) for r in results) / 2**20,
     }
     log(f"whole model ({len(results)} layers): dense {dense_total:.1f} ms, mtrain {mtrain_total:.1f} ms "
         f"({summary['speedup']:.2f}x), steady state over {hold + 1} steps {steady_total:.1f} ms "
@@ -567,7 +571,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"verticals per head at most {summary['verticals_max']}, columns per query block at most "
         f"{summary['columns_per_row_max']} (lists {summary['column_list_width']} wide); index lists per layer at most "
         f"{summary['index_mib_per_layer_max']:.1f} MiB ({summary['index_mib_used_widths_max']:.1f} MiB as wide as "
-        f"the lists used)")
+        f"the lists used; {summary['index_mib_list_free_max']:.1f} MiB with list-free columns)")
     for name, row in summary["perplexity"].items():
         log(f"perplexity, {row['label']}: {row['ppl']:.3f} ({100 * row['rise']:+.2f}% over dense); "
             f"{len(row['sparse_layers'])} of {len(training_paths)} layers sparse {_ranges(row['sparse_layers'])}")

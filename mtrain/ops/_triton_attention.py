@@ -9,6 +9,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mtrain.ops._triton_estimate import dot_precision
+from mtrain.ops.columns import VerticalColumns
 from mtrain.ops.index import BOUNDED, COLUMN_BASE, ColumnPlan, column_plan, compact, transpose_blocks_csr
 from mtrain.ops.lists import doc_ranges, left_pack
 
@@ -108,15 +109,27 @@ def _kv_tile(k_base, v_base, KP, KD, ids, valid, row_ok, qp, qd, sks, svs, kd_ba
 
 
 @triton.jit
+def _uncovered(cov_base, cid, c_ok, i, NQB, BS: tl.constexpr):
+    """The list-free columns (`mtrain.ops.columns.VerticalColumns`): of the verticals before query block i, those
+    its listed blocks do not cover: not in the sink block 0, and their block offset i - v // BS not one of the head's
+    (flag row 1 for the last query block)."""
+    vb = cid // BS
+    real = c_ok & (vb > 0)
+    row = tl.where(i == NQB - 1, NQB, 0)
+    hit = tl.load(cov_base + row + tl.where(real, i - vb, 0), mask=real, other=1)
+    return real & (hit == 0)
+
+
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, QP, KP, BI, BC, CI, CC, QD, KD,
+    Q, K, V, O, LSE, QP, KP, BI, BC, CI, CC, QD, KD, COV,
     scale_log2,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
-    sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb,
-    Sq, Sk, H, GROUP,
+    sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb, scvb, scvh,
+    Sq, Sk, H, GROUP, NQB,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
     D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
-    MERGE: tl.constexpr = False,
+    MERGE: tl.constexpr = False, VCOLS: tl.constexpr = False,
 ):
     """Out and LSE of one query sub-tile (QT rows of query block i) over its block's key list (each key
     block as NKS sub-tiles) and columns; with MERGE, merged by LSE into the result O and LSE already hold (the
@@ -150,6 +163,8 @@ def _fwd_kernel(
             slot = c0 + offs_k
             c_ok = slot < n_cols
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
+            if VCOLS:
+                c_ok = _uncovered(COV + b * scvb + h * scvh, cid, c_ok, i, NQB, BS)
             k, v, ok = _kv_tile(k_base, v_base, KP, KD, cid, c_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
                                 D, CAUSAL, HAS_DOC)
             m_i, l_i, acc = _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC)
@@ -185,14 +200,14 @@ def _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC: tl.constexpr):
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, O, LSE, DELTA, DQ, DQI, QP, KP, BI, BC, CI, CC, QD, KD,
+    Q, K, V, DO, O, LSE, DELTA, DQ, DQI, QP, KP, BI, BC, CI, CC, QD, KD, COV,
     scale_log2, scale,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sob, sos, soh, sgb, sgs, sgh,
-    sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb,
-    Sq, Sk, H, GROUP,
+    sbib, sbih, sbii, sbcb, sbch, scib, scih, scii, sccb, scch, sqdb, skdb, scvb, scvh,
+    Sq, Sk, H, GROUP, NQB,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
     D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
-    HAS_INIT: tl.constexpr,
+    HAS_INIT: tl.constexpr, VCOLS: tl.constexpr = False,
 ):
     """dQ of one query sub-tile (the deterministic backward's dQ pass); with HAS_INIT plus DQI's rows (laid out as
     DQ), stored in DQ's dtype. It also computes the rows' delta = rowsum(dO * O) and stores it in DELTA (laid out
@@ -231,6 +246,8 @@ def _dq_kernel(
             slot = c0 + offs_k
             c_ok = slot < n_cols
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
+            if VCOLS:
+                c_ok = _uncovered(COV + b * scvb + h * scvh, cid, c_ok, i, NQB, BS)
             k, v, ok = _kv_tile(k_base, v_base, KP, KD, cid, c_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
                                 D, CAUSAL, HAS_DOC)
             dq = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
@@ -352,17 +369,20 @@ def _dkdv_kernel(
 
 @triton.jit
 def _col_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DKC, DVC, DQ, EXK, EXV, QP, KP, U, TQ, TB, IT, IS, IE, ISL, QD, KD,
+    Q, K, V, DO, LSE, DELTA, DKC, DVC, DQ, EXK, EXV, QP, KP, U, TQ, TB, IT, IS, IE, ISL, QD, KD, COV,
     scale_log2, scale,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, slb, slh, sqgb, sqgs, sqgh,
-    sub, suh, stqb, stqh, stqc, scb, sch, scu, sqdb, skdb,
-    Sq, H, GROUP, u_cap, n_chunks,
+    sub, suh, stqb, stqh, stqc, scb, sch, scu, sqdb, skdb, scvb, scvh,
+    Sq, H, GROUP, u_cap, n_chunks, NQB,
     BS: tl.constexpr, QT: tl.constexpr, NQS: tl.constexpr, CH: tl.constexpr, D: tl.constexpr,
     CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    VCOLS: tl.constexpr = False,
 ):
     """dK, dV of one work item: a chunk of a query head's vertical columns against a slice of the query
     blocks that use them, each as NQS query sub-tiles (first item writes, the rest go to extra slots, as
-    in `_dkdv_kernel`; padding items, target -1, exit)."""
+    in `_dkdv_kernel`; padding items, target -1, exit). With VCOLS (list-free columns) TQ holds each chunk's first
+    query block, the chunk's query blocks are the ones from it on, and each block's columns of the chunk come from
+    the coverage flags (`_uncovered`) instead of a bit mask."""
     item = tl.program_id(0)
     t = tl.load(IT + item)
     if t < 0:
@@ -392,9 +412,13 @@ def _col_dkdv_kernel(
     dv = tl.zeros([CH, D], tl.float32)
     for m in range(start * NQS, end * NQS):
         n = m // NQS
-        i = tl.load(TQ + b * stqb + h * stqh + c * stqc + n)
-        bits = tl.load(TB + b * stqb + h * stqh + c * stqc + n)
-        active = ((bits >> offs_c.to(tl.int64)) & 1) != 0
+        if VCOLS:
+            i = tl.load(TQ + b * stqb + h * stqh + c * stqc) + n
+            active = _uncovered(COV + b * scvb + h * scvh, cid, c_ok & (cid // BS < i), i, NQB, BS)
+        else:
+            i = tl.load(TQ + b * stqb + h * stqh + c * stqc + n)
+            bits = tl.load(TB + b * stqb + h * stqh + c * stqc + n)
+            active = ((bits >> offs_c.to(tl.int64)) & 1) != 0
         rin = (m % NQS) * QT + offs_q
         rows = i * BS + rin
         row_ok = (rin < BS) & (rows < Sq)
@@ -770,9 +794,14 @@ def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, 
     else:
         bi, bc = _int32(blocks[0], q.device), _int32(blocks[1], q.device)
         tr = None
+    vcols = columns if isinstance(columns, VerticalColumns) else None
     if columns is None:
         ci = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=q.device)
         cc = torch.zeros(1, 1, 1, dtype=torch.int32, device=q.device)
+    elif vcols is not None:  # the list-free form: a zero-stride view of the verticals, the kernels skip covered ones
+        if vcols.verts.device != q.device or plans.get(COLUMN_BASE):
+            raise ValueError("VerticalColumns must be on q's device and index the keys from 0 (one device's index)")
+        ci, cc = vcols
     else:
         ci, cc = _int32(columns[0], q.device), _int32(columns[1], q.device)
     qp = q_pos.to(device=q.device, dtype=torch.int64).contiguous()
@@ -784,11 +813,23 @@ def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, 
         kd = k_doc.to(device=q.device, dtype=torch.int64).contiguous()
         bounded = bool(plans.get(BOUNDED))
         plans = plans.setdefault("doc", {BOUNDED: True} if bounded else {})
-        if "lists" not in plans:
-            plans["lists"] = _doc_filter(bi, bc, ci, cc, columns is not None, qd, kd, block_size, trim=not bounded)
+        if "lists" not in plans:  # (list-free columns are not filtered: the kernels test the ids pair by pair)
+            plans["lists"] = _doc_filter(bi, bc, ci, cc, columns is not None and vcols is None, qd, kd, block_size,
+                                         trim=not bounded)
         bi, bc, ci, cc = plans["lists"]
         tr = None
     return bi, bc, tr, ci, cc, columns is not None, qp, kp, qd, kd, plans
+
+
+def _cov_args(columns, device) -> tuple:
+    """(covered flags, their batch and head strides, VCOLS) for the kernels: a `VerticalColumns`' flags, or a
+    placeholder that no kernel reads."""
+    if isinstance(columns, VerticalColumns):
+        cov = columns.covered
+        if not cov.is_contiguous():
+            raise ValueError("VerticalColumns.covered must be contiguous [B, H, 2, nQB]")
+        return cov, cov.stride(0), cov.stride(1), True
+    return torch.zeros(1, dtype=torch.uint8, device=device), 0, 0, False
 
 
 def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans=None, *, q_doc=None,
@@ -800,6 +841,7 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
     bi, bc, _, ci, cc, has_cols, qp, kp, qd, kd, plans = _prepare(
         q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, q_doc, k_doc)
     nqb = -(-Sq // block_size)
+    cov, scvb, scvh, vcols = _cov_args(columns, q.device)
     if merge_into is None:
         out = torch.empty_like(q)
         lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
@@ -809,16 +851,17 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
     sub = _subtiles(block_size, kern, D, _tile_cap(q))
     _launch(
         _fwd_kernel, (nqb * sub["NQS"], B * Hq),
-        q, k, v, out, lse, qp, kp, bi, bc, ci, cc, qd, kd,
+        q, k, v, out, lse, qp, kp, bi, bc, ci, cc, qd, kd, cov,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
         ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
-        Sq, Sk, Hq, Hq // Hkv,
+        scvb, scvh, Sq, Sk, Hq, Hq // Hkv, nqb,
         BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=_prec(q),
-        HAS_DOC=q_doc is not None, MERGE=merge_into is not None, **_opts(q, kern, max(sub["QT"], sub["KT"])),
+        HAS_DOC=q_doc is not None, MERGE=merge_into is not None, VCOLS=vcols,
+        **_opts(q, kern, max(sub["QT"], sub["KT"])),
     )
     return out, lse
 
@@ -859,19 +902,21 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1),
     )
+    cov, scvb, scvh, vcols = _cov_args(columns, q.device)
     if not fused:
         kern = "coldq" if plans.get(NO_BLOCKS) else "dq"
         sub = _subtiles(block_size, kern, D, _tile_cap(q))
         _launch(
             _dq_kernel, (nqb * sub["NQS"], B * Hq),
             q, k, v, dout, out, lse, delta, dq, dq if dq_init is None else dq_init, qp, kp, bi, bc, ci, cc, qd, kd,
-            scale * _LOG2E, scale, *common, out.stride(0), out.stride(1), out.stride(2),
+            cov, scale * _LOG2E, scale, *common, out.stride(0), out.stride(1), out.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
             bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
             ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
-            Sq, Sk, Hq, group,
+            scvb, scvh, Sq, Sk, Hq, group, nqb,
             BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
-            HAS_DOC=has_doc, HAS_INIT=dq_init is not None, **_opts(q, kern, max(sub["QT"], sub["KT"])),
+            HAS_DOC=has_doc, HAS_INIT=dq_init is not None, VCOLS=vcols,
+            **_opts(q, kern, max(sub["QT"], sub["KT"])),
         )
     if plans.get(NO_BLOCKS):  # a column-only call (the fa4 engine's columns): no block adds to dK/dV
         if grad_init is None:
@@ -888,8 +933,8 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         sub = _subtiles(block_size, "col", D, _tile_cap(q))
         base = plans.get(COLUMN_BASE, 0)  # the columns lie at keys base.. (the ring's gathered column slots)
         if ("c", chunk) not in plans:
-            plans[("c", chunk)] = column_plan(ci, cc, Sk, chunk, width=ci.shape[-1] if plans.get(BOUNDED) else None,
-                                              base=base)
+            plans[("c", chunk)] = columns.column_plan(chunk) if vcols else column_plan(
+                ci, cc, Sk, chunk, width=ci.shape[-1] if plans.get(BOUNDED) else None, base=base)
         plan = plans[("c", chunk)]
         universe = plan.universe
         u_cap = universe.shape[-1]
@@ -902,13 +947,13 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         _launch(
             _col_dkdv_kernel, (col_plan["grid"],),
             q, k, v, dout, lse, delta, dkc, dvc, dq, extra_k, extra_v, qp, kp, universe, plan.q_ids, plan.bits,
-            col_plan["target"], col_plan["start"], col_plan["end"], col_plan["slot"], qd, kd,
+            col_plan["target"], col_plan["start"], col_plan["end"], col_plan["slot"], qd, kd, cov,
             scale * _LOG2E, scale, *common, dq.stride(0), dq.stride(1), dq.stride(2),
             universe.stride(0), universe.stride(1), plan.q_ids.stride(0), plan.q_ids.stride(1),
             plan.q_ids.stride(2), dkc.stride(0), dkc.stride(1), dkc.stride(2), qd.stride(0), kd.stride(0),
-            Sq, Hq, group, u_cap, n_chunks,
+            scvb, scvh, Sq, Hq, group, u_cap, n_chunks, nqb,
             BS=block_size, QT=sub["QT"], NQS=sub["NQS"], CH=chunk, D=D, CAUSAL=causal, PREC=prec,
-            HAS_DOC=has_doc, DQ_ATOMIC=fused, **_opts(q, "col", max(sub["QT"], chunk)),
+            HAS_DOC=has_doc, DQ_ATOMIC=fused, VCOLS=vcols, **_opts(q, "col", max(sub["QT"], chunk)),
         )
         _reduce(dkc, dvc, extra_k, extra_v, col_plan, dkc.stride(2), chunk, chunk, D)
         column_add(dk[:, base:], dv[:, base:], dkc, dvc, universe_slots(plan, Sk, plans, base), group)

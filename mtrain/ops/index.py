@@ -240,9 +240,9 @@ def kernel_column_chunk(block_size: int) -> int:
     return min(max(16, 1 << (block_size - 1).bit_length()), 64)
 
 
-def _block_offsets(slash: torch.Tensor, seq_len: int, block_size: int, trim: bool = True):
+def block_offsets(slash: torch.Tensor, seq_len: int, block_size: int, trim: bool = True):
     """(O [B, H, K], O_last or None): the per-head sets of BLOCK offsets of the slashes, holding 0 (the diagonal),
-    ascending, _NONE padded; O_last is the set of a short last query block (None when the last block is full).
+    ascending, NO_OFFSET padded; O_last is the set of a short last query block (None when the last block is full).
 
     A slash d = a*bs + r crosses, in every full query block i, key blocks i - a and (r > 0) i - a - 1; in a
     short last block of `tail` rows, i - a only when r < tail. So each query block's list is {0 (sink)} +
@@ -254,12 +254,12 @@ def _block_offsets(slash: torch.Tensor, seq_len: int, block_size: int, trim: boo
     ok = (d >= 0) & (d < seq_len)
     a, r = d // block_size, d % block_size
     zero = torch.zeros(B, H, 1, dtype=torch.long, device=slash.device)
-    offs = _offset_set(torch.cat([zero, torch.where(ok, a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1),
-                       trim)
+    offs = _offset_set(
+        torch.cat([zero, torch.where(ok, a, NO_OFFSET), torch.where(ok & (r > 0), a + 1, NO_OFFSET)], -1), trim)
     if tail == block_size:
         return offs, None
     offs_last = _offset_set(torch.cat(
-        [zero, torch.where(ok & (r < tail), a, _NONE), torch.where(ok & (r > 0), a + 1, _NONE)], -1), trim)
+        [zero, torch.where(ok & (r < tail), a, NO_OFFSET), torch.where(ok & (r > 0), a + 1, NO_OFFSET)], -1), trim)
     return offs, offs_last
 
 
@@ -274,21 +274,21 @@ def _sorted_verticals(vertical: torch.Tensor, seq_len: int, block_size: int):
 
 
 # Padding of the block-offset sets: larger than any real offset.
-_NONE = 1 << 62
+NO_OFFSET = 1 << 62
 # Elements of the temporaries of one step of the vertical-coverage scatter in `from_lines`.
 _SCATTER_ELEMS = 1 << 24
 
 
 def _offset_set(offsets: torch.Tensor, trim: bool = True) -> torch.Tensor:
-    """Sorted distinct offsets per (b, h): [B, H, K] (padding _NONE) -> [B, H, K'] ascending, _NONE padded
+    """Sorted distinct offsets per (b, h): [B, H, K] (padding NO_OFFSET) -> [B, H, K'] ascending, NO_OFFSET padded
     (K' = the most any head has, read back to the host; trim=False keeps K' = K, no host read)."""
     o, _ = torch.sort(offsets, dim=-1)
     dup = torch.zeros_like(o, dtype=torch.bool)
     dup[..., 1:] = o[..., 1:] == o[..., :-1]
-    o, _ = torch.sort(torch.where(dup, _NONE, o), dim=-1)
+    o, _ = torch.sort(torch.where(dup, NO_OFFSET, o), dim=-1)
     if not trim:
         return o
-    width = max(int((o < _NONE).sum(-1).max()), 1)
+    width = max(int((o < NO_OFFSET).sum(-1).max()), 1)
     return o[..., :width].contiguous()
 
 
@@ -416,7 +416,7 @@ class SparseIndex:
         B, H, _ = vertical.shape
         dev = vertical.device
         n = -(-seq_len // block_size)
-        offs, offs_last = _block_offsets(slash, seq_len, block_size)
+        offs, offs_last = block_offsets(slash, seq_len, block_size)
         rows = torch.arange(n, device=dev)
         counts, pick, sink = _rows_from_offsets(offs, rows)
         last = None
@@ -439,7 +439,7 @@ class SparseIndex:
             for o0 in range(0, offs.shape[-1], step):
                 o = offs[:, :, o0 : o0 + step, None]
                 hit = v_blk[:, :, None, :] + o
-                active.scatter_(2, torch.where((hit < n) & (o < _NONE), hit, n), False)
+                active.scatter_(2, torch.where((hit < n) & (o < NO_OFFSET), hit, n), False)
             active = active[:, :, :n]
             if last is not None:
                 o_last = (n - 1) - v_blk  # the short last row tests its own offset set
@@ -684,7 +684,7 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
     static = bound_widths == "static"
     if bound_widths not in (False, True, "static"):
         raise ValueError(f"bound_widths must be False, True or 'static'; got {bound_widths!r}")
-    offs, offs_last = _block_offsets(slash, seq_len, block_size, trim=not bound_widths)
+    offs, offs_last = block_offsets(slash, seq_len, block_size, trim=not bound_widths)
     v, v_blk = _sorted_verticals(vertical, seq_len, block_size)
     work = used = None
     if totals:
@@ -697,9 +697,9 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
         sizes = [n_offs, v.shape[-1], min(seq_len, max(1, v.numel()))]
         list_width, col_width = max(1, min(n_offs + 1, n)), max(1, v.shape[-1])
     elif bound_widths:  # the one host read: the widths every later step sizes its lists from
-        sizes = [(offs < _NONE).sum(-1).amax(), (v < seq_len).sum(-1).amax() if v.shape[-1] else offs.new_zeros(())]
+        sizes = [(offs < NO_OFFSET).sum(-1).amax(), (v < seq_len).sum(-1).amax() if v.shape[-1] else offs.new_zeros(())]
         if offs_last is not None:
-            sizes.append((offs_last < _NONE).sum(-1).amax())
+            sizes.append((offs_last < NO_OFFSET).sum(-1).amax())
         if used is not None:
             sizes.append(used.sum())
         read = [torch.stack([t.reshape(()).double() for t in sizes])]

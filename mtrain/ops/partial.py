@@ -59,6 +59,13 @@ def _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size, q_doc=None, 
             )
 
 
+def _lists(columns):
+    """The torch path reads plain column lists: a `VerticalColumns` gives its own (`to_lists`)."""
+    from mtrain.ops.columns import VerticalColumns
+
+    return columns.to_lists() if isinstance(columns, VerticalColumns) else columns
+
+
 def _row_chunks(Sq: int, B: int, Hq: int, Sk: int, block_size: int):
     rows = max(block_size, (_TORCH_CHUNK_ELEMS // max(1, B * Hq * Sk)) // block_size * block_size)
     for start in range(0, Sq, rows):
@@ -409,7 +416,8 @@ def attention_forward(
     columns: None, or (col_ids [B, Hq, ceil(Sq/bs), MAXC] local key token indices, -1 padded;
         counts): extra key tokens for every query of the block. They must be distinct and must not
         lie inside a listed key block (SparseIndex guarantees both); the Triton path would count
-        such a pair twice.
+        such a pair twice. Or a `mtrain.ops.columns.VerticalColumns` (one device's index, keys from 0): the
+        same columns without per-block lists, for `blocks` from the same lines.
     softmax_scale: default 1/sqrt(D). impl: "auto" (Triton on CUDA tensors and under
         TRITON_INTERPRET=1, else torch), "triton" or "torch". The Triton path takes fp16, bf16 and
         fp32 with a power-of-two head dim >= 16 and accumulates in fp32; float64 needs impl="torch".
@@ -442,7 +450,8 @@ def attention_forward(
 
         return _triton_attention.forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans,
                                          q_doc=q_doc, k_doc=k_doc, merge_into=merge_into)
-    out, lse = _torch_forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, q_doc, k_doc)
+    out, lse = _torch_forward(q, k, v, q_pos, k_pos, blocks, _lists(columns), block_size, scale, causal, q_doc,
+                              k_doc)
     if merge_into is None:
         return out, lse
     merged, merged_lse = merge_partial(merge_into[0], merge_into[1], out, lse)
@@ -510,7 +519,7 @@ def attention_backward(
             dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
             deterministic=deterministic, plans=plans, q_doc=q_doc, k_doc=k_doc, grad_init=grad_init,
         )
-    grads = _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size, scale, causal,
+    grads = _torch_backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, _lists(columns), block_size, scale, causal,
                             q_doc, k_doc)
     if grad_init is None:
         return grads
