@@ -41,6 +41,10 @@ def test_bench_real_reports_what_the_gpu_table_needs(tmp_path):
     # and with list-free columns (the estimator keeps the lines): positive, reported in the summary
     assert layer["extra"]["index_bytes_list_free"] > 0
     assert summary["index_mib_list_free_max"] == layer["extra"]["index_bytes_list_free"] / 2**20
+    # both column forms timed through the same kernels, both backwards
+    forms = summary["column_forms_ms"]
+    assert set(forms) == {f"{f}_{b}_ms" for f in ("lists", "list_free") for b in ("deterministic", "atomic")}
+    assert all(math.isfinite(ms) and ms > 0 for ms in forms.values())
     # how much of the vertical cap the estimate used: a row never lists more columns than its head has verticals,
     # nor than its list is wide
     extra = layer["extra"]

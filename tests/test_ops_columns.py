@@ -145,3 +145,28 @@ def test_attention_with_list_free_columns_matches_reference(impl, S, bs, Hq, Hkv
                                                   deterministic=deterministic, **kw)
     for got, want in ((dq, l_dq), (dk, l_dk), (dv, l_dv)):
         assert torch.allclose(got, want, atol=1e-4, rtol=0)
+
+
+@needs_interpreter
+def test_vertical_slash_attention_reads_an_attached_list_free_form():
+    """`with_list_free_columns` attaches the form to a copy of an index that keeps its lines; the one-device
+    attention (Triton kernels) then reads its columns list-free and gives the lists' result and gradients."""
+    from mtrain.ops import vertical_slash_attention
+    from mtrain.ops.columns import with_list_free_columns
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout, index, _ = _attention_case(gen, 1, 4, 2, 93, 16, nv=20, ns=4)
+    vert, slash = random_lines(gen, 1, 4, 93, 20, 4)
+    index = SparseIndex.from_lines(vert, slash, 93, 16, impl="torch")
+    assert with_list_free_columns(index) is None  # no lines kept: nothing to attach
+    index._cache["lines"] = (vert, slash)
+    vc_index = with_list_free_columns(index)
+    assert isinstance(vc_index.kernel_columns, VerticalColumns) and index.kernel_columns == index.columns
+    grads = []
+    for idx in (index, vc_index):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = vertical_slash_attention(qq, kk, vv, idx, impl="triton")
+        out.backward(dout)
+        grads.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    for got, want in zip(*grads):
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()

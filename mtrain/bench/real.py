@@ -197,7 +197,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
 
     from mtrain.models.attention import mtrain_attention
     from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
-    from mtrain.ops.columns import list_free_bytes
+    from mtrain.ops.columns import list_free_bytes, with_list_free_columns
     from mtrain.ops.index import list_bytes, used_list_bytes
 
     sparse_kw = dict(_settings_kwargs(settings), softmax_scale=scale)
@@ -277,6 +277,17 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
                                        impl=engine)
         bwd[deterministic] = timed(lambda: torch.autograd.grad(out, (qq, kk, vv), dout, retain_graph=True), iters)
 
+    # the same kernels with the columns read list-free (mtrain.ops.columns), fwd + both backwards, beside the lists'
+    # (a fresh copy of the index: what the kernels derive is rebuilt in the warm-up call)
+    kernels_ms = {}
+    vc_index = with_list_free_columns(index)
+    for form, idx in (("lists", index), ("list_free", vc_index)):
+        for deterministic in (True, False):
+            if idx is not None:
+                kernels_ms[f"{form}_{'deterministic' if deterministic else 'atomic'}_ms"] = timed(_fwd_bwd(
+                    lambda qq, kk, vv, idx=idx, det=deterministic: vertical_slash_attention(
+                        qq, kk, vv, idx, softmax_scale=scale, deterministic=det, impl=engine), q, k, v, dout), iters)
+
     # the index as model layers build it on CUDA: replayed from a CUDA graph with the engine's plans (graphed.py)
     graph_ms = float("nan")
     if q.is_cuda:
@@ -304,6 +315,8 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
                "index_bytes": list_bytes(index), "index_bytes_used_widths": used_list_bytes(index),
                # the same index with list-free columns (mtrain.ops.columns): blocks, verticals, flags, backward plan
                "index_bytes_list_free": list_free_bytes(index),
+               # fwd + bwd on the prebuilt index, lists against list-free columns (lists_/list_free_ + backward)
+               "kernels_ms": kernels_ms,
                "columns_per_row_max": int(counts.max()), "columns_per_row_mean": float(counts.mean())},
     )
 
@@ -551,6 +564,10 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "index_mib_per_layer_max": max(r.extra["index_bytes"] for r in results) / 2**20,
         "index_mib_used_widths_max": max(r.extra["index_bytes_used_widths"] for r in results) / 2**20,
         "index_mib_list_free_max": max((r.extra.get("index_bytes_list_free") or 0) for r in results) / 2**20,
+        # fwd + bwd of every layer sparse on its prebuilt index, lists against list-free columns
+        "column_forms_ms": {key: sum(r.extra["kernels_ms"][key] for r in results)
+                            for key in (results[0].extra["kernels_ms"] if results else {})
+                            if all(key in r.extra["kernels_ms"] for r in results)},
     }
     log(f"whole model ({len(results)} layers): dense {dense_total:.1f} ms, mtrain {mtrain_total:.1f} ms "
         f"({summary['speedup']:.2f}x), steady state over {hold + 1} steps {steady_total:.1f} ms "
@@ -571,7 +588,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"verticals per head at most {summary['verticals_max']}, columns per query block at most "
         f"{summary['columns_per_row_max']} (lists {summary['column_list_width']} wide); index lists per layer at most "
         f"{summary['index_mib_per_layer_max']:.1f} MiB ({summary['index_mib_used_widths_max']:.1f} MiB as wide as "
-        f"the lists used; {summary['index_mib_list_free_max']:.1f} MiB with list-free columns)")
+        f"the lists used; {summary['index_mib_list_free_max']:.1f} MiB with list-free columns); kernels fwd + bwd, "
+        f"lists vs list-free columns: "
+        + ", ".join(f"{key[:-3]} {ms:.1f} ms" for key, ms in summary["column_forms_ms"].items()))
     for name, row in summary["perplexity"].items():
         log(f"perplexity, {row['label']}: {row['ppl']:.3f} ({100 * row['rise']:+.2f}% over dense); "
             f"{len(row['sparse_layers'])} of {len(training_paths)} layers sparse {_ranges(row['sparse_layers'])}")

@@ -932,10 +932,11 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         chunk = min(_tile(block_size), 64)
         sub = _subtiles(block_size, "col", D, _tile_cap(q))
         base = plans.get(COLUMN_BASE, 0)  # the columns lie at keys base.. (the ring's gathered column slots)
-        if ("c", chunk) not in plans:
-            plans[("c", chunk)] = columns.column_plan(chunk) if vcols else column_plan(
+        key = ("vc" if vcols else "c", chunk)  # an index's cache may hold both forms' plans
+        if key not in plans:
+            plans[key] = columns.column_plan(chunk) if vcols else column_plan(
                 ci, cc, Sk, chunk, width=ci.shape[-1] if plans.get(BOUNDED) else None, base=base)
-        plan = plans[("c", chunk)]
+        plan = plans[key]
         universe = plan.universe
         u_cap = universe.shape[-1]
         n_chunks = plan.q_ids.shape[2]
@@ -1084,7 +1085,7 @@ def _kv_work_plan(tc, B, Hkv, group, nqb, nkb, dk, block_size, plans) -> dict:
 
 def _col_work_plan(plan: ColumnPlan, nqb: int, dkc, plans) -> dict:
     """Work items of the column dK/dV pass: one target per (batch, query head, chunk of its columns)."""
-    key = ("col_items", plan.chunk, tuple(dkc.stride()))
+    key = ("col_items" if not plan.list_free else "col_items_vc", plan.chunk, tuple(dkc.stride()))
     if key not in plans:
         B, H, n_chunks = plan.counts.shape
         rows = (n_chunks, H, dkc.stride(0), dkc.stride(1), plan.chunk * dkc.stride(2), plan.chunk, dkc.shape[2])
@@ -1106,7 +1107,7 @@ def universe_slots(plan: ColumnPlan, seq_k: int, plans: dict, base: int = 0) -> 
     """[B, H, seq_k - base] int32: each key's (from key `base` on) slot in head h's column universe (`plan.universe`
     [B, H, U], -1 padded), -1 where it is not one of h's columns (cached in `plans` beside the plan; one fill and one
     scatter, no host synchronisation)."""
-    key = ("slots", plan.chunk, seq_k, base)
+    key = ("slots" if not plan.list_free else "slots_vc", plan.chunk, seq_k, base)
     if key not in plans:
         universe = plan.universe
         B, H, U = universe.shape

@@ -116,7 +116,7 @@ def vertical_slash_attention(
     # dict (shared by this call's forward and backward) keeps it out of the index's cache.
     plans = index._cache if doc_ids is None else {}
     out, lse = partial_attention(
-        q, k, v, q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.columns, block_size=index.block_size,
+        q, k, v, q_pos=pos, k_pos=pos, blocks=index.blocks, columns=index.kernel_columns, block_size=index.block_size,
         softmax_scale=softmax_scale, causal=True, impl=impl, deterministic=deterministic, plans=plans,
         q_doc=doc_ids, k_doc=doc_ids,
     )

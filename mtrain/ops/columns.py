@@ -51,6 +51,8 @@ class VerticalColumns:
     block_size: int
 
     def __post_init__(self) -> None:
+        if not all(isinstance(t, torch.Tensor) for t in (self.verts, self.counts, self.covered)):
+            return  # a placeholder copy (`mtrain.ops.partial_autograd.split_tensors` swaps tensors for slots)
         n = -(-self.seq_len // self.block_size)
         if self.verts.dim() != 3 or self.counts.shape != (*self.verts.shape[:2], n) \
                 or self.covered.shape != (*self.verts.shape[:2], 2, n):
@@ -109,7 +111,8 @@ class VerticalColumns:
         first_q = torch.where(first_v >= 0, first_v // self.block_size + 1, n).clamp(max=n)
         counts = (n - first_q).to(torch.int32)
         bits = torch.zeros(1, dtype=torch.int64, device=self.verts.device)
-        return ColumnPlan(self.verts, first_q.to(torch.int32).unsqueeze(-1).contiguous(), bits, counts, chunk)
+        return ColumnPlan(self.verts, first_q.to(torch.int32).unsqueeze(-1).contiguous(), bits, counts, chunk,
+                          list_free=True)
 
 
 def vertical_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int) -> VerticalColumns:
@@ -153,3 +156,21 @@ def list_free_bytes(index) -> int | None:
     plan = cols.column_plan(kernel_column_chunk(int(index.block_size)))
     held = (index.block_ids, index.block_counts, plan.q_ids, plan.counts)
     return cols.nbytes() + sum(t.numel() * t.element_size() for t in held)
+
+
+def with_list_free_columns(index):
+    """A copy of a `SparseIndex` (the same list tensors) whose kernels read its columns list-free: the
+    `VerticalColumns` of the lines it was built from, attached as `_cache["vcols"]` (`SparseIndex.kernel_columns`);
+    what the kernels derive is rebuilt for it. None when the index keeps no lines (`_cache["lines"]`)."""
+    from mtrain.ops.index import SparseIndex
+
+    lines = index._cache.get("lines")
+    if lines is None:
+        return None
+    out = SparseIndex(index.block_ids, index.block_counts, index.col_ids, index.col_counts, index.seq_len,
+                      index.block_size)
+    for key in ("diagonal_listed", "lines", "est_recall"):
+        if key in index._cache:
+            out._cache[key] = index._cache[key]
+    out._cache["vcols"] = vertical_columns(lines[0], lines[1], int(index.seq_len), int(index.block_size))
+    return out

@@ -313,7 +313,7 @@ class _Fa4Attention(torch.autograd.Function):
                                        aux_tensors=aux, block_sparse_tensors=fwd_sparse, return_lse=True)[:2]
         pos = torch.arange(S, device=q.device)
         col_plans = plan.col_plans if doc_ids is None else {}
-        col_kw = dict(q_pos=pos, k_pos=pos, blocks=plan.no_blocks, columns=index.columns, block_size=bs,
+        col_kw = dict(q_pos=pos, k_pos=pos, blocks=plan.no_blocks, columns=index.kernel_columns, block_size=bs,
                       softmax_scale=scale, causal=True, impl="triton", q_doc=doc_ids, k_doc=doc_ids)
         if plan.has_cols:  # the columns merged by LSE into FA4's out / lse in the column kernel's epilogue
             out, lse = partial.attention_forward(q, k, v, plans=col_plans, merge_into=(out.contiguous(),

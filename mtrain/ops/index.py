@@ -168,6 +168,9 @@ class ColumnPlan:
     bits: torch.Tensor
     counts: torch.Tensor
     chunk: int
+    list_free: bool = False
+    """A plan of `mtrain.ops.columns.VerticalColumns`: q_ids [B, H, n_chunks, 1] holds each chunk's first query block,
+    counts how many follow, and bits is unused (the kernel reads the coverage flags)."""
 
 
 def column_plan(col_ids: torch.Tensor, col_counts: torch.Tensor, seq_k: int, chunk: int,
@@ -372,6 +375,13 @@ class SparseIndex:
     def columns(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(col_ids, col_counts), the `columns=` argument of `mtrain.ops.partial`."""
         return self.col_ids, self.col_counts
+
+    @property
+    def kernel_columns(self):
+        """The `columns=` the block engines' column kernels take: the list-free form when one is attached
+        (`mtrain.ops.columns.with_list_free_columns`), else the lists."""
+        vcols = self._cache.get("vcols")
+        return self.columns if vcols is None else vcols
 
     @classmethod
     def from_lines(

@@ -14,8 +14,9 @@ from mtrain.ops import partial
 
 
 # Entries of an index's cache that are not derived lists (the estimator's own recall figure, the lines it was built
-# from): they stay with the caller and are not handed to the backward.
-NOT_PLANS = ("est_recall", "lines", "diagonal_listed")
+# from, the list-free columns, which reach the backward as its `columns`): they stay with the caller and are not
+# handed to the backward.
+NOT_PLANS = ("est_recall", "lines", "diagonal_listed", "vcols")
 
 
 def split_tensors(obj, tensors: list):
