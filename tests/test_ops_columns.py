@@ -94,6 +94,17 @@ def test_bad_shapes_are_refused():
         cols.column_plan(65)
 
 
+@needs_interpreter
+def test_columns_of_another_block_size_are_refused():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, _, index, cols = _attention_case(gen, 1, 2, 1, 64, 8, nv=6, ns=2)
+    other = vertical_columns(torch.tensor([[[5, 40]] * 2]), torch.tensor([[[0]] * 2]), 128, 16)  # also 8 blocks
+    pos = torch.arange(64)
+    with pytest.raises(ValueError, match="128 tokens in blocks of 16 on cpu cannot serve 64 keys in blocks of 8"):
+        partial.attention_forward(q, k, v, q_pos=pos, k_pos=pos, blocks=index.blocks, columns=other, block_size=8,
+                                  impl="triton")
+
+
 def _attention_case(gen, B, Hq, Hkv, S, bs, nv, ns, docs=None):
     D = 16
     q = torch.randn(B, S, Hq, D, generator=gen)

@@ -799,8 +799,11 @@ def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, 
         ci = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device=q.device)
         cc = torch.zeros(1, 1, 1, dtype=torch.int32, device=q.device)
     elif vcols is not None:  # the list-free form: a zero-stride view of the verticals, the kernels skip covered ones
-        if vcols.verts.device != q.device or plans.get(COLUMN_BASE):
-            raise ValueError("VerticalColumns must be on q's device and index the keys from 0 (one device's index)")
+        if vcols.verts.device != q.device or plans.get(COLUMN_BASE) or vcols.block_size != block_size \
+                or vcols.seq_len != k.shape[1]:
+            raise ValueError(f"VerticalColumns of {vcols.seq_len} tokens in blocks of {vcols.block_size} on "
+                             f"{vcols.verts.device} cannot serve {k.shape[1]} keys in blocks of {block_size} on "
+                             f"{q.device}: it is one device's index, keys from 0")
         ci, cc = vcols
     else:
         ci, cc = _int32(columns[0], q.device), _int32(columns[1], q.device)
