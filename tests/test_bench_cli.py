@@ -100,9 +100,13 @@ def test_cost_fit_smoke(tmp_path):
 
 
 def test_check_smoke():
+    """The gate's Triton engines on the CPU, the list-free columns beside the lists: each case says ok."""
+    engines = ("triton-det", "triton-listfree", "triton-lf-atomic")
     out = mtrain("bench", "check", "--device", "cpu", "--quick", "--jobs", "1", "--block-sizes", "64", "--dtypes",
-                 "float32", "--engines", "triton-det", env={"TRITON_INTERPRET": "1"}).stdout
+                 "float32", "--engines", *engines, env={"TRITON_INTERPRET": "1"}).stdout
     assert "0 failures" in out
+    for name in engines:
+        assert sum(line.startswith(f"ok   {name} ") for line in out.splitlines()) == 2, (name, out[-2000:])
 
 
 @pytest.mark.slow

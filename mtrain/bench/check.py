@@ -11,7 +11,8 @@ Flex runs at 128-token blocks only (its 64-token backward lowers only under max_
 FlashAttention-4 as the block engine (impl="fa4", CUDA, fp16/bf16, 128-token blocks, when flash_attn.cute is
 importable; otherwise one "skip" line): "fa4" with FA4's own block-sparse backward (deterministic=False), "fa4-det"
 with our deterministic backward behind FA4's forward, and "fa4-nocols" on the same slashes without verticals (no
-column path, FA4 alone).
+column path, FA4 alone). "triton-listfree", "triton-lf-atomic" and "fa4-listfree": the same index with its columns
+read list-free (`mtrain.ops.columns.VerticalColumns`), against the same reference.
 Tolerances are relative Frobenius errors against float64, per dtype (TOL below), on out and dq/dk/dv.
 The pattern estimator's Triton scorer is checked in each case too: its est_recall against the float64 mass of
 the scored rows inside its index, its density against the PyTorch scorer's. On CUDA two ring cases run on a
@@ -35,6 +36,7 @@ import time
 import torch
 
 from mtrain.ops import SparseIndex, dense_attention, partial, reference, vertical_slash_attention  # noqa: E402
+from mtrain.ops.columns import with_list_free_columns  # noqa: E402
 from mtrain.ops.partial_autograd import partial_attention  # noqa: E402
 
 # dtype -> largest relative error allowed (out, grads): accumulation is fp32, so the input rounding dominates.
@@ -55,6 +57,7 @@ def make_case(S, Hq, Hkv, D, bs, dtype, docs: bool, device, seed, columns: bool 
         vertical = vertical[..., :0]
     slash = torch.cat([torch.zeros(1, Hq, 1, dtype=torch.long), torch.randint(1, S, (1, Hq, 3), generator=g)], -1)
     index = SparseIndex.from_lines(vertical, slash.to(device), S, bs)
+    index._cache["lines"] = (vertical, slash.to(device))  # as the estimator keeps them: the list-free form's source
     doc_ids = None
     if docs:  # three documents of uneven length
         cuts = torch.tensor([0, S // 3 + 7, (2 * S) // 3 - 5, S])
@@ -104,12 +107,20 @@ def engines(device, index, doc_ids, S, dtype=None):
                                                                    doc_ids=doc_ids),
         "dense": lambda q, k, v: dense_attention(q, k, v, causal=True, doc_ids=doc_ids),
     }
+    # the same index with its columns read list-free (mtrain.ops.columns): the same pairs, so the same reference
+    listfree = with_list_free_columns(index)
+    out["triton-listfree"] = lambda q, k, v: vertical_slash_attention(q, k, v, listfree, impl="triton",
+                                                                      doc_ids=doc_ids)
+    out["triton-lf-atomic"] = lambda q, k, v: vertical_slash_attention(q, k, v, listfree, impl="triton",
+                                                                       deterministic=False, doc_ids=doc_ids)
     if device.type == "cuda" and index.block_size >= 128:  # Flex lowers 64-blocks only under max_autotune
         out["flex"] = lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="flex", doc_ids=doc_ids)
     if fa4_eligible(device, index, dtype):
         out["fa4"] = lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="fa4", deterministic=False,
                                                               doc_ids=doc_ids)
         out["fa4-det"] = lambda q, k, v: vertical_slash_attention(q, k, v, index, impl="fa4", doc_ids=doc_ids)
+        out["fa4-listfree"] = lambda q, k, v: vertical_slash_attention(q, k, v, listfree, impl="fa4",
+                                                                       deterministic=False, doc_ids=doc_ids)
     return out
 
 
@@ -455,8 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", nargs="+", metavar="HQxHKVxD",
                     help="head shapes (default 4x4x64 8x2x128; --quick: 4x2x64)")
     ap.add_argument("--engines", nargs="+", metavar="NAME",
-                    help="check only these (triton-det triton-atomic dense flex fa4 fa4-det fa4-nocols estimator "
-                         "ring-step ring-fa4 ring-estimate merge repeat); default all that apply")
+                    help="check only these (triton-det triton-atomic triton-listfree triton-lf-atomic dense flex fa4 "
+                         "fa4-det fa4-listfree fa4-nocols estimator ring-step ring-fa4 ring-estimate merge repeat); "
+                         "default all that apply")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
