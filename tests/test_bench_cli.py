@@ -197,4 +197,6 @@ def test_ring_on_real_attention_lists_one_devices_lines():
         assert r["same_lines_as_one_device"], r
         assert set(r["line_differences"].values()) == {0}, r
         assert r["true_recall_mean"] > 0.95, r
+        assert r["index_bytes_list_free"] > 0, r  # the rank's rows with list-free columns, reported beside the lists
     assert "lines equal one device's on every layer and rank: True" in run.stdout
+    assert "with list-free columns, not yet read by the ring" in run.stdout

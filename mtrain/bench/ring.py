@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from mtrain.bench import timing  # noqa: E402
 from mtrain.bench.synthetic import window_slash_lines  # noqa: E402
 from mtrain.ops import SparseIndex  # noqa: E402
+from mtrain.ops.columns import list_free_bytes  # noqa: E402
 from mtrain.ops.index import list_bytes, used_list_bytes  # noqa: E402
 from mtrain.ops.attention import resolve_impl, vertical_slash_attention  # noqa: E402
 from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
@@ -370,6 +371,7 @@ def bench_tokens(tokens, rank, world, args, device, report):
                 row["index_bytes_per_layer"] = list_bytes(mine)
                 row["index_bytes_used_widths"] = used_list_bytes(mine)
                 row["index_bytes_cap_wide_cols"] = _cap_wide_column_bytes(mine, settings)
+                row["index_bytes_list_free"] = list_free_bytes(mine)
                 if args.torch_scorer:
                     row["estimate_ring_torch_ms"] = timed(lambda: estimate_rank_index(
                         shard[0], shard[1], pos, pos, seq, settings, scale, None, scorer="torch", **est),
@@ -519,7 +521,9 @@ def bench_model(rank, world, args, device, report) -> None:
                "true_recall_mean": float(recall.mean()), "true_recall_min": float(recall.min()),
                "density": mine.density(), "est_recall": float(mine._cache["est_recall"].mean()),
                "index_bytes": list_bytes(mine), "index_bytes_used_widths": used_list_bytes(mine),
-               "index_bytes_cap_wide_cols": _cap_wide_column_bytes(mine, settings)}
+               "index_bytes_cap_wide_cols": _cap_wide_column_bytes(mine, settings),
+               # the same rows with list-free columns (mtrain.ops.columns; the ring does not read that form yet)
+               "index_bytes_list_free": list_free_bytes(mine)}
         per_layer.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -539,6 +543,7 @@ def bench_model(rank, world, args, device, report) -> None:
                "index_mib_per_layer_max": max(r["index_bytes"] for r in per_layer) / 2**20,
                "index_mib_used_widths_max": max(r["index_bytes_used_widths"] for r in per_layer) / 2**20,
                "index_mib_cap_wide_cols": per_layer[0]["index_bytes_cap_wide_cols"] / 2**20,
+               "index_mib_list_free_max": max(r["index_bytes_list_free"] or 0 for r in per_layer) / 2**20,
                "per_layer": per_layer}
     report.append(summary)
     if rank == 0:
@@ -552,7 +557,8 @@ def bench_model(rank, world, args, device, report) -> None:
               f"mean {summary['true_recall_mean']:.4f}, worst layer {summary['true_recall_worst_layer']:.4f}; "
               f"density {summary['density_mean']:.4f}; index {summary['index_mib_per_layer_max']:.1f} MiB per layer "
               f"at most ({summary['index_mib_used_widths_max']:.1f} MiB as wide as the lists used; column lists as "
-              f"wide as the {settings.max_vertical} cap: {summary['index_mib_cap_wide_cols']:.0f} MiB)", flush=True)
+              f"wide as the {settings.max_vertical} cap: {summary['index_mib_cap_wide_cols']:.0f} MiB; with list-free "
+              f"columns, not yet read by the ring: {summary['index_mib_list_free_max']:.1f} MiB)", flush=True)
         for layer, diff in summary["layers_with_other_lines"].items():  # where, and how many lines, the ring differs
             print(f"  layer {layer}: lines differ from one device's in {diff['heads_differing']} heads: verticals "
                   f"{diff['verticals_only_one_device']} only one device's, {diff['verticals_only_ring']} only the "
@@ -732,7 +738,8 @@ def print_table(report):
         if r.get("index_bytes_per_layer"):
             print(f"{'':>9}index bytes per layer (this rank's rows): {r['index_bytes_per_layer'] / 2**20:.1f} MiB "
                   f"({r['index_bytes_used_widths'] / 2**20:.1f} MiB as wide as the lists used); "
-                  f"cap-wide column lists would take {r['index_bytes_cap_wide_cols'] / 2**20:.1f} MiB; density "
+                  f"cap-wide column lists would take {r['index_bytes_cap_wide_cols'] / 2**20:.1f} MiB; list-free "
+                  f"columns (not yet read by the ring) {(r.get('index_bytes_list_free') or 0) / 2**20:.1f} MiB; density "
                   f"{r.get('density_ring_estimated', float('nan')):.4f}")
         if r.get("density_cp1") and r.get("density_ring") and r.get("cp1_sparse_ms") and r.get("ring_sparse_ms"):
             # block kernels per 1% of the causal pairs of one GPU's tokens (the ring's pairs per GPU: density x CP)

@@ -144,9 +144,10 @@ def vertical_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, 
 
 
 def list_free_bytes(index) -> int | None:
-    """Bytes of a `SparseIndex` with its columns in this form: its block lists and counts, the `VerticalColumns` of
-    the lines it was built from, and the column backward's plan at the kernels' chunk. None when the index does
-    not keep its lines (`index._cache["lines"]`, which the estimator sets)."""
+    """Bytes of an index with its columns in this form: its block lists and counts, the `VerticalColumns` of the
+    lines it was built from, and the column backward's plan at the kernels' chunk. A `RowIndex` (a context-parallel
+    rank's rows) counts its own rows' block lists and per-row counts, with the whole head's verticals and flags. None
+    when the index does not keep its lines (`index._cache["lines"]`, which the estimators set)."""
     from mtrain.ops.index import kernel_column_chunk
 
     lines = index._cache.get("lines")
@@ -154,8 +155,10 @@ def list_free_bytes(index) -> int | None:
         return None
     cols = vertical_columns(lines[0], lines[1], int(index.seq_len), int(index.block_size))
     plan = cols.column_plan(kernel_column_chunk(int(index.block_size)))
-    held = (index.block_ids, index.block_counts, plan.q_ids, plan.counts)
-    return cols.nbytes() + sum(t.numel() * t.element_size() for t in held)
+    rows = getattr(index, "rows", None)
+    per_row = cols.counts.numel() if rows is None else cols.counts.shape[0] * cols.counts.shape[1] * rows.numel()
+    held = (index.block_ids, index.block_counts, cols.verts, cols.covered, plan.q_ids, plan.counts)
+    return per_row * cols.counts.element_size() + sum(t.numel() * t.element_size() for t in held)
 
 
 def with_list_free_columns(index):
