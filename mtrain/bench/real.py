@@ -282,11 +282,12 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     kernels_ms = {}
     vc_index = with_list_free_columns(index)
     for form, idx in (("lists", index), ("list_free", vc_index)):
+        if idx is None:  # an index without its lines has no list-free form
+            continue
         for deterministic in (True, False):
-            if idx is not None:
-                kernels_ms[f"{form}_{'deterministic' if deterministic else 'atomic'}_ms"] = timed(_fwd_bwd(
-                    lambda qq, kk, vv, idx=idx, det=deterministic: vertical_slash_attention(
-                        qq, kk, vv, idx, softmax_scale=scale, deterministic=det, impl=engine), q, k, v, dout), iters)
+            kernels_ms[f"{form}_{'deterministic' if deterministic else 'atomic'}_ms"] = timed(_fwd_bwd(
+                lambda qq, kk, vv, idx=idx, det=deterministic: vertical_slash_attention(
+                    qq, kk, vv, idx, softmax_scale=scale, deterministic=det, impl=engine), q, k, v, dout), iters)
 
     # the index as model layers build it on CUDA: replayed from a CUDA graph with the engine's plans (graphed.py)
     graph_ms = float("nan")
@@ -314,7 +315,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
                # the layer's lists as held, and as wide as the longest list this pattern uses
                "index_bytes": list_bytes(index), "index_bytes_used_widths": used_list_bytes(index),
                # the same index with list-free columns (mtrain.ops.columns): blocks, verticals, flags, backward plan
-               "index_bytes_list_free": list_free_bytes(index),
+               "index_bytes_list_free": list_free_bytes(index if vc_index is None else vc_index),
                # fwd + bwd on the prebuilt index, lists against list-free columns (lists_/list_free_ + backward)
                "kernels_ms": kernels_ms,
                "columns_per_row_max": int(counts.max()), "columns_per_row_mean": float(counts.mean())},

@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from mtrain.ops.index import NO_OFFSET, ColumnPlan, block_offsets, compact
+from mtrain.ops.index import NO_OFFSET, ColumnPlan, block_offsets, compact, sorted_verticals
 
 
 @dataclasses.dataclass
@@ -129,10 +129,7 @@ def vertical_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, 
     n = -(-seq_len // block_size)
     if vertical.shape[-1] == 0:  # one padding slot: the kernels and plans keep a width of at least 1
         vertical = torch.full((B, H, 1), -1, dtype=torch.long, device=dev)
-    v, _ = torch.sort(torch.where((vertical >= 0) & (vertical < seq_len), vertical.long(), seq_len), dim=-1)
-    dup = torch.zeros_like(v, dtype=torch.bool)
-    dup[..., 1:] = v[..., 1:] == v[..., :-1]
-    v, _ = torch.sort(torch.where(dup, seq_len, v), dim=-1)  # distinct, ascending, padding (seq_len) last
+    v, _ = torch.sort(sorted_verticals(vertical, seq_len, block_size)[0], dim=-1)  # distinct, padding (seq_len) last
     v_blk = v // block_size  # padding: n
     counts = torch.searchsorted(v_blk.contiguous(), torch.arange(n, device=dev).expand(B, H, n).contiguous())
     offs, offs_last = block_offsets(slash, seq_len, block_size, trim=False)
@@ -147,13 +144,15 @@ def list_free_bytes(index) -> int | None:
     """Bytes of an index with its columns in this form: its block lists and counts, the `VerticalColumns` of the
     lines it was built from, and the column backward's plan at the kernels' chunk. A `RowIndex` (a context-parallel
     rank's rows) counts its own rows' block lists and per-row counts, with the whole head's verticals and flags. None
-    when the index does not keep its lines (`index._cache["lines"]`, which the estimators set)."""
+    when the index keeps neither the form nor its lines (`index._cache["lines"]`, which the estimators set)."""
     from mtrain.ops.index import kernel_column_chunk
 
-    lines = index._cache.get("lines")
-    if lines is None:
-        return None
-    cols = vertical_columns(lines[0], lines[1], int(index.seq_len), int(index.block_size))
+    cols = index._cache.get("vcols")  # attached by `with_list_free_columns`, else built here from the lines
+    if cols is None:
+        lines = index._cache.get("lines")
+        if lines is None:
+            return None
+        cols = vertical_columns(lines[0], lines[1], int(index.seq_len), int(index.block_size))
     plan = cols.column_plan(kernel_column_chunk(int(index.block_size)))
     rows = getattr(index, "rows", None)
     per_row = cols.counts.numel() if rows is None else cols.counts.shape[0] * cols.counts.shape[1] * rows.numel()

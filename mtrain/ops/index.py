@@ -266,7 +266,7 @@ def block_offsets(slash: torch.Tensor, seq_len: int, block_size: int, trim: bool
     return offs, offs_last
 
 
-def _sorted_verticals(vertical: torch.Tensor, seq_len: int, block_size: int):
+def sorted_verticals(vertical: torch.Tensor, seq_len: int, block_size: int):
     """(v [B, H, Nv] ascending, duplicates and padding set to seq_len; v_blk: their key blocks, nQB for those)."""
     n = -(-seq_len // block_size)
     v, _ = torch.sort(torch.where((vertical >= 0) & (vertical < seq_len), vertical.long(), seq_len), dim=-1)
@@ -440,7 +440,7 @@ class SparseIndex:
         block_counts = counts.to(torch.int32)
 
         if vertical.shape[-1] > 0:
-            v, v_blk = _sorted_verticals(vertical, seq_len, block_size)
+            v, v_blk = sorted_verticals(vertical, seq_len, block_size)
             # A vertical is a column of every later query block whose list misses its key block: rows
             # v_blk + o (o in O) hold that block, and every row holds block 0.
             active = torch.zeros(B, H, n + 1, v.shape[-1], dtype=torch.bool, device=dev)  # last row = dump
@@ -695,7 +695,7 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
     if bound_widths not in (False, True, "static"):
         raise ValueError(f"bound_widths must be False, True or 'static'; got {bound_widths!r}")
     offs, offs_last = block_offsets(slash, seq_len, block_size, trim=not bound_widths)
-    v, v_blk = _sorted_verticals(vertical, seq_len, block_size)
+    v, v_blk = sorted_verticals(vertical, seq_len, block_size)
     work = used = None
     if totals:
         work, used = _line_totals(v, v_blk, offs, offs_last, seq_len, block_size)
