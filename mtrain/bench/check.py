@@ -17,7 +17,9 @@ Tolerances are relative Frobenius errors against float64, per dtype (TOL below),
 The pattern estimator's Triton scorer is checked in each case too: its est_recall against the float64 mass of
 the scored rows inside its index, its density against the PyTorch scorer's. On CUDA two ring cases run on a
 one-rank process group: "ring-fa4", `ring_attention` with the fa4 engine (FA4 steps, our column path; our kernels
-where FA4 cannot run), and "ring-estimate", the distributed Triton estimate giving the single-device lines.
+where FA4 cannot run), "ring-listfree", the same on a rank index without column lists (the ring's columns read
+list-free, `mtrain.ops.columns.RingColumns`), and "ring-estimate", the distributed Triton estimate giving the
+single-device lines.
 "merge" checks the ring's running LSE merge (fused Triton and torch) against float64 on CUDA. "repeat" runs the
 deterministic engines (triton-det, fa4-det, the ring on a one-rank group) twice under
 torch.use_deterministic_algorithms(True) and fails unless out and every gradient are bitwise equal; the atomic
@@ -188,6 +190,23 @@ def ring_engine_case(q, k, v, index, doc_ids, bs, dout):
     _one_rank_group(q.device)
     layout = Layout.create("block-stripe", world_size=1, granularity=bs)
     return engine_grads(lambda a, b, c: ring_attention(a, b, c, layout=layout, index=index, engine="fa4",
+                                                       doc_ids=doc_ids), q, k, v, dout)
+
+
+def ring_list_free_case(q, k, v, index, doc_ids, bs, dout):
+    """`ring_attention` (engine fa4: FA4's steps where it runs, our kernels elsewhere) on a one-rank ring whose
+    rank index holds no column lists (`rows_from_lines(columns=False)`, as `estimate_rank_index` builds it at large
+    caps): the off-ring columns read list-free (`mtrain.ops.columns.RingColumns`, the kernels' VCOLS 2)."""
+    from mtrain.ops.index import rows_from_lines
+    from mtrain.parallel import Layout, ring_attention
+
+    _one_rank_group(q.device)
+    vertical, slash = index._cache["lines"][:2]
+    rows = torch.arange(index.n_blocks, device=q.device)
+    mine = rows_from_lines(vertical, slash, q.shape[1], bs, rows, bound_widths=True, columns=False)
+    mine._cache["lines"] = (vertical, slash, rows)
+    layout = Layout.create("block-stripe", world_size=1, granularity=bs)
+    return engine_grads(lambda a, b, c: ring_attention(a, b, c, layout=layout, index=mine, engine="fa4",
                                                        doc_ids=doc_ids), q, k, v, dout)
 
 
@@ -427,19 +446,26 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
         except Exception as exc:  # noqa: BLE001
             raised("ring-step", exc)
         lap("ring-step")
-    if wanted("ring-fa4") and device.type == "cuda":
-        try:  # the case remade at whole blocks (a layout splits whole blocks only), with its own reference
+    def whole_block_case(name, fn):
+        """A ring case on the case remade at whole blocks (a layout splits whole blocks only), with its own
+        reference: fn(q, k, v, index, doc_ids, bs, dout) -> (out, dq, dk, dv)."""
+        try:
             q_w, k_w, v_w, index_w, doc_w = make_case(S // bs * bs, Hq, Hkv, D, bs, dtype, doc, device, seed=seed)
             dout_w = torch.randn_like(q_w)
             mask_w = index_w.to_mask()
             if doc_w is not None:
                 mask_w = mask_w & (doc_w[0][:, None] == doc_w[0][None, :])
             want_w = reference_grads(q_w, k_w, v_w, mask_w, dout_w)
-            got_w = ring_engine_case(q_w, k_w, v_w, index_w, doc_w, bs, dout_w)
-            report("ring-fa4", [rel(a, b) for a, b in zip(got_w, want_w)])
+            got_w = fn(q_w, k_w, v_w, index_w, doc_w, bs, dout_w)
+            report(name, [rel(a, b) for a, b in zip(got_w, want_w)])
         except Exception as exc:  # noqa: BLE001
-            raised("ring-fa4", exc)
-        lap("ring-fa4")
+            raised(name, exc)
+        lap(name)
+
+    if wanted("ring-fa4") and device.type == "cuda":
+        whole_block_case("ring-fa4", ring_engine_case)
+    if wanted("ring-listfree") and device.type == "cuda":
+        whole_block_case("ring-listfree", ring_list_free_case)
     if wanted("ring-estimate") and device.type == "cuda":
         line_case("ring-estimate", lambda: ring_estimator_case(q, k, doc_ids, bs, tag))
     if wanted("merge") and device.type == "cuda" and doc:
@@ -467,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="head shapes (default 4x4x64 8x2x128; --quick: 4x2x64)")
     ap.add_argument("--engines", nargs="+", metavar="NAME",
                     help="check only these (triton-det triton-atomic triton-listfree triton-lf-atomic dense flex fa4 "
-                         "fa4-det fa4-listfree fa4-nocols estimator ring-step ring-fa4 ring-estimate merge repeat); "
+                         "fa4-det fa4-listfree fa4-nocols estimator ring-step ring-fa4 ring-listfree ring-estimate merge "
+                         "repeat); "
                          "default all that apply")
     args = ap.parse_args(argv)
     device = torch.device(args.device)

@@ -487,10 +487,12 @@ def bench_model(rank, world, args, device, report) -> None:
         del q, k, v
         mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None, **est)
         want = one.block_ids[:, :, mine.rows]
-        width = max(want.shape[-1], mine.block_ids.shape[-1], one.col_ids.shape[-1], mine.col_ids.shape[-1])
+        lists = mine.col_ids is not None  # else the ring reads its columns list-free from the lines
+        width = max(want.shape[-1], mine.block_ids.shape[-1], one.col_ids.shape[-1],
+                    mine.col_ids.shape[-1] if lists else 1)
         pad = lambda t: F.pad(t, (0, width - t.shape[-1]), value=-1)  # noqa: E731
         same = bool(torch.equal(pad(want), pad(mine.block_ids))
-                    and torch.equal(pad(one.col_ids[:, :, mine.rows]), pad(mine.col_ids))
+                    and (not lists or torch.equal(pad(one.col_ids[:, :, mine.rows]), pad(mine.col_ids)))
                     and torch.equal(one.block_counts[:, :, mine.rows], mine.block_counts)
                     and torch.equal(one.col_counts[:, :, mine.rows], mine.col_counts))
         same_all = torch.tensor(float(same), device=device)
@@ -558,7 +560,8 @@ def bench_model(rank, world, args, device, report) -> None:
               f"density {summary['density_mean']:.4f}; index {summary['index_mib_per_layer_max']:.1f} MiB per layer "
               f"at most ({summary['index_mib_used_widths_max']:.1f} MiB as wide as the lists used; column lists as "
               f"wide as the {settings.max_vertical} cap: {summary['index_mib_cap_wide_cols']:.0f} MiB; with list-free "
-              f"columns, not yet read by the ring: {summary['index_mib_list_free_max']:.1f} MiB)", flush=True)
+              f"columns, as the ring reads them at large caps: {summary['index_mib_list_free_max']:.1f} MiB)",
+              flush=True)
         for layer, diff in summary["layers_with_other_lines"].items():  # where, and how many lines, the ring differs
             print(f"  layer {layer}: lines differ from one device's in {diff['heads_differing']} heads: verticals "
                   f"{diff['verticals_only_one_device']} only one device's, {diff['verticals_only_ring']} only the "
@@ -568,7 +571,7 @@ def bench_model(rank, world, args, device, report) -> None:
 def _cap_wide_column_bytes(index, settings) -> int:
     """What column lists as wide as the vertical cap would take: int32 per slot over the index's (batch, head, query
     block) lists, this rank's rows."""
-    b, h, n = index.col_ids.shape[:3]
+    b, h, n = index.col_counts.shape
     return b * h * n * settings.max_vertical * 4
 
 
@@ -739,7 +742,8 @@ def print_table(report):
             print(f"{'':>9}index bytes per layer (this rank's rows): {r['index_bytes_per_layer'] / 2**20:.1f} MiB "
                   f"({r['index_bytes_used_widths'] / 2**20:.1f} MiB as wide as the lists used); "
                   f"cap-wide column lists would take {r['index_bytes_cap_wide_cols'] / 2**20:.1f} MiB; list-free "
-                  f"columns (not yet read by the ring) {(r.get('index_bytes_list_free') or 0) / 2**20:.1f} MiB; density "
+                  f"columns (the ring's form at large caps) {(r.get('index_bytes_list_free') or 0) / 2**20:.1f} MiB; "
+                  f"density "
                   f"{r.get('density_ring_estimated', float('nan')):.4f}")
         if r.get("density_cp1") and r.get("density_ring") and r.get("cp1_sparse_ms") and r.get("ring_sparse_ms"):
             # block kernels per 1% of the causal pairs of one GPU's tokens (the ring's pairs per GPU: density x CP)

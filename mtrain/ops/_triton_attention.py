@@ -9,7 +9,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from mtrain.ops._triton_estimate import dot_precision
-from mtrain.ops.columns import VerticalColumns
+from mtrain.ops.columns import RingColumns, VerticalColumns
 from mtrain.ops.index import BOUNDED, COLUMN_BASE, ColumnPlan, column_plan, compact, transpose_blocks_csr
 from mtrain.ops.lists import doc_ranges, left_pack
 
@@ -109,15 +109,32 @@ def _kv_tile(k_base, v_base, KP, KD, ids, valid, row_ok, qp, qd, sks, svs, kd_ba
 
 
 @triton.jit
-def _uncovered(cov_base, cid, c_ok, i, NQB, BS: tl.constexpr):
-    """The list-free columns (`mtrain.ops.columns.VerticalColumns`): of the verticals before query block i, those
-    its listed blocks do not cover: not in the sink block 0, and their block offset i - v // BS not one of the head's
-    (flag row 1 for the last query block)."""
-    vb = cid // BS
-    real = c_ok & (vb > 0)
-    row = tl.where(i == NQB - 1, NQB, 0)
-    hit = tl.load(cov_base + row + tl.where(real, i - vb, 0), mask=real, other=1)
-    return real & (hit == 0)
+def _uncovered_at(cov_base, vb, ok, gi, NQB, SINK: tl.constexpr):
+    """Which columns (key blocks vb, query block gi, both global) the listed blocks of the query block leave
+    uncovered: vb > 0 and the block offset gi - vb not one of the head's (flag row 1 for the last query block,
+    NQB = the flags' length); with SINK (a ring's columns, where the sink block's tokens are columns) vb = 0 too."""
+    flagged = ok & (vb > 0)
+    row = tl.where(gi == NQB - 1, NQB, 0)
+    hit = tl.load(cov_base + row + tl.where(flagged, gi - vb, 0), mask=flagged, other=1)
+    active = flagged & (hit == 0)
+    if SINK:
+        active = active | (ok & (vb == 0))
+    return active
+
+
+@triton.jit
+def _uncovered(cov_base, cid, c_ok, i, NQB, BS: tl.constexpr, KP, QP, VCOLS: tl.constexpr):
+    """The list-free columns: of the columns before query block i, those its listed blocks do not cover. VCOLS 1
+    (`mtrain.ops.columns.VerticalColumns`, one device): column ids are key positions and i the global query block.
+    VCOLS 2 (`mtrain.ops.columns.RingColumns`, a context-parallel rank): the blocks come from the keys' and the
+    query block's global positions, and the sink block's tokens are columns."""
+    if VCOLS == 2:
+        vb = tl.load(KP + cid, mask=c_ok, other=0) // BS
+        gi = tl.load(QP + i * BS) // BS
+    else:
+        vb = cid // BS
+        gi = i
+    return _uncovered_at(cov_base, vb, c_ok, gi, NQB, VCOLS == 2)
 
 
 @triton.jit
@@ -129,7 +146,7 @@ def _fwd_kernel(
     Sq, Sk, H, GROUP, NQB,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
     D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
-    MERGE: tl.constexpr = False, VCOLS: tl.constexpr = False,
+    MERGE: tl.constexpr = False, VCOLS: tl.constexpr = 0,
 ):
     """Out and LSE of one query sub-tile (QT rows of query block i) over its block's key list (each key
     block as NKS sub-tiles) and columns; with MERGE, merged by LSE into the result O and LSE already hold (the
@@ -164,7 +181,7 @@ def _fwd_kernel(
             c_ok = slot < n_cols
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
             if VCOLS:
-                c_ok = _uncovered(COV + b * scvb + h * scvh, cid, c_ok, i, NQB, BS)
+                c_ok = _uncovered(COV + b * scvb + h * scvh, cid, c_ok, i, NQB, BS, KP, QP, VCOLS)
             k, v, ok = _kv_tile(k_base, v_base, KP, KD, cid, c_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
                                 D, CAUSAL, HAS_DOC)
             m_i, l_i, acc = _softmax_step(q, k, v, ok, scale_log2, m_i, l_i, acc, PREC)
@@ -207,7 +224,7 @@ def _dq_kernel(
     Sq, Sk, H, GROUP, NQB,
     BS: tl.constexpr, QT: tl.constexpr, KT: tl.constexpr, NQS: tl.constexpr, NKS: tl.constexpr,
     D: tl.constexpr, HAS_COLS: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr,
-    HAS_INIT: tl.constexpr, VCOLS: tl.constexpr = False,
+    HAS_INIT: tl.constexpr, VCOLS: tl.constexpr = 0,
 ):
     """dQ of one query sub-tile (the deterministic backward's dQ pass); with HAS_INIT plus DQI's rows (laid out as
     DQ), stored in DQ's dtype. It also computes the rows' delta = rowsum(dO * O) and stores it in DELTA (laid out
@@ -247,7 +264,7 @@ def _dq_kernel(
             c_ok = slot < n_cols
             cid = tl.load(CI + b * scib + h * scih + i * scii + slot, mask=c_ok, other=0)
             if VCOLS:
-                c_ok = _uncovered(COV + b * scvb + h * scvh, cid, c_ok, i, NQB, BS)
+                c_ok = _uncovered(COV + b * scvb + h * scvh, cid, c_ok, i, NQB, BS, KP, QP, VCOLS)
             k, v, ok = _kv_tile(k_base, v_base, KP, KD, cid, c_ok, row_ok, qp, qd, sks, svs, KD + b * skdb,
                                 D, CAUSAL, HAS_DOC)
             dq = _dq_step(q, do, k, v, ok, lse2, delta, scale_log2, dq, PREC)
@@ -376,7 +393,7 @@ def _col_dkdv_kernel(
     Sq, H, GROUP, u_cap, n_chunks, NQB,
     BS: tl.constexpr, QT: tl.constexpr, NQS: tl.constexpr, CH: tl.constexpr, D: tl.constexpr,
     CAUSAL: tl.constexpr, PREC: tl.constexpr, HAS_DOC: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    VCOLS: tl.constexpr = False,
+    VCOLS: tl.constexpr = 0,
 ):
     """dK, dV of one work item: a chunk of a query head's vertical columns against a slice of the query
     blocks that use them, each as NQS query sub-tiles (first item writes, the rest go to extra slots, as
@@ -412,9 +429,14 @@ def _col_dkdv_kernel(
     dv = tl.zeros([CH, D], tl.float32)
     for m in range(start * NQS, end * NQS):
         n = m // NQS
-        if VCOLS:
+        if VCOLS == 2:  # a ring's columns: blocks from the global positions, the sink block's tokens active
             i = tl.load(TQ + b * stqb + h * stqh + c * stqc) + n
-            active = _uncovered(COV + b * scvb + h * scvh, cid, c_ok & (cid // BS < i), i, NQB, BS)
+            gi = tl.load(QP + i * BS) // BS
+            vb = kp // BS
+            active = _uncovered_at(COV + b * scvb + h * scvh, vb, c_ok & ((vb < gi) | (vb == 0)), gi, NQB, True)
+        elif VCOLS:
+            i = tl.load(TQ + b * stqb + h * stqh + c * stqc) + n
+            active = _uncovered(COV + b * scvb + h * scvh, cid, c_ok & (cid // BS < i), i, NQB, BS, KP, QP, VCOLS)
         else:
             i = tl.load(TQ + b * stqb + h * stqh + c * stqc + n)
             bits = tl.load(TB + b * stqb + h * stqh + c * stqc + n)
@@ -805,6 +827,14 @@ def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, 
                              f"{vcols.verts.device} cannot serve {k.shape[1]} keys in blocks of {block_size} on "
                              f"{q.device}: it is one device's index, keys from 0")
         ci, cc = vcols
+    elif isinstance(columns, RingColumns):  # a ring's list-free columns: ids into the step's keys, from their base
+        if columns.ids.device != q.device or columns.block_size != block_size or columns.counts.shape[-1] != -(
+                -q.shape[1] // block_size) or columns.base != plans.get(COLUMN_BASE, 0):
+            raise ValueError(f"RingColumns of {columns.counts.shape[-1]} query blocks of {columns.block_size} tokens "
+                             f"(columns from key {columns.base}) on {columns.ids.device} cannot serve {q.shape[1]} "
+                             f"queries in blocks of {block_size} with columns from key {plans.get(COLUMN_BASE, 0)} "
+                             f"on {q.device}")
+        ci, cc = columns
     else:
         ci, cc = _int32(columns[0], q.device), _int32(columns[1], q.device)
     qp = q_pos.to(device=q.device, dtype=torch.int64).contiguous()
@@ -817,22 +847,23 @@ def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, 
         bounded = bool(plans.get(BOUNDED))
         plans = plans.setdefault("doc", {BOUNDED: True} if bounded else {})
         if "lists" not in plans:  # (list-free columns are not filtered: the kernels test the ids pair by pair)
-            plans["lists"] = _doc_filter(bi, bc, ci, cc, columns is not None and vcols is None, qd, kd, block_size,
+            listed = columns is not None and not isinstance(columns, (VerticalColumns, RingColumns))
+            plans["lists"] = _doc_filter(bi, bc, ci, cc, listed, qd, kd, block_size,
                                          trim=not bounded)
         bi, bc, ci, cc = plans["lists"]
         tr = None
     return bi, bc, tr, ci, cc, columns is not None, qp, kp, qd, kd, plans
 
 
-def _cov_args(columns, device) -> tuple:
-    """(covered flags, their batch and head strides, VCOLS) for the kernels: a `VerticalColumns`' flags, or a
-    placeholder that no kernel reads."""
-    if isinstance(columns, VerticalColumns):
+def _cov_args(columns, device, nqb: int) -> tuple:
+    """(covered flags, their batch and head strides, VCOLS, the flags' length) for the kernels: a `VerticalColumns`'
+    flags (VCOLS 1) or a `RingColumns`' (VCOLS 2), or a placeholder that no kernel reads (VCOLS 0)."""
+    if isinstance(columns, (VerticalColumns, RingColumns)):
         cov = columns.covered
         if not cov.is_contiguous():
-            raise ValueError("VerticalColumns.covered must be contiguous [B, H, 2, nQB]")
-        return cov, cov.stride(0), cov.stride(1), True
-    return torch.zeros(1, dtype=torch.uint8, device=device), 0, 0, False
+            raise ValueError(f"{type(columns).__name__}.covered must be contiguous [B, H, 2, nQB]")
+        return cov, cov.stride(0), cov.stride(1), 2 if isinstance(columns, RingColumns) else 1, cov.shape[-1]
+    return torch.zeros(1, dtype=torch.uint8, device=device), 0, 0, 0, nqb
 
 
 def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, plans=None, *, q_doc=None,
@@ -844,7 +875,7 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
     bi, bc, _, ci, cc, has_cols, qp, kp, qd, kd, plans = _prepare(
         q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, q_doc, k_doc)
     nqb = -(-Sq // block_size)
-    cov, scvb, scvh, vcols = _cov_args(columns, q.device)
+    cov, scvb, scvh, vcols, ncov = _cov_args(columns, q.device, nqb)
     if merge_into is None:
         out = torch.empty_like(q)
         lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
@@ -861,7 +892,7 @@ def forward(q, k, v, q_pos, k_pos, blocks, columns, block_size, scale, causal, p
         lse.stride(0), lse.stride(1),
         bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
         ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
-        scvb, scvh, Sq, Sk, Hq, Hq // Hkv, nqb,
+        scvb, scvh, Sq, Sk, Hq, Hq // Hkv, ncov,
         BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=_prec(q),
         HAS_DOC=q_doc is not None, MERGE=merge_into is not None, VCOLS=vcols,
         **_opts(q, kern, max(sub["QT"], sub["KT"])),
@@ -905,7 +936,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1),
     )
-    cov, scvb, scvh, vcols = _cov_args(columns, q.device)
+    cov, scvb, scvh, vcols, ncov = _cov_args(columns, q.device, nqb)
     if not fused:
         kern = "coldq" if plans.get(NO_BLOCKS) else "dq"
         sub = _subtiles(block_size, kern, D, _tile_cap(q))
@@ -916,7 +947,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             dq.stride(0), dq.stride(1), dq.stride(2),
             bi.stride(0), bi.stride(1), bi.stride(2), bc.stride(0), bc.stride(1),
             ci.stride(0), ci.stride(1), ci.stride(2), cc.stride(0), cc.stride(1), qd.stride(0), kd.stride(0),
-            scvb, scvh, Sq, Sk, Hq, group, nqb,
+            scvb, scvh, Sq, Sk, Hq, group, ncov,
             BS=block_size, **sub, D=D, HAS_COLS=has_cols, CAUSAL=causal, PREC=prec,
             HAS_DOC=has_doc, HAS_INIT=dq_init is not None, VCOLS=vcols,
             **_opts(q, kern, max(sub["QT"], sub["KT"])),
@@ -955,7 +986,7 @@ def backward(dout, q, k, v, out, lse, q_pos, k_pos, blocks, columns, block_size,
             scale * _LOG2E, scale, *common, dq.stride(0), dq.stride(1), dq.stride(2),
             universe.stride(0), universe.stride(1), plan.q_ids.stride(0), plan.q_ids.stride(1),
             plan.q_ids.stride(2), dkc.stride(0), dkc.stride(1), dkc.stride(2), qd.stride(0), kd.stride(0),
-            scvb, scvh, Sq, Hq, group, u_cap, n_chunks, nqb,
+            scvb, scvh, Sq, Hq, group, u_cap, n_chunks, ncov,
             BS=block_size, QT=sub["QT"], NQS=sub["NQS"], CH=chunk, D=D, CAUSAL=causal, PREC=prec,
             HAS_DOC=has_doc, DQ_ATOMIC=fused, VCOLS=vcols, **_opts(q, "col", max(sub["QT"], chunk)),
         )

@@ -132,12 +132,148 @@ def vertical_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, 
     v, _ = torch.sort(sorted_verticals(vertical, seq_len, block_size)[0], dim=-1)  # distinct, padding (seq_len) last
     v_blk = v // block_size  # padding: n
     counts = torch.searchsorted(v_blk.contiguous(), torch.arange(n, device=dev).expand(B, H, n).contiguous())
+    return VerticalColumns(torch.where(v < seq_len, v, -1).to(torch.int32).contiguous(),
+                           counts.to(torch.int32).contiguous(), offset_flags(slash, seq_len, block_size), seq_len,
+                           block_size)
+
+
+def offset_flags(slash: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """[B, H, 2, nQB] uint8: 1 at each of the head's block offsets (`mtrain.ops.index.block_offsets`; row 1 those of
+    a short last query block, else row 0 again). No host read."""
+    B, H, _ = slash.shape
+    n = -(-seq_len // block_size)
     offs, offs_last = block_offsets(slash, seq_len, block_size, trim=False)
-    covered = torch.zeros(B, H, 2, n + 1, dtype=torch.uint8, device=dev)  # last column: padding's dump
+    covered = torch.zeros(B, H, 2, n + 1, dtype=torch.uint8, device=slash.device)  # last column: padding's dump
     for row, o in enumerate((offs, offs if offs_last is None else offs_last)):
         covered[:, :, row].scatter_(-1, torch.where((o >= 0) & (o < n) & (o < NO_OFFSET), o, n), 1)
-    return VerticalColumns(torch.where(v < seq_len, v, -1).to(torch.int32).contiguous(),
-                           counts.to(torch.int32).contiguous(), covered[..., :n].contiguous(), seq_len, block_size)
+    return covered[..., :n].contiguous()
+
+
+@dataclasses.dataclass
+class RingColumns:
+    """One context-parallel rank's off-ring columns (`mtrain.parallel.plan.OffRingColumns`), list-free: the ring's
+    counterpart of `VerticalColumns`. On the ring the sink block is not a listed block: its tokens are columns of
+    every query block, gathered with the verticals into slots after the step's keys. So each head keeps
+
+    ids [B, H, Nc] int32: the step's keys (base + slot) of the sink block's tokens, then of the head's verticals past
+        block 0 that are a column somewhere (ascending positions; -1 padded at the end);
+    blocks [B, H, Nc] int32: their global key blocks (0 for the sink's; padding: nG);
+    counts [B, H, R] int32: per local query block, how many leading entries lie in global key blocks before it
+        (the sink's included: they are columns of every query block, causally masked on its own block);
+    covered [B, H, 2, nG] uint8: the head's block offsets as flags (`offset_flags`);
+    row_blocks [R] int64: the global query block of each local query block, ascending;
+    seq_len, block_size: of the whole sequence; base: the first column key of the step (its shard's keys before).
+
+    A vertical in global key block b > 0 is a column of local query block r exactly when b < row_blocks[r] and
+    row_blocks[r] - b is not an offset; the Triton kernels (VCOLS 2) take b and the query block from the keys' and
+    queries' global positions. About B x H x (2 Nc + R + 2 nG) ints against the lists' B x H x R x (sink + cap).
+    """
+
+    ids: torch.Tensor
+    blocks: torch.Tensor
+    counts: torch.Tensor
+    covered: torch.Tensor
+    row_blocks: torch.Tensor
+    seq_len: int
+    block_size: int
+    base: int = 0
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(t, torch.Tensor) for t in (self.ids, self.blocks, self.counts, self.covered,
+                                                           self.row_blocks)):
+            return  # a placeholder copy (`mtrain.ops.partial_autograd.split_tensors` swaps tensors for slots)
+        n = -(-self.seq_len // self.block_size)
+        bh = tuple(self.ids.shape[:2])
+        if self.ids.dim() != 3 or self.blocks.shape != self.ids.shape or self.row_blocks.dim() != 1 \
+                or self.counts.shape != (*bh, self.row_blocks.numel()) or self.covered.shape != (*bh, 2, n):
+            raise ValueError(f"RingColumns wants ids and blocks [B, H, Nc], counts [B, H, R] for R row_blocks and "
+                             f"covered [B, H, 2, {n}]; got {tuple(self.ids.shape)}, {tuple(self.blocks.shape)}, "
+                             f"{tuple(self.counts.shape)}, {tuple(self.row_blocks.shape)}, {tuple(self.covered.shape)}")
+
+    def __iter__(self):
+        """(ids, counts) as a `columns=` pair, ids a zero-stride view over the local query blocks (see
+        `VerticalColumns.__iter__`: only the Triton kernels read it that way)."""
+        B, H, nc = self.ids.shape
+        yield self.ids.unsqueeze(2).expand(B, H, self.counts.shape[-1], nc)
+        yield self.counts
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.blocks, self.counts, self.covered,
+                                                           self.row_blocks))
+
+    def shifted(self, base: int) -> "RingColumns":
+        """The same columns for a step whose column slots start at key `base`."""
+        return dataclasses.replace(self, ids=torch.where(self.ids >= 0, self.ids + (base - self.base), -1).to(
+            torch.int32), base=base)
+
+    def active(self) -> torch.Tensor:
+        """Bool [B, H, R, Nc]: entry t is a column of local query block r (reference and tests: small shapes)."""
+        n = -(-self.seq_len // self.block_size)
+        gi = self.row_blocks.long()[:, None]  # [R, 1]
+        blk = self.blocks.long()[:, :, None, :]  # [B, H, 1, Nc]
+        slot = torch.arange(self.ids.shape[-1], device=self.ids.device)
+        usable = (slot < self.counts[..., None].long()) & (self.ids[:, :, None, :] >= 0)
+        off = (gi - blk).clamp(min=0, max=n - 1)  # [B, H, R, Nc]
+        B, H, R, nc = off.shape
+        rows = [torch.gather(self.covered[:, :, r].long()[:, :, None, :].expand(B, H, R, n), 3, off) for r in (0, 1)]
+        hit = torch.where(gi == n - 1, rows[1], rows[0]) != 0
+        return usable & ((blk == 0) | ((blk < gi) & ~hit))
+
+    def to_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(col_ids [B, H, R, W] int32 -1 padded, col_counts [B, H, R] int32): the same columns as lists, in the
+        order the list-built plan holds them (the sink's tokens, then the verticals ascending); one host read."""
+        slots, counts = compact(self.active())
+        ids = torch.gather(self.ids.long()[:, :, None, :].expand(*slots.shape[:3], self.ids.shape[-1]), -1,
+                           slots.long().clamp(min=0))
+        return torch.where(slots >= 0, ids, -1).to(torch.int32), counts
+
+    def column_plan(self, chunk: int) -> ColumnPlan:
+        """The column backward's work (as `VerticalColumns.column_plan`): per chunk of entries its first local
+        query block (0 for a chunk holding sink tokens, else the first whose global block is past the chunk's first
+        entry's) and how many local query blocks follow it. No host read."""
+        if not 1 <= chunk <= 64:
+            raise ValueError(f"column chunk must be in 1..64 (the column kernels' chunk); got {chunk}")
+        R = self.row_blocks.numel()
+        first_b = self.blocks[:, :, ::chunk].long()  # ascending entries: each chunk's smallest block
+        after = torch.searchsorted(self.row_blocks.long().contiguous(), first_b.contiguous(), right=True)
+        first_q = torch.where(first_b == 0, 0, after).clamp(max=R)
+        bits = torch.zeros(1, dtype=torch.int64, device=self.ids.device)
+        return ColumnPlan(self.ids, first_q.to(torch.int32).unsqueeze(-1).contiguous(), bits,
+                          (R - first_q).to(torch.int32), chunk, list_free=True)
+
+
+def ring_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int, union: torch.Tensor,
+                 row_blocks: torch.Tensor, n_sink: int) -> RingColumns:
+    """The `RingColumns` of the lines (vertical [B, H, Nv] key positions, slash [B, H, Ns] offsets, as
+    `SparseIndex.from_lines` takes them) for the local query blocks `row_blocks`, whose off-ring slots hold the sink
+    block's first n_sink tokens and then `union` (the ascending positions of every column of the whole index,
+    `mtrain.ops.index.RowIndex.column_union`; it may end in seq_len padding). A vertical that is a column of no
+    query block is not in the union and is dropped: it would never be read. Sorts and searches only: no host read."""
+    if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
+        raise ValueError(f"vertical must be [B, H, Nv] and slash [B, H, Ns]; got {tuple(vertical.shape)}, "
+                         f"{tuple(slash.shape)}")
+    B, H, _ = vertical.shape
+    dev = vertical.device
+    n = -(-seq_len // block_size)
+    if vertical.shape[-1] == 0:
+        vertical = torch.full((B, H, 1), -1, dtype=torch.long, device=dev)
+    v = sorted_verticals(vertical, seq_len, block_size)[0]
+    union = union.to(device=dev, dtype=torch.long).contiguous()
+    if union.numel():
+        member = union[torch.searchsorted(union, v.contiguous()).clamp(max=union.numel() - 1)] == v
+    else:
+        member = torch.zeros_like(v, dtype=torch.bool)
+    v, _ = torch.sort(torch.where(member & (v >= block_size) & (v < seq_len), v, seq_len), dim=-1)
+    real = v < seq_len
+    slot = n_sink + torch.searchsorted(union, v.contiguous())
+    blk = torch.where(real, v // block_size, n)
+    row_blocks = row_blocks.to(device=dev, dtype=torch.long).contiguous()
+    counts = n_sink + torch.searchsorted(blk.contiguous(), row_blocks.expand(B, H, -1).contiguous())
+    sink = torch.arange(n_sink, device=dev).expand(B, H, n_sink)
+    ids = torch.cat([sink, torch.where(real, slot, -1)], -1).to(torch.int32).contiguous()
+    blocks = torch.cat([torch.zeros_like(sink), blk], -1).to(torch.int32).contiguous()
+    return RingColumns(ids, blocks, counts.to(torch.int32).contiguous(), offset_flags(slash, seq_len, block_size),
+                       row_blocks, seq_len, block_size)
 
 
 def list_free_bytes(index) -> int | None:

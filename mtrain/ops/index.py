@@ -315,9 +315,10 @@ def _expand_rows(offs, rows, counts, pick, sink, width: int) -> torch.Tensor:
 
 
 def list_bytes(index) -> int:
-    """Bytes of an index's block and column lists (ids and counts) as held: a `SparseIndex` or a `RowIndex`."""
+    """Bytes of an index's block and column lists (ids and counts) as held: a `SparseIndex` or a `RowIndex` (one
+    without column lists holds their counts only)."""
     return sum(t.numel() * t.element_size() for t in (index.block_ids, index.block_counts, index.col_ids,
-                                                       index.col_counts))
+                                                       index.col_counts) if t is not None)
 
 
 def used_list_bytes(index) -> int:
@@ -326,7 +327,7 @@ def used_list_bytes(index) -> int:
     rows = math.prod(index.block_ids.shape[:-1])  # (batch, head, query block) lists
     widths = [int(index.block_counts.max()) if index.block_counts.numel() else 0,
               int(index.col_counts.max()) if index.col_counts.numel() else 0]
-    ids = rows * (widths[0] * index.block_ids.element_size() + widths[1] * index.col_ids.element_size())
+    ids = rows * (widths[0] * index.block_ids.element_size() + widths[1] * index.col_counts.element_size())
     return ids + index.block_counts.numel() * index.block_counts.element_size() + \
         index.col_counts.numel() * index.col_counts.element_size()
 
@@ -565,13 +566,14 @@ class RowIndex:
     entries, same order; the widths fit these rows). column_union LongTensor [U]: ascending positions that are a
     column of some query block of the WHOLE index (any batch row or head; the sink block's tokens are never
     columns). totals float64 [B, Hq, 3]: the whole index's listed block entries, column entries and computed
-    causal pairs. Every query block lists the sink block 0 (as `from_lines` builds it).
+    causal pairs. Every query block lists the sink block 0 (as `from_lines` builds it). col_ids is None where the
+    index was built without column lists (`rows_from_lines(columns=False)`: the ring reads them list-free).
     """
 
     rows: torch.Tensor
     block_ids: torch.Tensor
     block_counts: torch.Tensor
-    col_ids: torch.Tensor
+    col_ids: torch.Tensor | None
     col_counts: torch.Tensor
     seq_len: int
     block_size: int
@@ -622,6 +624,35 @@ def _row_columns(v, v_blk, offs, offs_last, rows, n: int, width: int | None = No
     return ids.to(torch.int32), counts
 
 
+def _row_column_counts(v_blk, offs, offs_last, rows, n: int) -> torch.Tensor:
+    """The counts `_row_columns` gives, without the lists: per row i, the verticals of key blocks 0 < j < i less
+    those whose offset i - j is one of the head's (a histogram of the verticals per key block, read at i - o for
+    each offset o > 0). int32 [B, H, R]; work B x H x R x offsets, in chunks of rows."""
+    B, H, _ = v_blk.shape
+    dev = v_blk.device
+    hist = torch.zeros(B, H, n + 1, dtype=torch.int32, device=dev)  # slot n: padding, duplicates and block 0
+    hist.scatter_add_(-1, torch.where(v_blk > 0, v_blk, n).clamp(max=n), torch.ones_like(v_blk, dtype=torch.int32))
+    hist = hist[..., :n].contiguous()
+    before = torch.cumsum(hist, -1) - hist  # [B, H, n]: verticals in key blocks before i (block 0 holds none)
+
+    def covered(o: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        j = r[None, None, :, None] - o[:, :, None, :]  # [B, H, R, K]: the key block offset o covers in row i
+        ok = (o < NO_OFFSET)[:, :, None, :] & (j > 0) & (o > 0)[:, :, None, :]
+        got = torch.gather(hist, -1, j.clamp(min=0, max=n - 1).flatten(2)).view_as(j)
+        return torch.where(ok, got, 0).sum(-1)
+
+    out = torch.empty(B, H, rows.numel(), dtype=torch.int32, device=dev)
+    step = max(1, _SCATTER_ELEMS // max(1, B * H * offs.shape[-1]))
+    for r0 in range(0, rows.numel(), step):
+        r = rows[r0:r0 + step]
+        out[:, :, r0:r0 + step] = (before[:, :, r] - covered(offs, r)).to(torch.int32)
+    if offs_last is not None:  # a short last block: its own offsets, if the rows hold it (no host read to know)
+        last_row = torch.full((1,), n - 1, dtype=rows.dtype, device=dev)
+        last = (before[:, :, n - 1:] - covered(offs_last, last_row)).to(torch.int32)
+        out[..., -1:] = torch.where(rows[-1:] == n - 1, last, out[..., -1:])
+    return out
+
+
 def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
     """(totals float64 [B, H, 3] as `RowIndex.totals`, used bool [seq_len]: the positions that are a column of
     some query block) of the whole index, without its lists: per row the list length from the offsets, per
@@ -661,7 +692,7 @@ def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
 
 def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
                     rows: torch.Tensor, *, totals: bool = True, check: bool = True,
-                    bound_widths: bool | str = False, read_also: tuple = ()) -> RowIndex:
+                    bound_widths: bool | str = False, read_also: tuple = (), columns: bool = True) -> RowIndex:
     """The lists of the query blocks `rows` of `SparseIndex.from_lines(vertical, slash, seq_len, block_size)`,
     without building the others: time and memory follow len(rows) (plus O(lines + nQB) per head for the
     totals and the column union of the whole index, skipped with totals=False).
@@ -679,6 +710,9 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
     tensor's width + 1, column lists: the vertical tensor's), the column union as wide as the verticals' slots
     (at most seq_len) and padded at its end with seq_len; `_cache["static_widths"]` is then True and there is no
     `host_read` (read_also is ignored). For lines whose caps are small, so that these lists cost little memory.
+    columns=False: no column lists (`col_ids` None; `col_counts` still exact): a context-parallel ring reads the
+    columns list-free from the lines (`mtrain.ops.columns.RingColumns`), so lists as wide as the vertical cap are
+    never built.
     """
     if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
         raise ValueError(
@@ -737,7 +771,9 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
         tail_ids = _expand_rows(offs_last, rows[-1:], counts[..., -1:], pick[..., -1:], sink[..., -1:], width)
         block_ids[:, :, -1:] = torch.where(is_last[:, None], tail_ids, block_ids[:, :, -1:])
     B, H, _ = vertical.shape
-    if v.shape[-1] > 0:
+    if not columns:
+        col_ids, col_counts = None, _row_column_counts(v_blk, offs, offs_last, rows, n)
+    elif v.shape[-1] > 0:
         col_ids, col_counts = _row_columns(v, v_blk, offs, offs_last, rows, n, col_width)
     else:
         col_ids = torch.full((B, H, rows.numel(), 1), -1, dtype=torch.int32, device=vertical.device)

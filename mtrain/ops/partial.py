@@ -60,10 +60,10 @@ def _check_args(q, k, v, q_pos, k_pos, blocks, columns, block_size, q_doc=None, 
 
 
 def _lists(columns):
-    """The torch path reads plain column lists: a `VerticalColumns` gives its own (`to_lists`)."""
-    from mtrain.ops.columns import VerticalColumns
+    """The torch path reads plain column lists: a `VerticalColumns` or `RingColumns` gives its own (`to_lists`)."""
+    from mtrain.ops.columns import RingColumns, VerticalColumns
 
-    return columns.to_lists() if isinstance(columns, VerticalColumns) else columns
+    return columns.to_lists() if isinstance(columns, (VerticalColumns, RingColumns)) else columns
 
 
 def _row_chunks(Sq: int, B: int, Hq: int, Sk: int, block_size: int):
@@ -417,7 +417,9 @@ def attention_forward(
         counts): extra key tokens for every query of the block. They must be distinct and must not
         lie inside a listed key block (SparseIndex guarantees both); the Triton path would count
         such a pair twice. Or a `mtrain.ops.columns.VerticalColumns` (one device's index, keys from 0): the
-        same columns without per-block lists, for `blocks` from the same lines.
+        same columns without per-block lists, for `blocks` from the same lines; or a
+        `mtrain.ops.columns.RingColumns` (a context-parallel rank's off-ring columns, from the step's
+        `mtrain.ops.index.COLUMN_BASE` in `plans`).
     softmax_scale: default 1/sqrt(D). impl: "auto" (Triton on CUDA tensors and under
         TRITON_INTERPRET=1, else torch), "triton" or "torch". The Triton path takes fp16, bf16 and
         fp32 with a power-of-two head dim >= 16 and accumulates in fp32; float64 needs impl="torch".

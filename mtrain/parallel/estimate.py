@@ -421,6 +421,14 @@ def static_list_bytes(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) 
     return lists_bytes(b, h, n_rows, slash.shape[-1], vertical.shape[-1])
 
 
+# Where a rank's lists are sized from one host read (`rank_list_widths` True: caps whose lists as wide as the lines
+# allow pass STATIC_WIDTH_BYTES), its rows hold no column lists: the ring reads the columns list-free
+# (`mtrain.ops.columns.RingColumns`: each head's sorted verticals and block offsets), so a layer's index takes
+# B x H x (rows x block offsets + verticals) ints instead of B x H x rows x the vertical cap (~1 GiB per layer at
+# 128K tokens per GPU, 16 heads and 16,384-vertical caps). False: lists as before.
+LIST_FREE_COLUMNS = True
+
+
 def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) -> bool | str:
     """`rows_from_lines`' bound_widths for a rank's rows of these lines: "static" (no host read) where those lists
     take at most `STATIC_WIDTH_BYTES`, else True (one host read). Recomputation (gradient checkpointing) asks the
@@ -439,7 +447,7 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
     per layout), else computed here. scorer, key_blocks: as `estimate_lines`. The lists' widths are bounds, so the
     ring plan built from the index reads nothing back: where lists as wide as the lines allow take at most
     `STATIC_WIDTH_BYTES` (small caps), those widths, with no host read at all (`rows_from_lines(bound_widths=
-    "static")`); else bounds from one host read (`bound_widths=True`)."""
+    "static")`); else bounds from one host read (`bound_widths=True`), and no column lists (`LIST_FREE_COLUMNS`)."""
     lines = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks)
     return rank_index_from_lines(lines, q_pos, k_pos, seq_len, settings, group, rows=rows)
 
@@ -464,8 +472,9 @@ def rank_index_from_lines(lines, q_pos, k_pos, seq_len: int, settings: SparseSet
     bs = settings.block_size
     rows = rank_rows(q_pos, bs) if rows is None else rows
     also = () if recall is None else (recall.double().mean(),)  # what a layer's dense/sparse choice reads
-    index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False,
-                            bound_widths=rank_list_widths(vertical, slash, rows.numel()), read_also=also)
+    widths = rank_list_widths(vertical, slash, rows.numel())
+    index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False, bound_widths=widths, read_also=also,
+                            columns=not (LIST_FREE_COLUMNS and widths is True))
     index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
     if recall is not None:
         index._cache["est_recall"] = recall

@@ -157,9 +157,8 @@ def rank_work(index, layout: Layout, rank: int, *, local_world_size: int | None 
     for ids, valid, rows in _row_chunks(index.block_ids, index.block_counts, row_ids):
         weight = torch.where(valid, mine[rows][:, None], 0.0)
         key_weight.index_add_(0, ids.clamp(min=0).long().flatten(), weight.flatten())
-    column_weight = torch.zeros((), dtype=torch.float64, device=dev)  # one token each, off the ring
-    for _, valid, rows in _row_chunks(index.col_ids, index.col_counts, row_ids):
-        column_weight += (valid.sum(-1).double() * mine[rows]).sum()
+    # one token each, off the ring: a row's column count (its lists are front-packed, or held list-free)
+    column_weight = (index.col_counts.double() * mine[row_ids]).sum()
     by_origin = tokens[1:].t() @ key_weight[1:] / area  # [W]: work against each origin's shard
     local = (key_weight[0] * tokens[0].sum() + column_weight) / area
     pair = torch.zeros(world, world, dtype=torch.float64, device=dev)

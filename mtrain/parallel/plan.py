@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mtrain.errors import MtrainError
-from mtrain.ops.index import BOUNDED, COLUMN_BASE, RowIndex, group_counts
+from mtrain.ops.columns import RingColumns, ring_columns
+from mtrain.ops.index import BOUNDED, COLUMN_BASE, RowIndex, group_counts, rows_from_lines
 from mtrain.parallel.dense_rects import Rect, dense_rects
 from mtrain.parallel.layout import Layout
 
@@ -41,7 +42,9 @@ class OffRingColumns:
     once from their owners.
 
     positions [U] global positions (padding = seq_len, causally invisible), owner/local [U] where each
-    lives (-1 for padding), ids [B, Hq, nQB_local, C] int32 indices into positions, sorted, -1 padded.
+    lives (-1 for padding), ids [B, Hq, nQB_local, C] int32 indices into positions, sorted, -1 padded; or, for an
+    index built without column lists, ids and counts None and `form` the same columns list-free
+    (`mtrain.ops.columns.RingColumns`, slots from 0).
     The gather is an all-gather of per_rank rows from every rank (the most any rank owns; shorter lists padded):
     send_local [per_rank] the local rows this rank sends (its slots ascending, padding row 0), src [U] where each
     slot lies in the gathered [W * per_rank] rows, by_rank [W, per_rank] the slots each rank sends (padding = U),
@@ -58,6 +61,13 @@ class OffRingColumns:
     send_local: torch.Tensor
     src: torch.Tensor
     by_rank: torch.Tensor
+    form: RingColumns | None = None
+
+    def step_columns(self, base: int):
+        """The columns of a step whose slots start at key `base`: (ids, counts) lists or the list-free form."""
+        if self.form is not None:
+            return self.form.shifted(base)
+        return torch.where(self.ids >= 0, self.ids + base, -1).to(torch.int32), self.counts
 
 
 @dataclass
@@ -248,21 +258,33 @@ def sparse_plan(index, layout: Layout, rank: int, device: torch.device, column_o
     return cache[key]
 
 
-def _rank_lists(index, my_global_blocks: torch.Tensor, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _rank_lists(index, my_global_blocks: torch.Tensor, rank: int, device, list_free_ok: bool = False):
     """(block lists int64, column lists int32) [B, H, nLQB, *] in global ids of the rank's local query blocks. The
     column lists stay int32 (and are the index's own tensor where the rows match): at 256K tokens per GPU with
-    4,096-line caps an int64 copy of them is 2 GiB."""
+    4,096-line caps an int64 copy of them is 2 GiB. A RowIndex without column lists gives None for them where the
+    caller reads the columns list-free (`list_free_ok`), else lists built here from its lines."""
+    if isinstance(index, RowIndex) and index.col_ids is None and not list_free_ok:
+        vertical, slash, _ = index._cache["lines"]
+        rows = torch.unique(my_global_blocks)  # (a local block smaller than the index's: blocks repeat)
+        part = rows_from_lines(vertical, slash, int(index.seq_len), int(index.block_size), rows.to(vertical.device),
+                               totals=False, check=False)
+        at = torch.searchsorted(rows, my_global_blocks)
+        return part.block_ids.to(device).long()[:, :, at], part.col_ids.to(device, torch.int32)[:, :, at]
+
+    def cols(select):
+        return None if index.col_ids is None else select(index.col_ids.to(device, torch.int32))
+
     if not isinstance(index, RowIndex):
         return (index.block_ids.to(device).long()[:, :, my_global_blocks, :],
-                index.col_ids.to(device, torch.int32)[:, :, my_global_blocks, :])
+                cols(lambda c: c[:, :, my_global_blocks, :]))
     held = index.rows.to(device)
     if held is my_global_blocks:  # the rows the rank's cached block list names: nothing to look up or check
-        return index.block_ids.to(device).long(), index.col_ids.to(device, torch.int32)
+        return index.block_ids.to(device).long(), cols(lambda c: c)
     slot = torch.searchsorted(held, my_global_blocks).clamp(max=held.numel() - 1)
     if not torch.equal(held[slot], my_global_blocks):
         raise MtrainError(f"the RowIndex does not hold the query blocks of rank {rank}'s shard; build it from "
                           "that rank's positions (mtrain.parallel.estimate.rank_rows)")
-    return index.block_ids.to(device).long()[:, :, slot, :], index.col_ids.to(device, torch.int32)[:, :, slot, :]
+    return index.block_ids.to(device).long()[:, :, slot, :], cols(lambda c: c[:, :, slot, :])
 
 
 def build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, column_origin: int) -> RingPlan:
@@ -276,13 +298,15 @@ def build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, co
         my_global_blocks = rank_blocks(layout, seq_len, rank, block_size, device)
     else:
         my_global_blocks = positions[rank].view(-1, local_block)[:, 0] // block_size
-    rows, my_cols = _rank_lists(index, my_global_blocks, rank, device)  # [B, H, nLQB, *] global ids
+    list_free = local_block == block_size  # the list-free columns need the index's blocks on the ring
+    rows, my_cols = _rank_lists(index, my_global_blocks, rank, device, list_free)  # [B, H, nLQB, *] global ids
     had_sink = (rows == 0).any(dim=-1)
     rows = torch.where(rows == 0, -1, rows)
 
     owners = _block_owners(layout.spec, seq_len, local_block, block_size, str(device))
     bounded = bounded and owners is not None  # (other layouts remap through tables, trimmed with host reads)
-    columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device, bounded)
+    columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device, bounded,
+                                my_global_blocks)
     steps: dict[int, StepBlocks | None] = {}
     if owners is not None:  # every global block is one local block of one rank: split the lists once
         per_origin, longest = _split_by_origin(rows, *owners, layout.world_size, bounded)
@@ -294,8 +318,7 @@ def build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, co
         step_columns = None
         if origin == column_origin and columns is not None:
             # the gathered columns follow the shard's own keys: slot u is key S_local + u of this step
-            n_local = k_pos.numel()
-            step_columns = (torch.where(columns.ids >= 0, columns.ids + n_local, -1).to(torch.int32), columns.counts)
+            step_columns = columns.step_columns(k_pos.numel())
             k_pos = torch.cat([k_pos, columns.positions])
         steps[origin] = StepBlocks(ids, counts, k_pos, step_columns)
     # the step carrying the columns always runs
@@ -327,10 +350,12 @@ def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device)
     world = layout.world_size
     positions = _all_positions(layout, seq_len, device)
     bounded = isinstance(index, RowIndex) and bool(index._cache.get("bounded_widths"))
-    rows, my_cols = _rank_lists(index, rank_blocks(layout, seq_len, rank, block_size, device), rank, device)
+    my_global_blocks = rank_blocks(layout, seq_len, rank, block_size, device)
+    rows, my_cols = _rank_lists(index, my_global_blocks, rank, device, list_free_ok=True)
     had_sink = (rows == 0).any(dim=-1)
     rows = torch.where(rows == 0, -1, rows)
-    columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device, bounded)
+    columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device, bounded,
+                                my_global_blocks)
     owner, local = owners
     n_local = positions[rank].numel()
     nlb = n_local // local_block
@@ -360,8 +385,7 @@ def gathered_columns(columns: OffRingColumns | None, rank: int, world: int, n_lo
     col_src = torch.where(real, ((rank - columns.owner.clamp(min=0)) % world) * n_local + columns.local.clamp(min=0), 0)
     # where each slot's gradient goes back: its gathered row; a padding slot onto itself (distinct targets)
     col_dst = torch.where(real, col_src, world * n_local + torch.arange(real.numel(), device=real.device))
-    ids = torch.where(columns.ids >= 0, columns.ids + world * n_local, -1).to(torch.int32)
-    return (ids, columns.counts), (col_src, col_dst, n_local)
+    return columns.step_columns(world * n_local), (col_src, col_dst, n_local)
 
 
 def _remap_per_origin(rows, layout: Layout, seq_len: int, local_block: int, block_size: int, device):
@@ -481,7 +505,9 @@ def _gather_tables(owner: torch.Tensor, local: torch.Tensor, world: int, rank: i
 
 
 def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device,
-                      bounded: bool = False) -> OffRingColumns | None:
+                      bounded: bool = False, row_blocks: torch.Tensor | None = None) -> OffRingColumns | None:
+    """The off-ring columns of the rank's rows: lists from `my_cols`, or (my_cols None: an index without column
+    lists) list-free from the index's lines for the local query blocks `row_blocks`."""
     union, n_sink = _column_union(index, seq_len, device)
     if union.numel() == 0:  # decided from the whole index, so every rank skips the gather alike
         return None
@@ -494,6 +520,12 @@ def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_l
     owner[: union.numel()] = torch.where(real, owner_all[union.clamp(max=seq_len - 1)], -1)
     local[: union.numel()] = torch.where(real, local_all[union.clamp(max=seq_len - 1)], -1)
 
+    if my_cols is None:  # list-free: each head's sorted verticals in slots, with its block offsets as flags
+        vertical, slash, _ = index._cache["lines"]
+        form = ring_columns(vertical.to(device), slash.to(device), seq_len, int(index.block_size),
+                            index.column_union.to(device), row_blocks, n_sink)
+        per_rank, send_local, src, by_rank = _gather_tables(owner, local, layout.world_size, rank, bounded)
+        return OffRingColumns(positions, owner, local, None, None, per_rank, send_local, src, by_rank, form)
     # int32 throughout (positions < 2**31): these lists are the plan's largest tensors (1 GiB each in int32 at 256K
     # tokens per GPU with 4,096-line caps), and the sort-based packing with int64 indices held ~13 GiB at once there
     col_slots = torch.searchsorted(union.to(torch.int32), my_cols.clamp(min=0), out_int32=True)

@@ -1,0 +1,203 @@
+"""The ring's off-ring columns read list-free (`mtrain.ops.columns.RingColumns`, issue #27): a rank index built
+without column lists (`rows_from_lines(columns=False)`, what `estimate_rank_index` builds where the cap-wide lists
+would pass `STATIC_WIDTH_BYTES`) gives plans whose columns are, entry for entry, the lists the list-built plans hold,
+for every layout, rank, schedule and short last block; and the ring on it (CP 2 and 4, gloo, our Triton kernels in
+the interpreter and the torch path) computes the attention of a float64 reference and the gradients of the list
+path."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtrain.ops.columns import RingColumns, ring_columns
+from mtrain.ops.index import SparseIndex, rows_from_lines
+from mtrain.parallel import LAYOUT_NAMES, Layout, SparseSettings
+
+
+def _lines(S: int, nv: int, ns: int, seed: int, B: int = 1, H: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    vertical = torch.randint(-1, S, (B, H, nv), generator=g)
+    slash = torch.cat([torch.arange(3).expand(B, H, 3), torch.randint(-1, S, (B, H, ns), generator=g)], -1)
+    return vertical, slash
+
+
+def _rank_index(vertical, slash, S, bs, rows, columns: bool):
+    index = rows_from_lines(vertical, slash, S, bs, rows, bound_widths=True, columns=columns)
+    index._cache["lines"] = (vertical, slash, rows)
+    return index
+
+
+def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    return F.pad(t, (0, width - t.shape[-1]), value=-1)
+
+
+def _same_columns(form, lists) -> bool:
+    got_ids, got_counts = form.to_lists()
+    ids, counts = lists
+    width = max(got_ids.shape[-1], ids.shape[-1])
+    return torch.equal(got_counts, counts) and torch.equal(_padded(got_ids, width), _padded(ids.to(torch.int32), width))
+
+
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("S,bs", [(512, 16), (1024, 32)])
+def test_list_free_ring_columns_are_the_list_plans_columns(name, world, S, bs):
+    """Both schedules' plans, from one rank index with column lists and one without: the same slots, and the
+    list-free form's columns (`to_lists`) are the list plan's, entry for entry, on the step that attends them."""
+    from mtrain.parallel.estimate import rank_rows
+    from mtrain.parallel.plan import gathered_sparse_plan, sparse_plan
+
+    cpu = torch.device("cpu")
+    layout = Layout.create(name, world_size=world, granularity=bs)
+    checked = 0
+    for seed in range(3):
+        vertical, slash = _lines(S, 6 + 5 * seed, 4, seed)
+        for rank in range(world):
+            rows = rank_rows(layout.indices(S, rank), bs)
+            lists = _rank_index(vertical, slash, S, bs, rows, True)
+            free = _rank_index(vertical, slash, S, bs, rows, False)
+            assert free.col_ids is None and torch.equal(free.col_counts, lists.col_counts)
+            origin = (rank + 1) % world
+            a, b = sparse_plan(lists, layout, rank, cpu, origin), sparse_plan(free, layout, rank, cpu, origin)
+            assert torch.equal(a.columns.positions, b.columns.positions)
+            assert torch.equal(a.columns.src, b.columns.src) and torch.equal(a.columns.send_local, b.columns.send_local)
+            for o in range(world):
+                assert torch.equal(a.steps[o].ids, b.steps[o].ids) and torch.equal(a.steps[o].k_pos, b.steps[o].k_pos)
+            if layout.local_block_size(S, bs) != bs:  # ring blocks smaller than the index's: lists from the lines
+                width = max(a.columns.ids.shape[-1], b.columns.ids.shape[-1])
+                assert b.columns.form is None and torch.equal(a.columns.counts, b.columns.counts)
+                assert torch.equal(_padded(a.columns.ids, width), _padded(b.columns.ids, width))
+                continue
+            assert b.columns.form is not None and b.columns.ids is None
+            step = b.steps[origin].columns
+            assert isinstance(step, RingColumns) and step.base == layout.indices(S, rank).numel()
+            assert _same_columns(step, a.steps[origin].columns)
+            ga, gb = gathered_sparse_plan(lists, layout, rank, cpu), gathered_sparse_plan(free, layout, rank, cpu)
+            if ga is None:
+                assert gb is None
+                continue
+            assert _same_columns(gb.steps[rank].columns, ga.steps[rank].columns)
+            assert all(torch.equal(x, y) for x, y in zip(ga.gather_slots[:2], gb.gather_slots[:2]))
+            checked += 1
+    assert checked > 0 or layout.local_block_size(S, bs) != bs
+
+
+@pytest.mark.parametrize("S,bs", [(250, 16), (1000, 32), (64, 16)])
+def test_ring_columns_of_one_rank_holding_every_row(S, bs):
+    """One rank holding every query block (short last blocks included): the form's columns are the sink's tokens
+    followed by the global index's column lists (in slots of the union), row for row; and the column backward's plan
+    never starts a chunk after a query block that reads one of its entries."""
+    n = -(-S // bs)
+    rows = torch.arange(n)
+    for seed in range(4):
+        vertical, slash = _lines(S, 3 + 7 * seed, 3 + seed, seed, B=2, H=3)
+        full = SparseIndex.from_lines(vertical, slash, S, bs)
+        part = rows_from_lines(vertical, slash, S, bs, rows)
+        n_sink = min(bs, S)
+        form = ring_columns(vertical, slash, S, bs, part.column_union, rows, n_sink)
+        union = torch.cat([torch.arange(n_sink), part.column_union])
+        slot_ids, counts = form.to_lists()
+        got = torch.where(slot_ids >= 0, union[slot_ids.long().clamp(min=0)], -1)
+        sink = torch.arange(n_sink).expand(*full.col_ids.shape[:3], n_sink)
+        want = torch.cat([sink, full.col_ids.long()], -1)
+        want_counts = full.col_counts + n_sink
+        width = max(got.shape[-1], want.shape[-1])
+        assert torch.equal(counts, want_counts)
+        assert torch.equal(_padded(got, width), _padded(want, width))
+        active = form.active()
+        plan = form.column_plan(4)
+        for c in range(plan.q_ids.shape[2]):
+            used = active[:, :, :, c * 4:(c + 1) * 4].any(-1)  # [B, H, R]: rows reading an entry of chunk c
+            first = plan.q_ids[:, :, c, 0].long()
+            before = torch.arange(n)[None, None, :] < first[..., None]
+            assert not bool((used & before).any()), (seed, c)
+            assert torch.equal(plan.counts[:, :, c].long(), n - first)
+
+
+def test_ring_columns_refuse_bad_shapes():
+    vertical, slash = _lines(256, 4, 2, 0)
+    form = ring_columns(vertical, slash, 256, 16, torch.tensor([40, 90]), torch.arange(0, 16, 2), 16)
+    with pytest.raises(ValueError, match="RingColumns wants"):
+        RingColumns(form.ids, form.blocks[..., :-1], form.counts, form.covered, form.row_blocks, 256, 16)
+    with pytest.raises(ValueError, match="chunk"):
+        form.column_plan(65)
+
+
+SEQ, BLOCK, HQ, HKV, DIM = 512, 16, 2, 1, 16
+
+
+def _worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    from mtrain.ops import reference
+    from mtrain.parallel import ring_attention
+    from mtrain.parallel.estimate import rank_index_from_lines, rank_rows
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(1, SEQ, HQ, DIM, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, SEQ, HKV, DIM, generator=g, dtype=torch.float64) for _ in range(2))
+    vertical = torch.tensor([[[3, 40, 41, 130, 200, 333, 334, 470], [17, 100, 260, 261, 262, 400, 401, 505]]])
+    slash = torch.tensor([[[0, 1, 35, 96, 250], [0, 16, 50, 64, 300]]])
+    mask = SparseIndex.from_lines(vertical, slash, SEQ, BLOCK).to_mask()
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref, _ = reference.attention(*full, mask, 1.0 / math.sqrt(DIM))
+    ref.backward(dout)
+    want = [ref.detach()] + [t.grad for t in full]
+    settings = SparseSettings(block_size=BLOCK)
+    record = {}
+    for name in ("block-stripe", "zigzag"):
+        layout = Layout.create(name, world_size=world, granularity=BLOCK)
+        pos = layout.indices(SEQ, rank)
+        for schedule in ("ring", "gather"):
+            runs = {}
+            for list_free in (False, True):
+                import mtrain.parallel.estimate as estimate
+
+                saved = estimate.STATIC_WIDTH_BYTES
+                estimate.STATIC_WIDTH_BYTES = -1  # widths from one host read: the list-free columns' regime
+                estimate.LIST_FREE_COLUMNS = list_free
+                try:
+                    index = rank_index_from_lines((vertical, slash, torch.ones(1, HQ), None), pos, pos, SEQ, settings,
+                                                  None, rows=rank_rows(pos, BLOCK))
+                finally:
+                    estimate.STATIC_WIDTH_BYTES, estimate.LIST_FREE_COLUMNS = saved, True
+                shards = [layout.shard(t.float(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+                out = ring_attention(*shards[:3], group=None, layout=layout, index=index, schedule=schedule,
+                                     engine="triton")
+                out.backward(shards[3])
+                runs[list_free] = ([out.detach()] + [t.grad for t in shards[:3]], index.col_ids is None)
+            got, free = runs[True]
+            lists, listed = runs[False]
+            record[f"{name}/{schedule}"] = {
+                "list_free_index": free and not listed,
+                "errors": [float((a.double() - layout.shard(b, rank)).abs().max()) for a, b in zip(got, want)],
+                "vs_lists": [float((a - b).abs().max()) for a, b in zip(got, lists)],
+            }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("interpret", [False, True], ids=["torch", "triton-interpreter"])
+def test_ring_on_list_free_columns_matches_the_reference_and_the_lists(tmp_path, world, interpret):
+    from ranks import run_ranks
+
+    run_ranks(_worker, world, (world, str(tmp_path / "init"), str(tmp_path)), interpret=interpret)
+    for rank in range(world):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(record) == 4
+        for case, r in record.items():
+            assert r["list_free_index"], (rank, case)
+            out_err, *grad_errs = r["errors"]
+            assert out_err < 1e-5 and max(grad_errs) < 1e-4, (rank, case, r["errors"])
+            assert max(r["vs_lists"]) < 1e-5, (rank, case, r["vs_lists"])
