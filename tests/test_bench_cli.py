@@ -187,7 +187,7 @@ def test_ring_on_real_attention_lists_one_devices_lines():
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           "-m", "mtrain.bench.ring", "--cpu", "--model", str(model), "--tokens-per-gpu", "512",
                           "--block-size", "64", "--layers", "2", "--iters", "1", "--warmup", "0", "--skip-dense",
-                          "--schedules", "ring", "--recall-rows", "16"],
+                          "--schedules", "ring", "--recall-rows", "16", "--compare-columns", "--bytes-cp", "4"],
                          cwd=REPO, capture_output=True, text=True, timeout=900,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -198,5 +198,9 @@ def test_ring_on_real_attention_lists_one_devices_lines():
         assert set(r["line_differences"].values()) == {0}, r
         assert r["true_recall_mean"] > 0.95, r
         assert r["index_bytes_list_free"] > 0, r  # the rank's rows with list-free columns, reported beside the lists
+        assert r["ring_sparse_lists_ms"] > 0, r  # --compare-columns: the same ring with the rank's column lists
+        (b,) = r["rank_bytes"]  # rank 0 of CP=4 over the same 1024 tokens: 4 of its 16 query blocks
+        assert b["cp"] == 4 and b["rows"] == 4 and 0 < b["list_free"] < b["cap_wide"] and b["lists"] <= b["cap_wide"], b
     assert "lines equal one device's on every layer and rank: True" in run.stdout
-    assert "with list-free columns, not yet read by the ring" in run.stdout
+    assert "with list-free columns, as the ring reads them at large caps" in run.stdout
+    assert "with the column lists instead: ring" in run.stdout and "rank 0 of CP=4" in run.stdout

@@ -32,6 +32,7 @@ from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
 from mtrain.parallel.comm import RingComm  # noqa: E402
 from mtrain.parallel.estimate import estimate_index, estimate_lines, estimate_rank_index  # noqa: E402
+from mtrain.parallel import estimate as estimate_module  # noqa: E402
 from mtrain.parallel import graphed, ring_gather  # noqa: E402
 from mtrain.parallel.graphed import estimate_rank_index_graphed  # noqa: E402
 from mtrain.parallel.merge import GradSum, PartialAccumulator  # noqa: E402
@@ -502,15 +503,15 @@ def bench_model(rank, world, args, device, report) -> None:
             recall = gathered_true_recall(shard[0], shard[1], pos, mine._cache["lines"], seq, args.block_size, None,
                                           softmax_scale=scale, n_rows=args.recall_rows)
         dout = torch.randn_like(shard[0])
-        run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
-                                                       softmax_scale=scale, engine=args.engine), shard, dout)
-        ms = timed(run, args.iters, args.warmup)
-        gather_ms = None
-        if "gather" in args.schedules:
-            grun, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
-                                                            softmax_scale=scale, engine=args.engine,
-                                                            schedule="gather"), shard, dout)
-            gather_ms = timed(grun, args.iters, args.warmup)
+        ms, gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args)
+        lists_ms = lists_gather_ms = None
+        if args.compare_columns:  # the same calls with the rank index's column lists
+            saved = estimate_module.LIST_FREE_COLUMNS
+            estimate_module.LIST_FREE_COLUMNS = False
+            try:
+                lists_ms, lists_gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args)
+            finally:
+                estimate_module.LIST_FREE_COLUMNS = saved
         if dense_ms is None and not args.skip_dense:
             # zigzag, the dense ring's best layout; its time does not depend on the values, so this layer's
             # block-stripe shards stand in for zigzag ones
@@ -524,8 +525,11 @@ def bench_model(rank, world, args, device, report) -> None:
                "density": mine.density(), "est_recall": float(mine._cache["est_recall"].mean()),
                "index_bytes": list_bytes(mine), "index_bytes_used_widths": used_list_bytes(mine),
                "index_bytes_cap_wide_cols": _cap_wide_column_bytes(mine, settings),
-               # the same rows with list-free columns (mtrain.ops.columns; the ring does not read that form yet)
-               "index_bytes_list_free": list_free_bytes(mine)}
+               # the same rows with list-free columns (mtrain.ops.columns.RingColumns, as the ring reads them where
+               # list_free_columns: the cap-wide lists would pass STATIC_WIDTH_BYTES)
+               "index_bytes_list_free": list_free_bytes(mine), "list_free_columns": mine.col_ids is None,
+               "ring_sparse_lists_ms": lists_ms, "gather_sparse_lists_ms": lists_gather_ms,
+               "rank_bytes": [_rank_bytes(mine._cache["lines"], seq, cp, settings) for cp in args.bytes_cp]}
         per_layer.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -546,7 +550,15 @@ def bench_model(rank, world, args, device, report) -> None:
                "index_mib_used_widths_max": max(r["index_bytes_used_widths"] for r in per_layer) / 2**20,
                "index_mib_cap_wide_cols": per_layer[0]["index_bytes_cap_wide_cols"] / 2**20,
                "index_mib_list_free_max": max(r["index_bytes_list_free"] or 0 for r in per_layer) / 2**20,
+               "layers_list_free_columns": sum(r["list_free_columns"] for r in per_layer),
                "per_layer": per_layer}
+    if args.compare_columns:
+        summary["sparse_ring_lists_model_ms"] = sum(r["ring_sparse_lists_ms"] for r in per_layer)
+        if gather_total is not None:
+            summary["sparse_gather_lists_model_ms"] = sum(r["gather_sparse_lists_ms"] for r in per_layer)
+    summary["rank_mib_max"] = [  # per CP size of --bytes-cp: the most over layers, of each form
+        {"cp": cp, **{form: max(r["rank_bytes"][i][form] for r in per_layer) / 2**20
+                      for form in ("lists", "list_free", "cap_wide")}} for i, cp in enumerate(args.bytes_cp)]
     report.append(summary)
     if rank == 0:
         speed = "" if dense_ms is None else f", dense ring {summary['dense_ring_model_ms']:.0f} ms " \
@@ -562,10 +574,59 @@ def bench_model(rank, world, args, device, report) -> None:
               f"wide as the {settings.max_vertical} cap: {summary['index_mib_cap_wide_cols']:.0f} MiB; with list-free "
               f"columns, as the ring reads them at large caps: {summary['index_mib_list_free_max']:.1f} MiB)",
               flush=True)
+        print(f"  columns read list-free on {summary['layers_list_free_columns']} of {len(per_layer)} layers",
+              flush=True)
+        if args.compare_columns:
+            lists = summary["sparse_ring_lists_model_ms"]
+            line = f"  with the column lists instead: ring {lists:.0f} ms (list-free / lists {total / lists:.3f})"
+            if gather_total is not None:
+                glists = summary["sparse_gather_lists_model_ms"]
+                line += f", gathered {glists:.0f} ms ({gather_total / glists:.3f})"
+            print(line, flush=True)
+        for b in summary["rank_mib_max"]:
+            print(f"  index per layer, rank 0 of CP={b['cp']} (most over layers): column lists as held "
+                  f"{b['lists']:.1f} MiB, list-free {b['list_free']:.1f} MiB, cap-wide lists {b['cap_wide']:.1f} MiB",
+                  flush=True)
         for layer, diff in summary["layers_with_other_lines"].items():  # where, and how many lines, the ring differs
             print(f"  layer {layer}: lines differ from one device's in {diff['heads_differing']} heads: verticals "
                   f"{diff['verticals_only_one_device']} only one device's, {diff['verticals_only_ring']} only the "
                   f"ring's; slashes {diff['slashes_only_one_device']} / {diff['slashes_only_ring']}", flush=True)
+
+
+def _time_model_ring(shard, dout, layout, settings, scale, args):
+    """(ring ms, gathered ms or None): the estimated sparse ring's fwd+bwd on a layer's shards, median."""
+    run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
+                                                   softmax_scale=scale, engine=args.engine), shard, dout)
+    ms = timed(run, args.iters, args.warmup)
+    gather_ms = None
+    if "gather" in args.schedules:
+        grun, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
+                                                        softmax_scale=scale, engine=args.engine, schedule="gather"),
+                          shard, dout)
+        gather_ms = timed(grun, args.iters, args.warmup)
+    return ms, gather_ms
+
+
+def _rank_bytes(lines, seq: int, cp: int, settings) -> dict:
+    """Index bytes of rank 0 of a `cp`-rank block-stripe ring over `seq` tokens, from the lines every rank agrees on:
+    with the column lists as the ring held them before the list-free form (widths from the one host read), list-free
+    (`mtrain.ops.columns.list_free_bytes`), and with column lists as wide as the vertical cap."""
+    from mtrain.ops.index import rows_from_lines
+    from mtrain.parallel.estimate import rank_rows
+
+    vertical, slash = lines[0], lines[1]
+    bs = settings.block_size
+    layout = Layout.create("block-stripe", world_size=cp, granularity=bs)
+    rows = rank_rows(layout.indices(seq, 0).to(vertical.device), bs)
+    out = {"cp": cp, "rows": rows.numel()}
+    for name, columns in (("lists", True), ("list_free", False)):
+        index = rows_from_lines(vertical, slash, seq, bs, rows, check=False, bound_widths=True, columns=columns)
+        index._cache["lines"] = (vertical, slash, rows)
+        out[name] = list_bytes(index) if columns else list_free_bytes(index)
+        if not columns:
+            out["cap_wide"] = list_bytes(index) + _cap_wide_column_bytes(index, settings)
+        del index
+    return out
 
 
 def _cap_wide_column_bytes(index, settings) -> int:
@@ -800,6 +861,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recall", type=float, default=0.99, help="--model: the online estimate's recall target")
     parser.add_argument("--recall-rows", type=int, default=64, help="--model: sampled rows of the true recall")
     parser.add_argument("--layers", type=int, default=0, help="--model: only the first N layers (0: all)")
+    parser.add_argument("--compare-columns", action="store_true",
+                        help="--model: also time each layer's ring with the rank index's column lists "
+                             "(mtrain.parallel.estimate.LIST_FREE_COLUMNS off) beside the list-free columns")
+    parser.add_argument("--bytes-cp", type=int, nargs="*", default=[],
+                        help="--model: also count, per layer, the index bytes of rank 0 of a block-stripe ring of "
+                             "each of these CP sizes over the same sequence (from the same lines, no ring run): "
+                             "the column lists as the ring held them, list-free, and cap-wide")
     parser.add_argument("--check-only", action="store_true", help="the correctness check alone (no timing)")
     parser.add_argument("--torch-merge", action="store_true",
                         help="merge the ring's partial results with the torch merge instead of the fused Triton one")

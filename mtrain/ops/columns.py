@@ -277,20 +277,28 @@ def ring_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, bloc
 
 
 def list_free_bytes(index) -> int | None:
-    """Bytes of an index with its columns in this form: its block lists and counts, the `VerticalColumns` of the
-    lines it was built from, and the column backward's plan at the kernels' chunk. A `RowIndex` (a context-parallel
-    rank's rows) counts its own rows' block lists and per-row counts, with the whole head's verticals and flags. None
-    when the index keeps neither the form nor its lines (`index._cache["lines"]`, which the estimators set)."""
+    """Bytes of an index with its columns in this form: its block lists and counts, the list-free columns of the
+    lines it was built from and the column backward's plan at the kernels' chunk. A `SparseIndex` counts its
+    `VerticalColumns`; a `RowIndex` (a context-parallel rank's rows) the `RingColumns` the ring reads for those rows
+    (its per-row column counts included). None when the index keeps neither the form nor its lines
+    (`index._cache["lines"]`, which the estimators set)."""
     from mtrain.ops.index import kernel_column_chunk
 
+    chunk = kernel_column_chunk(int(index.block_size))
+    rows = getattr(index, "rows", None)
+    lines = index._cache.get("lines")
+    if rows is not None and lines is not None and index.column_union is not None:
+        seq_len, bs = int(index.seq_len), int(index.block_size)
+        form = ring_columns(lines[0], lines[1], seq_len, bs, index.column_union, rows, min(bs, seq_len))
+        plan = form.column_plan(chunk)
+        held = (index.block_ids, index.block_counts, index.col_counts, plan.q_ids, plan.counts)
+        return form.nbytes() + sum(t.numel() * t.element_size() for t in held)
     cols = index._cache.get("vcols")  # attached by `with_list_free_columns`, else built here from the lines
     if cols is None:
-        lines = index._cache.get("lines")
         if lines is None:
             return None
         cols = vertical_columns(lines[0], lines[1], int(index.seq_len), int(index.block_size))
-    plan = cols.column_plan(kernel_column_chunk(int(index.block_size)))
-    rows = getattr(index, "rows", None)
+    plan = cols.column_plan(chunk)
     per_row = cols.counts.numel() if rows is None else cols.counts.shape[0] * cols.counts.shape[1] * rows.numel()
     held = (index.block_ids, index.block_counts, cols.verts, cols.covered, plan.q_ids, plan.counts)
     return per_row * cols.counts.element_size() + sum(t.numel() * t.element_size() for t in held)
