@@ -201,3 +201,21 @@ def test_ring_on_list_free_columns_matches_the_reference_and_the_lists(tmp_path,
             out_err, *grad_errs = r["errors"]
             assert out_err < 1e-5 and max(grad_errs) < 1e-4, (rank, case, r["errors"])
             assert max(r["vs_lists"]) < 1e-5, (rank, case, r["vs_lists"])
+
+
+@pytest.mark.parametrize("world", [2])
+def test_checkpointed_cp_model_on_list_free_columns_matches_one_rank(tmp_path, world):
+    """A training step of the tiny model under gradient checkpointing, CP=2, every rank index without column lists
+    (first forwards and the recomputation's rebuilds from the remembered lines alike): CP=1's loss and gradients."""
+    from ranks import run_script
+
+    out = tmp_path / "rows.jsonl"
+    proc = run_script(world, "tests/workers/cp_ckpt_columns.py", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["documents"] for r in rows] == [False, True]
+    for r in rows:
+        assert r["loss_rel"] < 1e-5 and r["grad_rel"] < 1e-5, r
+        assert r["density"] < 0.9, r  # the layers ran sparse
+        # every sparse layer's index, in the forward and again in the recomputation, held no column lists
+        assert r["calls"] >= 2 * 2 and r["list_free"] == r["calls"], r

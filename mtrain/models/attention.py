@@ -187,11 +187,9 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     import torch.distributed as dist
 
     from mtrain.parallel import ring_attention
-    from mtrain.parallel.estimate import rank_list_widths
+    from mtrain.parallel.estimate import rank_index_of_lines
     from mtrain.parallel.graphed import estimate_rank_index_graphed
     from mtrain.parallel.plan import rank_blocks, rank_positions, shard_key_blocks
-
-    from mtrain.ops.index import rows_from_lines
 
     index = None
     world = dist.get_world_size(CONTEXT.group)
@@ -202,8 +200,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         if path == "sparse":
             gather = _start_gather(q, k, v, world, settings)
             vertical, slash, rows = lines
-            index = rows_from_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows, check=False,
-                                    bound_widths=rank_list_widths(vertical, slash, rows.numel()))
+            index = rank_index_of_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows)
     elif settings is not None and policy != "never" and not skip_estimate(q, settings, layer_idx, policy=policy,
                                                                           training=training, world=world):
         # Estimated across the group (no rank does it for the others; the lines are identical on every rank);

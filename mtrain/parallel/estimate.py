@@ -436,6 +436,21 @@ def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) -
     return "static" if static_list_bytes(vertical, slash, n_rows) <= STATIC_WIDTH_BYTES else True
 
 
+def rank_index_of_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
+                        rows: torch.Tensor, *, read_also: tuple = ()):
+    """This rank's RowIndex of the lines for its query blocks `rows`, as `estimate_rank_index` builds it and gradient
+    checkpointing's recomputation rebuilds it (the same widths and form, from the shapes alone): widths from
+    `rank_list_widths`, and no column lists where those come from the host read (`LIST_FREE_COLUMNS`: the ring reads
+    the columns list-free from the lines, kept as `_cache["lines"]`)."""
+    from mtrain.ops.index import rows_from_lines
+
+    widths = rank_list_widths(vertical, slash, rows.numel())
+    index = rows_from_lines(vertical, slash, seq_len, block_size, rows, check=False, bound_widths=widths,
+                            read_also=read_also, columns=not (LIST_FREE_COLUMNS and widths is True))
+    index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
+    return index
+
+
 def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
                         doc_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None, scorer: str = "auto",
                         key_blocks: torch.Tensor | None = None):
@@ -472,10 +487,7 @@ def rank_index_from_lines(lines, q_pos, k_pos, seq_len: int, settings: SparseSet
     bs = settings.block_size
     rows = rank_rows(q_pos, bs) if rows is None else rows
     also = () if recall is None else (recall.double().mean(),)  # what a layer's dense/sparse choice reads
-    widths = rank_list_widths(vertical, slash, rows.numel())
-    index = rows_from_lines(vertical, slash, seq_len, bs, rows, check=False, bound_widths=widths, read_also=also,
-                            columns=not (LIST_FREE_COLUMNS and widths is True))
-    index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
+    index = rank_index_of_lines(vertical, slash, seq_len, bs, rows, read_also=also)
     if recall is not None:
         index._cache["est_recall"] = recall
         return index
