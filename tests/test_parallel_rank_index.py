@@ -209,6 +209,16 @@ def _worker(rank, world, init_file, out_file):
         cpu = torch.device("cpu")
         plan_same = _plan_equal(sparse_plan(full, layout, rank, cpu, (rank + 1) % world),
                                 sparse_plan(mine, layout, rank, cpu, (rank + 1) % world))
+        # the same rows without column lists (the ring's form at large caps): its columns are the list plan's
+        free = rows_from_lines(*mine._cache["lines"][:2], SEQ, BLOCK, blocks, check=False, bound_widths=True,
+                               columns=False)
+        free._cache["lines"] = mine._cache["lines"]
+        listed = sparse_plan(mine, layout, rank, cpu, (rank + 1) % world)
+        form = sparse_plan(free, layout, rank, cpu, (rank + 1) % world).steps[(rank + 1) % world].columns
+        if hasattr(form, "to_lists"):  # (a layout whose ring blocks are smaller than the index's keeps lists)
+            ids, counts = form.to_lists()
+            want_ids, want_counts = listed.steps[(rank + 1) % world].columns
+            plan_same = plan_same and torch.equal(counts, want_counts) and _same_rows(want_ids, ids)
         measured = gathered_imbalance(mine, layout, rank, None, local_world_size=nodes)
         want = imbalance(full, layout, local_world_size=nodes)
         results[f"{name}/{nodes}/{doc_ids is not None}"] = {

@@ -120,6 +120,30 @@ def test_ring_columns_of_one_rank_holding_every_row(S, bs):
             assert torch.equal(plan.counts[:, :, c].long(), n - first)
 
 
+def test_ring_columns_name_only_gathered_slots_of_their_own_positions():
+    """Every entry of the form is a slot whose gathered position is the entry's own (the sink's tokens, then the head's
+    verticals), distinct per head and inside the slots: a vertical that is a column of no query block (in the blocks
+    the head's window covers for every later query block) is not in the union and is dropped, not mapped onto a
+    neighbouring slot (which would misroute the column gradients, or read past the slots)."""
+    S, bs = 512, 16
+    n = S // bs
+    vertical = torch.tensor([[[40, 200, 300, 505, 510], [17, 60, 499, 500, 511]]])  # 499-511: inside every window
+    slash = torch.tensor([[[0, 16, 32, 100], [0, 16, 32, 48]]])  # offsets 0..2(3): the last blocks never columns
+    rows = torch.arange(n)
+    part = rows_from_lines(vertical, slash, S, bs, rows)
+    form = ring_columns(vertical, slash, S, bs, part.column_union, rows, bs)
+    slots = torch.cat([torch.arange(bs), part.column_union])
+    for h in range(2):
+        ids = form.ids[0, h]
+        real = ids[ids >= 0].long()
+        assert bool((real < slots.numel()).all()) and real.unique().numel() == real.numel()
+        got = slots[real]
+        want = torch.cat([torch.arange(bs), torch.tensor([v for v in vertical[0, h].tolist()
+                                                          if v in set(part.column_union.tolist())])])
+        assert torch.equal(got, want), (h, got, want)
+    assert 505 not in part.column_union.tolist() and 511 not in part.column_union.tolist()
+
+
 def test_ring_columns_refuse_bad_shapes():
     vertical, slash = _lines(256, 4, 2, 0)
     form = ring_columns(vertical, slash, 256, 16, torch.tensor([40, 90]), torch.arange(0, 16, 2), 16)
