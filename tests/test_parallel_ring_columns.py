@@ -180,17 +180,21 @@ def _worker(rank, world, init_file, out_dir):
     for name in ("block-stripe", "zigzag"):
         layout = Layout.create(name, world_size=world, granularity=BLOCK)
         pos = layout.indices(SEQ, rank)
-        for schedule in ("ring", "gather"):
+        # the gathered schedule also with static widths: a limit the rank's block lists fit under (2 heads x R rows
+        # x 12 block slots x 4 bytes) but not its column lists (8 more slots): list-free, no host read, the union
+        # as wide as the verticals' slots
+        rows_per_rank = SEQ // BLOCK // world
+        for schedule, limit in (("ring", -1), ("gather", -1), ("gather", 100 * rows_per_rank)):
             runs = {}
             for list_free in (False, True):
                 import mtrain.parallel.estimate as estimate
 
                 saved = estimate.STATIC_WIDTH_BYTES
-                estimate.STATIC_WIDTH_BYTES = -1  # widths from one host read: the list-free columns' regime
+                estimate.STATIC_WIDTH_BYTES = limit  # over the limit: the list-free columns' regime
                 estimate.LIST_FREE_COLUMNS = list_free
                 try:
                     index = rank_index_from_lines((vertical, slash, torch.ones(1, HQ), None), pos, pos, SEQ, settings,
-                                                  None, rows=rank_rows(pos, BLOCK))
+                                                  None, rows=rank_rows(pos, BLOCK), schedule=schedule)
                 finally:
                     estimate.STATIC_WIDTH_BYTES, estimate.LIST_FREE_COLUMNS = saved, True
                 shards = [layout.shard(t.float(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
@@ -198,10 +202,11 @@ def _worker(rank, world, init_file, out_dir):
                                      engine="triton")
                 out.backward(shards[3])
                 runs[list_free] = ([out.detach()] + [t.grad for t in shards[:3]], index.col_ids is None)
+                static = bool(index._cache.get("static_widths"))
             got, free = runs[True]
             lists, listed = runs[False]
-            record[f"{name}/{schedule}"] = {
-                "list_free_index": free and not listed,
+            record[f"{name}/{schedule}/{'static' if limit > 0 else 'read'}"] = {
+                "list_free_index": free and not listed, "static": static,
                 "errors": [float((a.double() - layout.shard(b, rank)).abs().max()) for a, b in zip(got, want)],
                 "vs_lists": [float((a - b).abs().max()) for a, b in zip(got, lists)],
             }
@@ -219,9 +224,10 @@ def test_ring_on_list_free_columns_matches_the_reference_and_the_lists(tmp_path,
     run_ranks(_worker, world, (world, str(tmp_path / "init"), str(tmp_path)), interpret=interpret)
     for rank in range(world):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(record) == 4
+        assert len(record) == 6
         for case, r in record.items():
             assert r["list_free_index"], (rank, case)
+            assert r["static"] == case.endswith("static"), (rank, case)
             out_err, *grad_errs = r["errors"]
             assert out_err < 1e-5 and max(grad_errs) < 1e-4, (rank, case, r["errors"])
             assert max(r["vs_lists"]) < 1e-5, (rank, case, r["vs_lists"])

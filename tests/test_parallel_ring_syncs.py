@@ -1,7 +1,8 @@
 """The estimated sparse ring's per-layer path reads nothing back to the host but the one read of the lines' widths
-(issue #27): every host synchronisation a GPU would make (item / int / bool of a tensor, nonzero, boolean indexing,
-bincount, unique, repeat_interleave without a size) is counted on the CPU through a dispatch mode, over one whole
-fwd+bwd of `ring_attention(sparse=...)` on 2 gloo ranks with the Triton scorer and steps (in the interpreter)."""
+(issue #27), and none under the gathered schedule where the columns are list-free and the block lists small: every
+host synchronisation a GPU would make (item / int / bool of a tensor, nonzero, boolean indexing, bincount, unique,
+repeat_interleave without a size) is counted on the CPU through a dispatch mode, over one whole fwd+bwd of
+`ring_attention(sparse=...)` on 2 gloo ranks with the Triton scorer and steps (in the interpreter)."""
 
 import collections
 import json
@@ -64,23 +65,28 @@ def _worker(rank, world, init_file, out_file):
         reads.append(_site())
         return tolist(self, *a, **kw)
 
-    def call():
-        out = ring_attention(*shards, layout=layout, sparse=settings, scorer="triton", engine="auto")
+    def call(schedule):
+        out = ring_attention(*shards, layout=layout, sparse=settings, scorer="triton", engine="auto",
+                             schedule=schedule)
         out.square().sum().backward()
 
     from mtrain.parallel import estimate
 
     results = {}
-    # small caps: the rank's lists as wide as the lines allow (no host read); then lists sized from one host read
-    for case, static_bytes in (("static", estimate.STATIC_WIDTH_BYTES), ("read", 0)):
+    # small caps: the rank's lists as wide as the lines allow (no host read); then lists sized from one host read;
+    # then the gathered schedule where the column lists would pass the limit but the block lists fit (2 heads x 16
+    # rows x 18 block slots x 4 bytes = 2,304 bytes; with the 32 column slots 6,400): list-free columns, no read
+    cases = (("static", estimate.STATIC_WIDTH_BYTES, "ring"), ("read", 0, "ring"), ("read-gather", 0, "gather"),
+             ("list-free-gather", 3000, "gather"))
+    for case, static_bytes, schedule in cases:
         estimate.STATIC_WIDTH_BYTES = static_bytes
-        call()  # first call: cached layout tables, Triton compilation
+        call(schedule)  # first call: cached layout tables, Triton compilation
         mode = CountSyncs()
         reads.clear()
         torch.Tensor.tolist = counted
         try:
             with mode:
-                call()
+                call(schedule)
         finally:
             torch.Tensor.tolist = tolist
         results[case] = {"syncs": dict(mode.sites), "tolist": list(reads)}
@@ -92,16 +98,19 @@ def _worker(rank, world, init_file, out_file):
 
 def test_estimated_sparse_ring_reads_back_at_most_once_per_call(tmp_path):
     """No syncing op in the estimated sparse ring's per-layer path; no host read at all where the lines' caps are
-    small (`STATIC_WIDTH_BYTES`), else exactly one (the lists' widths, in rows_from_lines)."""
+    small (`STATIC_WIDTH_BYTES`), or under the gathered schedule where the block lists alone are (list-free columns),
+    else exactly one (the lists' widths, in rows_from_lines)."""
     from ranks import run_ranks
 
     # the ranks run the scorer and steps' Triton kernels: forked from the interpreter's server
     run_ranks(_worker, 2, (2, str(tmp_path / "init"), str(tmp_path / "out")), interpret=True)
     for rank in range(2):
         got = json.loads((tmp_path / f"out.{rank}").read_text())
-        for case in ("static", "read"):
+        for case in ("static", "read", "read-gather", "list-free-gather"):
             syncs, reads = got[case]["syncs"], got[case]["tolist"]
             assert syncs == {}, f"rank {rank} {case}: host synchronisations in the per-layer path: {syncs}"
-        assert got["static"]["tolist"] == [], got["static"]["tolist"]
-        read = got["read"]["tolist"]
-        assert len(read) == 1 and "rows_from_lines" in read[0], read
+        for case in ("static", "list-free-gather"):
+            assert got[case]["tolist"] == [], (case, got[case]["tolist"])
+        for case in ("read", "read-gather"):
+            read = got[case]["tolist"]
+            assert len(read) == 1 and "rows_from_lines" in read[0], (case, read)

@@ -504,6 +504,9 @@ def bench_model(rank, world, args, device, report) -> None:
                                           softmax_scale=scale, n_rows=args.recall_rows)
         dout = torch.randn_like(shard[0])
         ms, gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args)
+        graph_ms = graph_gather_ms = None
+        if args.graph_estimate and device.type == "cuda":
+            graph_ms, graph_gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args, graph=True)
         lists_ms = lists_gather_ms = None
         if args.compare_columns:  # the same calls with the rank index's column lists
             saved = estimate_module.LIST_FREE_COLUMNS
@@ -529,12 +532,13 @@ def bench_model(rank, world, args, device, report) -> None:
                # list_free_columns: the cap-wide lists would pass STATIC_WIDTH_BYTES)
                "index_bytes_list_free": list_free_bytes(mine), "list_free_columns": mine.col_ids is None,
                "ring_sparse_lists_ms": lists_ms, "gather_sparse_lists_ms": lists_gather_ms,
+               "ring_sparse_graphed_ms": graph_ms, "gather_sparse_graphed_ms": graph_gather_ms,
                "rank_bytes": [_rank_bytes(mine._cache["lines"], seq, cp, settings) for cp in args.bytes_cp]}
         per_layer.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
         del shard, dout, mine, one
-    total = sum(r["ring_sparse_estimated_ms"] for r in per_layer)
+    total = None if "ring" not in args.schedules else sum(r["ring_sparse_estimated_ms"] for r in per_layer)
     gather_total = None if "gather" not in args.schedules else sum(r["gather_sparse_estimated_ms"] for r in per_layer)
     summary = {"model": str(args.model), "tokens": seq, "cp": world, "yarn": factor, "layers": len(per_layer),
                "block_size": args.block_size, "engine": args.engine, "recall_target": args.recall,
@@ -552,21 +556,22 @@ def bench_model(rank, world, args, device, report) -> None:
                "index_mib_list_free_max": max(r["index_bytes_list_free"] or 0 for r in per_layer) / 2**20,
                "layers_list_free_columns": sum(r["list_free_columns"] for r in per_layer),
                "per_layer": per_layer}
-    if args.compare_columns:
-        summary["sparse_ring_lists_model_ms"] = sum(r["ring_sparse_lists_ms"] for r in per_layer)
-        if gather_total is not None:
-            summary["sparse_gather_lists_model_ms"] = sum(r["gather_sparse_lists_ms"] for r in per_layer)
+    for key, on in (("lists", args.compare_columns), ("graphed", args.graph_estimate and device.type == "cuda")):
+        for schedule in ("ring", "gather"):
+            if on and schedule in args.schedules:
+                summary[f"sparse_{schedule}_{key}_model_ms"] = sum(r[f"{schedule}_sparse_{key}_ms"] for r in per_layer)
     summary["rank_mib_max"] = [  # per CP size of --bytes-cp: the most over layers, of each form
         {"cp": cp, **{form: max(r["rank_bytes"][i][form] for r in per_layer) / 2**20
                       for form in ("lists", "list_free", "cap_wide")}} for i, cp in enumerate(args.bytes_cp)]
     report.append(summary)
     if rank == 0:
-        speed = "" if dense_ms is None else f", dense ring {summary['dense_ring_model_ms']:.0f} ms " \
-            f"({summary['dense_ring_model_ms'] / total:.2f}x the sparse ring's time)"
-        gathered = "" if gather_total is None else f"; gathered schedule {gather_total:.0f} ms" + (
-            "" if dense_ms is None else f" ({summary['dense_ring_model_ms'] / gather_total:.2f}x)")
+        dense_total = summary["dense_ring_model_ms"]
+        runs = [(name, ms) for name, ms in (("ring", total), ("gathered", gather_total)) if ms is not None]
+        timing = ", ".join(f"{name} {ms:.0f} ms" + ("" if dense_total is None else f" ({dense_total / ms:.2f}x faster "
+                                                    "than the dense ring)") for name, ms in runs)
+        dense = "" if dense_total is None else f"; dense ring {dense_total:.0f} ms"
         print(f"MODEL {args.model}: {seq} tokens, CP={world}, YaRN x{factor:g}, block {args.block_size}, "
-              f"{len(per_layer)} layers: sparse ring (online estimate) {total:.0f} ms fwd+bwd{speed}{gathered}; "
+              f"{len(per_layer)} layers: sparse ring (online estimate) fwd+bwd: {timing}{dense}; "
               f"lines equal one device's on every layer and rank: {summary['same_lines_all_layers']}; true recall "
               f"mean {summary['true_recall_mean']:.4f}, worst layer {summary['true_recall_worst_layer']:.4f}; "
               f"density {summary['density_mean']:.4f}; index {summary['index_mib_per_layer_max']:.1f} MiB per layer "
@@ -576,13 +581,14 @@ def bench_model(rank, world, args, device, report) -> None:
               flush=True)
         print(f"  columns read list-free on {summary['layers_list_free_columns']} of {len(per_layer)} layers",
               flush=True)
-        if args.compare_columns:
-            lists = summary["sparse_ring_lists_model_ms"]
-            line = f"  with the column lists instead: ring {lists:.0f} ms (list-free / lists {total / lists:.3f})"
-            if gather_total is not None:
-                glists = summary["sparse_gather_lists_model_ms"]
-                line += f", gathered {glists:.0f} ms ({gather_total / glists:.3f})"
-            print(line, flush=True)
+        for key, label in (("lists", "with the column lists instead"),
+                           ("graphed", "with the estimate replayed from a CUDA graph")):
+            parts = [f"{name} {summary[f'sparse_{schedule}_{key}_model_ms']:.0f} ms (eager, list-free / this "
+                     f"{ms / summary[f'sparse_{schedule}_{key}_model_ms']:.3f})"
+                     for schedule, (name, ms) in zip(("ring", "gather"), (("ring", total), ("gathered", gather_total)))
+                     if ms is not None and f"sparse_{schedule}_{key}_model_ms" in summary]
+            if parts:
+                print(f"  {label}: " + ", ".join(parts), flush=True)
         for b in summary["rank_mib_max"]:
             print(f"  index per layer, rank 0 of CP={b['cp']} (most over layers): column lists as held "
                   f"{b['lists']:.1f} MiB, list-free {b['list_free']:.1f} MiB, cap-wide lists {b['cap_wide']:.1f} MiB",
@@ -593,18 +599,24 @@ def bench_model(rank, world, args, device, report) -> None:
                   f"ring's; slashes {diff['slashes_only_one_device']} / {diff['slashes_only_ring']}", flush=True)
 
 
-def _time_model_ring(shard, dout, layout, settings, scale, args):
-    """(ring ms, gathered ms or None): the estimated sparse ring's fwd+bwd on a layer's shards, median."""
-    run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
-                                                   softmax_scale=scale, engine=args.engine), shard, dout)
-    ms = timed(run, args.iters, args.warmup)
-    gather_ms = None
-    if "gather" in args.schedules:
-        grun, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
-                                                        softmax_scale=scale, engine=args.engine, schedule="gather"),
-                          shard, dout)
-        gather_ms = timed(grun, args.iters, args.warmup)
-    return ms, gather_ms
+def _time_model_ring(shard, dout, layout, settings, scale, args, graph: bool = False):
+    """(ring ms or None, gathered ms or None) per the schedules asked for: the estimated sparse ring's fwd+bwd on a
+    layer's shards, median; graph: the context-parallel estimate replayed from a CUDA graph (`mtrain.parallel.graphed`;
+    one more warm-up call: the first warms, the second captures)."""
+    times = []
+    for schedule in ("ring", "gather"):
+        if schedule not in args.schedules:
+            times.append(None)
+            continue
+        run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
+                                                       softmax_scale=scale, engine=args.engine, schedule=schedule),
+                         shard, dout)
+        graphed.GRAPH_RING_ESTIMATE = graph
+        try:
+            times.append(timed(run, args.iters, max(args.warmup, 2) if graph else args.warmup))
+        finally:
+            graphed.GRAPH_RING_ESTIMATE = False
+    return tuple(times)
 
 
 def _rank_bytes(lines, seq: int, cp: int, settings) -> dict:

@@ -200,7 +200,8 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         if path == "sparse":
             gather = _start_gather(q, k, v, world, settings)
             vertical, slash, rows = lines
-            index = rank_index_of_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows)
+            index = rank_index_of_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows,
+                                        schedule=CONTEXT.schedule)
     elif settings is not None and policy != "never" and not skip_estimate(q, settings, layer_idx, policy=policy,
                                                                           training=training, world=world):
         # Estimated across the group (no rank does it for the others; the lines are identical on every rank);
@@ -217,7 +218,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         def estimate(s):
             return estimate_rank_index_graphed(q.detach(), k.detach(), positions, seq_len, s, scale, CONTEXT.group,
                                                doc_ids=CONTEXT.doc_ids, rows=rows, key_blocks=key_blocks,
-                                               layout_key=(CONTEXT.layout.spec, rank))
+                                               layout_key=(CONTEXT.layout.spec, rank), schedule=CONTEXT.schedule)
 
         index = estimate(settings)
         checked = check_wanted(max_error, policy) and check_due(layer_idx, training)

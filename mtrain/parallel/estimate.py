@@ -429,31 +429,41 @@ def static_list_bytes(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) 
 LIST_FREE_COLUMNS = True
 
 
-def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) -> bool | str:
+def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int, *, schedule: str = "ring") -> bool | str:
     """`rows_from_lines`' bound_widths for a rank's rows of these lines: "static" (no host read) where those lists
-    take at most `STATIC_WIDTH_BYTES`, else True (one host read). Recomputation (gradient checkpointing) asks the
-    same, so a layer's replay builds the lists its first forward did."""
-    return "static" if static_list_bytes(vertical, slash, n_rows) <= STATIC_WIDTH_BYTES else True
+    take at most `STATIC_WIDTH_BYTES`, else True (one host read). Under the gathered schedule (`schedule` "gather")
+    the rows hold no column lists where they would be wide (`LIST_FREE_COLUMNS`), so "static" too where the block
+    lists alone fit: the column union is then as wide as the verticals' slots, for which the gathered K/V buffers
+    already keep room (`mtrain.parallel.ring_gather.spare_bound`); the ring schedule keeps the read, which sizes the
+    columns' all-gather. Recomputation (gradient checkpointing) asks the same, so a layer's replay builds the lists
+    its first forward did."""
+    if static_list_bytes(vertical, slash, n_rows) <= STATIC_WIDTH_BYTES:
+        return "static"
+    if LIST_FREE_COLUMNS and schedule == "gather" and static_list_bytes(vertical[..., :0], slash, n_rows) \
+            <= STATIC_WIDTH_BYTES:
+        return "static"
+    return True
 
 
 def rank_index_of_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
-                        rows: torch.Tensor, *, read_also: tuple = ()):
+                        rows: torch.Tensor, *, read_also: tuple = (), schedule: str = "ring"):
     """This rank's RowIndex of the lines for its query blocks `rows`, as `estimate_rank_index` builds it and gradient
     checkpointing's recomputation rebuilds it (the same widths and form, from the shapes alone): widths from
-    `rank_list_widths`, and no column lists where those come from the host read (`LIST_FREE_COLUMNS`: the ring reads
-    the columns list-free from the lines, kept as `_cache["lines"]`)."""
+    `rank_list_widths`, and no column lists where lists as wide as the lines allow would pass `STATIC_WIDTH_BYTES`
+    (`LIST_FREE_COLUMNS`: the ring reads the columns list-free from the lines, kept as `_cache["lines"]`)."""
     from mtrain.ops.index import rows_from_lines
 
-    widths = rank_list_widths(vertical, slash, rows.numel())
+    widths = rank_list_widths(vertical, slash, rows.numel(), schedule=schedule)
+    list_free = LIST_FREE_COLUMNS and static_list_bytes(vertical, slash, rows.numel()) > STATIC_WIDTH_BYTES
     index = rows_from_lines(vertical, slash, seq_len, block_size, rows, check=False, bound_widths=widths,
-                            read_also=read_also, columns=not (LIST_FREE_COLUMNS and widths is True))
+                            read_also=read_also, columns=not list_free)
     index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
     return index
 
 
 def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
                         doc_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None, scorer: str = "auto",
-                        key_blocks: torch.Tensor | None = None):
+                        key_blocks: torch.Tensor | None = None, schedule: str = "ring"):
     """This rank's rows of the index `estimate_index` gives (a `mtrain.ops.index.RowIndex` over the query blocks
     of q_pos, entry for entry the same lists), with the whole index's work, density and column union from the
     lines, and `_cache["est_recall"]` as `estimate_index` sets it. No rank builds the other ranks' rows: index
@@ -462,9 +472,10 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
     per layout), else computed here. scorer, key_blocks: as `estimate_lines`. The lists' widths are bounds, so the
     ring plan built from the index reads nothing back: where lists as wide as the lines allow take at most
     `STATIC_WIDTH_BYTES` (small caps), those widths, with no host read at all (`rows_from_lines(bound_widths=
-    "static")`); else bounds from one host read (`bound_widths=True`), and no column lists (`LIST_FREE_COLUMNS`)."""
+    "static")`); else no column lists (`LIST_FREE_COLUMNS`) and bounds from one host read (`bound_widths=True`), or,
+    for the gathered schedule (`schedule` "gather"), static widths again (`rank_list_widths`)."""
     lines = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks)
-    return rank_index_from_lines(lines, q_pos, k_pos, seq_len, settings, group, rows=rows)
+    return rank_index_from_lines(lines, q_pos, k_pos, seq_len, settings, group, rows=rows, schedule=schedule)
 
 
 def estimate_rank_lines(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
@@ -477,7 +488,7 @@ def estimate_rank_lines(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
 
 
 def rank_index_from_lines(lines, q_pos, k_pos, seq_len: int, settings: SparseSettings, group, *,
-                          rows: torch.Tensor | None = None):
+                          rows: torch.Tensor | None = None, schedule: str = "ring"):
     """The second half of `estimate_rank_index`: this rank's RowIndex from `lines` = (vertical, slash, est_recall,
     torch_parts) as `_lines_and_recall` gives them (est_recall None and torch_parts set by the torch scorer, whose
     recall is measured here inside the index)."""
@@ -487,7 +498,7 @@ def rank_index_from_lines(lines, q_pos, k_pos, seq_len: int, settings: SparseSet
     bs = settings.block_size
     rows = rank_rows(q_pos, bs) if rows is None else rows
     also = () if recall is None else (recall.double().mean(),)  # what a layer's dense/sparse choice reads
-    index = rank_index_of_lines(vertical, slash, seq_len, bs, rows, read_also=also)
+    index = rank_index_of_lines(vertical, slash, seq_len, bs, rows, read_also=also, schedule=schedule)
     if recall is not None:
         index._cache["est_recall"] = recall
         return index

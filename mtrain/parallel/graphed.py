@@ -6,8 +6,9 @@ pace. Its shapes depend only on the input shapes, the settings and the layout, s
 layer and step, as the one-device estimate's graph does (`mtrain.ops.graphed`): q and k are copied into the graph's
 buffers, the graph (the Triton scorer, the collectives, the rank's index rows) is replayed, and the index is copied
 out. Where the index reads its lists' widths back (caps whose cap-wide lists would pass
-`mtrain.parallel.estimate.STATIC_WIDTH_BYTES`, as the recipes' 16,384-line caps do), the graph holds the lines alone
-and the index is built from them eagerly after each replay.
+`mtrain.parallel.estimate.STATIC_WIDTH_BYTES`, as the recipes' 16,384-line caps do, under the ring schedule), the
+graph holds the lines alone and the index is built from them eagerly after each replay; under the gathered schedule
+such an index holds its columns list-free with static widths (`rank_list_widths`), and the graph holds it too.
 
 Every rank of the group must make the same calls in the same order (they do: the same layers with the same shapes).
 The first call with a key runs eagerly; the second captures on every rank, replays once and compares with an eager
@@ -77,7 +78,7 @@ class _RankGraph:
 
 
 def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: float, group, *, doc_ids=None,
-                                rows, key_blocks=None, layout_key=None):
+                                rows, key_blocks=None, layout_key=None, schedule: str = "ring"):
     """`mtrain.parallel.estimate.estimate_rank_index(q, k, positions, positions, ...)` for this rank's shard, replayed
     from a CUDA graph where GRAPH_RING_ESTIMATE is on and the tensors are on CUDA (see the module's docstring); else
     the eager call. rows / key_blocks: the rank's cached query-block rows and key blocks (`mtrain.parallel.plan`);
@@ -89,14 +90,15 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
 
     def call(qq, kk, dd):
         return estimate_rank_index(qq, kk, positions, positions, seq_len, settings, scale, group, doc_ids=dd,
-                                   rows=rows, key_blocks=key_blocks)
+                                   rows=rows, key_blocks=key_blocks, schedule=schedule)
 
     def lines(qq, kk, dd):
         return estimate_rank_lines(qq, kk, positions, positions, seq_len, settings, scale, group, doc_ids=dd,
                                    key_blocks=key_blocks)
 
     def index_of(found):
-        return rank_index_from_lines(found, positions, positions, seq_len, settings, group, rows=rows)
+        return rank_index_from_lines(found, positions, positions, seq_len, settings, group, rows=rows,
+                                     schedule=schedule)
 
     if not (GRAPH_RING_ESTIMATE and q.is_cuda) or torch.cuda.is_current_stream_capturing():
         return call(q, k, doc_ids)
@@ -106,14 +108,14 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
     # their identities, and the graph holds them alive, so a replay never reads memory they no longer own
     held = (positions, rows, key_blocks)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, None if doc_ids is None else tuple(doc_ids.shape),
-           seq_len, settings, float(scale), layout_key, dist.get_world_size(group), tuple(map(id, held)))
+           seq_len, settings, float(scale), layout_key, schedule, dist.get_world_size(group), tuple(map(id, held)))
     graph = _GRAPHS.graph(key)
     if graph is not None:
         return index_of(graph(q, k, doc_ids)) if graph.lines_only else graph(q, k, doc_ids)
     if not _GRAPHS.capture_due(key):
         return call(q, k, doc_ids)
     eager_lines = lines(q, k, doc_ids)
-    lines_only = rank_list_widths(eager_lines[0], eager_lines[1], rows.numel()) != "static"
+    lines_only = rank_list_widths(eager_lines[0], eager_lines[1], rows.numel(), schedule=schedule) != "static"
     eager = index_of(eager_lines)
     graph, problem = None, None
     try:

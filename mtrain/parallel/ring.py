@@ -174,13 +174,13 @@ def ring_attention(
                 q, k, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
                 rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
                 key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-                layout_key=(layout.spec, rank))
+                layout_key=(layout.spec, rank), schedule=schedule)
         else:
             index = estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
                                         rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
                                         key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size,
                                                                     q.device),
-                                        scorer=scorer)
+                                        scorer=scorer, schedule=schedule)
     if index is not None:
         _check_index(index, q, seq_len)
         # the gathered schedule's one step straight from the index where the layout allows, else the ring's plan
