@@ -35,7 +35,8 @@ class VerticalColumns:
     """The columns of a vertical-slash index, list-free (see the module's docstring). All int32 or uint8 tensors on
     one device:
 
-    verts [B, H, Nv]: each head's distinct vertical key tokens, ascending, -1 padded at the end.
+    verts [B, H, Nv]: each head's distinct vertical key tokens past the sink block 0 (those in it are never columns),
+        ascending, -1 padded at the end.
     counts [B, H, nQB]: how many leading entries of verts lie in key blocks before query block i (the ones row i
         may read; those a listed block covers are skipped by the flags).
     covered [B, H, 2, nQB] uint8: covered[b, h, 0, o] = 1 when o is one of the head's block offsets (the key block
@@ -129,7 +130,10 @@ def vertical_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, 
     n = -(-seq_len // block_size)
     if vertical.shape[-1] == 0:  # one padding slot: the kernels and plans keep a width of at least 1
         vertical = torch.full((B, H, 1), -1, dtype=torch.long, device=dev)
-    v, _ = torch.sort(sorted_verticals(vertical, seq_len, block_size)[0], dim=-1)  # distinct, padding (seq_len) last
+    v = sorted_verticals(vertical, seq_len, block_size)[0]  # distinct, duplicates and padding seq_len
+    # a vertical in the sink block 0 is never a column (every query block lists block 0): dropped, so no row's walk
+    # spends its first tiles on them (the estimator often keeps the first tokens, the strongest columns, as verticals)
+    v, _ = torch.sort(torch.where(v >= block_size, v, seq_len), dim=-1)  # padding (seq_len) last
     v_blk = v // block_size  # padding: n
     counts = torch.searchsorted(v_blk.contiguous(), torch.arange(n, device=dev).expand(B, H, n).contiguous())
     return VerticalColumns(torch.where(v < seq_len, v, -1).to(torch.int32).contiguous(),
