@@ -421,11 +421,12 @@ def static_list_bytes(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) 
     return lists_bytes(b, h, n_rows, slash.shape[-1], vertical.shape[-1])
 
 
-# Where a rank's lists are sized from one host read (`rank_list_widths` True: caps whose lists as wide as the lines
-# allow pass STATIC_WIDTH_BYTES), its rows hold no column lists: the ring reads the columns list-free
-# (`mtrain.ops.columns.RingColumns`: each head's sorted verticals and block offsets), so a layer's index takes
-# B x H x (rows x block offsets + verticals) ints instead of B x H x rows x the vertical cap (~1 GiB per layer at
-# 128K tokens per GPU, 16 heads and 16,384-vertical caps). False: lists as before.
+# Where a rank's lists as wide as the lines allow would pass STATIC_WIDTH_BYTES (the recipes' caps), its rows hold no
+# column lists: the ring reads the columns list-free (`mtrain.ops.columns.RingColumns`: each head's sorted verticals
+# and block offsets), so a layer's index takes B x H x (rows x block offsets + verticals) ints instead of
+# B x H x rows x the vertical cap (~1 GiB per layer at 128K tokens per GPU, 16 heads and 16,384-vertical caps); their
+# widths then come from one host read, or under the gathered schedule are static (`rank_list_widths`). False: lists
+# as before, widths from the read.
 LIST_FREE_COLUMNS = True
 
 
