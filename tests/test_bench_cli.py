@@ -199,6 +199,7 @@ def test_ring_on_real_attention_lists_one_devices_lines():
         assert r["true_recall_mean"] > 0.95, r
         assert r["index_bytes_list_free"] > 0, r  # the rank's rows with list-free columns, reported beside the lists
         assert r["ring_sparse_lists_ms"] > 0, r  # --compare-columns: the same ring with the rank's column lists
+        assert 0 < r["estimate_ring_ms"], r  # the estimate alone, timed apart
         (b,) = r["rank_bytes"]  # rank 0 of CP=4 over the same 1024 tokens: 4 of its 16 query blocks
         assert b["cp"] == 4 and b["rows"] == 4 and 0 < b["list_free"] < b["cap_wide"] and b["lists"] <= b["cap_wide"], b
     assert "lines equal one device's on every layer and rank: True" in run.stdout

@@ -504,6 +504,9 @@ def bench_model(rank, world, args, device, report) -> None:
                                           softmax_scale=scale, n_rows=args.recall_rows)
         dout = torch.randn_like(shard[0])
         ms, gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args)
+        # the estimate alone (this rank's lines and rows of the index), as the ring schedule runs it, eager
+        estimate_ms = timed(lambda: estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None,
+                                                        **est), args.iters, args.warmup)
         graph_ms = graph_gather_ms = None
         if args.graph_estimate and device.type == "cuda":
             graph_ms, graph_gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args, graph=True)
@@ -523,6 +526,7 @@ def bench_model(rank, world, args, device, report) -> None:
                                                             softmax_scale=scale), shard, dout)
             dense_ms = timed(drun, max(1, args.iters // 2), 1)
         row = {"layer": n, "ring_sparse_estimated_ms": ms, "gather_sparse_estimated_ms": gather_ms,
+               "estimate_ring_ms": estimate_ms,
                "same_lines_as_one_device": bool(same_all.item()), "line_differences": differences,
                "true_recall_mean": float(recall.mean()), "true_recall_min": float(recall.min()),
                "density": mine.density(), "est_recall": float(mine._cache["est_recall"].mean()),
@@ -555,6 +559,7 @@ def bench_model(rank, world, args, device, report) -> None:
                "index_mib_cap_wide_cols": per_layer[0]["index_bytes_cap_wide_cols"] / 2**20,
                "index_mib_list_free_max": max(r["index_bytes_list_free"] or 0 for r in per_layer) / 2**20,
                "layers_list_free_columns": sum(r["list_free_columns"] for r in per_layer),
+               "estimate_ring_model_ms": sum(r["estimate_ring_ms"] for r in per_layer),
                "per_layer": per_layer}
     for key, on in (("lists", args.compare_columns), ("graphed", args.graph_estimate and device.type == "cuda")):
         for schedule in ("ring", "gather"):
@@ -579,8 +584,8 @@ def bench_model(rank, world, args, device, report) -> None:
               f"wide as the {settings.max_vertical} cap: {summary['index_mib_cap_wide_cols']:.0f} MiB; with list-free "
               f"columns, as the ring reads them at large caps: {summary['index_mib_list_free_max']:.1f} MiB)",
               flush=True)
-        print(f"  columns read list-free on {summary['layers_list_free_columns']} of {len(per_layer)} layers",
-              flush=True)
+        print(f"  columns read list-free on {summary['layers_list_free_columns']} of {len(per_layer)} layers; the "
+              f"estimate alone {summary['estimate_ring_model_ms']:.0f} ms over the layers (eager)", flush=True)
         for key, label in (("lists", "with the column lists instead"),
                            ("graphed", "with the estimate replayed from a CUDA graph")):
             parts = [f"{name} {summary[f'sparse_{schedule}_{key}_model_ms']:.0f} ms (eager, list-free / this "
