@@ -133,8 +133,9 @@ class AttentionConfig:
     """With widen_caps: widen a layer only while its index lists at the doubled caps would take at most this many MiB
     on one rank (int32 block and column lists as wide as the caps allow, over the rank's query blocks: what the index,
     the ring plan and the kernels' plans build and pass over every call); above it the layer is held dense as at 8x.
-    0 (default) = no limit. At 512K tokens with CP=4, 64-token blocks and 9 heads, the lists at 16,384-line caps take
-    ~1.2 GiB per rank and double with each widening."""
+    0 (default) = no limit. At 512K tokens with CP=4, 64-token blocks and 9 heads, column lists at 16,384-line caps
+    would take ~1.2 GiB per rank and double with each widening; a CP rank at such caps holds its columns list-free
+    (block lists and each head's verticals: ~15 MiB there), and the limit counts what it holds."""
     moba_chunk_size: int = 4096
     """kind moba: key chunk (tokens), a multiple of block_size; each query block gates the chunks by mean key."""
     moba_topk: int = 12

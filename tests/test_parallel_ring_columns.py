@@ -249,3 +249,20 @@ def test_checkpointed_cp_model_on_list_free_columns_matches_one_rank(tmp_path, w
         assert r["density"] < 0.9, r  # the layers ran sparse
         # every sparse layer's index, in the forward and again in the recomputation, held no column lists
         assert r["calls"] >= 2 * 2 and r["list_free"] == r["calls"], r
+
+
+def test_widening_limit_counts_what_a_rank_index_holds(monkeypatch):
+    """`mtrain.models.policy.list_bytes` (attention.widen_max_list_mib): a CP rank's lists at caps whose column lists
+    would pass `STATIC_WIDTH_BYTES` are list-free, so the limit counts its block lists and each head's verticals
+    (with their blocks); below that, and with LIST_FREE_COLUMNS off, the block and column lists."""
+    import mtrain.parallel.estimate as estimate
+    from mtrain.models.policy import list_bytes
+
+    vertical, slash = _lines(512, 6, 4, 0)
+    index = rows_from_lines(vertical, slash, 512, 16, torch.arange(0, 32, 4))
+    b, h, r = index.block_ids.shape[:3]
+    assert list_bytes(index, 8, 4) == b * h * r * (2 * 4 + 2 + 8) * 4
+    wide = 1 << 21  # column lists of 8 rows x 2 heads past 64 MiB
+    assert list_bytes(index, wide, 4) == b * h * r * (2 * 4 + 2) * 4 + b * h * wide * 8
+    monkeypatch.setattr(estimate, "LIST_FREE_COLUMNS", False)
+    assert list_bytes(index, wide, 4) == b * h * r * (2 * 4 + 2 + wide) * 4

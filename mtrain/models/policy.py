@@ -238,11 +238,17 @@ def list_bytes(index, cap_v: int, cap_s: int) -> int:
     SparseIndex, a CP rank's own in a RowIndex) when they are as wide as caps of `cap_v` verticals and `cap_s` slash
     block offsets allow: per query block and head, two block entries per slash offset (a slash line crosses at most
     two key blocks), the sink and diagonal blocks, and one column entry per vertical
-    (`mtrain.parallel.estimate.lists_bytes`, what a rank's index sizes its lists by)."""
-    from mtrain.parallel.estimate import lists_bytes
+    (`mtrain.parallel.estimate.lists_bytes`, what a rank's index sizes its lists by). A CP rank whose lists at those
+    caps would pass `STATIC_WIDTH_BYTES` holds no column lists (`LIST_FREE_COLUMNS`): its block lists, and each head's
+    verticals with their key blocks (`mtrain.ops.columns.RingColumns`), instead."""
+    from mtrain.ops.index import RowIndex
+    from mtrain.parallel import estimate
 
     b, h, rows = index.block_ids.shape[:3]
-    return lists_bytes(b, h, rows, cap_s, cap_v)
+    full = estimate.lists_bytes(b, h, rows, cap_s, cap_v)
+    if isinstance(index, RowIndex) and estimate.LIST_FREE_COLUMNS and full > estimate.STATIC_WIDTH_BYTES:
+        return estimate.lists_bytes(b, h, rows, cap_s, 0) + b * h * cap_v * 4 * 2
+    return full
 
 
 def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> bool:
