@@ -129,8 +129,12 @@ def test_ring_smoke():
     # --graph-estimate adds the graphed variant (eager off CUDA: the same code path around the estimate)
     assert "gather, estimate from a CUDA graph" in run.stdout
     assert "MiB as wide as the lists used" in run.stdout  # the index's bytes, as held and as the pattern uses them
-    for name in ("dense ", "sparse ", "estimated ", "sparse-g ", "estimated-g "):  # the correctness cases
+    for name in ("dense ", "sparse ", "estimated ", "sparse-g ", "estimated-g ", "estimated-lf ",
+                 "estimated-lf-g "):  # the correctness cases
         (line,) = [line for line in run.stdout.splitlines() if line.startswith(name) and " out " in line]
+        # the -lf cases read the columns list-free (under the gathered schedule with static widths), the others not
+        assert ("columns list-free" in line) == ("-lf" in name), line
+        assert ("static widths" in line) == (name == "estimated-lf-g "), line
         words = line.split()
         errors = {key: float(words[words.index(key) + 1]) for key in ("out", "dq", "dk")}
         # fp32 in the interpreter against one device: rounding only (~1e-7; a wrong block or column is ~1e-1)

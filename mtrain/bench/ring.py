@@ -128,9 +128,12 @@ def check(rank, world, args, device, report):
              ("estimated", args.heads, args.kv_heads, "block-stripe", "estimate")]
     if _hierarchical(args, world):
         cases.append(("sparse-h", args.heads, args.kv_heads, "block-stripe", True))
+    # the estimated index with its columns list-free (as at the recipes' caps: `_list_free_limit`)
+    cases.append(("estimated-lf", args.heads, args.kv_heads, "block-stripe", "estimate"))
     if "gather" in args.schedules:  # the gathered schedule on the same indexes
         cases += [("sparse-g", args.heads, args.kv_heads, "block-stripe", True),
-                  ("estimated-g", args.heads, args.kv_heads, "block-stripe", "estimate")]
+                  ("estimated-g", args.heads, args.kv_heads, "block-stripe", "estimate"),
+                  ("estimated-lf-g", args.heads, args.kv_heads, "block-stripe", "estimate")]
     for name, hq, hkv, layout_name, sparse in cases:
         try:
             report.append(_check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse))
@@ -173,7 +176,29 @@ def line_differences(one_lines, ring_lines) -> dict:
     return counts
 
 
+def _list_free_limit(args, seq_len: int, world: int, heads: int) -> int:
+    """A `STATIC_WIDTH_BYTES` under which a rank's estimated index at the script's budgets holds no column lists
+    while its block lists fit: the list-free columns of the recipes' caps, with one host read under the ring
+    schedule and static widths under the gathered one (`mtrain.parallel.estimate.rank_list_widths`)."""
+    from mtrain.ops.estimate import line_caps
+
+    s = _settings(args)
+    _, cap_s = line_caps(seq_len, s.block_size, s.max_vertical, s.max_slash, s.cap_fraction)
+    return estimate_module.lists_bytes(1, heads, seq_len // s.block_size // world, cap_s, 0)
+
+
 def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse):
+    if "-lf" not in name:
+        return _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse)
+    saved = estimate_module.STATIC_WIDTH_BYTES
+    estimate_module.STATIC_WIDTH_BYTES = _list_free_limit(args, seq_len, world, hq)
+    try:
+        return _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse)
+    finally:
+        estimate_module.STATIC_WIDTH_BYTES = saved
+
+
+def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse):
     q, k, v, dout = inputs(seq_len, hq, hkv, args.dim, device)
     settings = _settings(args)
     index = None
@@ -189,15 +214,18 @@ def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, s
     run_ref()
     hier = name.endswith("-h")
     schedule = "gather" if name.endswith("-g") else "ring"
+    row = {"check": name, "layout": layout_name, "seq_len": seq_len}
     layout = _layout(layout_name, world, args, hier)
     shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
     leaves = [t.detach().requires_grad_(True) for t in shard[:3]]
-    row = {"check": name, "layout": layout_name, "seq_len": seq_len}
     if sparse == "estimate":
         pos = layout.indices(seq_len, rank).to(device)
         mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq_len, settings, 1.0 / math.sqrt(args.dim), None,
                                    rows=rank_blocks(layout, seq_len, rank, args.block_size, device),
-                                   key_blocks=shard_key_blocks(layout, seq_len, rank, args.block_size, device))
+                                   key_blocks=shard_key_blocks(layout, seq_len, rank, args.block_size, device),
+                                   schedule=schedule)
+        row["list_free"] = mine.col_ids is None  # the ring's columns read list-free (`-lf` cases)
+        row["static_widths"] = bool(mine._cache.get("static_widths"))
         want = index.block_ids[:, :, mine.rows]
         width = max(want.shape[-1], mine.block_ids.shape[-1])
         pad = lambda t: F.pad(t, (0, width - t.shape[-1]), value=-1)  # noqa: E731
@@ -767,10 +795,12 @@ def print_table(report):
     print("\n== correctness (ring vs single device, max abs error) ==")
     for r in report:
         if "check" in r and "error" in r:
-            print(f"{r['check']:<8} {r['layout']:<13} failed: {r['error'][:100]}")
+            print(f"{r['check']:<14} {r['layout']:<13} failed: {r['error'][:100]}")
         elif "check" in r:
             lines = f"  same lines as one device: {r['same_lines']}" if "same_lines" in r else ""
-            print(f"{r['check']:<9} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}  "
+            if r.get("list_free"):
+                lines += "  columns list-free" + (" (static widths)" if r.get("static_widths") else "")
+            print(f"{r['check']:<14} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}  "
                   f"dk {r['max_err_dk']:.3e}{lines}")
     print("\n== fwd+bwd per GPU ==")
     print(f"{'tok/GPU':>8} {'variant':<44} {'ms':>9} {'TFLOP/s/GPU':>12} {'vs CP=1':>8}")
