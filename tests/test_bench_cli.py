@@ -207,5 +207,6 @@ def test_ring_on_real_attention_lists_one_devices_lines():
         (b,) = r["rank_bytes"]  # rank 0 of CP=4 over the same 1024 tokens: 4 of its 16 query blocks
         assert b["cp"] == 4 and b["rows"] == 4 and 0 < b["list_free"] < b["cap_wide"] and b["lists"] <= b["cap_wide"], b
     assert "lines equal one device's on every layer and rank: True" in run.stdout
+    assert "1024 tokens of prose, CP=2" in run.stdout  # --text: prose by default
     assert "with list-free columns, as the ring reads them at large caps" in run.stdout
     assert "with the column lists instead: ring" in run.stdout and "rank 0 of CP=4" in run.stdout

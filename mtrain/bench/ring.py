@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from mtrain.bench import timing  # noqa: E402
 from mtrain.bench.synthetic import window_slash_lines  # noqa: E402
+from mtrain.data.texts import TEXT_KINDS  # noqa: E402
 from mtrain.ops import SparseIndex  # noqa: E402
 from mtrain.ops.columns import list_free_bytes  # noqa: E402
 from mtrain.ops.index import list_bytes, used_list_bytes  # noqa: E402
@@ -475,16 +476,16 @@ def bench_tokens(tokens, rank, world, args, device, report):
 
 
 def bench_model(rank, world, args, device, report) -> None:
-    """The ring on a real model's attention (`--model`): every rank runs one dense forward over stdlib prose of
-    tokens-per-gpu x CP tokens (YaRN from the model's trained length) and keeps each layer's post-RoPE q/k/v; per
-    layer, the ring's online estimate (this rank's rows) is checked against one device's estimate of the whole
+    """The ring on a real model's attention (`--model`): every rank runs one dense forward over stdlib text
+    (`--text`, prose by default) of tokens-per-gpu x CP tokens (YaRN from the model's trained length) and keeps each
+    layer's post-RoPE q/k/v; per layer, the ring's online estimate (this rank's rows) is checked against one device's estimate of the whole
     sequence (the same lists), its true recall is measured on sampled rows across the group, and the estimated
     sparse ring's fwd+bwd is timed; the dense ring is timed on one layer (its time does not depend on the data).
     Whole model = the sum over layers (attention only)."""
     from transformers import AutoTokenizer
 
     from mtrain.bench.real import capture_qkv, load_model, resolve_model
-    from mtrain.data.prose import prose_tokens
+    from mtrain.data.texts import text_tokens
     from mtrain.ops.recall import gathered_true_recall
 
     tokens = args.tokens_per_gpu[0]
@@ -494,7 +495,7 @@ def bench_model(rank, world, args, device, report) -> None:
     dist.barrier()
     path = resolve_model(args.model)
     model, factor = load_model(path, seq, "auto", device, DTYPE)
-    ids = torch.tensor([prose_tokens(AutoTokenizer.from_pretrained(str(path)), seq)], device=device)
+    ids = torch.tensor([text_tokens(AutoTokenizer.from_pretrained(str(path)), seq, args.text)], device=device)
     layers = capture_qkv(model, ids)
     if args.layers:
         layers = layers[:args.layers]
@@ -572,7 +573,8 @@ def bench_model(rank, world, args, device, report) -> None:
         del shard, dout, mine, one
     total = None if "ring" not in args.schedules else sum(r["ring_sparse_estimated_ms"] for r in per_layer)
     gather_total = None if "gather" not in args.schedules else sum(r["gather_sparse_estimated_ms"] for r in per_layer)
-    summary = {"model": str(args.model), "tokens": seq, "cp": world, "yarn": factor, "layers": len(per_layer),
+    summary = {"model": str(args.model), "text": args.text, "tokens": seq, "cp": world, "yarn": factor,
+               "layers": len(per_layer),
                "block_size": args.block_size, "engine": args.engine, "recall_target": args.recall,
                "sparse_ring_model_ms": total, "sparse_gather_model_ms": gather_total, "dense_ring_layer_ms": dense_ms,
                "dense_ring_model_ms": None if dense_ms is None else dense_ms * len(per_layer),
@@ -603,7 +605,8 @@ def bench_model(rank, world, args, device, report) -> None:
         timing = ", ".join(f"{name} {ms:.0f} ms" + ("" if dense_total is None else f" ({dense_total / ms:.2f}x faster "
                                                     "than the dense ring)") for name, ms in runs)
         dense = "" if dense_total is None else f"; dense ring {dense_total:.0f} ms"
-        print(f"MODEL {args.model}: {seq} tokens, CP={world}, YaRN x{factor:g}, block {args.block_size}, "
+        print(f"MODEL {args.model}: {seq} tokens of {args.text}, CP={world}, YaRN x{factor:g}, "
+              f"block {args.block_size}, "
               f"{len(per_layer)} layers: sparse ring (online estimate) fwd+bwd: {timing}{dense}; "
               f"lines equal one device's on every layer and rank: {summary['same_lines_all_layers']}; true recall "
               f"mean {summary['true_recall_mean']:.4f}, worst layer {summary['true_recall_worst_layer']:.4f}; "
@@ -903,8 +906,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile one call of the estimated sparse ring and print rank 0's top ops")
     parser.add_argument("--model", default=None,
                         help="HF checkpoint folder or .gguf: time the ring on this model's captured q/k/v at "
-                             "tokens-per-gpu x CP tokens of prose (first --tokens-per-gpu value) instead of the "
-                             "synthetic variants (see bench_model)")
+                             "tokens-per-gpu x CP tokens of stdlib text (--text; the first --tokens-per-gpu value) "
+                             "instead of the synthetic variants (see bench_model)")
+    parser.add_argument("--text", default="prose", choices=TEXT_KINDS,
+                        help="--model: the kind of text the model reads (mtrain.data.texts; prose, the standard "
+                             "library's documentation, holds ~400K tokens: code for longer sequences)")
     parser.add_argument("--recall", type=float, default=0.99, help="--model: the online estimate's recall target")
     parser.add_argument("--recall-rows", type=int, default=64, help="--model: sampled rows of the true recall")
     parser.add_argument("--layers", type=int, default=0, help="--model: only the first N layers (0: all)")
