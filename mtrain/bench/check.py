@@ -494,8 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", nargs="+", metavar="NAME",
                     help="check only these (triton-det triton-atomic triton-listfree triton-lf-atomic dense flex fa4 "
                          "fa4-det fa4-listfree fa4-nocols estimator ring-step ring-fa4 ring-listfree ring-estimate merge "
-                         "repeat); "
-                         "default all that apply")
+                         "repeat); default all that apply")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

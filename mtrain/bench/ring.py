@@ -478,10 +478,10 @@ def bench_tokens(tokens, rank, world, args, device, report):
 def bench_model(rank, world, args, device, report) -> None:
     """The ring on a real model's attention (`--model`): every rank runs one dense forward over stdlib text
     (`--text`, prose by default) of tokens-per-gpu x CP tokens (YaRN from the model's trained length) and keeps each
-    layer's post-RoPE q/k/v; per layer, the ring's online estimate (this rank's rows) is checked against one device's estimate of the whole
-    sequence (the same lists), its true recall is measured on sampled rows across the group, and the estimated
-    sparse ring's fwd+bwd is timed; the dense ring is timed on one layer (its time does not depend on the data).
-    Whole model = the sum over layers (attention only)."""
+    layer's post-RoPE q/k/v; per layer, the ring's online estimate (this rank's rows) is checked against one
+    device's estimate of the whole sequence (the same lists), its true recall is measured on sampled rows across the
+    group, and the estimated sparse ring's fwd+bwd is timed; the dense ring is timed on one layer (its time does not
+    depend on the data). Whole model = the sum over layers (attention only)."""
     from transformers import AutoTokenizer
 
     from mtrain.bench.real import capture_qkv, load_model, resolve_model

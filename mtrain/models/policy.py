@@ -245,10 +245,9 @@ def list_bytes(index, cap_v: int, cap_s: int) -> int:
     from mtrain.parallel import estimate
 
     b, h, rows = index.block_ids.shape[:3]
-    full = estimate.lists_bytes(b, h, rows, cap_s, cap_v)
-    if isinstance(index, RowIndex) and estimate.LIST_FREE_COLUMNS and full > estimate.STATIC_WIDTH_BYTES:
+    if isinstance(index, RowIndex) and estimate.columns_list_free(b, h, rows, cap_s, cap_v):
         return estimate.lists_bytes(b, h, rows, cap_s, 0) + b * h * cap_v * 4 * 2
-    return full
+    return estimate.lists_bytes(b, h, rows, cap_s, cap_v)
 
 
 def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> bool:

@@ -30,8 +30,81 @@ import torch
 from mtrain.ops.index import NO_OFFSET, ColumnPlan, block_offsets, compact, sorted_verticals
 
 
+class _ListFree:
+    """What both list-free forms share: their entries per head (`_entries`: key ids, -1 padded) and per query block
+    how many leading entries it may read (`counts`), read as a `columns=` pair, as lists, and counted in bytes."""
+
+    counts: torch.Tensor
+
+    def _entries(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def active(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __iter__(self):
+        """(ids, counts) as a `columns=` pair: ids [B, H, nQB, N] is a view of the entries with a zero stride over the
+        query blocks (every row sees every entry; the kernels skip the covered ones and those past counts). Only the
+        Triton kernels read it that way: a reader of plain lists must take `to_lists()`."""
+        ids = self._entries()
+        B, H, n = ids.shape
+        yield ids.unsqueeze(2).expand(B, H, self.counts.shape[-1], n)
+        yield self.counts
+
+    def nbytes(self) -> int:
+        """Bytes held (every tensor of the form)."""
+        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return sum(t.numel() * t.element_size() for t in fields if isinstance(t, torch.Tensor))
+
+    def to_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(col_ids [B, H, nQB, W] int32 -1 padded, col_counts [B, H, nQB] int32): the same columns as lists, the
+        entries `active()` marks in their order (one host read for the width)."""
+        ids = self._entries()
+        slots, counts = compact(self.active())
+        got = torch.gather(ids.long()[:, :, None, :].expand(*slots.shape[:3], ids.shape[-1]), -1,
+                           slots.long().clamp(min=0))
+        return torch.where(slots >= 0, got, -1).to(torch.int32), counts
+
+
+def _check_chunk(chunk: int) -> None:
+    if not 1 <= chunk <= 64:
+        raise ValueError(f"column chunk must be in 1..64 (the column kernels' chunk); got {chunk}")
+
+
+def _offset_hit(covered: torch.Tensor, gi: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:
+    """Bool [B, H, R, N]: key block blk [B, H, 1, N] lies at one of the head's block offsets from query block gi [R]
+    (`covered` [B, H, 2, nQB]; its row 1 for the last query block)."""
+    n = covered.shape[-1]
+    off = (gi[:, None] - blk).clamp(min=0, max=n - 1)  # [B, H, R, N]
+    B, H, R, _ = off.shape
+    rows = [torch.gather(covered[:, :, r].long()[:, :, None, :].expand(B, H, R, n), 3, off) for r in (0, 1)]
+    return torch.where((gi == n - 1)[:, None], rows[1], rows[0]) != 0
+
+
+def _verticals_past_sink(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
+                         union: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, H, Nv] long: each head's distinct verticals past the sink block 0 (never a column of a query block that
+    lists block 0) and, with `union` (ascending positions), only those in it; ascending, seq_len padded at the end.
+    Checks the lines' shapes (as `SparseIndex.from_lines` takes them) and keeps a width of at least 1."""
+    if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
+        raise ValueError(f"vertical must be [B, H, Nv] and slash [B, H, Ns]; got {tuple(vertical.shape)}, "
+                         f"{tuple(slash.shape)}")
+    if block_size < 1 or seq_len < 1:
+        raise ValueError(f"block_size and seq_len must be positive; got {block_size}, {seq_len}")
+    if vertical.shape[-1] == 0:  # one padding slot: the kernels and plans keep a width of at least 1
+        vertical = torch.full((*vertical.shape[:2], 1), -1, dtype=torch.long, device=vertical.device)
+    v = sorted_verticals(vertical, seq_len, block_size)[0]  # distinct, duplicates and padding seq_len
+    keep = (v >= block_size) & (v < seq_len)
+    if union is not None:
+        if union.numel():
+            keep &= union[torch.searchsorted(union, v.contiguous()).clamp(max=union.numel() - 1)] == v
+        else:
+            keep = torch.zeros_like(keep)
+    return torch.sort(torch.where(keep, v, seq_len), dim=-1).values
+
+
 @dataclasses.dataclass
-class VerticalColumns:
+class VerticalColumns(_ListFree):
     """The columns of a vertical-slash index, list-free (see the module's docstring). All int32 or uint8 tensors on
     one device:
 
@@ -65,48 +138,24 @@ class VerticalColumns:
     def n_blocks(self) -> int:
         return -(-self.seq_len // self.block_size)
 
-    def __iter__(self):
-        """(ids, counts) as a `columns=` pair: ids [B, H, nQB, Nv] is a view of verts with a zero stride over the
-        query blocks (every row sees every vertical; the kernels skip the covered ones and those past counts). Only
-        the Triton kernels read it that way: a reader of plain lists must take `to_lists()`."""
-        B, H, nv = self.verts.shape
-        yield self.verts.unsqueeze(2).expand(B, H, self.n_blocks, max(nv, 0))
-        yield self.counts
-
-    def nbytes(self) -> int:
-        """Bytes held (the three tensors)."""
-        return sum(t.numel() * t.element_size() for t in (self.verts, self.counts, self.covered))
+    def _entries(self) -> torch.Tensor:
+        return self.verts
 
     def active(self) -> torch.Tensor:
         """Bool [B, H, nQB, Nv]: vertical slot t is a column of query block i (reference and tests; it is the
         [nQB x Nv] tensor this form avoids, so keep to small shapes)."""
-        n = self.n_blocks
-        rows = torch.arange(n, device=self.verts.device)
+        rows = torch.arange(self.n_blocks, device=self.verts.device)
         slot = torch.arange(self.verts.shape[-1], device=self.verts.device)
         vb = (self.verts.long() // self.block_size)[:, :, None, :]  # [B, H, 1, Nv]
         usable = (slot[None, None, None, :] < self.counts[..., None].long()) & (vb > 0)
-        off = (rows[:, None] - vb).clamp(min=0, max=n - 1)  # [B, H, nQB, Nv]
-        B, H = self.verts.shape[:2]
-        flags = [self.covered[:, :, r].long()[:, :, None, :].expand(B, H, n, n) for r in (0, 1)]
-        hit = torch.where((rows == n - 1)[:, None], torch.gather(flags[1], 3, off), torch.gather(flags[0], 3, off)) != 0
-        return usable & ~hit
-
-    def to_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(col_ids [B, H, nQB, MAXC] int32 -1 padded, col_counts [B, H, nQB] int32): the lists `SparseIndex`
-        holds for the same lines (one host read for the width)."""
-        slots, counts = compact(self.active())
-        ids = torch.gather(self.verts.long()[:, :, None, :].expand(*slots.shape[:3], self.verts.shape[-1]), -1,
-                           slots.long().clamp(min=0))
-        return torch.where(slots >= 0, ids, -1).to(torch.int32), counts
+        return usable & ~_offset_hit(self.covered, rows, vb)
 
     def column_plan(self, chunk: int) -> ColumnPlan:
         """The column backward's work, list-free: universe = verts in chunks of `chunk`, and per chunk its first
         query block (q_ids [B, H, n_chunks, 1]: the block after the chunk's first vertical's) and how many query
         blocks follow it (counts). The kernel (`_col_dkdv_kernel` with VCOLS) walks those blocks and takes each one's
         columns of the chunk from the coverage flags; bits is unused. B x H x n_chunks ints, no host read."""
-        if not 1 <= chunk <= 64:
-            raise ValueError(f"column chunk must be in 1..64 (the column kernels' chunk); got {chunk}")
-        B, H, nv = self.verts.shape
+        _check_chunk(chunk)
         n = self.n_blocks
         first_v = self.verts[:, :, ::chunk].long()  # each chunk's smallest vertical (ascending, -1 padding last)
         first_q = torch.where(first_v >= 0, first_v // self.block_size + 1, n).clamp(max=n)
@@ -120,22 +169,11 @@ def vertical_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, 
     """The list-free columns of the index `SparseIndex.from_lines(vertical, slash, seq_len, block_size)` would
     build (same arguments: vertical [B, H, Nv] key positions, slash [B, H, Ns] offsets, out of range = padding).
     Sorts and flags only: no host read, no [nQB x Nv] tensor."""
-    if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
-        raise ValueError(f"vertical must be [B, H, Nv] and slash [B, H, Ns]; got {tuple(vertical.shape)}, "
-                         f"{tuple(slash.shape)}")
-    if block_size < 1 or seq_len < 1:
-        raise ValueError(f"block_size and seq_len must be positive; got {block_size}, {seq_len}")
-    B, H, _ = vertical.shape
-    dev = vertical.device
+    v = _verticals_past_sink(vertical, slash, seq_len, block_size)
+    B, H, _ = v.shape
     n = -(-seq_len // block_size)
-    if vertical.shape[-1] == 0:  # one padding slot: the kernels and plans keep a width of at least 1
-        vertical = torch.full((B, H, 1), -1, dtype=torch.long, device=dev)
-    v = sorted_verticals(vertical, seq_len, block_size)[0]  # distinct, duplicates and padding seq_len
-    # a vertical in the sink block 0 is never a column (every query block lists block 0): dropped, so no row's walk
-    # spends its first tiles on them (the estimator often keeps the first tokens, the strongest columns, as verticals)
-    v, _ = torch.sort(torch.where(v >= block_size, v, seq_len), dim=-1)  # padding (seq_len) last
     v_blk = v // block_size  # padding: n
-    counts = torch.searchsorted(v_blk.contiguous(), torch.arange(n, device=dev).expand(B, H, n).contiguous())
+    counts = torch.searchsorted(v_blk.contiguous(), torch.arange(n, device=v.device).expand(B, H, n).contiguous())
     return VerticalColumns(torch.where(v < seq_len, v, -1).to(torch.int32).contiguous(),
                            counts.to(torch.int32).contiguous(), offset_flags(slash, seq_len, block_size), seq_len,
                            block_size)
@@ -154,7 +192,7 @@ def offset_flags(slash: torch.Tensor, seq_len: int, block_size: int) -> torch.Te
 
 
 @dataclasses.dataclass
-class RingColumns:
+class RingColumns(_ListFree):
     """One context-parallel rank's off-ring columns (`mtrain.parallel.plan.OffRingColumns`), list-free: the ring's
     counterpart of `VerticalColumns`. On the ring the sink block is not a listed block: its tokens are columns of
     every query block, gathered with the verticals into slots after the step's keys. So each head keeps
@@ -194,16 +232,8 @@ class RingColumns:
                              f"covered [B, H, 2, {n}]; got {tuple(self.ids.shape)}, {tuple(self.blocks.shape)}, "
                              f"{tuple(self.counts.shape)}, {tuple(self.row_blocks.shape)}, {tuple(self.covered.shape)}")
 
-    def __iter__(self):
-        """(ids, counts) as a `columns=` pair, ids a zero-stride view over the local query blocks (see
-        `VerticalColumns.__iter__`: only the Triton kernels read it that way)."""
-        B, H, nc = self.ids.shape
-        yield self.ids.unsqueeze(2).expand(B, H, self.counts.shape[-1], nc)
-        yield self.counts
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.ids, self.blocks, self.counts, self.covered,
-                                                           self.row_blocks))
+    def _entries(self) -> torch.Tensor:
+        return self.ids
 
     def shifted(self, base: int) -> "RingColumns":
         """The same columns for a step whose column slots start at key `base`."""
@@ -211,32 +241,19 @@ class RingColumns:
             torch.int32), base=base)
 
     def active(self) -> torch.Tensor:
-        """Bool [B, H, R, Nc]: entry t is a column of local query block r (reference and tests: small shapes)."""
-        n = -(-self.seq_len // self.block_size)
-        gi = self.row_blocks.long()[:, None]  # [R, 1]
+        """Bool [B, H, R, Nc]: entry t is a column of local query block r (reference and tests: small shapes). Its
+        lists (`to_lists`) are in the order the list-built plan holds them: the sink's tokens, then the verticals."""
+        gi = self.row_blocks.long()
         blk = self.blocks.long()[:, :, None, :]  # [B, H, 1, Nc]
         slot = torch.arange(self.ids.shape[-1], device=self.ids.device)
         usable = (slot < self.counts[..., None].long()) & (self.ids[:, :, None, :] >= 0)
-        off = (gi - blk).clamp(min=0, max=n - 1)  # [B, H, R, Nc]
-        B, H, R, nc = off.shape
-        rows = [torch.gather(self.covered[:, :, r].long()[:, :, None, :].expand(B, H, R, n), 3, off) for r in (0, 1)]
-        hit = torch.where(gi == n - 1, rows[1], rows[0]) != 0
-        return usable & ((blk == 0) | ((blk < gi) & ~hit))
-
-    def to_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(col_ids [B, H, R, W] int32 -1 padded, col_counts [B, H, R] int32): the same columns as lists, in the
-        order the list-built plan holds them (the sink's tokens, then the verticals ascending); one host read."""
-        slots, counts = compact(self.active())
-        ids = torch.gather(self.ids.long()[:, :, None, :].expand(*slots.shape[:3], self.ids.shape[-1]), -1,
-                           slots.long().clamp(min=0))
-        return torch.where(slots >= 0, ids, -1).to(torch.int32), counts
+        return usable & ((blk == 0) | ((blk < gi[:, None]) & ~_offset_hit(self.covered, gi, blk)))
 
     def column_plan(self, chunk: int) -> ColumnPlan:
         """The column backward's work (as `VerticalColumns.column_plan`): per chunk of entries its first local
         query block (0 for a chunk holding sink tokens, else the first whose global block is past the chunk's first
         entry's) and how many local query blocks follow it. No host read."""
-        if not 1 <= chunk <= 64:
-            raise ValueError(f"column chunk must be in 1..64 (the column kernels' chunk); got {chunk}")
+        _check_chunk(chunk)
         R = self.row_blocks.numel()
         first_b = self.blocks[:, :, ::chunk].long()  # ascending entries: each chunk's smallest block
         after = torch.searchsorted(self.row_blocks.long().contiguous(), first_b.contiguous(), right=True)
@@ -253,21 +270,11 @@ def ring_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, bloc
     block's first n_sink tokens and then `union` (the ascending positions of every column of the whole index,
     `mtrain.ops.index.RowIndex.column_union`; it may end in seq_len padding). A vertical that is a column of no
     query block is not in the union and is dropped: it would never be read. Sorts and searches only: no host read."""
-    if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
-        raise ValueError(f"vertical must be [B, H, Nv] and slash [B, H, Ns]; got {tuple(vertical.shape)}, "
-                         f"{tuple(slash.shape)}")
-    B, H, _ = vertical.shape
-    dev = vertical.device
+    union = union.to(device=vertical.device, dtype=torch.long).contiguous()
+    v = _verticals_past_sink(vertical, slash, seq_len, block_size, union)
+    B, H, _ = v.shape
+    dev = v.device
     n = -(-seq_len // block_size)
-    if vertical.shape[-1] == 0:
-        vertical = torch.full((B, H, 1), -1, dtype=torch.long, device=dev)
-    v = sorted_verticals(vertical, seq_len, block_size)[0]
-    union = union.to(device=dev, dtype=torch.long).contiguous()
-    if union.numel():
-        member = union[torch.searchsorted(union, v.contiguous()).clamp(max=union.numel() - 1)] == v
-    else:
-        member = torch.zeros_like(v, dtype=torch.bool)
-    v, _ = torch.sort(torch.where(member & (v >= block_size) & (v < seq_len), v, seq_len), dim=-1)
     real = v < seq_len
     slot = n_sink + torch.searchsorted(union, v.contiguous())
     blk = torch.where(real, v // block_size, n)

@@ -430,6 +430,12 @@ def static_list_bytes(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) 
 LIST_FREE_COLUMNS = True
 
 
+def columns_list_free(b: int, h: int, n_rows: int, n_slash: int, n_vertical: int) -> bool:
+    """Whether a rank's rows of lines this wide hold their columns list-free: where lists as wide as they allow
+    (`lists_bytes`) would pass STATIC_WIDTH_BYTES, under LIST_FREE_COLUMNS."""
+    return LIST_FREE_COLUMNS and lists_bytes(b, h, n_rows, n_slash, n_vertical) > STATIC_WIDTH_BYTES
+
+
 def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int, *, schedule: str = "ring") -> bool | str:
     """`rows_from_lines`' bound_widths for a rank's rows of these lines: "static" (no host read) where those lists
     take at most `STATIC_WIDTH_BYTES`, else True (one host read). Under the gathered schedule (`schedule` "gather")
@@ -441,7 +447,7 @@ def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int, *
     if static_list_bytes(vertical, slash, n_rows) <= STATIC_WIDTH_BYTES:
         return "static"
     if LIST_FREE_COLUMNS and schedule == "gather" and static_list_bytes(vertical[..., :0], slash, n_rows) \
-            <= STATIC_WIDTH_BYTES:
+            <= STATIC_WIDTH_BYTES:  # (list-free: the lists with their columns did not fit)
         return "static"
     return True
 
@@ -455,7 +461,7 @@ def rank_index_of_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: in
     from mtrain.ops.index import rows_from_lines
 
     widths = rank_list_widths(vertical, slash, rows.numel(), schedule=schedule)
-    list_free = LIST_FREE_COLUMNS and static_list_bytes(vertical, slash, rows.numel()) > STATIC_WIDTH_BYTES
+    list_free = columns_list_free(*vertical.shape[:2], rows.numel(), slash.shape[-1], vertical.shape[-1])
     index = rows_from_lines(vertical, slash, seq_len, block_size, rows, check=False, bound_widths=widths,
                             read_also=read_also, columns=not list_free)
     index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
