@@ -9,6 +9,8 @@
 # two of the GPUs; every run checks the ring against one device before it times anything. CP4=0 / CP2=0 skip a run;
 # LIMIT (seconds, 400) bounds each run; the logs in $OUT keep every line (the terminal drops warnings).
 # MODEL=DIR adds the ring on a real model's captured q/k/v (mtrain bench ring --model, MODEL_TOKENS per GPU, 64K).
+# EMULATE="2 4 8" adds, on any one GPU, rank 0 of each CP size alone with its transfers as local fills (the rank's
+# compute at that CP size against CP=1 in the same run: a bound on the real ring; EMU_EXTRA for its flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/gpu_fa4.sh install
@@ -30,6 +32,11 @@ if [ "${CP2:-1}" = 1 ]; then
     --json "$OUT/ring_cp2.json" 2>&1 | tee "$OUT/ring_cp2.log" | grep -v Warning \
     || echo "CP=2 run: exit status $? (124: stopped at LIMIT)"
 fi
+for n in ${EMULATE:-}; do  # one GPU: rank 0 of a CP=n group alone, transfers as local fills (--emulate-cp)
+  timeout -k 15 "${LIMIT:-400}" python3 -m mtrain.bench.ring --emulate-cp "$n" "${common[@]}" ${EMU_EXTRA:-} \
+    --json "$OUT/ring_emulated_cp$n.json" 2>&1 | tee "$OUT/ring_emulated_cp$n.log" | grep -v Warning \
+    || echo "emulated CP=$n run: exit status $? (124: stopped at LIMIT)"
+done
 if [ -n "${MODEL:-}" ]; then  # the real model's captured q/k/v (an HF folder, e.g. gpu_e2e4.sh's /root/smollm2)
   torchrun --nproc_per_node "$(( NGPU < 4 ? NGPU : 4 ))" -m mtrain.bench.ring --model "$MODEL" \
     --tokens-per-gpu "${MODEL_TOKENS:-64K}" --block-size 128 --engine "${ENGINE:-auto}" --iters 2 --warmup 1 \

@@ -94,6 +94,26 @@ def _plan_pairs(plan: ColumnPlan, h: int) -> set:
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 64])
+@pytest.mark.parametrize("width", [None, 90])
+def test_column_plan_lists_every_pair_within_the_counts(chunk, width):
+    """The plan's (query block, column) pairs are those of the lists up to their counts (entries past a count are
+    stale, not read), with up to 90 distinct columns per head: a 64-slot chunk whose top bit (1 << 63) is set for
+    some query blocks."""
+    gen = torch.Generator().manual_seed(7)
+    S, bs = 640, 16
+    index = SparseIndex.from_lines(torch.randint(-3, S, (1, 2, 90), generator=gen),
+                                   torch.randint(0, S, (1, 2, 2), generator=gen), S, bs)
+    counts = (index.col_counts - torch.arange(S // bs) % 2).clamp(min=0).to(index.col_counts.dtype)  # every other
+    plan = column_plan(index.col_ids, counts, S, chunk, width=width)
+    top = 0
+    for h in range(2):
+        want = {(i, int(c)) for i in range(S // bs) for c in index.col_ids[0, h, i, : counts[0, h, i]]}
+        assert _plan_pairs(plan, h) == want and len(want) > 0
+        top += int((plan.bits[0, h] < 0).sum())  # bit 63 set: the int64 is negative
+    assert top > 0 or chunk < 64
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
 def test_column_plan_with_a_known_width_lists_the_same_pairs(chunk):
     """The bounded column plan (no host read: universe as wide as the bound, q_ids as wide as the query blocks)
     holds the same universe and (query block, column) pairs as the trimmed one."""

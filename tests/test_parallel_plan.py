@@ -115,8 +115,10 @@ def test_hierarchical_schedule_keeps_every_step_at_one_distance(nodes, local):
 def test_gathered_plan_from_the_index_equals_the_merged_ring_plan(name, world, form):
     """The gathered schedule's plan built straight from the index (`gathered_sparse_plan`: one sort per list) lists
     the same gathered key blocks, key positions, columns and column slots as the ring plan's steps merged into one
-    (`ring_gather.gathered_plan`), for a global index and for a rank's rows (read or static widths); None where a
-    global block is not one local block of one rank."""
+    (`ring_gather.gathered_plan`), for a global index and for a rank's rows (read or static widths), but for the sink
+    block: a listed block of the direct plan (at the gathered place of global block 0) where the merged plan has its
+    tokens as the first columns (with `sink_listed=False`, as for FA4's backward, the same as the merged plan); None
+    where a global block is not one local block of one rank."""
     import torch.nn.functional as F
 
     from mtrain.ops.index import rows_from_lines
@@ -133,6 +135,7 @@ def test_gathered_plan_from_the_index_equals_the_merged_ring_plan(name, world, f
         width = max(a.shape[-1], b.shape[-1])
         return torch.equal(F.pad(a, (0, width - a.shape[-1]), value=-1), F.pad(b, (0, width - b.shape[-1]), value=-1))
 
+    vertical_columns = 0
     for rank in range(world):
         if form == "global":
             index = SparseIndex.from_lines(vertical, slash, SEQ, BLOCK)
@@ -147,8 +150,27 @@ def test_gathered_plan_from_the_index_equals_the_merged_ring_plan(name, world, f
         merged = gathered_plan(sparse_plan(index, layout, rank, cpu, rank), world)
         a, b = direct.steps[rank], merged.steps[rank]
         assert list(direct.steps) == [rank] and direct.bounded == merged.bounded
-        assert same(a.ids, b.ids) and torch.equal(a.counts, b.counts) and torch.equal(a.k_pos, b.k_pos)
-        assert same(a.columns[0], b.columns[0]) and torch.equal(a.columns[1], b.columns[1])
+        # where global block 0 sits among the gathered keys (rank o's shard is at step (rank - o) % W)
+        shards = [layout.indices(SEQ, r) for r in range(world)]
+        owner = next(r for r in range(world) if bool((shards[r] == 0).any()))
+        sink_at = ((rank - owner) % world) * shards[rank].numel() // BLOCK + int(torch.nonzero(shards[owner] == 0)) // BLOCK
+        base = world * shards[rank].numel()  # the column slots' first key, after the W shards
+        had_sink = (b.columns[0] == base).any(-1)  # the merged plan's lists whose first columns are the sink's slots
+        want_ids = torch.sort(torch.cat([b.ids, torch.where(had_sink, sink_at, -1)[..., None].to(b.ids.dtype)], -1),
+                              -1).values
+        want_ids = torch.sort(torch.where(want_ids >= 0, want_ids, 2**30), -1).values
+        want_ids = torch.where(want_ids < 2**30, want_ids, -1)
+        assert same(a.ids, want_ids) and torch.equal(a.counts, b.counts + had_sink.int())
+        assert torch.equal(a.k_pos, b.k_pos)
+        verts = torch.where(b.columns[0] >= base + BLOCK, b.columns[0], -1)  # the sink's tokens: the first slots
+        verts = torch.gather(verts, -1, torch.sort((verts < 0).to(torch.uint8), dim=-1, stable=True).indices)
+        assert same(a.columns[0], verts) and torch.equal(a.columns[1], b.columns[1] - BLOCK * had_sink.int())
         for x, y in zip(direct.gather_slots, merged.gather_slots):
             assert x == y if isinstance(x, int) else torch.equal(x, y)
-        assert int(a.counts.sum()) > 0 and int(a.columns[1].sum()) > 0  # the case is not empty
+        # with the sink's tokens as columns (for FA4's backward) it is the merged ring plan, entry for entry
+        ring_like = gathered_sparse_plan(index, layout, rank, cpu, sink_listed=False).steps[rank]
+        assert same(ring_like.ids, b.ids) and torch.equal(ring_like.counts, b.counts)
+        assert same(ring_like.columns[0], b.columns[0]) and torch.equal(ring_like.columns[1], b.columns[1])
+        assert int(a.counts.sum()) > 0 and int(b.columns[1].sum()) > 0  # the case is not empty
+        vertical_columns += int(a.columns[1].sum())
+    assert name == "stripe" or vertical_columns > 0  # some rank's rows have verticals for columns

@@ -57,7 +57,7 @@ def _tokens(text: str) -> list[int]:
 
 _sync = timing.sync
 # median ms per call, every rank in step before each call (a barrier, then the GPU idle)
-timed = functools.partial(timing.timed, before=dist.barrier)
+timed = functools.partial(timing.timed, before=lambda: dist.barrier())  # looked up per call (--emulate-cp)
 
 
 def count_host_syncs(fn, sites: list | None = None) -> int | None:
@@ -122,9 +122,19 @@ def dense_flops(seq_len, heads, dim):
     return 7.0 * seq_len * seq_len * heads * dim  # causal fwd (2 S^2 H D) + bwd (2.5x fwd)
 
 
-def check(rank, world, args, device, report):
-    """Ring vs single-GPU reference at a small length: max abs error of out and dq."""
+def check(rank, world, args, device, report, zero_peers: bool = False):
+    """Ring vs single-GPU reference at a small length: max abs error of out and dq (and dk). zero_peers (an emulated
+    rank, `--emulate-cp`): the given-index cases alone, against one device whose keys and values of every other rank
+    are zero (what the rank sees there); dk is not compared (the others' rows' share of it never comes back)."""
     seq_len = args.check_len
+    if zero_peers:
+        cases = [("sparse", args.heads, args.kv_heads, "block-stripe", True)]
+        if "gather" in args.schedules:
+            cases.append(("sparse-g", args.heads, args.kv_heads, "block-stripe", True))
+        for name, hq, hkv, layout_name, sparse in cases:
+            report.append(_check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse,
+                                      zero_peers=True))
+        return
     cases = [("dense", args.heads, args.heads, "zigzag", False), ("sparse", args.heads, args.kv_heads, "block-stripe", True),
              ("estimated", args.heads, args.kv_heads, "block-stripe", "estimate")]
     if _hierarchical(args, world):
@@ -199,8 +209,14 @@ def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, s
         estimate_module.STATIC_WIDTH_BYTES = saved
 
 
-def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse):
+def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse, zero_peers: bool = False):
     q, k, v, dout = inputs(seq_len, hq, hkv, args.dim, device)
+    hier = name.endswith("-h")
+    layout = _layout(layout_name, world, args, hier)
+    if zero_peers:  # the reference sees what an emulated rank sees: zeros for every other rank's keys and values
+        held = torch.zeros(seq_len, dtype=torch.bool, device=device)
+        held[layout.indices(seq_len, rank).to(device)] = True
+        k, v = (torch.where(held[None, :, None, None], t, 0).contiguous() for t in (k, v))
     settings = _settings(args)
     index = None
     if sparse == "estimate":  # the one device's estimate of the whole sequence, the reference's index
@@ -213,10 +229,8 @@ def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, 
         dout)
     ref_out = (vertical_slash_attention(q, k, v, index, impl=impl) if sparse else sdpa_cudnn(q, k, v)).float()
     run_ref()
-    hier = name.endswith("-h")
     schedule = "gather" if name.endswith("-g") else "ring"
     row = {"check": name, "layout": layout_name, "seq_len": seq_len}
-    layout = _layout(layout_name, world, args, hier)
     shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
     leaves = [t.detach().requires_grad_(True) for t in shard[:3]]
     if sparse == "estimate":
@@ -241,7 +255,8 @@ def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, 
     out.backward(shard[3])
     row["max_err_out"] = float((out.detach().float() - layout.shard(ref_out.detach(), rank)).abs().max())
     row["max_err_dq"] = float((leaves[0].grad.float() - layout.shard(ref_leaves[0].grad.float(), rank)).abs().max())
-    row["max_err_dk"] = float((leaves[1].grad.float() - layout.shard(ref_leaves[1].grad.float(), rank)).abs().max())
+    row["max_err_dk"] = None if zero_peers else float(
+        (leaves[1].grad.float() - layout.shard(ref_leaves[1].grad.float(), rank)).abs().max())
     return row
 
 
@@ -268,7 +283,7 @@ def _groups(args, hierarchical: bool) -> dict:
 
 def bench_tokens(tokens, rank, world, args, device, report):
     seq = tokens * world
-    row = {"tokens_per_gpu": tokens, "cp": world}
+    row = {"tokens_per_gpu": tokens, "cp": world, "list_free_columns": args.list_free_columns}
 
     def attempt(key, fn):
         try:
@@ -361,11 +376,15 @@ def bench_tokens(tokens, rank, world, args, device, report):
         def go():
             graphed.GRAPH_RING_ESTIMATE = graph  # eager estimate unless this variant replays it from a CUDA graph
             ring_gather.FA4_GATHER_BACKWARD = "triton" if triton_backward else "fa4"
+            saved = estimate_module.STATIC_WIDTH_BYTES
+            if args.list_free_columns:  # the estimated rank index without column lists, as at the recipes' caps
+                estimate_module.STATIC_WIDTH_BYTES = _list_free_limit(args, seq, world, h)
             try:
                 return timed_variant()
             finally:
                 graphed.GRAPH_RING_ESTIMATE = False
                 ring_gather.FA4_GATHER_BACKWARD = "fa4"
+                estimate_module.STATIC_WIDTH_BYTES = saved
 
         def timed_variant():
             q, k, v, dout = inputs(seq, h, hkv, d, device)
@@ -803,8 +822,9 @@ def print_table(report):
             lines = f"  same lines as one device: {r['same_lines']}" if "same_lines" in r else ""
             if r.get("list_free"):
                 lines += "  columns list-free" + (" (static widths)" if r.get("static_widths") else "")
+            dk = "-" if r["max_err_dk"] is None else f"{r['max_err_dk']:.3e}"
             print(f"{r['check']:<14} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}  "
-                  f"dk {r['max_err_dk']:.3e}{lines}")
+                  f"dk {dk}{lines}")
     print("\n== fwd+bwd per GPU ==")
     print(f"{'tok/GPU':>8} {'variant':<44} {'ms':>9} {'TFLOP/s/GPU':>12} {'vs CP=1':>8}")
     for r in report:
@@ -838,7 +858,9 @@ def print_table(report):
                            ("ring, estimate from a CUDA graph", "ring_sparse_estimated_graphed_ms"),
                            ("gather, estimate from a CUDA graph", "ring_sparse_estimated_gather_graphed_ms")):
             if r.get(key) and r.get("cp1_sparse_estimated_ms"):
-                print(f"{'':>9}HEADLINE sparse CP={r['cp']} with online estimate ({sched} schedule) vs CP=1 with its "
+                what = ("BOUND (rank alone, transfers as local fills: --emulate-cp)" if r.get("emulated")
+                        else "HEADLINE")
+                print(f"{'':>9}{what} sparse CP={r['cp']} with online estimate ({sched} schedule) vs CP=1 with its "
                       f"own: {r['cp1_sparse_estimated_ms'] / r[key]:.3f} (engine {r.get('engine')})")
         if r.get("estimate_ring_ms") and r.get("estimate_cp1_ms"):
             torch_part = (f", torch scorer {r['estimate_ring_torch_ms']:.2f} ms" if r.get("estimate_ring_torch_ms")
@@ -921,6 +943,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--model: also count, per layer, the index bytes of rank 0 of a block-stripe ring of "
                              "each of these CP sizes over the same sequence (from the same lines, no ring run): "
                              "the column lists as the ring held them, list-free, and cap-wide")
+    parser.add_argument("--list-free-columns", action="store_true",
+                        help="the ring variants' estimated rank index without column lists at the script's budgets "
+                             "(the columns read list-free, as at the recipes' caps, where the lists would be wide)")
     parser.add_argument("--check-only", action="store_true", help="the correctness check alone (no timing)")
     parser.add_argument("--torch-merge", action="store_true",
                         help="merge the ring's partial results with the torch merge instead of the fused Triton one")
@@ -930,9 +955,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the estimated variants and the estimate itself with the context-parallel "
                              "estimate replayed from a CUDA graph (mtrain.parallel.graphed, as "
                              "MTRAIN_GRAPH_RING_ESTIMATE=1 does in training), beside the eager ones")
+    parser.add_argument("--emulate-cp", type=int, default=0, metavar="N",
+                        help="one process, one device, no torchrun: time rank --emulate-rank of a CP=N group alone, "
+                             "every transfer replaced by a local fill (mtrain.bench.emulate: the rank's compute at "
+                             "CP=N, a bound on what the real ring reaches; checked against one device with the other "
+                             "ranks' keys zero; no dense or hierarchical ring; the estimate sees this rank's keys only)")
+    parser.add_argument("--emulate-rank", type=int, default=0, help="--emulate-cp: which rank of the group")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     args.check_len = args.check_len[0]
+    if args.emulate_cp:
+        return _main_emulated(args)
 
     global DTYPE
     if args.cpu:
@@ -984,6 +1017,51 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     graphed.release_graphs()  # before the process group goes: a graph holding NCCL work can hang its teardown
     dist.destroy_process_group()
+    return 0
+
+
+def _main_emulated(args) -> int:
+    """`--emulate-cp N`: the synthetic variants of one rank of a CP=N group, alone in this process (see
+    mtrain.bench.emulate), against CP=1 measured in the same run."""
+    from mtrain.bench.emulate import emulated_group
+
+    global DTYPE
+    if args.model or args.node_size or args.check_only:
+        raise SystemExit("--emulate-cp times the synthetic variants only: drop --model, --node-size and --check-only")
+    if args.emulate_cp < 2:
+        raise SystemExit(f"--emulate-cp needs a group of at least 2 ranks; got {args.emulate_cp}")
+    args.skip_dense = True  # the dense ring's figures are known: its work does not depend on the data
+    if args.cpu:
+        DTYPE = torch.float32
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        name = "CPU (Triton interpreter)"
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+        name = torch.cuda.get_device_name(device)
+    if args.torch_merge:
+        from mtrain.parallel import merge
+
+        merge.FUSED = False
+    world, rank = args.emulate_cp, args.emulate_rank
+    print(f"torch {torch.__version__}, {name}, EMULATED rank {rank} of CP={world} (transfers replaced by local fills), "
+          f"heads {args.heads}/{args.kv_heads} x {args.dim}, {DTYPE}", flush=True)
+    report: list[dict] = []
+    with emulated_group(world, rank):
+        if not args.skip_check:  # the given-index cases against one device with the other ranks' keys zero
+            try:
+                check(rank, world, args, device, report, zero_peers=True)
+            except Exception:
+                traceback.print_exc()
+        for tokens in args.tokens_per_gpu:
+            bench_tokens(tokens, rank, world, args, device, report)
+            report[-1]["emulated"] = True
+            print(json.dumps(report[-1]), flush=True)
+        graphed.release_graphs()
+    print_table(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 

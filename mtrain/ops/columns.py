@@ -264,12 +264,14 @@ class RingColumns(_ListFree):
 
 
 def ring_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int, union: torch.Tensor,
-                 row_blocks: torch.Tensor, n_sink: int) -> RingColumns:
+                 row_blocks: torch.Tensor, n_sink: int, sink_columns: bool = True) -> RingColumns:
     """The `RingColumns` of the lines (vertical [B, H, Nv] key positions, slash [B, H, Ns] offsets, as
     `SparseIndex.from_lines` takes them) for the local query blocks `row_blocks`, whose off-ring slots hold the sink
     block's first n_sink tokens and then `union` (the ascending positions of every column of the whole index,
     `mtrain.ops.index.RowIndex.column_union`; it may end in seq_len padding). A vertical that is a column of no
-    query block is not in the union and is dropped: it would never be read. Sorts and searches only: no host read."""
+    query block is not in the union and is dropped: it would never be read. sink_columns False: the sink's tokens
+    are no columns (the gathered schedule lists the sink block itself; their slots stay, unread). Sorts and searches
+    only: no host read."""
     union = union.to(device=vertical.device, dtype=torch.long).contiguous()
     v = _verticals_past_sink(vertical, slash, seq_len, block_size, union)
     B, H, _ = v.shape
@@ -279,7 +281,12 @@ def ring_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, bloc
     slot = n_sink + torch.searchsorted(union, v.contiguous())
     blk = torch.where(real, v // block_size, n)
     row_blocks = row_blocks.to(device=dev, dtype=torch.long).contiguous()
-    counts = n_sink + torch.searchsorted(blk.contiguous(), row_blocks.expand(B, H, -1).contiguous())
+    counts = torch.searchsorted(blk.contiguous(), row_blocks.expand(B, H, -1).contiguous())
+    if not sink_columns:
+        return RingColumns(torch.where(real, slot, -1).to(torch.int32).contiguous(), blk.to(torch.int32).contiguous(),
+                           counts.to(torch.int32).contiguous(), offset_flags(slash, seq_len, block_size),
+                           row_blocks, seq_len, block_size)
+    counts = counts + n_sink
     sink = torch.arange(n_sink, device=dev).expand(B, H, n_sink)
     ids = torch.cat([sink, torch.where(real, slot, -1)], -1).to(torch.int32).contiguous()
     blocks = torch.cat([torch.zeros_like(sink), blk], -1).to(torch.int32).contiguous()

@@ -202,14 +202,30 @@ def column_plan(col_ids: torch.Tensor, col_counts: torch.Tensor, seq_k: int, chu
     universe, _ = compact(used)
     rank = used.cumsum(-1) - 1  # universe slot of every used token
     n_chunks = -(-universe.shape[-1] // chunk)
-    u = rank[b, h, cols]
-    bits = torch.zeros(B, H, n_chunks, nqb, dtype=torch.int64, device=dev)
-    # Each (query block, column) pair is unique, so adding bits is an exact, order-free OR.
-    bits.index_put_((b, h, u // chunk, i), torch.ones_like(u) << (u % chunk), accumulate=True)
+    u = torch.gather(rank, -1, torch.where(valid, col_ids.long(), 0).flatten(2)).view(B, H, nqb, maxc)
+    bits = _chunk_bits(u, valid, chunk, n_chunks)
     q_ids, counts = compact(bits != 0)
     packed_bits = torch.gather(bits, -1, q_ids.long().clamp(min=0))
     packed_bits = torch.where(q_ids >= 0, packed_bits, 0)
     return ColumnPlan(universe, q_ids, packed_bits.contiguous(), counts, chunk)
+
+
+def _chunk_bits(u: torch.Tensor, valid: torch.Tensor, chunk: int, n_chunks: int) -> torch.Tensor:
+    """[B, H, n_chunks, nQB] int64: for each query block (a row of u [B, H, nQB, M], universe slots, ascending where
+    `valid` (the lists are sorted, as `SparseIndex` asks), each at most once) and chunk of `chunk` slots, the bits
+    1 << (slot % chunk) of its slots in the chunk. A prefix sum per row read at each chunk's end: the bits are
+    distinct, so the difference of two prefix sums is their OR (exact in int64, wrapping at bit 63 included); the
+    invalid entries add nothing and take their predecessor's slot, so the row stays ascending for the search.
+    Deterministic, with no atomics (an accumulating index_put sorts every entry of every row together, several times
+    slower on a GPU)."""
+    us = torch.cummax(torch.where(valid, u, -1), dim=-1).values
+    prefix = torch.nn.functional.pad(torch.cumsum(torch.where(valid, torch.ones_like(u) << (u.clamp(min=0) % chunk),
+                                                              0), -1), (1, 0))
+    bounds = torch.arange(n_chunks, device=u.device).expand(*u.shape[:-1], n_chunks).contiguous()
+    ends = torch.searchsorted(torch.div(us, chunk, rounding_mode="floor").contiguous(), bounds, right=True)
+    at_end = torch.gather(prefix, -1, ends)
+    bits = at_end - torch.nn.functional.pad(at_end, (1, 0))[..., :-1]
+    return bits.transpose(-1, -2).contiguous()
 
 
 def _column_plan_bounded(col_ids, valid, seq_k: int, chunk: int, width: int) -> ColumnPlan:
@@ -223,15 +239,7 @@ def _column_plan_bounded(col_ids, valid, seq_k: int, chunk: int, width: int) -> 
     universe, _ = compact(used, width=width)
     rank = used.cumsum(-1) - 1  # universe slot of every used token
     u = torch.gather(rank, -1, cols.clamp(max=seq_k - 1).flatten(2)).view_as(cols)
-    n_chunks = -(-width // chunk)
-    bits = torch.zeros(B, H, n_chunks + 1, nqb, dtype=torch.int64, device=dev)  # chunk row n_chunks: the spare
-    bi = torch.arange(B, device=dev).view(B, 1, 1, 1).expand_as(cols)
-    hi = torch.arange(H, device=dev).view(1, H, 1, 1).expand_as(cols)
-    qi = torch.arange(nqb, device=dev).view(1, 1, nqb, 1).expand_as(cols)
-    # Each (query block, column) pair is unique, so adding bits is an exact, order-free OR.
-    bits.index_put_((bi, hi, torch.where(valid, u // chunk, n_chunks), qi),
-                    torch.where(valid, torch.ones_like(u) << (u % chunk), 0), accumulate=True)
-    bits = bits[:, :, :n_chunks]
+    bits = _chunk_bits(u, valid, chunk, -(-width // chunk))
     q_ids, counts = compact(bits != 0, width=nqb)
     packed_bits = torch.where(q_ids >= 0, torch.gather(bits, -1, q_ids.long().clamp(min=0)), 0)
     return ColumnPlan(universe, q_ids, packed_bits.contiguous(), counts, chunk)

@@ -327,20 +327,23 @@ def build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, co
                     column_origin=column_origin if columns is not None else None, bounded=bounded)
 
 
-def gathered_sparse_plan(index, layout: Layout, rank: int, device: torch.device) -> RingPlan | None:
+def gathered_sparse_plan(index, layout: Layout, rank: int, device: torch.device,
+                         sink_listed: bool = True) -> RingPlan | None:
     """The plan of the gathered schedule for rank `rank` straight from a sparse index (cached with it): each listed
-    global key block g (but the sink block, which goes to the columns as on the ring) becomes gathered block
-    ((rank - owner[g]) % W) * nLB + local[g], one sort per list puts them in order; the columns are the ring's
-    off-ring columns in slots after the W shards. None where a global block is not one local block of one rank
-    (then `mtrain.parallel.ring_gather.gathered_plan` merges the ring plan's steps)."""
-    key = ("gathered_plan", layout.spec, rank, str(device))
+    global key block g becomes gathered block ((rank - owner[g]) % W) * nLB + local[g], one sort per list puts them in
+    order; the columns are the ring's off-ring columns in slots after the W shards. sink_listed: the sink block is a
+    listed block, as on one device, and the columns are the verticals alone; else, as on the ring, its tokens are
+    columns of every query block (for a backward that runs each key block's query blocks in turn, FA4's, where the
+    sink block, read by every query block, would be one long tail). None where a global block is not one local block
+    of one rank (then `mtrain.parallel.ring_gather.gathered_plan` merges the ring plan's steps)."""
+    key = ("gathered_plan", layout.spec, rank, str(device), sink_listed)
     cache = index._cache
     if key not in cache:
-        cache[key] = _build_gathered_plan(index, layout, rank, device)
+        cache[key] = _build_gathered_plan(index, layout, rank, device, sink_listed)
     return cache[key]
 
 
-def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device) -> RingPlan | None:
+def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device, sink_listed: bool) -> RingPlan | None:
     seq_len, block_size = int(index.seq_len), int(index.block_size)
     layout.check(seq_len)
     local_block = layout.local_block_size(seq_len, block_size)
@@ -352,8 +355,10 @@ def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device)
     bounded = isinstance(index, RowIndex) and bool(index._cache.get("bounded_widths"))
     my_global_blocks = rank_blocks(layout, seq_len, rank, block_size, device)
     rows, my_cols = _rank_lists(index, my_global_blocks, rank, device, list_free_ok=True)
-    had_sink = (rows == 0).any(dim=-1)
-    rows = torch.where(rows == 0, -1, rows)
+    had_sink = None  # sink_listed: its keys are among the gathered ones, so the block kernels run it as one device does
+    if not sink_listed:
+        had_sink = (rows == 0).any(dim=-1)
+        rows = torch.where(rows == 0, -1, rows)
     columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device, bounded,
                                 my_global_blocks)
     owner, local = owners
@@ -507,9 +512,11 @@ def _gather_tables(owner: torch.Tensor, local: torch.Tensor, world: int, rank: i
 def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device,
                       bounded: bool = False, row_blocks: torch.Tensor | None = None) -> OffRingColumns | None:
     """The off-ring columns of the rank's rows: lists from `my_cols`, or (my_cols None: an index without column
-    lists) list-free from the index's lines for the local query blocks `row_blocks`."""
+    lists) list-free from the index's lines for the local query blocks `row_blocks`. had_sink [B, H, nLQB]: the
+    lists that name the sink block, whose tokens become their first columns; None: the sink block stays a listed
+    block (the gathered schedule) and only the verticals are columns."""
     union, n_sink = _column_union(index, seq_len, device)
-    if union.numel() == 0:  # decided from the whole index, so every rank skips the gather alike
+    if union.numel() == (0 if had_sink is not None else n_sink):  # decided from the whole index: every rank alike
         return None
     pad = (-union.numel()) % local_block
     positions = torch.cat([union, torch.full((pad,), seq_len, dtype=torch.long, device=device)])
@@ -523,15 +530,15 @@ def _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_l
     if my_cols is None:  # list-free: each head's sorted verticals in slots, with its block offsets as flags
         vertical, slash, _ = index._cache["lines"]
         form = ring_columns(vertical.to(device), slash.to(device), seq_len, int(index.block_size),
-                            index.column_union.to(device), row_blocks, n_sink)
+                            index.column_union.to(device), row_blocks, n_sink, sink_columns=had_sink is not None)
         per_rank, send_local, src, by_rank = _gather_tables(owner, local, layout.world_size, rank, bounded)
         return OffRingColumns(positions, owner, local, None, None, per_rank, send_local, src, by_rank, form)
     # int32 throughout (positions < 2**31): these lists are the plan's largest tensors (1 GiB each in int32 at 256K
     # tokens per GPU with 4,096-line caps), and the sort-based packing with int64 indices held ~13 GiB at once there
     col_slots = torch.searchsorted(union.to(torch.int32), my_cols.clamp(min=0), out_int32=True)
     col_slots.masked_fill_(my_cols < 0, -1)
-    b, h, n = had_sink.shape
-    if n_sink:
+    if n_sink and had_sink is not None:
+        b, h, n = had_sink.shape
         # sink tokens are the first entries of the sorted union (positions 0..block_size-1): a list that names the
         # sink block starts with them; the index's column lists are front-packed (valid entries, then -1), so
         # every list comes out front-packed with no sort

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from mtrain.errors import MtrainError
 from mtrain.parallel.comm import hierarchical_groups, local_world_size_from_env
-from mtrain.parallel import ring_flat, ring_hierarchical
+from mtrain.parallel import ring_flat, ring_gather, ring_hierarchical
 from mtrain.parallel.estimate import SparseSettings, estimate_rank_index
 from mtrain.parallel.fa4_steps import ENGINES, resolve_engine
 from mtrain.parallel.graphed import estimate_rank_index_graphed
@@ -194,6 +194,11 @@ def ring_attention(
         plan = plan.with_documents(doc_ids)
     if index is not None:
         chosen = resolve_engine(engine, plan, q)
+        if chosen == "fa4" and gather is not None and plan.gather_slots is not None \
+                and ring_gather.FA4_GATHER_BACKWARD == "fa4":  # FA4's backward: the sink's tokens as columns
+            plan = gathered_sparse_plan(index, layout, rank, q.device, sink_listed=False)
+            if doc_ids is not None:
+                plan = plan.with_documents(doc_ids)
         if chosen != plan.engine:
             plan = dataclasses.replace(plan, engine=chosen)  # shares the plan's caches
     if index is not None and gather is not None:

@@ -13,9 +13,9 @@ overlapped transfers are the better schedule, so the ring stays the default.
 The gathered K/V are laid out in the ring's step order (this rank's shard first, then the shards of ranks r - 1,
 r - 2, ...), so step s's local key block j is block s * nLB + j of the gathered keys, and the local step's diagonal
 block keeps its place (FA4's causal mask block). The plan maps each listed global block there directly
-(`mtrain.parallel.plan.gathered_sparse_plan`), or, for layouts whose global blocks span ranks, merges the ring
-plan's steps (`gathered_plan`). The
-off-ring columns (sink block + verticals) are copied from the gathered rows into slots after them: no column
+(`mtrain.parallel.plan.gathered_sparse_plan`; the sink block is a listed block there, as on one device, but under
+FA4's backward, which would run its every query block in one tail), or, for layouts whose global blocks span ranks,
+merges the ring plan's steps (`gathered_plan`; the sink's tokens are columns there, as on the ring). The off-ring columns are copied from the gathered rows into slots after them: no column
 gather of their own, and their gradients fold back into their rows before dK/dV go back to the owners.
 """
 

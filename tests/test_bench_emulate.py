@@ -1,0 +1,115 @@
+"""One rank of a context-parallel group run alone (`mtrain.bench.emulate.emulated_group`, `mtrain bench ring
+--emulate-cp N`): the stand-in collectives do what its docstring says (this rank's part in its slot, zeros for the
+others, receives zero-filled), and the ring under it computes, for that rank's rows, the attention of a float64
+reference in which every other rank's keys and values are zero: under both schedules, two layouts, CP 2 and 4."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mtrain.bench.emulate import emulated_group
+from mtrain.errors import MtrainError
+from mtrain.ops import SparseIndex, reference
+from mtrain.parallel import Layout, ring_attention
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_emulated_collectives_keep_this_ranks_part_and_zero_the_others():
+    real = dist.get_world_size
+    with emulated_group(4, rank=2) as group:
+        assert dist.get_world_size() == 4 and dist.get_rank(group) == 2 and dist.group.WORLD is group
+        assert dist.get_global_rank(group, 3) == 3
+        t = torch.tensor([1.0, 2.0])
+        out = torch.full((8,), 7.0)
+        dist.all_gather_into_tensor(out, t)
+        assert out.tolist() == [0, 0, 0, 0, 1, 2, 0, 0]
+        parts = [torch.full((2,), 7.0) for _ in range(4)]
+        dist.all_gather(parts, t, async_op=True).wait()
+        assert [p.tolist() for p in parts] == [[0, 0], [0, 0], [1, 2], [0, 0]]
+        s = torch.tensor([3.0, -1.0])
+        dist.all_reduce(s, op=dist.ReduceOp.MAX)
+        assert s.tolist() == [3.0, -1.0]  # the others add the op's identity
+        got = torch.empty(2)
+        dist.reduce_scatter(got, [torch.full((2,), float(r)) for r in range(4)])
+        assert got.tolist() == [2.0, 2.0]
+        recv, send = torch.full((3,), 5.0), torch.ones(3)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer=3), dist.P2POp(dist.irecv, recv, peer=1)])
+        assert all(w.wait() for w in works) and recv.tolist() == [0, 0, 0] and send.tolist() == [1, 1, 1]
+        with pytest.raises(MtrainError, match="hierarchical"):
+            dist.new_group([0, 1])
+    assert dist.get_world_size is real  # restored on leaving
+    with pytest.raises(MtrainError, match="0 <= rank < world"):
+        with emulated_group(2, rank=2):
+            pass
+
+
+SEQ, BLOCK, HQ, HKV, DIM = 512, 16, 2, 1, 16
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_of_one_emulated_rank_is_its_attention_against_zero_peers(world):
+    g = torch.Generator().manual_seed(4)
+    q, dout = (torch.randn(1, SEQ, HQ, DIM, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, SEQ, HKV, DIM, generator=g, dtype=torch.float64) for _ in range(2))
+    vertical = torch.tensor([[[3, 40, 41, 130, 200, 333, 334, 470], [17, 100, 260, 261, 262, 400, 401, 505]]])
+    slash = torch.tensor([[[0, 1, 35, 96, 250], [0, 16, 50, 64, 300]]])
+    index = SparseIndex.from_lines(vertical, slash, SEQ, BLOCK)
+    mask = index.to_mask()
+    checked = 0
+    for name in ("block-stripe", "zigzag"):
+        layout = Layout.create(name, world_size=world, granularity=BLOCK)
+        for rank in range(world):
+            mine = layout.indices(SEQ, rank)
+            held = torch.zeros(SEQ, dtype=torch.bool)
+            held[mine] = True
+            kz, vz = (torch.where(held[None, :, None, None], t, 0.0) for t in (k, v))  # the others' keys: zero
+            full = [t.clone().requires_grad_(True) for t in (q, kz, vz)]
+            ref, _ = reference.attention(*full, mask, 1.0 / math.sqrt(DIM))
+            ref.backward(dout)
+            for schedule in ("ring", "gather"):
+                shards = [layout.shard(t.float(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+                with emulated_group(world, rank):
+                    out = ring_attention(*shards[:3], group=None, layout=layout, index=index, schedule=schedule)
+                    out.backward(shards[3])
+                err_out = float((out.detach().double() - ref.detach()[:, mine]).abs().max())
+                err_dq = float((shards[0].grad.double() - full[0].grad[:, mine]).abs().max())
+                assert err_out < 1e-5 and err_dq < 1e-4, (name, rank, schedule, err_out, err_dq)
+                checked += 1
+    assert checked == 2 * world * 2
+
+
+def test_bench_ring_emulated_reports_a_bound(tmp_path):
+    """`--emulate-cp 2` on the CPU (Triton interpreter, tiny sizes): one process, no torchrun; the given index's
+    cases (both schedules) match one device with the other rank's keys zero, every asked variant runs and the headline
+    reads as a bound."""
+    out = tmp_path / "emu.json"
+    run = subprocess.run([sys.executable, "-m", "mtrain.bench.ring", "--cpu", "--emulate-cp", "2", "--tokens-per-gpu",
+                          "128", "--heads", "2", "--kv-heads", "1", "--dim", "16", "--block-size", "32", "--window",
+                          "32", "--far-slashes", "2", "--verticals", "4", "--iters", "1", "--warmup", "0",
+                          "--schedules", "gather", "--skip-phases", "--check-len", "128", "--json", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    checks = [r for r in rows if "check" in r]
+    assert [c["check"] for c in checks] == ["sparse", "sparse-g"]  # the ring's and the gathered schedule's
+    for c in checks:
+        assert "error" not in c and c["max_err_out"] < 1e-4 and c["max_err_dq"] < 1e-4 and c["max_err_dk"] is None, c
+    (row,) = [r for r in rows if "tokens_per_gpu" in r]
+    assert row["emulated"] and row["cp"] == 2
+    for key in ("cp1_sparse_ms", "ring_sparse_gather_ms", "cp1_sparse_estimated_ms", "ring_sparse_estimated_gather_ms"):
+        assert row[key] > 0, (key, row.get(key + "_error"))
+    assert "EMULATED rank 0 of CP=2" in run.stdout
+    assert "BOUND (rank alone, transfers as local fills: --emulate-cp) sparse CP=2" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "mtrain.bench.ring", "--cpu", "--emulate-cp", "1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "at least 2 ranks" in bad.stderr
