@@ -131,9 +131,18 @@ def check(rank, world, args, device, report, zero_peers: bool = False):
         cases = [("sparse", args.heads, args.kv_heads, "block-stripe", True)]
         if "gather" in args.schedules:
             cases.append(("sparse-g", args.heads, args.kv_heads, "block-stripe", True))
-        for name, hq, hkv, layout_name, sparse in cases:
-            report.append(_check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse,
-                                      zero_peers=True))
+        runs = [(name, lambda c=(name, hq, hkv, layout_name, sparse): _check_case(
+            rank, world, args, device, seq_len, *c, zero_peers=True)) for name, hq, hkv, layout_name, sparse in cases]
+        # the estimated index (bounded widths) under the engine against our kernels
+        runs += [(f"estimated{'-g' if schedule == 'gather' else ''} vs triton",
+                  lambda schedule=schedule: _engine_case(rank, world, args, device, seq_len, schedule))
+                 for schedule in args.schedules]
+        for name, run in runs:
+            try:
+                report.append(run())
+            except Exception as exc:  # the other checks and the timings still run
+                report.append({"check": name, "layout": "block-stripe", "error": f"{type(exc).__name__}: {exc}"})
+                traceback.print_exc()
         return
     cases = [("dense", args.heads, args.heads, "zigzag", False), ("sparse", args.heads, args.kv_heads, "block-stripe", True),
              ("estimated", args.heads, args.kv_heads, "block-stripe", "estimate")]
@@ -257,6 +266,27 @@ def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, 
     row["max_err_dq"] = float((leaves[0].grad.float() - layout.shard(ref_leaves[0].grad.float(), rank)).abs().max())
     row["max_err_dk"] = None if zero_peers else float(
         (leaves[1].grad.float() - layout.shard(ref_leaves[1].grad.float(), rank)).abs().max())
+    return row
+
+
+def _engine_case(rank, world, args, device, seq_len, schedule: str) -> dict:
+    """The ring on this rank's online-estimated index under `--engine` against the same call under our Triton
+    kernels (`mtrain.parallel.fa4_steps.resolve_engine`): max abs differences of out, dq, dk. Under an emulated group
+    (`--emulate-cp`) the one check of the estimated path's plans (bounded widths) that needs no other rank's data."""
+    q, k, v, dout = inputs(seq_len, args.heads, args.kv_heads, args.dim, device)
+    layout = _layout("block-stripe", world, args, False)
+    shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
+    runs = []
+    for engine in (args.engine, "triton"):
+        leaves = [t.detach().requires_grad_(True) for t in shard[:3]]
+        out = ring_attention(*leaves, group=None, layout=layout, sparse=_settings(args), engine=engine,
+                             schedule=schedule)
+        out.backward(shard[3])
+        runs.append([out.detach().float()] + [t.grad.float() for t in leaves[:2]])
+    row = {"check": f"estimated{'-g' if schedule == 'gather' else ''} vs triton", "layout": "block-stripe",
+           "seq_len": seq_len}
+    for key, a, b in zip(("max_err_out", "max_err_dq", "max_err_dk"), *runs):
+        row[key] = float((a - b).abs().max())
     return row
 
 
@@ -817,13 +847,13 @@ def print_table(report):
     print("\n== correctness (ring vs single device, max abs error) ==")
     for r in report:
         if "check" in r and "error" in r:
-            print(f"{r['check']:<14} {r['layout']:<13} failed: {r['error'][:100]}")
+            print(f"{r['check']:<20} {r['layout']:<13} failed: {r['error'][:100]}")
         elif "check" in r:
             lines = f"  same lines as one device: {r['same_lines']}" if "same_lines" in r else ""
             if r.get("list_free"):
                 lines += "  columns list-free" + (" (static widths)" if r.get("static_widths") else "")
             dk = "-" if r["max_err_dk"] is None else f"{r['max_err_dk']:.3e}"
-            print(f"{r['check']:<14} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}  "
+            print(f"{r['check']:<20} {r['layout']:<13} out {r['max_err_out']:.3e}  dq {r['max_err_dq']:.3e}  "
                   f"dk {dk}{lines}")
     print("\n== fwd+bwd per GPU ==")
     print(f"{'tok/GPU':>8} {'variant':<44} {'ms':>9} {'TFLOP/s/GPU':>12} {'vs CP=1':>8}")

@@ -100,7 +100,9 @@ class RingPlan:
     gather_slots: tuple | None = None
     """A plan for the gathered schedule (`mtrain.parallel.ring_gather`): one step, keyed by this rank, over the group's
     K/V in the ring's step order (this rank's shard first) followed by the column slots; (col_src [U]: the gathered
-    row each column slot copies, col_dst [U]: where its gradient goes back, a padding slot onto itself, n_local)."""
+    row each column slot copies, col_dst [U]: where its gradient goes back, a padding slot onto itself, n_local,
+    sink copies: None, or (the gathered rows of the sink block's tokens [block_size], R) for R copies of them held in
+    the blocks after the column slots, whose gradients fold back into those rows)."""
 
     @property
     def q_pos(self) -> torch.Tensor:
@@ -327,23 +329,40 @@ def build_sparse_plan(index, layout: Layout, rank: int, device: torch.device, co
                     column_origin=column_origin if columns is not None else None, bounded=bounded)
 
 
+SINK_FORMS = ("listed", "replicas", "columns")
+
+# Under a backward that runs each key block's query blocks in turn (FA4's), the sink block, which every query block
+# reads, would be one long tail: the gathered plan then lists copies of it instead, each read by at most this many
+# query blocks (and at most a list's width, so the bounded transposed lists hold them).
+SINK_SHARE = 32
+
+
 def gathered_sparse_plan(index, layout: Layout, rank: int, device: torch.device,
-                         sink_listed: bool = True) -> RingPlan | None:
+                         sink: str = "listed") -> RingPlan | None:
     """The plan of the gathered schedule for rank `rank` straight from a sparse index (cached with it): each listed
     global key block g becomes gathered block ((rank - owner[g]) % W) * nLB + local[g], one sort per list puts them in
-    order; the columns are the ring's off-ring columns in slots after the W shards. sink_listed: the sink block is a
-    listed block, as on one device, and the columns are the verticals alone; else, as on the ring, its tokens are
-    columns of every query block (for a backward that runs each key block's query blocks in turn, FA4's, where the
-    sink block, read by every query block, would be one long tail). None where a global block is not one local block
-    of one rank (then `mtrain.parallel.ring_gather.gathered_plan` merges the ring plan's steps)."""
-    key = ("gathered_plan", layout.spec, rank, str(device), sink_listed)
+    order; the columns are the ring's off-ring columns in slots after the W shards. The sink block (`SINK_FORMS`):
+    "listed", a listed block as on one device (the columns are the verticals alone); "replicas", the same but each
+    query block past it lists one of R copies of it held in slots after the columns (`SINK_SHARE` query blocks a
+    copy; `RingPlan.gather_slots` says where they come from), for FA4's backward; "columns", as on the ring, its tokens
+    are columns of every query block. None where a global block is not one local block of one rank (then
+    `mtrain.parallel.ring_gather.gathered_plan` merges the ring plan's steps)."""
+    if sink not in SINK_FORMS:
+        raise ValueError(f"gathered plan: sink must be one of {SINK_FORMS}; got {sink!r}")
+    key = ("gathered_plan", layout.spec, rank, str(device), sink)
     cache = index._cache
     if key not in cache:
-        cache[key] = _build_gathered_plan(index, layout, rank, device, sink_listed)
+        cache[key] = _build_gathered_plan(index, layout, rank, device, sink)
     return cache[key]
 
 
-def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device, sink_listed: bool) -> RingPlan | None:
+def sink_copies(n_query_blocks: int, list_width: int) -> int:
+    """How many copies of the sink block a gathered plan with `sink="replicas"` holds for this many local query blocks
+    and lists this wide (each copy read by at most min(SINK_SHARE, list_width) of them)."""
+    return -(-n_query_blocks // max(1, min(SINK_SHARE, list_width)))
+
+
+def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device, sink: str) -> RingPlan | None:
     seq_len, block_size = int(index.seq_len), int(index.block_size)
     layout.check(seq_len)
     local_block = layout.local_block_size(seq_len, block_size)
@@ -355,8 +374,8 @@ def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device,
     bounded = isinstance(index, RowIndex) and bool(index._cache.get("bounded_widths"))
     my_global_blocks = rank_blocks(layout, seq_len, rank, block_size, device)
     rows, my_cols = _rank_lists(index, my_global_blocks, rank, device, list_free_ok=True)
-    had_sink = None  # sink_listed: its keys are among the gathered ones, so the block kernels run it as one device does
-    if not sink_listed:
+    had_sink = None  # listed: its keys are among the gathered ones, so the block kernels run it as one device does
+    if sink == "columns":
         had_sink = (rows == 0).any(dim=-1)
         rows = torch.where(rows == 0, -1, rows)
     columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device, bounded,
@@ -365,19 +384,31 @@ def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device,
     n_local = positions[rank].numel()
     nlb = n_local // local_block
     at = rows.clamp(min=0)
-    past = world * nlb  # sorts after every gathered block
-    ids = torch.sort(torch.where(rows >= 0, ((rank - owner[at]) % world) * nlb + local[at], past), dim=-1).values
+    ids = ((rank - owner[at]) % world) * nlb + local[at]
+    k_pos = torch.cat([positions[(rank - step) % world] for step in range(world)])
+    if columns is not None:
+        k_pos = torch.cat([k_pos, columns.positions])
+    copies = None
+    if sink == "replicas" and seq_len >= 2 * block_size:  # query block i past the sink lists copy i % R, in the
+        # blocks after the column slots
+        n_copies = sink_copies(rows.shape[2], rows.shape[-1])
+        first = k_pos.numel() // block_size  # (the shards and the column slots are whole blocks)
+        copy_of = first + torch.arange(rows.shape[2], device=device) % n_copies
+        ids = torch.where((rows == 0) & (my_global_blocks != 0).view(1, 1, -1, 1), copy_of.view(1, 1, -1, 1), ids)
+        # the gathered rows of the sink's tokens: global block 0 is local block local[0] of rank owner[0]
+        src = ((rank - owner[0]) % world) * n_local + local[0] * local_block + torch.arange(block_size, device=device)
+        copies = (src, n_copies)
+        k_pos = torch.cat([k_pos, torch.arange(block_size, device=device).repeat(n_copies)])
+    past = 2**30  # sorts after every block
+    ids = torch.sort(torch.where(rows >= 0, ids, past), dim=-1).values
     counts = (rows >= 0).sum(-1, dtype=torch.int32)
     if not bounded:  # trimmed to the longest list (one host read), as the ring's plan is
         ids = ids[..., :max(1, int(counts.max()))]
     ids = torch.where(ids < past, ids, -1).to(torch.int32).contiguous()
-    k_pos = torch.cat([positions[(rank - step) % world] for step in range(world)])
     step_columns, slots = gathered_columns(columns, rank, world, n_local)
-    if columns is not None:
-        k_pos = torch.cat([k_pos, columns.positions])
     return RingPlan(seq_len, rank, local_block, positions, {rank: StepBlocks(ids, counts, k_pos, step_columns)},
                     set(), columns, column_origin=rank if columns is not None else None, bounded=bounded,
-                    gather_slots=slots)
+                    gather_slots=(*slots[:3], copies))
 
 
 def gathered_columns(columns: OffRingColumns | None, rank: int, world: int, n_local: int):
@@ -385,12 +416,12 @@ def gathered_columns(columns: OffRingColumns | None, rank: int, world: int, n_lo
     shards, counts) or None, `RingPlan.gather_slots`). Rank o's shard is at step (rank - o) % W of the gathered rows:
     arithmetic on the device, no host-to-device copy (which would wait)."""
     if columns is None:
-        return None, (None, None, n_local)
+        return None, (None, None, n_local, None)
     real = columns.owner >= 0
     col_src = torch.where(real, ((rank - columns.owner.clamp(min=0)) % world) * n_local + columns.local.clamp(min=0), 0)
     # where each slot's gradient goes back: its gathered row; a padding slot onto itself (distinct targets)
     col_dst = torch.where(real, col_src, world * n_local + torch.arange(real.numel(), device=real.device))
-    return columns.step_columns(world * n_local), (col_src, col_dst, n_local)
+    return columns.step_columns(world * n_local), (col_src, col_dst, n_local, None)
 
 
 def _remap_per_origin(rows, layout: Layout, seq_len: int, local_block: int, block_size: int, device):

@@ -162,7 +162,7 @@ def ring_attention(
         doc_ids = _check_docs(doc_ids, q, seq_len)
     gather = kv_gather if schedule == "gather" else None
     if gather is None and schedule == "gather" and (index is not None or sparse is not None) and world > 1:
-        spare = 0 if sparse is None else spare_bound(sparse, q.shape[0] * q.shape[2], seq_len)
+        spare = 0 if sparse is None else spare_bound(sparse, q.shape[0] * q.shape[2], seq_len, q.shape[1])
         gather = KVGather(k, v, group, spare=spare)  # in flight while the estimate runs
     if gather is not None and index is None and sparse is None:
         gather.drop()
@@ -194,9 +194,9 @@ def ring_attention(
         plan = plan.with_documents(doc_ids)
     if index is not None:
         chosen = resolve_engine(engine, plan, q)
-        if chosen == "fa4" and gather is not None and plan.gather_slots is not None \
-                and ring_gather.FA4_GATHER_BACKWARD == "fa4":  # FA4's backward: the sink's tokens as columns
-            plan = gathered_sparse_plan(index, layout, rank, q.device, sink_listed=False)
+        sink = ring_gather.gathered_sink_form(chosen)
+        if sink != "listed" and gather is not None and plan.gather_slots is not None:  # see gathered_sink_form
+            plan = gathered_sparse_plan(index, layout, rank, q.device, sink=sink)
             if doc_ids is not None:
                 plan = plan.with_documents(doc_ids)
         if chosen != plan.engine:

@@ -43,6 +43,16 @@ SCHEDULES = ("ring", "gather")
 # always run FA4's backward.
 FA4_GATHER_BACKWARD = "fa4"
 
+# How the gathered plan holds the sink block (`mtrain.parallel.plan.SINK_FORMS`) under FA4's backward, which runs each
+# key block's query blocks in turn: "replicas" (copies read by a few query blocks each), or "columns" (its tokens as
+# columns of every query block, as on the ring); under every other backward it is a listed block.
+FA4_GATHER_SINK = "replicas"
+
+
+def gathered_sink_form(engine: str) -> str:
+    """The sink form of the gathered plan for a step run by `engine` ("fa4" or "triton")."""
+    return FA4_GATHER_SINK if engine == "fa4" and FA4_GATHER_BACKWARD == "fa4" else "listed"
+
 
 class KVGather:
     """The group's K/V shards gathered into K and V buffers [B, W * S_local + spare, Hkv, D] in the ring's step order
@@ -98,12 +108,16 @@ class KVGather:
         return tuple(buf[:, :rows + spare].contiguous() for buf in self.bufs)
 
 
-def spare_bound(settings, lists: int, seq_len: int) -> int:
+def spare_bound(settings, lists: int, seq_len: int, n_local: int = 0) -> int:
     """Rows to reserve after the gathered shards for the off-ring columns of an index estimated with `settings`
     (`SparseSettings`) before it exists: the sink block and the verticals of `lists` (batch x heads) lists, in whole
-    blocks. (A union that outgrows it still works, at the cost of one copy.)"""
+    blocks, and with `n_local` (the shard's tokens) the sink's copies of a plan with `sink="replicas"` at lists at
+    least `SINK_SHARE` wide. (A plan that outgrows it still works, at the cost of one copy.)"""
+    from mtrain.parallel.plan import SINK_SHARE, sink_copies
+
     bs = settings.block_size
-    return min(-(-(bs + lists * settings.max_vertical) // bs), -(-seq_len // bs) + 1) * bs
+    copies = sink_copies(-(-n_local // bs), SINK_SHARE) if n_local else 0
+    return (min(-(-(bs + lists * settings.max_vertical) // bs), -(-seq_len // bs) + 1) + copies) * bs
 
 
 def gathered_plan(plan: RingPlan, world: int) -> RingPlan:
@@ -140,7 +154,10 @@ def gathered_plan(plan: RingPlan, world: int) -> RingPlan:
 
 
 def _spare_rows(plan: RingPlan) -> int:
-    return 0 if plan.columns is None else plan.columns.positions.numel()
+    """Rows after the gathered shards: the column slots and the sink's copies (`RingPlan.gather_slots`)."""
+    copies = plan.gather_slots[3] if plan.gather_slots is not None else None
+    return ((0 if plan.columns is None else plan.columns.positions.numel())
+            + (0 if copies is None else copies[1] * plan.block_size))
 
 
 class RingGatherAttention(torch.autograd.Function):
@@ -148,13 +165,18 @@ class RingGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: RingPlan, group, scale: float, gather: KVGather | None):
         world = dist.get_world_size(group)
         merged = plan if plan.gather_slots is not None else gathered_plan(plan, world)
-        col_src, col_dst, n_local = merged.gather_slots
+        col_src, col_dst, n_local, copies = merged.gather_slots
         n_rows = world * n_local
-        gather = gather if gather is not None else KVGather(k, v, group, spare=_spare_rows(plan))
-        keys, values = gather.wait(spare=_spare_rows(plan))
+        gather = gather if gather is not None else KVGather(k, v, group, spare=_spare_rows(merged))
+        keys, values = gather.wait(spare=_spare_rows(merged))
+        n_cols = 0 if col_src is None else col_src.numel()
         if col_src is not None:  # the off-ring columns: copies of gathered rows in the slots after the shards
-            keys[:, n_rows:] = keys[:, col_src]
-            values[:, n_rows:] = values[:, col_src]
+            keys[:, n_rows:n_rows + n_cols] = keys[:, col_src]
+            values[:, n_rows:n_rows + n_cols] = values[:, col_src]
+        if copies is not None:  # the sink block's copies, after the column slots
+            src, n_copies = copies
+            for t in (keys, values):
+                t[:, n_rows + n_cols:].unflatten(1, (n_copies, src.numel())).copy_(t[:, src].unsqueeze(1))
         args = step_kwargs(merged, merged.rank, q, keys)
         if merged.engine == "fa4":
             out, lse = fa4_steps.forward(q, keys, values, merged, plan.rank, args["k_pos"], args["columns"], scale)
@@ -171,7 +193,7 @@ class RingGatherAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         (q, out, lse, keys, values), (merged,) = load_state(ctx)
         group, scale, n_rows = ctx.group, ctx.scale, ctx.n_rows
-        col_dst = merged.gather_slots[1]
+        col_dst, copies = merged.gather_slots[1], merged.gather_slots[3]
         dout = dout.contiguous()
         args = step_kwargs(merged, merged.rank, q, keys)
         if merged.engine == "fa4" and FA4_GATHER_BACKWARD == "fa4":
@@ -179,30 +201,38 @@ class RingGatherAttention(torch.autograd.Function):
                                             args["columns"], scale)
         else:
             dq, dk, dv = partial.attention_backward(dout, q, keys, values, out, lse, softmax_scale=scale, **args)
-        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, col_dst, n_rows, group, ctx.kdtype), None, None, None,
-                None)
+        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, col_dst, n_rows, group, ctx.kdtype, copies), None, None,
+                None, None)
 
 
-def _fold_columns(t: torch.Tensor, col_dst: torch.Tensor, n_rows: int) -> None:
-    """Add the column slots' gradients (rows n_rows: of t) into the gathered rows they were copied from, in fp32 and
-    rounded once to t's dtype (targets are distinct: padding slots add onto themselves)."""
+def _fold_columns(t: torch.Tensor, col_dst: torch.Tensor | None, n_rows: int, copies=None) -> None:
+    """Add the column slots' gradients (the col_dst.numel() rows from n_rows of t) into the gathered rows they were
+    copied from, then the sink copies' (the rows after them, `RingPlan.gather_slots`) summed over the copies, each in
+    fp32 and rounded once to t's dtype (column targets are distinct: padding slots add onto themselves)."""
     acc = accum_dtype(t)
-    t[:, col_dst] = (t[:, col_dst].to(acc) + t[:, n_rows:].to(acc)).to(t.dtype)
+    n_cols = 0
+    if col_dst is not None:
+        n_cols = col_dst.numel()
+        t[:, col_dst] = (t[:, col_dst].to(acc) + t[:, n_rows:n_rows + n_cols].to(acc)).to(t.dtype)
+    if copies is not None:
+        src, n_copies = copies
+        parts = t[:, n_rows + n_cols:n_rows + n_cols + n_copies * src.numel()].unflatten(1, (n_copies, src.numel()))
+        t[:, src] = (t[:, src].to(acc) + parts.to(acc).sum(1)).to(t.dtype)
 
 
-def _reduce_kv_grads(dk, dv, col_dst, n_rows: int, group, dtype):
-    """Sum every shard's dK/dV over the group, each rank receiving its own shard's: the column slots' gradients
-    are first folded into the gathered rows they copy (`_fold_columns`), then the shards' rows go point-to-point in
-    the kernels' dtype (each rank's part of a row rounded once, as one ring step's part is) and are summed in fp32
-    by the owner in rank order. One exchange: the columns need no collective of their own.
+def _reduce_kv_grads(dk, dv, col_dst, n_rows: int, group, dtype, copies=None):
+    """Sum every shard's dK/dV over the group, each rank receiving its own shard's: the column slots' and sink copies'
+    gradients are first folded into the gathered rows they copy (`_fold_columns`), then the shards' rows go
+    point-to-point in the kernels' dtype (each rank's part of a row rounded once, as one ring step's part is) and are
+    summed in fp32 by the owner in rank order. One exchange: the columns need no collective of their own.
     Returns (dk, dv) [B, S_local, Hkv, D] in `dtype`."""
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = accum_dtype(dk)
     s = n_rows // world
-    if col_dst is not None:
-        _fold_columns(dk, col_dst, n_rows)
-        _fold_columns(dv, col_dst, n_rows)
+    if col_dst is not None or copies is not None:
+        _fold_columns(dk, col_dst, n_rows, copies)
+        _fold_columns(dv, col_dst, n_rows, copies)
     # the shard of rank o sits at step (rank - o) % W of this rank's gathered rows
     rows = lambda t, o: t[:, ((rank - o) % world) * s:((rank - o) % world + 1) * s]  # noqa: E731
     received = {}
