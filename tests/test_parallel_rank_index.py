@@ -246,7 +246,7 @@ def _first_round_cases(rank, world, q, k) -> dict:
     settings = SparseSettings(recall=0.9, last_q=16, max_vertical=24, max_slash=64, block_size=BLOCK,
                               min_vertical=1, min_slash=16, sample_blocks=4)
     args = (layout.shard(q, rank), layout.shard(k, rank), pos, pos, SEQ, settings, 1.0 / math.sqrt(16), None)
-    saved = estimate.FIRST_ROUND, estimate.FIRST_ROUND_MIN, ops_estimate.choose_verticals
+    saved = estimate.FIRST_ROUND, estimate.FIRST_ROUND_MIN, ops_estimate.choose_verticals, estimate.ONE_ROUND_WORLD
     widths = []
 
     def recording(cand_mass, *a, **kw):
@@ -256,6 +256,7 @@ def _first_round_cases(rank, world, q, k) -> dict:
     try:
         estimate.FIRST_ROUND, estimate.FIRST_ROUND_MIN = 0, 10**9  # the full exchange: every rank sends its best cap
         want = estimate.estimate_rank_index(*args)
+        estimate.ONE_ROUND_WORLD = 1  # the two rounds at every CP size here
         ops_estimate.choose_verticals = recording
         same, accepted = True, 0
         for first in (1, 2, 4, 8, 16):
@@ -266,7 +267,7 @@ def _first_round_cases(rank, world, q, k) -> dict:
                         for f in ("block_ids", "block_counts", "col_ids", "col_counts", "column_union"))
             accepted += widths[-1] == first * world
     finally:
-        estimate.FIRST_ROUND, estimate.FIRST_ROUND_MIN, ops_estimate.choose_verticals = saved
+        estimate.FIRST_ROUND, estimate.FIRST_ROUND_MIN, ops_estimate.choose_verticals, estimate.ONE_ROUND_WORLD = saved
     return {"same": same, "accepted": accepted}
 
 
@@ -304,3 +305,38 @@ def test_cached_rank_blocks_are_the_query_blocks_of_the_shard(name):
     for rank in range(4):
         want = rank_rows(layout.indices(512, rank), 32)
         assert torch.equal(rank_blocks(layout, 512, rank, 32, torch.device("cpu")), want)
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_a_node_exchanges_the_vertical_candidates_in_one_round(world):
+    """Up to `ONE_ROUND_WORLD` (8) ranks every rank sends its best cap at once: no first round, so no check of it
+    read back to the host (what keeps a CUDA graph from holding the estimate); beyond, the first round sends fewer
+    (one rank of the group run alone, `emulated_group`: the collectives' shapes are the group's)."""
+    import torch.distributed as dist
+
+    from mtrain.bench.emulate import emulated_group
+    from mtrain.parallel.estimate import ONE_ROUND_WORLD, estimate_rank_index
+
+    assert ONE_ROUND_WORLD == 8
+    seq, bs = 256 * world, 16
+    layout = Layout.create("block-stripe", world_size=world, granularity=bs)
+    pos = layout.indices(seq, 0)
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 256, 4, 16, generator=g), torch.randn(1, 256, 2, 16, generator=g)
+    settings = SparseSettings(block_size=bs, max_vertical=200, max_slash=1024, cap_fraction=None)
+    widths = []
+    with emulated_group(world, 0):
+        emulated = dist.all_gather
+
+        def recording(parts, t, group=None, async_op=False):
+            widths.append(t.shape[-1])
+            return emulated(parts, t, group=group, async_op=async_op)
+
+        dist.all_gather = recording  # (emulated_group puts the real one back)
+        index = estimate_rank_index(q, k, pos, pos, seq, settings, 0.25, None, scorer="torch")
+    full = min(200, 256)
+    assert index.block_ids.shape[2] == 256 // bs
+    if world <= ONE_ROUND_WORLD:
+        assert widths == [full]  # one gather of every rank's best cap, no last-sent masses to check
+    else:
+        assert widths[:2] == [64, 1]  # the first round's candidates and each rank's last sent mass

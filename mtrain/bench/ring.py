@@ -5,6 +5,7 @@ against CP=1 at equal tokens per GPU, PyTorch's context_parallel in the same run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -207,15 +208,25 @@ def _list_free_limit(args, seq_len: int, world: int, heads: int) -> int:
     return estimate_module.lists_bytes(1, heads, seq_len // s.block_size // world, cap_s, 0)
 
 
+@contextlib.contextmanager
+def module_settings(module, **values):
+    """Within the block, the module-level settings `values` of `module` (e.g. `STATIC_WIDTH_BYTES` of
+    mtrain.parallel.estimate); what they were is put back after it."""
+    saved = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse):
     if "-lf" not in name:
         return _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse)
-    saved = estimate_module.STATIC_WIDTH_BYTES
-    estimate_module.STATIC_WIDTH_BYTES = _list_free_limit(args, seq_len, world, hq)
-    try:
+    with module_settings(estimate_module, STATIC_WIDTH_BYTES=_list_free_limit(args, seq_len, world, hq)):
         return _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse)
-    finally:
-        estimate_module.STATIC_WIDTH_BYTES = saved
 
 
 def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse, zero_peers: bool = False):
@@ -404,17 +415,14 @@ def bench_tokens(tokens, rank, world, args, device, report):
 
     def ring_sparse(estimate: bool, schedule: str = "ring", graph: bool = False, triton_backward: bool = False):
         def go():
-            graphed.GRAPH_RING_ESTIMATE = graph  # eager estimate unless this variant replays it from a CUDA graph
-            ring_gather.FA4_GATHER_BACKWARD = "triton" if triton_backward else "fa4"
-            saved = estimate_module.STATIC_WIDTH_BYTES
-            if args.list_free_columns:  # the estimated rank index without column lists, as at the recipes' caps
-                estimate_module.STATIC_WIDTH_BYTES = _list_free_limit(args, seq, world, h)
-            try:
+            # eager estimate unless this variant replays it from a CUDA graph; --list-free-columns: the estimated rank
+            # index without column lists, as at the recipes' caps
+            width = (_list_free_limit(args, seq, world, h) if args.list_free_columns
+                     else estimate_module.STATIC_WIDTH_BYTES)
+            with module_settings(graphed, GRAPH_RING_ESTIMATE=graph), \
+                    module_settings(ring_gather, FA4_GATHER_BACKWARD="triton" if triton_backward else "fa4"), \
+                    module_settings(estimate_module, STATIC_WIDTH_BYTES=width):
                 return timed_variant()
-            finally:
-                graphed.GRAPH_RING_ESTIMATE = False
-                ring_gather.FA4_GATHER_BACKWARD = "fa4"
-                estimate_module.STATIC_WIDTH_BYTES = saved
 
         def timed_variant():
             q, k, v, dout = inputs(seq, h, hkv, d, device)
@@ -434,11 +442,10 @@ def bench_tokens(tokens, rank, world, args, device, report):
                     shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank), **est),
                     args.iters, args.warmup)  # eager
                 if args.graph_estimate:
-                    graphed.GRAPH_RING_ESTIMATE = True
-                    row["estimate_ring_graphed_ms"] = timed(lambda: estimate_rank_index_graphed(
-                        shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank), **est),
-                        args.iters, max(args.warmup, 2))  # the first call warms, the second captures
-                    graphed.GRAPH_RING_ESTIMATE = False
+                    with module_settings(graphed, GRAPH_RING_ESTIMATE=True):
+                        row["estimate_ring_graphed_ms"] = timed(lambda: estimate_rank_index_graphed(
+                            shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank),
+                            **est), args.iters, max(args.warmup, 2))  # the first call warms, the second captures
                 row["estimate_ring_lines_ms"] = timed(lambda: estimate_lines(
                     shard[0], shard[1], pos, pos, seq, settings, scale, None, key_blocks=est["key_blocks"]),
                     args.iters, args.warmup)
@@ -590,12 +597,8 @@ def bench_model(rank, world, args, device, report) -> None:
             graph_ms, graph_gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args, graph=True)
         lists_ms = lists_gather_ms = None
         if args.compare_columns:  # the same calls with the rank index's column lists
-            saved = estimate_module.LIST_FREE_COLUMNS
-            estimate_module.LIST_FREE_COLUMNS = False
-            try:
+            with module_settings(estimate_module, LIST_FREE_COLUMNS=False):
                 lists_ms, lists_gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args)
-            finally:
-                estimate_module.LIST_FREE_COLUMNS = saved
         if dense_ms is None and not args.skip_dense:
             # zigzag, the dense ring's best layout; its time does not depend on the values, so this layer's
             # block-stripe shards stand in for zigzag ones
@@ -696,11 +699,8 @@ def _time_model_ring(shard, dout, layout, settings, scale, args, graph: bool = F
         run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
                                                        softmax_scale=scale, engine=args.engine, schedule=schedule),
                          shard, dout)
-        graphed.GRAPH_RING_ESTIMATE = graph
-        try:
+        with module_settings(graphed, GRAPH_RING_ESTIMATE=graph):
             times.append(timed(run, args.iters, max(args.warmup, 2) if graph else args.warmup))
-        finally:
-            graphed.GRAPH_RING_ESTIMATE = False
     return tuple(times)
 
 

@@ -263,6 +263,19 @@ def shard_key_blocks(k_pos: torch.Tensor, block_size: int) -> torch.Tensor | Non
 # layer for 16 heads). A second round sends the full lists only where the first cannot be proven exact.
 FIRST_ROUND = 4
 FIRST_ROUND_MIN = 64
+# Groups of at most this many ranks (a node) send their best cap at once: one round always, so no host read decides
+# on a second and a CUDA graph can hold the exchange (at the recipes' caps, CP=8 and 16 heads: ~34 MiB gathered per
+# layer, where the first round's check read the host on every layer).
+ONE_ROUND_WORLD = 8
+
+
+def first_round(full: int, cap_v: int, world: int, min_v: int = 0) -> int:
+    """Vertical candidates a rank sends per head in the first round of the exchange, of its `full` (its best cap):
+    all of them in groups of at most ONE_ROUND_WORLD ranks (one round), else FIRST_ROUND x cap / W (at least
+    FIRST_ROUND_MIN and min_v)."""
+    if world <= ONE_ROUND_WORLD:
+        return full
+    return min(full, max(FIRST_ROUND_MIN, min_v, FIRST_ROUND * -(-cap_v // world)))
 
 
 def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
@@ -316,7 +329,7 @@ def _global_verticals(vert, k_pos, slash0, need, cap_v: int, min_v: int, block_s
 
     world = dist.get_world_size(group)
     full = min(cap_v, vert.shape[-1])
-    first = min(full, max(FIRST_ROUND_MIN, min_v, FIRST_ROUND * -(-cap_v // world)))
+    first = first_round(full, cap_v, world, min_v)
     if first < full:
         mass, where = torch.topk(vert, first, dim=-1)
         masses, positions = _gather_candidates(mass, k_pos[where], group)
@@ -489,7 +502,7 @@ def estimate_rank_lines(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
                         doc_ids: torch.Tensor | None = None, key_blocks: torch.Tensor | None = None):
     """The first half of `estimate_rank_index` with the Triton scorer: (vertical, slash, est_recall, None), the
     lines every rank agrees on. No host read where the vertical exchange takes one round (CP groups of at most
-    FIRST_ROUND ranks, or shards short against the cap), at any cap: a CUDA graph can hold it where it cannot hold
+    ONE_ROUND_WORLD ranks, or shards short against the cap), at any cap: a CUDA graph can hold it where it cannot hold
     the index the lines make (`rank_index_from_lines` reads the lists' widths back at large caps)."""
     return _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, "triton", key_blocks)
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from mtrain.errors import MtrainError
-from mtrain.parallel.estimate import FIRST_ROUND, FIRST_ROUND_MIN
+from mtrain.parallel.estimate import first_round
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,9 @@ class LayerTraffic:
     """The same as an all-gather of each owner's rows (padded to `per_rank`) and a reduce-scatter of the gradients."""
     estimate: int
     """The online estimate's collectives (scored queries, softmax max/sum, block masses, vertical candidates), with
-    the vertical candidates' first round only (`mtrain.parallel.estimate.FIRST_ROUND`; a second round, sent where
-    the first cannot be proven exact, costs `estimate_before`'s candidates again)."""
+    the vertical candidates' first round only (`mtrain.parallel.estimate.first_round`: the whole exchange in groups of
+    up to `ONE_ROUND_WORLD` ranks; beyond, a second round, sent where the first cannot be proven exact, costs
+    `estimate_before`'s candidates again)."""
     estimate_before: int
     """The same with every rank sending its best max_vertical candidates per head (the exchange before)."""
     columns: int
@@ -88,7 +89,7 @@ def layer_traffic(*, world: int, seq_len: int, q_heads: int, kv_heads: int, head
     n_blocks = -(-seq_len // block_size)
     heads_sel = kv_heads if share_kv_group else q_heads
     full = min(vertical_cap, s_local)
-    first = min(full, max(FIRST_ROUND_MIN, FIRST_ROUND * -(-vertical_cap // world)))
+    first = first_round(full, vertical_cap, world)
     rest = (_all_reduce(batch * scored_rows * q_heads * head_dim * bytes_per_elem, world)  # scored queries
             + 2 * _all_reduce(batch * q_heads * scored_rows * 4, world)  # softmax max and sum
             + 2 * _all_reduce(batch * q_heads * n_blocks * 4, world)  # slash masses, before and after verticals
