@@ -46,8 +46,12 @@ def test_emulated_collectives_keep_this_ranks_part_and_zero_the_others():
         recv, send = torch.full((3,), 5.0), torch.ones(3)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer=3), dist.P2POp(dist.irecv, recv, peer=1)])
         assert all(w.wait() for w in works) and recv.tolist() == [0, 0, 0] and send.tolist() == [1, 1, 1]
-        with pytest.raises(MtrainError, match="hierarchical"):
-            dist.new_group([0, 1])
+        node = dist.new_group([2, 3])  # a subgroup holding this rank, and one without it
+        assert (dist.get_world_size(node), dist.get_rank(node), dist.get_global_rank(node, 1)) == (2, 0, 3)
+        assert dist.get_rank(dist.new_group([0, 1])) == -1
+        objects = [None] * 4
+        dist.all_gather_object(objects, ("cp", 4))
+        assert objects == [("cp", 4)] * 4  # every rank of the one CP group holds what this one does
     assert dist.get_world_size is real  # restored on leaving
     with pytest.raises(MtrainError, match="0 <= rank < world"):
         with emulated_group(2, rank=2):
@@ -57,14 +61,19 @@ def test_emulated_collectives_keep_this_ranks_part_and_zero_the_others():
 SEQ, BLOCK, HQ, HKV, DIM = 512, 16, 2, 1, 16
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_of_one_emulated_rank_is_its_attention_against_zero_peers(world):
-    g = torch.Generator().manual_seed(4)
+def _case(seed: int):
+    """float64 q, k, v, dout of the whole sequence and a fixed index over it."""
+    g = torch.Generator().manual_seed(seed)
     q, dout = (torch.randn(1, SEQ, HQ, DIM, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(1, SEQ, HKV, DIM, generator=g, dtype=torch.float64) for _ in range(2))
     vertical = torch.tensor([[[3, 40, 41, 130, 200, 333, 334, 470], [17, 100, 260, 261, 262, 400, 401, 505]]])
     slash = torch.tensor([[[0, 1, 35, 96, 250], [0, 16, 50, 64, 300]]])
-    index = SparseIndex.from_lines(vertical, slash, SEQ, BLOCK)
+    return q, k, v, dout, SparseIndex.from_lines(vertical, slash, SEQ, BLOCK)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_of_one_emulated_rank_is_its_attention_against_zero_peers(world):
+    q, k, v, dout, index = _case(4)
     mask = index.to_mask()
     checked = 0
     for name in ("block-stripe", "zigzag"):
@@ -82,6 +91,27 @@ def test_ring_of_one_emulated_rank_is_its_attention_against_zero_peers(world):
                 assert err_out < 1e-5 and err_dq < 1e-4, (name, rank, schedule, err_out, err_dq)
                 checked += 1
     assert checked == 2 * world * 2
+
+
+def test_hierarchical_ring_of_one_emulated_rank_against_zero_peers():
+    """The hierarchical ring (2 nodes of 2 ranks, node-aware block-stripe) with its inner and outer groups made under
+    the emulation: each rank's out and dQ are its attention with the other ranks' keys zero."""
+    from mtrain.parallel.comm import hierarchical_groups
+
+    q, k, v, dout, index = _case(5)
+    layout = Layout.create("block-stripe", world_size=4, granularity=BLOCK, local_world_size=2)
+    for rank in range(4):
+        mine = layout.indices(SEQ, rank)
+        ref, ref_dq, _, _ = zero_peer_reference(q, k, v, dout, index.to_mask(), 1.0 / math.sqrt(DIM), mine)
+        shards = [layout.shard(t.float(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+        with emulated_group(4, rank):
+            inner, outer = hierarchical_groups(None, 2)
+            assert (dist.get_world_size(inner), dist.get_rank(inner)) == (2, rank % 2)
+            out = ring_attention(*shards[:3], group=None, layout=layout, index=index, inner_group=inner,
+                                 outer_group=outer)
+            out.backward(shards[3])
+        assert float((out.detach().double() - ref).abs().max()) < 1e-5, rank
+        assert float((shards[0].grad.double() - ref_dq).abs().max()) < 1e-4, rank
 
 
 def test_bench_ring_emulated_reports_a_bound(tmp_path):

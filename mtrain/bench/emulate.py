@@ -21,7 +21,8 @@ its rank's compute alone.
 
 Only mtrain's calls through `torch.distributed` (the package's attributes) are redirected; torch's own internals
 keep the real process group, so a one-rank group initialised beforehand still serves barriers and NCCL-free code.
-Groups of groups (`new_group`: the hierarchical ring) are not emulated and raise.
+`new_group` makes emulated subgroups (the hierarchical ring's inner and outer rings), in which this process has its
+place or none; `all_gather_object` hands every rank this one's object (the CP group is the whole world).
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ from mtrain.errors import MtrainError
 
 
 class EmulatedGroup:
-    """The stand-in process group: `world` ranks, this process being `rank`."""
+    """The stand-in process group: `world` ranks (global ranks `ranks`, default 0..world-1), this process being group
+    rank `rank` (-1: not a member, for a group `new_group` made of others)."""
 
-    def __init__(self, world: int, rank: int):
-        if world < 1 or not 0 <= rank < world:
+    def __init__(self, world: int, rank: int, ranks: list[int] | None = None):
+        if world < 1 or not -1 <= rank < world or (ranks is None and rank < 0):
             raise MtrainError(f"emulated group: need world >= 1 and 0 <= rank < world; got world {world}, rank {rank}")
         self.world, self.rank = world, rank
+        self.ranks = list(range(world)) if ranks is None else list(ranks)
 
     def __repr__(self) -> str:
-        return f"EmulatedGroup(world={self.world}, rank={self.rank})"
+        return f"EmulatedGroup(world={self.world}, rank={self.rank}, ranks={self.ranks})"
 
 
 class _Done:
@@ -93,24 +96,27 @@ def emulated_group(world: int, rank: int = 0):
         return done(async_op)
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        if len(tensor_list) != world:
-            raise MtrainError(f"emulated all_gather: {len(tensor_list)} outputs for a group of {world}")
-        _fill_others(tensor_list, tensor, rank)
+        g = of(group)
+        if len(tensor_list) != g.world:
+            raise MtrainError(f"emulated all_gather: {len(tensor_list)} outputs for a group of {g.world}")
+        _fill_others(tensor_list, tensor, g.rank)
         return done(async_op)
 
     def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-        _fill_others(output_tensor.view(world, -1).unbind(0), input_tensor.reshape(-1), rank)
+        g = of(group)
+        _fill_others(output_tensor.view(g.world, -1).unbind(0), input_tensor.reshape(-1), g.rank)
         return done(async_op)
 
     def reduce_scatter(output, input_list, op=None, group=None, async_op=False):
-        output.copy_(input_list[rank])
+        output.copy_(input_list[of(group).rank])
         return done(async_op)
 
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):
         if output_split_sizes or input_split_sizes:
             raise MtrainError("emulated all_to_all_single: equal splits only")
-        _fill_others(output.chunk(world), input.chunk(world)[rank], rank)
+        g = of(group)
+        _fill_others(output.chunk(g.world), input.chunk(g.world)[g.rank], g.rank)
         return done(async_op)
 
     def batch_isend_irecv(p2p_op_list):
@@ -122,14 +128,23 @@ def emulated_group(world: int, rank: int = 0):
     def barrier(group=None, async_op=False, device_ids=None):
         return done(async_op)
 
-    def new_group(*args, **kwargs):
-        raise MtrainError("emulated group: groups of groups (the hierarchical ring) are not emulated")
+    def new_group(ranks=None, *args, **kwargs):
+        ranks = list(range(world)) if ranks is None else sorted(ranks)
+        return EmulatedGroup(len(ranks), ranks.index(rank) if rank in ranks else -1, ranks)
+
+    def all_gather_object(object_list, obj, group=None):
+        for i in range(len(object_list)):  # every rank holds what this one does (one CP group: the world)
+            object_list[i] = obj
+
+    def of(group):
+        return grp if group is None else group
 
     replacements = {
-        "get_world_size": lambda group=None: world,
-        "get_rank": lambda group=None: rank,
-        "get_global_rank": lambda group, group_rank: group_rank,
-        "get_process_group_ranks": lambda group: list(range(world)),
+        "get_world_size": lambda group=None: of(group).world,
+        "get_rank": lambda group=None: of(group).rank,
+        "get_global_rank": lambda group, group_rank: of(group).ranks[group_rank],
+        "get_process_group_ranks": lambda group: list(of(group).ranks),
+        "all_gather_object": all_gather_object,
         "all_reduce": all_reduce,
         "all_gather": all_gather,
         "all_gather_into_tensor": all_gather_into_tensor,
@@ -157,3 +172,6 @@ def emulated_group(world: int, rank: int = 0):
                 delattr(dist, name)
             else:
                 setattr(dist, name, value)
+        from mtrain.parallel.comm import forget_hierarchies
+
+        forget_hierarchies()  # the hierarchical ring's cached groups were stand-ins

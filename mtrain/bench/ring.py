@@ -130,6 +130,8 @@ def check(rank, world, args, device, report, zero_peers: bool = False):
     seq_len = args.check_len
     if zero_peers:
         cases = [("sparse", args.heads, args.kv_heads, "block-stripe", True)]
+        if _hierarchical(args, world):  # the inner / outer rings over emulated nodes of --node-size ranks
+            cases.append(("sparse-h", args.heads, args.kv_heads, "block-stripe", True))
         if "gather" in args.schedules:
             cases.append(("sparse-g", args.heads, args.kv_heads, "block-stripe", True))
         runs = [(name, lambda c=(name, hq, hkv, layout_name, sparse): _check_case(
@@ -989,7 +991,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="one process, one device, no torchrun: time rank --emulate-rank of a CP=N group alone, "
                              "every transfer replaced by a local fill (mtrain.bench.emulate: the rank's compute at "
                              "CP=N, a bound on what the real ring reaches; checked against one device with the other "
-                             "ranks' keys zero; no dense or hierarchical ring; the estimate sees this rank's keys only)")
+                             "ranks' keys zero; no dense ring; the estimate sees this rank's keys only; with "
+                             "--node-size the hierarchical ring over emulated nodes too)")
     parser.add_argument("--emulate-rank", type=int, default=0, help="--emulate-cp: which rank of the group")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -1056,8 +1059,8 @@ def _main_emulated(args) -> int:
     from mtrain.bench.emulate import emulated_group
 
     global DTYPE
-    if args.model or args.node_size or args.check_only:
-        raise SystemExit("--emulate-cp times the synthetic variants only: drop --model, --node-size and --check-only")
+    if args.model or args.check_only:
+        raise SystemExit("--emulate-cp times the synthetic variants only: drop --model and --check-only")
     if args.emulate_cp < 2:
         raise SystemExit(f"--emulate-cp needs a group of at least 2 ranks; got {args.emulate_cp}")
     args.skip_dense = True  # the dense ring's figures are known: its work does not depend on the data

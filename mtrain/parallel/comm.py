@@ -62,6 +62,12 @@ class RingComm:
 _HIERARCHY_CACHE: dict[tuple[tuple[int, ...], int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
+def forget_hierarchies() -> None:
+    """Drop the cached inner / outer groups of `hierarchical_groups` (after their process groups are gone, e.g. the
+    stand-in ones of `mtrain.bench.emulate`)."""
+    _HIERARCHY_CACHE.clear()
+
+
 def local_world_size_from_env() -> int | None:
     """LOCAL_WORLD_SIZE as set by torchrun / accelerate (GPUs per node), or None when unset."""
     value = os.environ.get("LOCAL_WORLD_SIZE")
