@@ -93,3 +93,19 @@ def test_gathered_step_on_each_sink_form_matches_the_reference(world, sink, monk
             if rank == 0:  # its dK/dV: its own rows' share (the others' shares are zero-filled receives)
                 errs += [float((shards[i].grad.double() - grads[i]).abs().max()) for i in (1, 2)]
             assert max(errs) < 1e-4, (name, rank, errs)
+
+
+def test_fa4_backward_takes_the_sink_as_copies_or_columns_only(monkeypatch):
+    """Under FA4's backward the gathered plan's sink is "replicas" (the default) or "columns": a listed sink block would
+    have more query blocks than FA4's bounded backward lists hold, so it is refused with the setting's name; our
+    backward (or FA4's forward with ours) takes it listed."""
+    from mtrain.errors import MtrainError
+    from mtrain.parallel import ring_gather
+
+    assert ring_gather.gathered_sink_form("fa4") == "replicas" and ring_gather.gathered_sink_form("triton") == "listed"
+    monkeypatch.setattr(ring_gather, "FA4_GATHER_BACKWARD", "triton")
+    assert ring_gather.gathered_sink_form("fa4") == "listed"
+    monkeypatch.setattr(ring_gather, "FA4_GATHER_BACKWARD", "fa4")
+    monkeypatch.setattr(ring_gather, "FA4_GATHER_SINK", "listed")
+    with pytest.raises(MtrainError, match="FA4_GATHER_SINK"):
+        ring_gather.gathered_sink_form("fa4")

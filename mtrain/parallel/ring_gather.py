@@ -13,10 +13,11 @@ overlapped transfers are the better schedule, so the ring stays the default.
 The gathered K/V are laid out in the ring's step order (this rank's shard first, then the shards of ranks r - 1,
 r - 2, ...), so step s's local key block j is block s * nLB + j of the gathered keys, and the local step's diagonal
 block keeps its place (FA4's causal mask block). The plan maps each listed global block there directly
-(`mtrain.parallel.plan.gathered_sparse_plan`; the sink block is a listed block there, as on one device, but under
-FA4's backward, which would run its every query block in one tail), or, for layouts whose global blocks span ranks,
-merges the ring plan's steps (`gathered_plan`; the sink's tokens are columns there, as on the ring). The off-ring columns are copied from the gathered rows into slots after them: no column
-gather of their own, and their gradients fold back into their rows before dK/dV go back to the owners.
+(`mtrain.parallel.plan.gathered_sparse_plan`; the sink block is a listed block there, as on one device, or under
+FA4's backward copies of it, `FA4_GATHER_SINK`), or, for layouts whose global blocks span ranks, merges the ring
+plan's steps (`gathered_plan`; the sink's tokens are columns there, as on the ring). The off-ring columns are copied
+from the gathered rows into slots after them: no column gather of their own, and their gradients fold back into
+their rows before dK/dV go back to the owners.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from mtrain.errors import MtrainError
 from mtrain.ops import partial
 from mtrain.parallel import fa4_steps
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV
@@ -51,7 +53,11 @@ FA4_GATHER_SINK = "replicas"
 
 def gathered_sink_form(engine: str) -> str:
     """The sink form of the gathered plan for a step run by `engine` ("fa4" or "triton")."""
-    return FA4_GATHER_SINK if engine == "fa4" and FA4_GATHER_BACKWARD == "fa4" else "listed"
+    if engine != "fa4" or FA4_GATHER_BACKWARD != "fa4":
+        return "listed"
+    if FA4_GATHER_SINK not in ("replicas", "columns"):  # a listed sink overflows FA4's bounded backward lists
+        raise MtrainError(f"ring_gather.FA4_GATHER_SINK must be 'replicas' or 'columns'; got {FA4_GATHER_SINK!r}")
+    return FA4_GATHER_SINK
 
 
 class KVGather:
