@@ -143,3 +143,6 @@ def test_bench_ring_emulated_reports_a_bound(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mtrain.bench.ring", "--cpu", "--emulate-cp", "1"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "at least 2 ranks" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "mtrain.bench.ring", "--cpu", "--emulate-cp", "2", "--emulate-rank", "2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--emulate-rank must be in 0..1" in bad.stderr

@@ -1063,6 +1063,9 @@ def _main_emulated(args) -> int:
         raise SystemExit("--emulate-cp times the synthetic variants only: drop --model and --check-only")
     if args.emulate_cp < 2:
         raise SystemExit(f"--emulate-cp needs a group of at least 2 ranks; got {args.emulate_cp}")
+    if not 0 <= args.emulate_rank < args.emulate_cp:
+        raise SystemExit(f"--emulate-rank must be in 0..{args.emulate_cp - 1} for --emulate-cp {args.emulate_cp}; "
+                         f"got {args.emulate_rank}")
     args.skip_dense = True  # the dense ring's figures are known: its work does not depend on the data
     if args.cpu:
         DTYPE = torch.float32
