@@ -140,6 +140,20 @@ def test_bench_ring_emulated_reports_a_bound(tmp_path):
         assert row[key] > 0, (key, row.get(key + "_error"))
     assert "EMULATED rank 0 of CP=2" in run.stdout
     assert "BOUND (rank alone, transfers as local fills: --emulate-cp) sparse CP=2" in run.stdout
+    # the hierarchical ring over emulated nodes: checked against zero peers, then timed beside the flat ring
+    out = tmp_path / "emu-h.json"
+    run = subprocess.run([sys.executable, "-m", "mtrain.bench.ring", "--cpu", "--emulate-cp", "4", "--node-size", "2",
+                          "--tokens-per-gpu", "64", "--heads", "2", "--kv-heads", "1", "--dim", "16", "--block-size",
+                          "16", "--window", "16", "--far-slashes", "2", "--verticals", "4", "--iters", "1", "--warmup",
+                          "0", "--schedules", "ring", "--skip-phases", "--check-len", "256", "--json", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    (hier,) = [r for r in rows if r.get("check") == "sparse-h"]
+    assert "error" not in hier and hier["max_err_out"] < 1e-4 and hier["max_err_dq"] < 1e-4, hier
+    (row,) = [r for r in rows if "tokens_per_gpu" in r]
+    assert row["ring_sparse_hierarchical_ms"] > 0 and row["ring_sparse_ms"] > 0, row
     bad = subprocess.run([sys.executable, "-m", "mtrain.bench.ring", "--cpu", "--emulate-cp", "1"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "at least 2 ranks" in bad.stderr
