@@ -17,10 +17,9 @@ import torch.distributed as dist
 
 from mtrain.bench.emulate import emulated_group
 from mtrain.errors import MtrainError
-from mtrain.ops import SparseIndex
 from mtrain.parallel import Layout, ring_attention
 
-from emulated import zero_peer_reference
+from emulated import BLOCK, DIM, SEQ, sample_case, zero_peer_reference
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,22 +57,9 @@ def test_emulated_collectives_keep_this_ranks_part_and_zero_the_others():
             pass
 
 
-SEQ, BLOCK, HQ, HKV, DIM = 512, 16, 2, 1, 16
-
-
-def _case(seed: int):
-    """float64 q, k, v, dout of the whole sequence and a fixed index over it."""
-    g = torch.Generator().manual_seed(seed)
-    q, dout = (torch.randn(1, SEQ, HQ, DIM, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(1, SEQ, HKV, DIM, generator=g, dtype=torch.float64) for _ in range(2))
-    vertical = torch.tensor([[[3, 40, 41, 130, 200, 333, 334, 470], [17, 100, 260, 261, 262, 400, 401, 505]]])
-    slash = torch.tensor([[[0, 1, 35, 96, 250], [0, 16, 50, 64, 300]]])
-    return q, k, v, dout, SparseIndex.from_lines(vertical, slash, SEQ, BLOCK)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_of_one_emulated_rank_is_its_attention_against_zero_peers(world):
-    q, k, v, dout, index = _case(4)
+    q, k, v, dout, index = sample_case(4)
     mask = index.to_mask()
     checked = 0
     for name in ("block-stripe", "zigzag"):
@@ -98,7 +84,7 @@ def test_hierarchical_ring_of_one_emulated_rank_against_zero_peers():
     the emulation: each rank's out and dQ are its attention with the other ranks' keys zero."""
     from mtrain.parallel.comm import hierarchical_groups
 
-    q, k, v, dout, index = _case(5)
+    q, k, v, dout, index = sample_case(5)
     layout = Layout.create("block-stripe", world_size=4, granularity=BLOCK, local_world_size=2)
     for rank in range(4):
         mine = layout.indices(SEQ, rank)

@@ -14,21 +14,11 @@ import pytest
 import torch
 
 from mtrain.bench.emulate import emulated_group
-from mtrain.ops import SparseIndex
 from mtrain.parallel import Layout, plan as plan_module
 from mtrain.parallel.plan import SINK_FORMS, gathered_sparse_plan
 from mtrain.parallel.ring_gather import ring_gather_attention
 
-from emulated import zero_peer_reference
-
-SEQ, BLOCK, HQ, HKV, DIM = 512, 16, 2, 1, 16
-
-
-def _index():
-    vertical = torch.tensor([[[3, 40, 41, 130, 200, 333, 334, 470], [17, 100, 260, 261, 262, 400, 401, 505]]])
-    slash = torch.tensor([[[0, 1, 35, 96, 250], [0, 16, 50, 64, 300]]])
-    return SparseIndex.from_lines(vertical, slash, SEQ, BLOCK)
-
+from emulated import BLOCK, DIM, HQ, SEQ, sample_case, sample_index, zero_peer_reference
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_replicas_plan_lists_copies_of_the_sink_within_their_share(world, monkeypatch):
@@ -37,7 +27,7 @@ def test_replicas_plan_lists_copies_of_the_sink_within_their_share(world, monkey
     for name in ("block-stripe", "zigzag"):
         layout = Layout.create(name, world_size=world, granularity=BLOCK)
         for rank in range(world):
-            index = _index()
+            index = sample_index()
             listed = gathered_sparse_plan(index, layout, rank, cpu, sink="listed")
             copied = gathered_sparse_plan(index, layout, rank, cpu, sink="replicas")
             a, b = listed.steps[rank], copied.steps[rank]
@@ -71,10 +61,7 @@ def test_replicas_plan_lists_copies_of_the_sink_within_their_share(world, monkey
 @pytest.mark.parametrize("sink", SINK_FORMS)
 def test_gathered_step_on_each_sink_form_matches_the_reference(world, sink, monkeypatch):
     monkeypatch.setattr(plan_module, "SINK_SHARE", 3)
-    g = torch.Generator().manual_seed(6)
-    q, dout = (torch.randn(1, SEQ, HQ, DIM, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(1, SEQ, HKV, DIM, generator=g, dtype=torch.float64) for _ in range(2))
-    index = _index()
+    q, k, v, dout, index = sample_case(6)
     mask = index.to_mask()
     scale = 1.0 / math.sqrt(DIM)
     cpu = torch.device("cpu")

@@ -134,35 +134,31 @@ def check(rank, world, args, device, report, zero_peers: bool = False):
             cases.append(("sparse-h", args.heads, args.kv_heads, "block-stripe", True))
         if "gather" in args.schedules:
             cases.append(("sparse-g", args.heads, args.kv_heads, "block-stripe", True))
-        runs = [(name, lambda c=(name, hq, hkv, layout_name, sparse): _check_case(
-            rank, world, args, device, seq_len, *c, zero_peers=True)) for name, hq, hkv, layout_name, sparse in cases]
+        runs = [(c[0], c[3], functools.partial(_check_case, rank, world, args, device, seq_len, *c, zero_peers=True))
+                for c in cases]
         # the estimated index (bounded widths) under the engine against our kernels
-        runs += [(f"estimated{'-g' if schedule == 'gather' else ''} vs triton",
-                  lambda schedule=schedule: _engine_case(rank, world, args, device, seq_len, schedule))
+        runs += [(f"estimated{'-g' if schedule == 'gather' else ''} vs triton", "block-stripe",
+                  functools.partial(_engine_case, rank, world, args, device, seq_len, schedule))
                  for schedule in args.schedules]
-        for name, run in runs:
-            try:
-                report.append(run())
-            except Exception as exc:  # the other checks and the timings still run
-                report.append({"check": name, "layout": "block-stripe", "error": f"{type(exc).__name__}: {exc}"})
-                traceback.print_exc()
-        return
-    cases = [("dense", args.heads, args.heads, "zigzag", False), ("sparse", args.heads, args.kv_heads, "block-stripe", True),
-             ("estimated", args.heads, args.kv_heads, "block-stripe", "estimate")]
-    if _hierarchical(args, world):
-        cases.append(("sparse-h", args.heads, args.kv_heads, "block-stripe", True))
-    # the estimated index with its columns list-free (as at the recipes' caps: `_list_free_limit`)
-    cases.append(("estimated-lf", args.heads, args.kv_heads, "block-stripe", "estimate"))
-    if "gather" in args.schedules:  # the gathered schedule on the same indexes
-        cases += [("sparse-g", args.heads, args.kv_heads, "block-stripe", True),
-                  ("estimated-g", args.heads, args.kv_heads, "block-stripe", "estimate"),
-                  ("estimated-lf-g", args.heads, args.kv_heads, "block-stripe", "estimate")]
-    for name, hq, hkv, layout_name, sparse in cases:
+    else:
+        cases = [("dense", args.heads, args.heads, "zigzag", False),
+                 ("sparse", args.heads, args.kv_heads, "block-stripe", True),
+                 ("estimated", args.heads, args.kv_heads, "block-stripe", "estimate")]
+        if _hierarchical(args, world):
+            cases.append(("sparse-h", args.heads, args.kv_heads, "block-stripe", True))
+        # the estimated index with its columns list-free (as at the recipes' caps: `_list_free_limit`)
+        cases.append(("estimated-lf", args.heads, args.kv_heads, "block-stripe", "estimate"))
+        if "gather" in args.schedules:  # the gathered schedule on the same indexes
+            cases += [("sparse-g", args.heads, args.kv_heads, "block-stripe", True),
+                      ("estimated-g", args.heads, args.kv_heads, "block-stripe", "estimate"),
+                      ("estimated-lf-g", args.heads, args.kv_heads, "block-stripe", "estimate")]
+        runs = [(c[0], c[3], functools.partial(_check_one, rank, world, args, device, seq_len, *c)) for c in cases]
+    for name, layout_name, run in runs:
         try:
-            report.append(_check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse))
-        except Exception as exc:  # the other check and the timings still run
+            report.append(run())
+        except Exception as exc:  # the other checks and the timings still run
             report.append({"check": name, "layout": layout_name, "error": f"{type(exc).__name__}: {exc}"})
-            if rank == 0:
+            if rank == 0 or zero_peers:
                 traceback.print_exc()
 
 
@@ -1020,16 +1016,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{DTYPE}", flush=True)
     if args.model:
         bench_model(rank, world, args, device, report)
-        if rank == 0 and args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+        if rank == 0:
+            _write_json(args.json, report)
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    if args.torch_merge:
-        from mtrain.parallel import merge
-
-        merge.FUSED = False
+    _use_torch_merge(args)
     if not args.skip_check:
         try:
             check(rank, world, args, device, report)
@@ -1044,13 +1036,25 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(report[-1]), flush=True)
     if rank == 0:
         print_table(report)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+        _write_json(args.json, report)
     dist.barrier()
     graphed.release_graphs()  # before the process group goes: a graph holding NCCL work can hang its teardown
     dist.destroy_process_group()
     return 0
+
+
+def _write_json(path: str | None, report: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def _use_torch_merge(args) -> None:
+    """--torch-merge: the ring's partial results merged by the torch merge instead of the fused Triton one."""
+    if args.torch_merge:
+        from mtrain.parallel import merge
+
+        merge.FUSED = False
 
 
 def _main_emulated(args) -> int:
@@ -1075,10 +1079,7 @@ def _main_emulated(args) -> int:
     else:
         device = torch.device("cuda", torch.cuda.current_device())
         name = torch.cuda.get_device_name(device)
-    if args.torch_merge:
-        from mtrain.parallel import merge
-
-        merge.FUSED = False
+    _use_torch_merge(args)
     world, rank = args.emulate_cp, args.emulate_rank
     print(f"torch {torch.__version__}, {name}, EMULATED rank {rank} of CP={world} (transfers replaced by local fills), "
           f"heads {args.heads}/{args.kv_heads} x {args.dim}, {DTYPE}", flush=True)
@@ -1095,9 +1096,7 @@ def _main_emulated(args) -> int:
             print(json.dumps(report[-1]), flush=True)
         graphed.release_graphs()
     print_table(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    _write_json(args.json, report)
     return 0
 
 

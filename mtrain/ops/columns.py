@@ -281,13 +281,9 @@ def ring_columns(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, bloc
     slot = n_sink + torch.searchsorted(union, v.contiguous())
     blk = torch.where(real, v // block_size, n)
     row_blocks = row_blocks.to(device=dev, dtype=torch.long).contiguous()
-    counts = torch.searchsorted(blk.contiguous(), row_blocks.expand(B, H, -1).contiguous())
-    if not sink_columns:
-        return RingColumns(torch.where(real, slot, -1).to(torch.int32).contiguous(), blk.to(torch.int32).contiguous(),
-                           counts.to(torch.int32).contiguous(), offset_flags(slash, seq_len, block_size),
-                           row_blocks, seq_len, block_size)
-    counts = counts + n_sink
-    sink = torch.arange(n_sink, device=dev).expand(B, H, n_sink)
+    n_cols = n_sink if sink_columns else 0  # the sink's tokens among the columns (their slots stay either way)
+    counts = n_cols + torch.searchsorted(blk.contiguous(), row_blocks.expand(B, H, -1).contiguous())
+    sink = torch.arange(n_cols, device=dev).expand(B, H, n_cols)
     ids = torch.cat([sink, torch.where(real, slot, -1)], -1).to(torch.int32).contiguous()
     blocks = torch.cat([torch.zeros_like(sink), blk], -1).to(torch.int32).contiguous()
     return RingColumns(ids, blocks, counts.to(torch.int32).contiguous(), offset_flags(slash, seq_len, block_size),
