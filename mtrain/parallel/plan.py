@@ -352,7 +352,11 @@ def gathered_sparse_plan(index, layout: Layout, rank: int, device: torch.device,
     key = ("gathered_plan", layout.spec, rank, str(device), sink)
     cache = index._cache
     if key not in cache:
-        cache[key] = _build_gathered_plan(index, layout, rank, device, sink)
+        if sink == "replicas":  # the listed plan's lists with the sink block swapped for its copies
+            listed = gathered_sparse_plan(index, layout, rank, device)
+            cache[key] = None if listed is None else _with_sink_copies(listed, layout, device)
+        else:
+            cache[key] = _build_gathered_plan(index, layout, rank, device, sink == "columns")
     return cache[key]
 
 
@@ -362,7 +366,8 @@ def sink_copies(n_query_blocks: int, list_width: int) -> int:
     return -(-n_query_blocks // max(1, min(SINK_SHARE, list_width)))
 
 
-def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device, sink: str) -> RingPlan | None:
+def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device,
+                         sink_columns: bool) -> RingPlan | None:
     seq_len, block_size = int(index.seq_len), int(index.block_size)
     layout.check(seq_len)
     local_block = layout.local_block_size(seq_len, block_size)
@@ -375,7 +380,7 @@ def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device,
     my_global_blocks = rank_blocks(layout, seq_len, rank, block_size, device)
     rows, my_cols = _rank_lists(index, my_global_blocks, rank, device, list_free_ok=True)
     had_sink = None  # listed: its keys are among the gathered ones, so the block kernels run it as one device does
-    if sink == "columns":
+    if sink_columns:
         had_sink = (rows == 0).any(dim=-1)
         rows = torch.where(rows == 0, -1, rows)
     columns = _off_ring_columns(index, layout, rank, had_sink, my_cols, local_block, seq_len, device, bounded,
@@ -384,31 +389,47 @@ def _build_gathered_plan(index, layout: Layout, rank: int, device: torch.device,
     n_local = positions[rank].numel()
     nlb = n_local // local_block
     at = rows.clamp(min=0)
-    ids = ((rank - owner[at]) % world) * nlb + local[at]
-    k_pos = torch.cat([positions[(rank - step) % world] for step in range(world)])
-    if columns is not None:
-        k_pos = torch.cat([k_pos, columns.positions])
-    copies = None
-    if sink == "replicas" and seq_len >= 2 * block_size:  # query block i past the sink lists copy i % R, in the
-        # blocks after the column slots
-        n_copies = sink_copies(rows.shape[2], rows.shape[-1])
-        first = k_pos.numel() // block_size  # (the shards and the column slots are whole blocks)
-        copy_of = first + torch.arange(rows.shape[2], device=device) % n_copies
-        ids = torch.where((rows == 0) & (my_global_blocks != 0).view(1, 1, -1, 1), copy_of.view(1, 1, -1, 1), ids)
-        # the gathered rows of the sink's tokens: global block 0 is local block local[0] of rank owner[0]
-        src = ((rank - owner[0]) % world) * n_local + local[0] * local_block + torch.arange(block_size, device=device)
-        copies = (src, n_copies)
-        k_pos = torch.cat([k_pos, torch.arange(block_size, device=device).repeat(n_copies)])
-    past = 2**30  # sorts after every block
-    ids = torch.sort(torch.where(rows >= 0, ids, past), dim=-1).values
+    past = world * nlb  # sorts after every gathered block
+    ids = torch.sort(torch.where(rows >= 0, ((rank - owner[at]) % world) * nlb + local[at], past), dim=-1).values
     counts = (rows >= 0).sum(-1, dtype=torch.int32)
     if not bounded:  # trimmed to the longest list (one host read), as the ring's plan is
         ids = ids[..., :max(1, int(counts.max()))]
     ids = torch.where(ids < past, ids, -1).to(torch.int32).contiguous()
+    k_pos = torch.cat([positions[(rank - step) % world] for step in range(world)])
     step_columns, slots = gathered_columns(columns, rank, world, n_local)
+    if columns is not None:
+        k_pos = torch.cat([k_pos, columns.positions])
     return RingPlan(seq_len, rank, local_block, positions, {rank: StepBlocks(ids, counts, k_pos, step_columns)},
                     set(), columns, column_origin=rank if columns is not None else None, bounded=bounded,
-                    gather_slots=(*slots[:3], copies))
+                    gather_slots=slots)
+
+
+def _with_sink_copies(plan: RingPlan, layout: Layout, device: torch.device) -> RingPlan:
+    """The gathered plan with its sink block listed (`sink="listed"`) turned into `sink="replicas"`: query block i past
+    the sink lists copy i % R instead, the copies in the blocks after the column slots (the step's keys then end in
+    R x the sink's positions), and `gather_slots` names the gathered rows they copy. A sequence of one block has no
+    query block past the sink: the plan as it is."""
+    seq_len, bs, rank = plan.seq_len, plan.block_size, plan.rank
+    if seq_len < 2 * bs:
+        return plan
+    step = plan.steps[rank]
+    world = len(plan.positions)
+    n_local = plan.positions[rank].numel()
+    owner, local = _block_owners(layout.spec, seq_len, bs, bs, str(device))
+    sink_at = ((rank - owner[0]) % world) * (n_local // bs) + local[0]  # global block 0 among the gathered ones
+    nq = step.ids.shape[2]
+    n_copies = sink_copies(nq, step.ids.shape[-1])
+    copy_of = step.k_pos.numel() // bs + torch.arange(nq, device=device) % n_copies  # (shards, slots: whole blocks)
+    ids = step.ids.long()
+    past_sink = (rank_blocks(layout, seq_len, rank, bs, device) != 0).view(1, 1, -1, 1)  # not its own diagonal
+    past = 2**30  # sorts after every block
+    ids = torch.where(ids < 0, past, torch.where((ids == sink_at) & past_sink, copy_of.view(1, 1, -1, 1), ids))
+    ids = torch.sort(ids, dim=-1).values
+    ids = torch.where(ids < past, ids, -1).to(torch.int32).contiguous()
+    src = ((rank - owner[0]) % world) * n_local + local[0] * bs + torch.arange(bs, device=device)
+    k_pos = torch.cat([step.k_pos, torch.arange(bs, device=device).repeat(n_copies)])
+    return dataclasses.replace(plan, steps={rank: dataclasses.replace(step, ids=ids, k_pos=k_pos)}, kernel_caches={},
+                               gather_slots=(*plan.gather_slots[:3], (src, n_copies)))
 
 
 def gathered_columns(columns: OffRingColumns | None, rank: int, world: int, n_local: int):

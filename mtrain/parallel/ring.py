@@ -194,11 +194,9 @@ def ring_attention(
         plan = plan.with_documents(doc_ids)
     if index is not None:
         chosen = resolve_engine(engine, plan, q)
-        sink = ring_gather.gathered_sink_form(chosen)
-        if sink != "listed" and gather is not None and plan.gather_slots is not None:  # see gathered_sink_form
+        sink = ring_gather.gathered_sink_form(chosen)  # not "listed" only under FA4, so without documents
+        if sink != "listed" and gather is not None and plan.gather_slots is not None:
             plan = gathered_sparse_plan(index, layout, rank, q.device, sink=sink)
-            if doc_ids is not None:
-                plan = plan.with_documents(doc_ids)
         if chosen != plan.engine:
             plan = dataclasses.replace(plan, engine=chosen)  # shares the plan's caches
     if index is not None and gather is not None:
