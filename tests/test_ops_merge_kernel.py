@@ -30,3 +30,38 @@ def test_fused_merge_equals_the_torch_merge(out_dtype):
     fin = torch.isfinite(want_lse)
     assert (lse[fin] - want_lse[fin]).abs().max() < 1e-5
     assert (out.float() - want_out.nan_to_num()).abs().max() < tol
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_sum_of_rank_parts_in_one_pass_equals_the_sum_in_rank_order(world):
+    """`sum_parts` (the owners' dK/dV sum of the gathered schedule on the GPU): into fp32, bit for bit the torch
+    path's widening copy of rank 0's part and adds in rank order (the same fp32 additions in the same order); into
+    the parts' dtype, that sum rounded once (within one unit in the last place: the interpreter rounds toward zero
+    where the GPU rounds to nearest, which the GPU gate's "sum-parts" case checks bit for bit); and an fp64 sum."""
+    from mtrain.ops._triton_merge import sum_parts
+    from mtrain.parallel.merge import RankParts
+
+    g = torch.Generator().manual_seed(world)
+    shape = (1, 300, 2, 16)
+    for dtype in (torch.bfloat16, torch.float16):
+        parts = [(torch.randn(shape, generator=g) * 10 ** (o % 3)).to(dtype) for o in range(world)]
+        want = parts[0].float()
+        for p in parts[1:]:
+            want = want + p.float()
+        ulp = 2.0 ** (torch.frexp(want).exponent.float() - (8 if dtype == torch.bfloat16 else 11))
+        for rank in sorted({0, world // 2, world - 1}):
+            held = RankParts.receiving(parts[rank].clone(), world, rank)
+            for o in range(world):
+                if o != rank:
+                    held.part(o).copy_(parts[o])
+            wide = torch.empty(shape)
+            sum_parts(held.own, held.inbox, rank, wide)
+            assert torch.equal(wide, want)
+            out = torch.empty(shape, dtype=dtype)
+            sum_parts(held.own, held.inbox, rank, out)
+            assert bool(((out.float() - want).abs() <= ulp).all())
+            assert torch.equal(held.sum(dtype), want.to(dtype))  # the torch path (CPU)
+            exact = sum(p.double() for p in parts)
+            assert (wide.double() - exact).abs().max() <= exact.abs().max() * 2 ** -20
+    with pytest.raises(ValueError, match="sum_parts"):
+        sum_parts(parts[0], torch.empty(world - 1, 299, 2, 16, dtype=dtype), 0, torch.empty(shape, dtype=dtype))

@@ -20,7 +20,8 @@ one-rank process group: "ring-fa4", `ring_attention` with the fa4 engine (FA4 st
 where FA4 cannot run), "ring-listfree", the same on a rank index without column lists (the ring's columns read
 list-free, `mtrain.ops.columns.RingColumns`), and "ring-estimate", the distributed Triton estimate giving the
 single-device lines.
-"merge" checks the ring's running LSE merge (fused Triton and torch) against float64 on CUDA. "repeat" runs the
+"merge" checks the ring's running LSE merge (fused Triton and torch) against float64 on CUDA, and the gathered
+schedule's one-pass sum of the ranks' dK/dV parts against the torch sum in rank order, bit for bit. "repeat" runs the
 deterministic engines (triton-det, fa4-det, the ring on a one-rank group) twice under
 torch.use_deterministic_algorithms(True) and fails unless out and every gradient are bitwise equal; the atomic
 backwards (triton-atomic, fa4) run twice too, labelled atomic, their differences reported but not failed.
@@ -277,6 +278,28 @@ def merge_case(device, dtype, tag) -> list[str]:
             status = ("FAIL" if used else "bad ") if bad else "ok  "
             lines.append(f"{status} {'merge':13s} {tag} {label if fused else 'torch'} {layout}: out {err:.1e} "
                          f"lse {lse_err:.1e}")
+    # the owners' sum of the gathered schedule's dK/dV parts (`RankParts.sum`): the one-pass Triton sum must equal
+    # the torch path (rank 0's part widened, the others added in rank order, rounded once) bit for bit
+    for world in (2, 4, 8):
+        for rank in sorted({0, world - 1}):
+            grads = [torch.randn(1, 3000, 2, 128, generator=gen, device=device).to(dtype) for _ in range(world)]
+            held = merge_mod.RankParts.receiving(grads[rank].clone(), world, rank)
+            for o in range(world):
+                if o != rank:
+                    held.part(o).copy_(grads[o])
+            saved = merge_mod.FUSED
+            sums = {}
+            for fused in (True, False):
+                merge_mod.FUSED = fused
+                try:
+                    sums[fused] = held.sum(dtype)
+                finally:
+                    merge_mod.FUSED = saved
+            exact = sum(g.double() for g in grads)
+            same = torch.equal(sums[True], sums[False])
+            status = "ok  " if same else ("FAIL" if saved else "bad ")
+            lines.append(f"{status} {'merge':13s} {tag} sum-parts W={world} rank {rank}: fused == torch {same}, "
+                         f"out {rel(sums[True], exact):.1e}")
     return lines
 
 

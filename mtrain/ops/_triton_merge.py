@@ -62,3 +62,34 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
         out_a.stride(0), out_a.stride(1), out_a.stride(2), out_b.stride(0), out_b.stride(1), out_b.stride(2),
         out.stride(0), out.stride(1), out.stride(2), BLOCK_S=block_s, BLOCK_D=max(16, triton.next_power_of_2(D)),
         num_warps=4)
+
+
+@triton.jit
+def _sum_parts_kernel(OWN, INBOX, OUT, N, own_at, W: tl.constexpr, BLOCK: tl.constexpr):
+    """OUT[i] = sum over o = 0..W-1 of part o's element i, in fp32 in that order and rounded once to OUT's dtype;
+    part own_at is OWN, the others are INBOX's W - 1 rows in order around it."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for o in tl.static_range(W):
+        if o == own_at:
+            x = tl.load(OWN + offs, mask=ok, other=0.0)
+        else:
+            row = tl.where(o > own_at, o - 1, o).to(tl.int64)
+            x = tl.load(INBOX + row * N + offs, mask=ok, other=0.0)
+        acc += x.to(tl.float32)
+    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
+
+
+def sum_parts(own: torch.Tensor, inbox: torch.Tensor, own_at: int, out: torch.Tensor) -> None:
+    """out <- the sum of W parts in fp32, in part order, rounded once to out's dtype: part `own_at` is `own`, the
+    others are inbox[0..W-2] in order around it (inbox [W - 1, *own.shape]); every tensor contiguous. One pass: reads
+    each part once and writes the sum, where a widening copy and W - 1 fp32 adds make W + 1 passes over fp32."""
+    world = inbox.shape[0] + 1
+    if not (own.is_contiguous() and inbox.is_contiguous() and out.is_contiguous()) or inbox.shape[1:] != own.shape \
+            or out.shape != own.shape or not 0 <= own_at < world:
+        raise ValueError(f"sum_parts: own {tuple(own.shape)}, inbox {tuple(inbox.shape)} and out {tuple(out.shape)} "
+                         f"must be contiguous, inbox one part per other rank, own_at in [0, {world}); got {own_at}")
+    n = own.numel()
+    block = 1024
+    _sum_parts_kernel[(triton.cdiv(n, block),)](own, inbox, out, n, own_at, W=world, BLOCK=block, num_warps=4)

@@ -65,15 +65,16 @@ def _trim(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return ids[..., :width].contiguous()
 
 
-def step_lists(plan: RingPlan, origin: int, q: torch.Tensor, k: torch.Tensor) -> StepLists:
-    cache = plan.kernel_cache(origin, q, k)
-    if "fa4" in cache:
-        return cache["fa4"]
+def step_block_lists(plan: RingPlan, origin: int, n_keys: int) -> tuple[tuple, tuple]:
+    """FA4's block-sparse lists of one ring step over `n_keys` key rows, as plain tensors: ((mask_cnt, mask_idx,
+    full_cnt, full_idx) per query block, (the same) per key block for the backward), int32. Every index tensor is at
+    most as wide as the blocks it lists from (FA4 refuses wider ones): a short shard (few key blocks per step, e.g. a
+    small sequence over 8 ranks) can have lists wider than its blocks, though a row never lists a block twice."""
     step = plan.steps[origin]
     bs = plan.block_size
     ids, counts = step.ids.long(), step.counts.long()
     b, h, nq, width = ids.shape
-    nk = -(-k.shape[1] // bs)  # the shard's blocks, then the gathered columns' on the column step
+    nk = -(-n_keys // bs)  # the shard's blocks, then the gathered columns' on the column step
     dev = ids.device
     live = torch.arange(width, device=dev) < counts[..., None]
     if origin == plan.rank:
@@ -83,10 +84,10 @@ def step_lists(plan: RingPlan, origin: int, q: torch.Tensor, k: torch.Tensor) ->
     else:
         full = live
         mask_cnt = torch.zeros(b, h, nq, dtype=torch.int32, device=dev)
-    full_idx, full_cnt = left_pack(ids, full, max(1, width))
+    full_idx, full_cnt = left_pack(ids, full, max(1, min(width, nk)))
     mask_idx = torch.arange(nq, device=dev, dtype=torch.int32).view(1, 1, nq, 1).expand(b, h, nq, 1).contiguous()
     if plan.bounded:  # sized from the bound: no [B, H, nk, nq] flags, no host read
-        full_q_idx, full_q_cnt = transposed_bounded(full_idx, full_cnt, nk, width)
+        full_q_idx, full_q_cnt = transposed_bounded(full_idx, full_cnt, nk, min(width, nq))
     else:
         full_q_idx, full_q_cnt = transposed(full_idx, full_cnt, nk)
         full_q_idx = _trim(full_q_idx, full_q_cnt)
@@ -94,13 +95,22 @@ def step_lists(plan: RingPlan, origin: int, q: torch.Tensor, k: torch.Tensor) ->
     mask_q_cnt = torch.zeros(b, h, nk, dtype=torch.int32, device=dev)
     mask_q_cnt[..., :nq] = mask_cnt
     mask_q_idx = torch.where(blocks < nq, blocks, 0).to(torch.int32).view(1, 1, nk, 1).expand(b, h, nk, 1).contiguous()
+    return (mask_cnt, mask_idx, full_cnt, full_idx), (mask_q_cnt, mask_q_idx, full_q_cnt, full_q_idx)
+
+
+def step_lists(plan: RingPlan, origin: int, q: torch.Tensor, k: torch.Tensor) -> StepLists:
+    cache = plan.kernel_cache(origin, q, k)
+    if "fa4" in cache:
+        return cache["fa4"]
+    fwd, bwd = step_block_lists(plan, origin, k.shape[1])
+    b, h, nq = fwd[0].shape
+    dev = fwd[0].device
     no_blocks = (torch.full((b, h, nq, 1), -1, dtype=torch.int32, device=dev),
                  torch.zeros(b, h, nq, dtype=torch.int32, device=dev))
     from mtrain.ops._triton_attention import NO_BLOCKS
     from mtrain.ops.index import BOUNDED, COLUMN_BASE
 
-    lists = StepLists(sparse_tensors(mask_cnt, mask_idx, full_cnt, full_idx, bs),
-                      sparse_tensors(mask_q_cnt, mask_q_idx, full_q_cnt, full_q_idx, bs),
+    lists = StepLists(sparse_tensors(*fwd, plan.block_size), sparse_tensors(*bwd, plan.block_size),
                       no_blocks, {NO_BLOCKS: True, BOUNDED: plan.bounded, COLUMN_BASE: plan.column_base(origin)})
     cache["fa4"] = lists
     return lists

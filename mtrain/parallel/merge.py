@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from mtrain.ops.partial import lse_weights
@@ -109,3 +111,39 @@ class GradSum:
         if self.total is None:
             self.total = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         return self.total
+
+
+
+@dataclasses.dataclass
+class RankParts:
+    """Every rank's part of one tensor for a sum over the group: this rank's (`own`) and the others', received into
+    the rows of one buffer (`inbox` [world - 1, *own.shape], rank order with this rank left out), so that the sum
+    reads them all in one pass."""
+
+    own: torch.Tensor
+    inbox: torch.Tensor
+    rank: int
+
+    @classmethod
+    def receiving(cls, own: torch.Tensor, world: int, rank: int) -> "RankParts":
+        return cls(own, own.new_empty((world - 1, *own.shape)), rank)
+
+    def part(self, o: int) -> torch.Tensor:
+        """Rank o's part (for another rank: its receive buffer)."""
+        return self.own if o == self.rank else self.inbox[o - (o > self.rank)]
+
+    def sum(self, dtype: torch.dtype) -> torch.Tensor:
+        """The parts summed in rank order in the accumulation dtype, rounded once to `dtype`: the same sum on every
+        run. On the GPU in one Triton pass (`mtrain.ops._triton_merge.sum_parts`), else a widening copy of rank 0's
+        part and one add per other rank."""
+        acc = accum_dtype(self.own)
+        if FUSED and self.own.is_cuda and acc == torch.float32 and self.own.is_contiguous():
+            from mtrain.ops._triton_merge import sum_parts
+
+            out = torch.empty(self.own.shape, dtype=dtype, device=self.own.device)
+            sum_parts(self.own, self.inbox, self.rank, out)
+            return out
+        total = self.part(0).to(acc, copy=True)
+        for o in range(1, self.inbox.shape[0] + 1):
+            total.add_(self.part(o))
+        return total.to(dtype)

@@ -31,7 +31,7 @@ from mtrain.errors import MtrainError
 from mtrain.ops import partial
 from mtrain.parallel import fa4_steps
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV
-from mtrain.parallel.merge import accum_dtype
+from mtrain.parallel.merge import RankParts, accum_dtype
 from mtrain.parallel.plan import RingPlan, StepBlocks, gathered_columns
 from mtrain.parallel.saved_state import load_state, save_state
 from mtrain.parallel.steps import step_kwargs
@@ -234,14 +234,13 @@ def _reduce_kv_grads(dk, dv, col_dst, n_rows: int, group, dtype, copies=None):
     Returns (dk, dv) [B, S_local, Hkv, D] in `dtype`."""
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    acc = accum_dtype(dk)
     s = n_rows // world
     if col_dst is not None or copies is not None:
         _fold_columns(dk, col_dst, n_rows, copies)
         _fold_columns(dv, col_dst, n_rows, copies)
     # the shard of rank o sits at step (rank - o) % W of this rank's gathered rows
     rows = lambda t, o: t[:, ((rank - o) % world) * s:((rank - o) % world + 1) * s]  # noqa: E731
-    received = {}
+    sums = [RankParts.receiving(rows(t, rank), world, rank) for t in (dk, dv)]
     ops = []
     for o in range(world):
         if o == rank:
@@ -249,18 +248,12 @@ def _reduce_kv_grads(dk, dv, col_dst, n_rows: int, group, dtype, copies=None):
         peer = dist.get_global_rank(group, o)
         for t in (dk, dv):
             ops.append(dist.P2POp(dist.isend, rows(t, o).contiguous(), peer=peer, group=group, tag=TAG_GRAD))
-        received[o] = [torch.empty_like(rows(dk, rank)), torch.empty_like(rows(dv, rank))]
-        for t in received[o]:
-            ops.append(dist.P2POp(dist.irecv, t, peer=peer, group=group, tag=TAG_GRAD))
+        for parts in sums:
+            ops.append(dist.P2POp(dist.irecv, parts.part(o), peer=peer, group=group, tag=TAG_GRAD))
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
-    received[rank] = [rows(dk, rank), rows(dv, rank)]
     # a fixed order (rank 0 first): the same sum on every run
-    total_k, total_v = received[0][0].to(acc, copy=True), received[0][1].to(acc, copy=True)
-    for o in range(1, world):
-        total_k.add_(received[o][0])
-        total_v.add_(received[o][1])
-    return total_k.to(dtype), total_v.to(dtype)
+    return sums[0].sum(dtype), sums[1].sum(dtype)
 
 
 def ring_gather_attention(q, k, v, plan: RingPlan, group, scale: float, gather: KVGather | None = None):
