@@ -236,29 +236,37 @@ def test_widen_caps_is_validated_and_reaches_the_context():
         register_kind("mtraining", sparse_policy="auto", widen_caps="yes")
 
 
+def short_caps(scale):
+    """(vertical, slash) line caps of SHORT widened `scale` times, over the pattern's sequence."""
+    from mtrain.ops.estimate import line_caps
+
+    x = scaled_settings(SHORT, scale)
+    return line_caps(SEQ, BS, x.max_vertical, x.max_slash, x.cap_fraction)
+
+
+def widening_paths(first, steps: int = 2) -> list:
+    """(path, cap scale, widened) of the first call's record and of the SHORT layer's next `steps` training calls."""
+    paths = [(first.path, first.cap_scale, first.widened)]
+    for step in range(1, steps + 1):
+        _, record = call(SHORT, step)
+        paths.append((record.path, record.cap_scale, record.widened))
+    return paths
+
+
 def test_widening_stops_where_the_wider_lists_would_exceed_the_limit(estimates):
     """attention.widen_max_list_mib: with the limit between the lists' bytes at 4x and at 8x the caps (by
     `list_bytes` over the index's query blocks: per block and head two entries per slash offset, the sink and the
     diagonal, one per vertical, int32), the layer widens to 4x and is then held dense as at MAX_CAP_SCALE; with no
     limit the same calls widen to 8x."""
     from mtrain.models.policy import list_bytes
-    from mtrain.ops.estimate import line_caps
-
-    def caps(scale):
-        x = scaled_settings(SHORT, scale)
-        return line_caps(SEQ, BS, x.max_vertical, x.max_slash, x.cap_fraction)
 
     _, first = call(SHORT, 0)
     index = estimates[0][1]
     b, h, rows = index.block_ids.shape[:3]
-    cap_v, cap_s = caps(8)
+    cap_v, cap_s = short_caps(8)
     assert list_bytes(index, cap_v, cap_s) == b * h * rows * (2 * cap_s + 2 + cap_v) * 4
-    CONTEXT.widen_max_list_bytes = (list_bytes(index, *caps(4)) + list_bytes(index, *caps(8))) // 2
-    paths = [(first.path, first.cap_scale, first.widened)]
-    for step in range(1, 3):
-        _, record = call(SHORT, step)
-        paths.append((record.path, record.cap_scale, record.widened))
-    assert paths == [("dense", 1, True), ("dense", 2, True), ("dense", 4, False)]
+    CONTEXT.widen_max_list_bytes = (list_bytes(index, *short_caps(4)) + list_bytes(index, *short_caps(8))) // 2
+    assert widening_paths(first) == [("dense", 1, True), ("dense", 2, True), ("dense", 4, False)]
     assert CONTEXT.cap_scale == {5: 4} and CONTEXT.dense_until[5] == 2 + 1 + CONTEXT.dense_hold
     CONTEXT.widen_max_list_bytes = 0  # no limit: the next estimate widens on to 8x and reaches the recall
     CONTEXT.dense_until.clear()
@@ -317,3 +325,19 @@ def test_the_real_model_benchmark_settles_a_layers_caps_before_it_decides():
     assert training_choice(7, q, k, v, TINY, scale) == "dense"  # still short at 8x: dense, as training holds it
     assert CONTEXT.cap_scale[7] == 8
     assert training_choice(6, q, k, v, COVERING, scale) == "sparse" and CONTEXT.cap_scale.get(6, 1) == 1
+
+
+def test_widening_stops_before_lists_the_kernels_cannot_address(estimates, monkeypatch):
+    """The kernels address list entries with 32-bit offsets (`mtrain.ops.lists.MAX_LIST_ENTRIES`; at 256K tokens on
+    one GPU, 9 heads at 8x the default vertical cap reach 2**31 column entries and read out of bounds): with the limit
+    between the column lists' entries at 4x and at 8x the caps, the layer widens to 4x and is then held dense, as
+    under widen_max_list_mib (the kernels' own refusal: tests/test_ops_partial.py)."""
+    from mtrain.models import policy
+
+    _, first = call(SHORT, 0)
+    index = estimates[0][1]
+    b, h, rows = index.block_ids.shape[:3]
+    assert policy.column_list_entries(index, *short_caps(8)) == b * h * rows * short_caps(8)[0]
+    limit = sum(policy.column_list_entries(index, *short_caps(scale)) for scale in (4, 8)) // 2
+    monkeypatch.setattr(policy, "MAX_LIST_ENTRIES", limit)
+    assert widening_paths(first) == [("dense", 1, True), ("dense", 2, True), ("dense", 4, False)]

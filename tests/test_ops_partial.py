@@ -285,3 +285,28 @@ def test_bad_shapes_are_refused_with_a_clear_message():
     with pytest.raises(ValueError, match="blocks"):
         partial.attention_forward(q, k, k, q_pos=pos, k_pos=pos, block_size=4, impl="torch",
                                   blocks=(torch.zeros(1, 2, 3, 1, dtype=torch.int32), torch.zeros(1, 2, 3)))
+
+
+@needs_interpreter
+def test_lists_past_the_kernels_32_bit_offsets_are_refused_at_launch(monkeypatch):
+    """A block or column list tensor with more entries than the kernels address with 32-bit offsets
+    (`mtrain.ops.lists.MAX_LIST_ENTRIES`, lowered here) is refused with an error that names the lists and the fix,
+    where the kernels would read out of bounds; at the limit it runs."""
+    from mtrain.errors import MtrainError
+    from mtrain.ops import lists
+
+    q, k, v = (torch.randn(1, 64, 1, 16) for _ in range(3))
+    pos = torch.arange(64)
+    blocks = (torch.arange(4, dtype=torch.int32).view(1, 1, 4, 1), torch.ones(1, 1, 4, dtype=torch.int32))
+    cols = (torch.full((1, 1, 4, 8), -1, dtype=torch.int32), torch.zeros(1, 1, 4, dtype=torch.int32))
+    kw = dict(q_pos=pos, k_pos=pos, blocks=blocks, columns=cols, block_size=16, softmax_scale=0.25, causal=True,
+              impl="triton")
+    monkeypatch.setattr(lists, "MAX_LIST_ENTRIES", 32)
+    out, _ = partial.attention_forward(q, k, v, **kw)
+    assert torch.isfinite(out).all()
+    monkeypatch.setattr(lists, "MAX_LIST_ENTRIES", 31)
+    with pytest.raises(MtrainError, match=r"column lists of shape \(1, 1, 4, 8\) hold 32 entries.*max_vertical"):
+        partial.attention_forward(q, k, v, **kw)
+    monkeypatch.setattr(lists, "MAX_LIST_ENTRIES", 3)
+    with pytest.raises(MtrainError, match="block lists"):
+        partial.attention_forward(q, k, v, **{**kw, "columns": None})

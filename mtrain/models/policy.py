@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from mtrain.models.context import CONTEXT, LayerRecord, own
+from mtrain.ops.lists import MAX_LIST_ENTRIES
 
 SPARSE_POLICIES = ("auto", "always", "never")
 """How a sparse kind picks its path per layer: the cost model (`mtrain.ops.cost`), sparse everywhere, or dense."""
@@ -250,6 +251,19 @@ def list_bytes(index, cap_v: int, cap_s: int) -> int:
     return estimate.lists_bytes(b, h, rows, cap_s, cap_v)
 
 
+def column_list_entries(index, cap_v: int, cap_s: int) -> int:
+    """Entries of the column lists over the query blocks `index` holds at caps of `cap_v` verticals and `cap_s` slash
+    block offsets (0 where a rank's index holds them list-free at those caps, as `list_bytes` counts): batch x heads x
+    query blocks x cap_v."""
+    from mtrain.ops.index import RowIndex
+    from mtrain.parallel import estimate
+
+    b, h, rows = index.block_ids.shape[:3]
+    if isinstance(index, RowIndex) and estimate.columns_list_free(b, h, rows, cap_s, cap_v):
+        return 0
+    return b * h * rows * cap_v
+
+
 def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> bool:
     """After auto decided a training call: where the estimate's recall or the quality check sent the layer dense
     though the cost model said sparse (`index._cache["overruled"]`, set by `choose_path`) and its caps bind, double
@@ -259,8 +273,8 @@ def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> boo
     would list the same lines: a layer the check sends dense with its recall met is held as before) and doubling
     them gives larger caps for this sequence (`mtrain.ops.estimate.line_caps`: they do not yet cover it). Returns
     False (the caller holds the layer as before) under attention.widen_caps false, at MAX_CAP_SCALE, where the caps
-    do not bind, where the lists at the doubled caps would exceed CONTEXT.widen_max_list_bytes (`list_bytes`), or for
-    any other choice. `s`: the settings the layer estimated with (`layer_settings`); `seq_len`: the whole
+    do not bind, where the lists at the doubled caps would exceed CONTEXT.widen_max_list_bytes (`list_bytes`) or the
+    entries our kernels can address (`mtrain.ops.lists.MAX_LIST_ENTRIES`), or for any other choice. `s`: the settings the layer estimated with (`layer_settings`); `seq_len`: the whole
     sequence (every rank of a CP group passes the same). Decided from the est_recall / output error the choice read,
     which every rank of a CP group shares, so every rank widens alike. The layer's lagged choice statistics
     (LAGGED_CHOICE) are dropped: its next choice reads the estimate at the new caps, not the last one at the old."""
@@ -279,6 +293,8 @@ def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> boo
         return False
     limit = CONTEXT.widen_max_list_bytes
     if limit and list_bytes(index, *caps[1]) > limit:  # lists this wide cost more to build than a dense layer saves
+        return False
+    if column_list_entries(index, *caps[1]) > MAX_LIST_ENTRIES:  # beyond the kernels' 32-bit offsets
         return False
     CONTEXT.cap_scale[layer_idx] = scale * 2
     for key in [key for key in CONTEXT.choice_stats if key[0] == layer_idx]:

@@ -11,7 +11,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from mtrain.ops._triton_estimate import dot_precision
 from mtrain.ops.columns import RingColumns, VerticalColumns
 from mtrain.ops.index import BOUNDED, COLUMN_BASE, ColumnPlan, column_plan, compact, transpose_blocks_csr
-from mtrain.ops.lists import doc_ranges, left_pack
+from mtrain.ops.lists import check_list_entries, doc_ranges, left_pack
 
 _LOG2E = 1.4426950408889634
 # Positions of padded keys: larger than any real position, so the causal test drops them.
@@ -837,6 +837,8 @@ def _prepare(q, k, v, q_pos, k_pos, blocks, columns, block_size, causal, plans, 
         ci, cc = columns
     else:
         ci, cc = _int32(columns[0], q.device), _int32(columns[1], q.device)
+        check_list_entries(ci, "the column lists")
+    check_list_entries(bi, "the block lists")
     qp = q_pos.to(device=q.device, dtype=torch.int64).contiguous()
     kp = k_pos.to(device=q.device, dtype=torch.int64).contiguous()
     if q_doc is None:
