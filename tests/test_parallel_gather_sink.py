@@ -85,14 +85,23 @@ def test_gathered_step_on_each_sink_form_matches_the_reference(world, sink, monk
 def test_fa4_backward_takes_the_sink_as_copies_or_columns_only(monkeypatch):
     """Under FA4's backward the gathered plan's sink is "replicas" (the default) or "columns": a listed sink block would
     have more query blocks than FA4's bounded backward lists hold, so it is refused with the setting's name; our
-    backward (or FA4's forward with ours) takes it listed."""
+    backward (or FA4's forward with ours) takes it listed. The default backward ("auto") is FA4's in groups of up to
+    FA4_GATHER_MAX_WORLD ranks and ours beyond; a backward name outside GATHER_BACKWARDS is refused."""
     from mtrain.errors import MtrainError
     from mtrain.parallel import ring_gather
 
-    assert ring_gather.gathered_sink_form("fa4") == "replicas" and ring_gather.gathered_sink_form("triton") == "listed"
+    assert ring_gather.FA4_GATHER_BACKWARD == "auto" and ring_gather.FA4_GATHER_MAX_WORLD == 4
+    assert [ring_gather.gathered_backward("fa4", w) for w in (2, 4, 8)] == ["fa4", "fa4", "triton"]
+    assert [ring_gather.gathered_backward("triton", w) for w in (2, 8)] == ["triton", "triton"]
+    assert [ring_gather.gathered_sink_form("fa4", w) for w in (2, 4, 8)] == ["replicas", "replicas", "listed"]
+    assert ring_gather.gathered_sink_form("triton", 4) == "listed"
     monkeypatch.setattr(ring_gather, "FA4_GATHER_BACKWARD", "triton")
-    assert ring_gather.gathered_sink_form("fa4") == "listed"
+    assert ring_gather.gathered_sink_form("fa4", 4) == "listed"
     monkeypatch.setattr(ring_gather, "FA4_GATHER_BACKWARD", "fa4")
+    assert ring_gather.gathered_sink_form("fa4", 8) == "replicas"
     monkeypatch.setattr(ring_gather, "FA4_GATHER_SINK", "listed")
     with pytest.raises(MtrainError, match="FA4_GATHER_SINK"):
-        ring_gather.gathered_sink_form("fa4")
+        ring_gather.gathered_sink_form("fa4", 4)
+    monkeypatch.setattr(ring_gather, "FA4_GATHER_BACKWARD", "atomic")
+    with pytest.raises(MtrainError, match="FA4_GATHER_BACKWARD"):
+        ring_gather.gathered_backward("fa4", 4)

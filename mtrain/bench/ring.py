@@ -411,14 +411,14 @@ def bench_tokens(tokens, rank, world, args, device, report):
             _profile(run, rank, f"cp1_sparse_estimated {tokens} tokens")
         return ms
 
-    def ring_sparse(estimate: bool, schedule: str = "ring", graph: bool = False, triton_backward: bool = False):
+    def ring_sparse(estimate: bool, schedule: str = "ring", graph: bool = False, backward: str | None = None):
         def go():
             # eager estimate unless this variant replays it from a CUDA graph; --list-free-columns: the estimated rank
             # index without column lists, as at the recipes' caps
             width = (_list_free_limit(args, seq, world, h) if args.list_free_columns
                      else estimate_module.STATIC_WIDTH_BYTES)
             with module_settings(graphed, GRAPH_RING_ESTIMATE=graph), \
-                    module_settings(ring_gather, FA4_GATHER_BACKWARD="triton" if triton_backward else "fa4"), \
+                    module_settings(ring_gather, FA4_GATHER_BACKWARD=backward or ring_gather.FA4_GATHER_BACKWARD), \
                     module_settings(estimate_module, STATIC_WIDTH_BYTES=width):
                 return timed_variant()
 
@@ -484,8 +484,10 @@ def bench_tokens(tokens, rank, world, args, device, report):
         if "gather" in args.schedules:
             attempt("ring_sparse_estimated_gather_graphed_ms", ring_sparse(True, "gather", graph=True))
             if impl == "fa4":  # the gathered step's other backward under the fa4 engine (ring_gather.FA4_GATHER_BACKWARD)
-                attempt("ring_sparse_estimated_gather_graphed_tritonbwd_ms",
-                        ring_sparse(True, "gather", graph=True, triton_backward=True))
+                row["gather_backward"] = ring_gather.gathered_backward(impl, world)
+                other = "triton" if row["gather_backward"] == "fa4" else "fa4"
+                attempt(f"ring_sparse_estimated_gather_graphed_{'tritonbwd' if other == 'triton' else 'fa4bwd'}_ms",
+                        ring_sparse(True, "gather", graph=True, backward=other))
 
     def ring_sparse_hierarchical():
         q, k, v, dout = inputs(seq, h, hkv, d, device)
@@ -867,7 +869,8 @@ def print_table(report):
                           ("ring_sparse_estimated_gather", "cp1_sparse_estimated"),
                           ("ring_sparse_estimated_graphed", "cp1_sparse_estimated"),
                           ("ring_sparse_estimated_gather_graphed", "cp1_sparse_estimated"),
-                          ("ring_sparse_estimated_gather_graphed_tritonbwd", "cp1_sparse_estimated")):
+                          ("ring_sparse_estimated_gather_graphed_tritonbwd", "cp1_sparse_estimated"),
+                          ("ring_sparse_estimated_gather_graphed_fa4bwd", "cp1_sparse_estimated")):
             ms = r.get(key + "_ms")
             if ms is None and key + "_ms_error" not in r:
                 continue  # not asked for (--node-size, --schedules, --skip-dense)
@@ -888,8 +891,10 @@ def print_table(report):
             if r.get(key) and r.get("cp1_sparse_estimated_ms"):
                 what = ("BOUND (rank alone, transfers as local fills: --emulate-cp)" if r.get("emulated")
                         else "HEADLINE")
+                bwd = f", gathered backward {r['gather_backward']}" if sched.startswith("gather") and \
+                    r.get("gather_backward") else ""
                 print(f"{'':>9}{what} sparse CP={r['cp']} with online estimate ({sched} schedule) vs CP=1 with its "
-                      f"own: {r['cp1_sparse_estimated_ms'] / r[key]:.3f} (engine {r.get('engine')})")
+                      f"own: {r['cp1_sparse_estimated_ms'] / r[key]:.3f} (engine {r.get('engine')}{bwd})")
         if r.get("estimate_ring_ms") and r.get("estimate_cp1_ms"):
             torch_part = (f", torch scorer {r['estimate_ring_torch_ms']:.2f} ms" if r.get("estimate_ring_torch_ms")
                           else "")

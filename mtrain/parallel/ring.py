@@ -194,7 +194,7 @@ def ring_attention(
         plan = plan.with_documents(doc_ids)
     if index is not None:
         chosen = resolve_engine(engine, plan, q)
-        sink = ring_gather.gathered_sink_form(chosen)  # not "listed" only under FA4, so without documents
+        sink = ring_gather.gathered_sink_form(chosen, layout.world_size)  # not "listed" only under FA4's backward
         if sink != "listed" and gather is not None and plan.gather_slots is not None:
             plan = gathered_sparse_plan(index, layout, rank, q.device, sink=sink)
         if chosen != plan.engine:

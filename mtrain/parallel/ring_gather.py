@@ -40,10 +40,28 @@ SCHEDULES = ("ring", "gather")
 
 # The backward of the gathered step under the fa4 engine: "fa4", FA4's block-sparse backward (atomic dQ) plus our
 # column backward, or "triton", our deterministic backward over the step's blocks and columns at once from FA4's
-# merged out / lse (what the one-device fa4 engine runs by default; deterministic, but no faster at the estimate's
-# density and slower on denser lists: BENCHMARKS.md, "Ring attention on several GPUs"). The ring schedule's steps
-# always run FA4's backward.
-FA4_GATHER_BACKWARD = "fa4"
+# merged out / lse (what the one-device fa4 engine runs by default), or "auto": FA4's in groups of up to
+# FA4_GATHER_MAX_WORLD ranks, ours in larger ones. One rank of a CP group at 128K tokens per GPU timed alone on one
+# H200 (BENCHMARKS.md, "Ring attention on several GPUs"): FA4's backward is 1-13% faster at CP 2 and 4, ours 14%
+# faster at CP=8, where the gathered keys hold 8 shards and FA4's backward, which runs each key block's query blocks
+# in turn, walks 8 times the key blocks (and the sink's copies) for the same pairs. The ring schedule's steps always
+# run FA4's backward.
+FA4_GATHER_BACKWARD = "auto"
+FA4_GATHER_MAX_WORLD = 4
+GATHER_BACKWARDS = ("auto", "fa4", "triton")
+
+
+def gathered_backward(engine: str, world: int) -> str:
+    """The backward the gathered step of a `world`-rank group runs when its forward runs on `engine`."""
+    if FA4_GATHER_BACKWARD not in GATHER_BACKWARDS:
+        raise MtrainError(f"ring_gather.FA4_GATHER_BACKWARD must be one of {GATHER_BACKWARDS}; "
+                          f"got {FA4_GATHER_BACKWARD!r}")
+    if engine != "fa4":
+        return "triton"
+    if FA4_GATHER_BACKWARD == "auto":
+        return "fa4" if world <= FA4_GATHER_MAX_WORLD else "triton"
+    return FA4_GATHER_BACKWARD
+
 
 # How the gathered plan holds the sink block (`mtrain.parallel.plan.SINK_FORMS`) under FA4's backward, which runs each
 # key block's query blocks in turn: "replicas" (copies read by a few query blocks each), or "columns" (its tokens as
@@ -51,9 +69,9 @@ FA4_GATHER_BACKWARD = "fa4"
 FA4_GATHER_SINK = "replicas"
 
 
-def gathered_sink_form(engine: str) -> str:
-    """The sink form of the gathered plan for a step run by `engine` ("fa4" or "triton")."""
-    if engine != "fa4" or FA4_GATHER_BACKWARD != "fa4":
+def gathered_sink_form(engine: str, world: int) -> str:
+    """The sink form of the gathered plan for a step of a `world`-rank group run by `engine` ("fa4" or "triton")."""
+    if gathered_backward(engine, world) != "fa4":
         return "listed"
     if FA4_GATHER_SINK not in ("replicas", "columns"):  # a listed sink overflows FA4's bounded backward lists
         raise MtrainError(f"ring_gather.FA4_GATHER_SINK must be 'replicas' or 'columns'; got {FA4_GATHER_SINK!r}")
@@ -202,7 +220,7 @@ class RingGatherAttention(torch.autograd.Function):
         col_dst, copies = merged.gather_slots[1], merged.gather_slots[3]
         dout = dout.contiguous()
         args = step_kwargs(merged, merged.rank, q, keys)
-        if merged.engine == "fa4" and FA4_GATHER_BACKWARD == "fa4":
+        if gathered_backward(merged.engine, dist.get_world_size(group)) == "fa4":
             dq, dk, dv = fa4_steps.backward(dout, q, keys, values, out, lse, merged, merged.rank, args["k_pos"],
                                             args["columns"], scale)
         else:
