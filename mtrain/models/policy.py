@@ -242,11 +242,10 @@ def list_bytes(index, cap_v: int, cap_s: int) -> int:
     (`mtrain.parallel.estimate.lists_bytes`, what a rank's index sizes its lists by). A CP rank whose lists at those
     caps would pass `STATIC_WIDTH_BYTES` holds no column lists (`LIST_FREE_COLUMNS`): its block lists, and each head's
     verticals with their key blocks (`mtrain.ops.columns.RingColumns`), instead."""
-    from mtrain.ops.index import RowIndex
     from mtrain.parallel import estimate
 
-    b, h, rows = index.block_ids.shape[:3]
-    if isinstance(index, RowIndex) and estimate.columns_list_free(b, h, rows, cap_s, cap_v):
+    b, h, rows, list_free = _lists_at(index, cap_v, cap_s)
+    if list_free:
         return estimate.lists_bytes(b, h, rows, cap_s, 0) + b * h * cap_v * 4 * 2
     return estimate.lists_bytes(b, h, rows, cap_s, cap_v)
 
@@ -255,13 +254,18 @@ def column_list_entries(index, cap_v: int, cap_s: int) -> int:
     """Entries of the column lists over the query blocks `index` holds at caps of `cap_v` verticals and `cap_s` slash
     block offsets (0 where a rank's index holds them list-free at those caps, as `list_bytes` counts): batch x heads x
     query blocks x cap_v."""
+    b, h, rows, list_free = _lists_at(index, cap_v, cap_s)
+    return 0 if list_free else b * h * rows * cap_v
+
+
+def _lists_at(index, cap_v: int, cap_s: int) -> tuple[int, int, int, bool]:
+    """(batch, heads, query blocks) of `index`'s lists, and whether it would hold its columns list-free at these caps
+    (a CP rank's RowIndex past `STATIC_WIDTH_BYTES`, `mtrain.parallel.estimate.columns_list_free`)."""
     from mtrain.ops.index import RowIndex
     from mtrain.parallel import estimate
 
     b, h, rows = index.block_ids.shape[:3]
-    if isinstance(index, RowIndex) and estimate.columns_list_free(b, h, rows, cap_s, cap_v):
-        return 0
-    return b * h * rows * cap_v
+    return b, h, rows, isinstance(index, RowIndex) and estimate.columns_list_free(b, h, rows, cap_s, cap_v)
 
 
 def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> bool:
@@ -274,8 +278,8 @@ def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> boo
     them gives larger caps for this sequence (`mtrain.ops.estimate.line_caps`: they do not yet cover it). Returns
     False (the caller holds the layer as before) under attention.widen_caps false, at MAX_CAP_SCALE, where the caps
     do not bind, where the lists at the doubled caps would exceed CONTEXT.widen_max_list_bytes (`list_bytes`) or the
-    entries our kernels can address (`mtrain.ops.lists.MAX_LIST_ENTRIES`), or for any other choice. `s`: the settings the layer estimated with (`layer_settings`); `seq_len`: the whole
-    sequence (every rank of a CP group passes the same). Decided from the est_recall / output error the choice read,
+    entries our kernels can address (`mtrain.ops.lists.MAX_LIST_ENTRIES`), or for any other choice. `s`: the
+    settings the layer estimated with (`layer_settings`); `seq_len`: the whole sequence (every rank of a CP group passes the same). Decided from the est_recall / output error the choice read,
     which every rank of a CP group shares, so every rank widens alike. The layer's lagged choice statistics
     (LAGGED_CHOICE) are dropped: its next choice reads the estimate at the new caps, not the last one at the old."""
     overruled = index._cache.get("overruled")

@@ -113,7 +113,6 @@ class GradSum:
         return self.total
 
 
-
 @dataclasses.dataclass
 class RankParts:
     """Every rank's part of one tensor for a sum over the group: this rank's (`own`) and the others', received into
