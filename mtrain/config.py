@@ -159,7 +159,12 @@ class ParallelConfig:
     """How a sparse layer's ranks share K/V: ring (the flat ring, or the hierarchical one across nodes: each rank
     holds two shards at a time) or gather (every rank all-gathers the group's K/V and runs its rows in one call,
     without the ring's per-step merge: cp_size x the shard's K/V per layer in memory; for one node's GPUs).
-    Dense layers run the ring either way."""
+    Dense layers follow dense_schedule."""
+    dense_schedule: Literal["auto", "ring", "gather"] = "auto"
+    """How dense layers (the dense kinds, and sparse kinds' layers run dense) share K/V: gather (every rank all-gathers
+    the group's K/V and runs its rows in one varlen call per run of consecutive positions, with FlashAttention-4's
+    varlen kernel where it runs: needs the contiguous or zigzag layout), ring (the ring's steps, any layout), or auto
+    (gather where the layout allows, else the ring)."""
 
 
 @dataclass
@@ -480,6 +485,10 @@ def _check(recipe: RecipeConfig) -> None:
     _check_baselines(recipe)
     if p.layout not in ("contiguous", "zigzag", "stripe", "block-stripe"):
         raise ConfigError(f"parallel.layout: '{p.layout}' is not one of contiguous, zigzag, stripe, block-stripe{_suggest(p.layout, ('contiguous', 'zigzag', 'stripe', 'block-stripe'))}")
+    if p.dense_schedule == "gather" and p.cp_size > 1 and p.layout in ("stripe", "block-stripe"):
+        raise ConfigError(f"parallel.dense_schedule: gather runs one varlen call per run of consecutive positions, and "
+                          f"a {p.layout} shard has one per stripe; use parallel.layout zigzag (or contiguous), or "
+                          "dense_schedule auto (the ring for this layout)")
 
 
 def _check_baselines(recipe: RecipeConfig) -> None:

@@ -11,7 +11,7 @@ def _fresh_attention_context():
     from mtrain.models.context import CONTEXT
 
     CONTEXT.group = CONTEXT.layout = CONTEXT.inner_group = CONTEXT.outer_group = None
-    CONTEXT.local_world_size = CONTEXT.doc_ids = None
+    CONTEXT.local_world_size = CONTEXT.doc_ids = CONTEXT.documents = None
 
 
 @pytest.fixture

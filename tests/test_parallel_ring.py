@@ -110,9 +110,10 @@ def _reference(mode, docs, settings, index, doc_ids, q, k, v, dout, scale) -> di
 
 
 def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_world_size=None, docs=False,
-              ring_schedule="ring"):
+              ring_schedule="ring", dense_schedule="ring"):
     """One ring run (fwd + bwd) against the float64 reference; docs: with document ids (`make_docs`);
-    ring_schedule: `ring_attention`'s schedule ("gather": one call over the group's gathered K/V)."""
+    ring_schedule: `ring_attention`'s schedule ("gather": one call over the group's gathered K/V); dense_schedule:
+    its dense_schedule ("gather": dense calls as one varlen call per run over the gathered K/V)."""
     batch, seed = 2, 7
     doc_ids = make_docs() if docs else None
     q, k, v, dout = _inputs(batch, seed)
@@ -131,7 +132,8 @@ def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_w
         kwargs = {"inner_group": groups[0], "outer_group": groups[1]}
     shards = [layout.shard(t.float(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
     out = ring_attention(shards[0], shards[1], shards[2], group=None, layout=layout, index=index,
-                         sparse=settings, doc_ids=doc_ids, schedule=ring_schedule, **kwargs)
+                         sparse=settings, doc_ids=doc_ids, schedule=ring_schedule, dense_schedule=dense_schedule,
+                         **kwargs)
     out.backward(shards[3])
 
     record = {}
@@ -157,7 +159,7 @@ def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_w
     results[f"{world}/{layout_name}/{mode}{'-docs' if docs else ''}/{schedule}"] = record
 
 
-def _run_bf16_case(rank, world, layout_name, mode, results, schedule="ring"):
+def _run_bf16_case(rank, world, layout_name, mode, results, schedule="ring", dense_schedule="ring"):
     """bf16 ring vs float64 reference, against the same-precision single-device op (flash-attn's rule:
     within 2x the error of a same-precision run); schedule "gather": the gathered schedule (its column gradients
     fold into their rows in bf16 before the owners sum the parts)."""
@@ -171,12 +173,19 @@ def _run_bf16_case(rank, world, layout_name, mode, results, schedule="ring"):
     ref.backward(dout)
     layout = Layout.create(layout_name, world_size=world, granularity=BLOCK)
     shards = [layout.shard(t.bfloat16(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
-    out = ring_attention(shards[0], shards[1], shards[2], group=None, layout=layout, index=index, schedule=schedule)
+    out = ring_attention(shards[0], shards[1], shards[2], group=None, layout=layout, index=index, schedule=schedule,
+                         dense_schedule=dense_schedule)
     out.backward(shards[3])
     one = [t.bfloat16().requires_grad_(True) for t in (q, k, v)]
     pos = torch.arange(SEQ_LEN)
-    one_out, _ = partial_attention(*one, q_pos=pos, k_pos=pos, blocks=None if index is None else index.blocks,
-                                   columns=None if index is None else index.columns, block_size=BLOCK, impl="torch")
+    if dense_schedule == "gather":  # the same varlen kernel on one device (on the CPU: SDPA, bf16 in its backward)
+        from mtrain.ops.varlen import Segments, varlen_attention
+
+        one_out = varlen_attention(*(t[0] for t in one), Segments.build([SEQ_LEN]), scale)[None]
+    else:
+        one_out, _ = partial_attention(*one, q_pos=pos, k_pos=pos, blocks=None if index is None else index.blocks,
+                                       columns=None if index is None else index.columns, block_size=BLOCK,
+                                       impl="torch")
     one_out.backward(dout.bfloat16())
     record = {}
     for name, ring_t, one_t, ref_t in (("out", out.detach(), one_out.detach(), ref.detach()),
@@ -185,7 +194,8 @@ def _run_bf16_case(rank, world, layout_name, mode, results, schedule="ring"):
                                        ("dv", shards[2].grad, one[2].grad, full[2].grad)):
         ref_shard = layout.shard(ref_t, rank)
         record[name] = [_max_err(ring_t, ref_shard), _max_err(layout.shard(one_t, rank), ref_shard)]
-    results[f"{world}/{layout_name}/{mode}-bf16/{'flat' if schedule == 'ring' else schedule}"] = record
+    label = "dense-gather" if dense_schedule == "gather" else "flat" if schedule == "ring" else schedule
+    results[f"{world}/{layout_name}/{mode}-bf16/{label}"] = record
 
 
 def _worker(rank, world, init_file, out_dir, hierarchies):
@@ -207,6 +217,11 @@ def _worker(rank, world, init_file, out_dir, hierarchies):
             _run_case(rank, world, layout_name, mode, "gather", None, results, ring_schedule="gather")
     if world in (2, 4):
         _run_case(rank, world, "block-stripe", "estimate", "gather", None, results, ring_schedule="gather")
+        # dense calls as one varlen call per run over the gathered K/V (documents crossing the shards' edges)
+        for layout_name in GATHER_DENSE_LAYOUTS:
+            for docs in (False, True):
+                _run_case(rank, world, layout_name, "dense", "dense-gather", None, results, docs=docs,
+                          dense_schedule="gather")
     if world == 4:
         for layout_name, mode in (("block-stripe", "sparse"), ("zigzag", "estimate"), ("contiguous", "estimate")):
             _run_case(rank, world, layout_name, mode, "gather", None, results, docs=True, ring_schedule="gather")
@@ -224,6 +239,7 @@ def _worker(rank, world, init_file, out_dir, hierarchies):
         _run_case(rank, world, "block-stripe", "estimate", "flat", None, results)
         _run_case(rank, world, "zigzag", "estimate-shared", "flat", None, results)
         _run_bf16_case(rank, world, "zigzag", "dense", results)
+        _run_bf16_case(rank, world, "zigzag", "dense", results, dense_schedule="gather")
         _run_bf16_case(rank, world, "block-stripe", "sparse", results)
         _run_bf16_case(rank, world, "block-stripe", "sparse", results, schedule="gather")
         # groups derived from LOCAL_WORLD_SIZE (2 nodes of 2) when none are passed in; a plain layout under
@@ -242,6 +258,7 @@ def _worker(rank, world, init_file, out_dir, hierarchies):
 
 _WORLDS = {2: (), 4: (2,), 8: (4,)}  # world size -> node sizes of the hierarchical cases (2x2, 2x4)
 DOC_MODES = ("dense", "sparse", "estimate")  # with document ids (world 4: every layout, flat and 2x2)
+GATHER_DENSE_LAYOUTS = ("contiguous", "zigzag")  # the layouts whose shards are a few runs (dense_schedule gather)
 
 
 @pytest.fixture(scope="module")
@@ -270,12 +287,15 @@ def _cases():
                     cases.append(f"{world}/{layout_name}/{mode}/{schedule}")
     cases += [f"4/{layout_name}/{mode}-docs/{schedule}" for schedule in ("flat", "hierarchical2x2")
               for layout_name in LAYOUT_NAMES for mode in DOC_MODES]
+    cases += [f"{world}/{layout_name}/dense{docs}/dense-gather" for world in (2, 4) for layout_name in
+              GATHER_DENSE_LAYOUTS for docs in ("", "-docs")]
     cases += ["2/block-stripe/estimate/gather", "4/block-stripe/estimate/gather", "4/block-stripe/sparse-docs/gather",
               "4/zigzag/estimate-docs/gather", "4/contiguous/estimate-docs/gather"]
     return cases + ["4/block-stripe/sparse/hierarchical2x2-local-outer", "4/block-stripe/estimate/flat", "4/zigzag/estimate-shared/flat", "4/zigzag/sparse/derived"]
 
 
-@pytest.mark.parametrize("case", ["4/zigzag/dense-bf16/flat", "4/block-stripe/sparse-bf16/flat",
+@pytest.mark.parametrize("case", ["4/zigzag/dense-bf16/flat", "4/zigzag/dense-bf16/dense-gather",
+                                  "4/block-stripe/sparse-bf16/flat",
                                   "4/block-stripe/sparse-bf16/gather"])
 def test_ring_bf16_within_twice_single_device_error(ring_results, case):
     for rank, record in enumerate(ring_results[case]):

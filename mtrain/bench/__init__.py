@@ -1,6 +1,7 @@
 """`mtrain bench`: every measurement of mtrain, one subcommand each (`mtrain bench --help` lists them).
 
     attention  sparse attention kernels against dense attention on planted inputs (GPU; CPU smoke)
+    documents  dense attention over packed documents: FA4 varlen, cuDNN per document, ours; the dense ring's rank
     real       sparse attention on a pretrained model's captured q/k/v: recall, perplexity, time
     ring       ring attention on one host's GPUs (torchrun -m mtrain.bench.ring; --cpu: gloo smoke)
     train      training-step throughput, MTraining against dense; --find-max: the longest context
@@ -25,6 +26,8 @@ import importlib
 SUBCOMMANDS = {
     "attention": "sparse attention kernels against dense attention (cuDNN, flash, FA4, Flex) on planted inputs "
                  "(GPU; CPU smoke)",
+    "documents": "dense attention over packed documents (FA4 varlen, cuDNN per document, ours) and the gathered "
+                 "dense ring's rank against CP=1 (GPU)",
     "real": "sparse attention on a pretrained model's attention over real text: recall, perplexity, time",
     "ring": "ring attention on one host's GPUs (torchrun --nproc_per_node N -m mtrain.bench.ring; --cpu: gloo smoke)",
     "train": "training-step throughput, MTraining against dense (one GPU); --find-max: the longest context",

@@ -8,7 +8,7 @@ contribute nothing, so
 
 - all_reduce leaves this rank's values (the others add the op's identity: 0 to a sum, nothing to a max or min);
 - all_gather / all_gather_into_tensor put this rank's part in its slot and zeros in the others';
-- reduce_scatter keeps this rank's own chunk; all_to_all_single its own chunk, zeros elsewhere;
+- reduce_scatter / reduce_scatter_tensor keep this rank's own chunk; all_to_all_single its own chunk, zeros elsewhere;
 - point-to-point receives (batch_isend_irecv) are zero-filled, sends dropped; barrier does nothing.
 
 What that measures: the rank's kernels, index, plans, merges and fills, every launch and host read, at the shapes
@@ -111,6 +111,11 @@ def emulated_group(world: int, rank: int = 0):
         output.copy_(input_list[of(group).rank])
         return done(async_op)
 
+    def reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
+        g = of(group)
+        output.copy_(input.reshape(g.world, *output.shape)[g.rank])
+        return done(async_op)
+
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):
         if output_split_sizes or input_split_sizes:
@@ -149,6 +154,7 @@ def emulated_group(world: int, rank: int = 0):
         "all_gather": all_gather,
         "all_gather_into_tensor": all_gather_into_tensor,
         "reduce_scatter": reduce_scatter,
+        "reduce_scatter_tensor": reduce_scatter_tensor,
         "all_to_all_single": all_to_all_single,
         "batch_isend_irecv": batch_isend_irecv,
         "P2POp": _P2POp,

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from mtrain.errors import MtrainError
-from mtrain.models.context import CONTEXT, hf_inputs, no_mask
+from mtrain.models.context import CONTEXT, current_documents, hf_inputs, no_mask
 from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, check_wanted, choose_path, escalate,
                                   layer_settings, passed_check, quality_error, record_layer, remember_choice,
                                   replay_choice, scored_rows, skip_estimate, widen_or_hold)
@@ -146,26 +146,8 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
             return sparse(index)
     elif s is not None:
         remember_choice(layer_idx, "dense", None, training)
-    if doc_ids is None:
-        return dense_attention(q, k, v, causal=True, softmax_scale=scaling)
-    return _dense_per_document(q, k, v, scaling, doc_ids)
-
-
-def _dense_per_document(q, k, v, scaling, doc_ids):
-    """Dense attention on packed rows, one causal call per document (the fastest dense kernel, no mask)."""
-    from mtrain.ops import dense_attention
-
-    rows = []
-    for b in range(q.shape[0]):
-        _, lengths = torch.unique_consecutive(doc_ids[b], return_counts=True)
-        pieces, start = [], 0
-        for n in lengths.tolist():
-            sl = slice(start, start + n)
-            pieces.append(dense_attention(q[b : b + 1, sl], k[b : b + 1, sl], v[b : b + 1, sl], causal=True,
-                                          softmax_scale=scaling))
-            start += n
-        rows.append(torch.cat(pieces, dim=1))
-    return torch.cat(rows, dim=0)
+    # with documents: one varlen call over the batch's boundaries, read from the host once per batch
+    return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=current_documents(doc_ids))
 
 
 def _start_gather(q, k, v, world: int, settings):
@@ -262,7 +244,8 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     return ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, index=index, softmax_scale=scaling,
                           inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group, doc_ids=CONTEXT.doc_ids,
                           engine=engine if engine in ("auto", "triton", "fa4") else "triton",
-                          schedule=CONTEXT.schedule, kv_gather=gather)
+                          schedule=CONTEXT.schedule, kv_gather=gather, dense_schedule=CONTEXT.dense_schedule,
+                          documents=current_documents(CONTEXT.doc_ids))
 
 
 def _ring_quality_error(q, k, v, positions, index, seq_len, settings, scale, rank):

@@ -75,7 +75,7 @@ def baseline_attention(module, query, key, value, attention_mask, scaling=None, 
     """HF attention function of the baseline kinds (shapes as `mtrain.models.attention.mtrain_attention`):
     query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE -> (out [B, S_local, Hq, D], None).
     A KV cache (generation) runs dense, as for every mtrain kind."""
-    from mtrain.models.context import CONTEXT, hf_inputs
+    from mtrain.models.context import CONTEXT, current_documents, hf_inputs
     from mtrain.models.policy import record_layer
 
     q, k, v, cached = hf_inputs(module, query, key, value, scaling, dropout)
@@ -85,7 +85,8 @@ def baseline_attention(module, query, key, value, attention_mask, scaling=None, 
         if CONTEXT.group is None:
             from mtrain.ops import dense_attention
 
-            return dense_attention(q, k, v, causal=True, softmax_scale=scaling, doc_ids=CONTEXT.doc_ids), None
+            return dense_attention(q, k, v, causal=True, softmax_scale=scaling,
+                                   documents=current_documents(CONTEXT.doc_ids)), None
         from mtrain.parallel.ulysses import ulysses_attention
 
         return ulysses_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, softmax_scale=scaling,

@@ -42,8 +42,13 @@ class AttentionContext:
     """Ranks per node of a hierarchical ring (None: flat)."""
     schedule: str = "ring"
     """parallel.schedule: how sparse layers of a CP group share K/V ("ring" or "gather", `ring_attention`'s)."""
+    dense_schedule: str = "auto"
+    """parallel.dense_schedule: how dense layers of a CP group run ("auto", "ring" or "gather", `ring_attention`'s)."""
     doc_ids: object = None
     """LongTensor [B, S] of document ids over the WHOLE (global) sequence, or None for one document per row."""
+    documents: object = None
+    """`mtrain.ops.varlen.Documents` of doc_ids (their boundaries, read from the host once per batch: `set_documents`),
+    or None; dense attention with documents runs one varlen call from it."""
     densities: list = field(default_factory=list)
     """Fraction of causal pairs in the estimated pattern, per sparse-kind call (whichever path ran), for
     logging; reset by the trainer each step. `layers` says which path each call took."""
@@ -102,6 +107,28 @@ class AttentionContext:
 
 
 CONTEXT = AttentionContext()
+
+
+def set_documents(doc_ids, device=None) -> None:
+    """Set this batch's documents: doc_ids [B, S] (the CPU copy where there is one: its boundaries are read there,
+    once per batch) on `device`, or None for one document per row."""
+    from mtrain.ops.varlen import Documents
+
+    CONTEXT.documents = None if doc_ids is None else Documents.from_doc_ids(doc_ids, device)
+    CONTEXT.doc_ids = None if doc_ids is None else CONTEXT.documents.doc_ids
+
+
+def current_documents(doc_ids):
+    """The `Documents` of doc_ids: the batch's (`set_documents`) when they are of these ids, else read from them here
+    (a host read per call: callers in a training step set the batch's once); None for None."""
+    if doc_ids is None:
+        return None
+    docs = CONTEXT.documents
+    if docs is not None and docs.doc_ids is doc_ids:
+        return docs
+    from mtrain.ops.varlen import Documents
+
+    return Documents.from_doc_ids(doc_ids)
 
 
 def clear_records() -> None:

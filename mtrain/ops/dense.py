@@ -1,5 +1,6 @@
-"""Dense attention through the fastest backend available: flash-attn if installed, else PyTorch SDPA
-(cuDNN first) on the GPU, our Triton kernels when the LSE is needed, plain PyTorch on the CPU."""
+"""Dense attention through the fastest backend available: FlashAttention-4 or flash-attn 2 where installed, else
+PyTorch SDPA (cuDNN first) on the GPU, our Triton kernels when the LSE is needed, plain PyTorch on the CPU; packed
+documents through one varlen call (`mtrain.ops.varlen`)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,23 @@ def _has_flash_attn() -> bool:
     return importable("flash_attn.flash_attn_interface")
 
 
+def fa4_runs(q: torch.Tensor) -> bool:
+    """Whether FlashAttention-4 (`flash_attn.cute`) runs this q: installed, a Hopper or Blackwell GPU, fp16/bf16, a
+    head dimension it takes (a multiple of 8, at most 128; 256 on Hopper)."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or not importable("flash_attn.cute.interface"):
+        return False
+    major = torch.cuda.get_device_capability(q.device)[0]
+    D = q.shape[-1]
+    return major in (9, 10, 11) and D % 8 == 0 and D <= (256 if major == 9 else 128)
+
+
 def dense_backend(q: torch.Tensor, return_lse: bool = False) -> str:
-    """Name of the backend `dense_attention` uses for this tensor: flash_attn, sdpa, triton or torch."""
+    """Name of the backend `dense_attention` uses for this tensor: fa4, flash_attn, sdpa, triton or torch. FA4 leads
+    where it runs (causal 128K fwd+bwd on an H200: 389-396 ms against cuDNN's 446-464, BENCHMARKS.md)."""
     if q.device.type != "cuda":
         return "torch" if return_lse else "sdpa"
+    if fa4_runs(q):
+        return "fa4"
     if _has_flash_attn() and q.dtype in (torch.float16, torch.bfloat16):
         return "flash_attn"
     return "triton" if return_lse else "sdpa"
@@ -58,18 +72,33 @@ def dense_attention(
     return_lse: bool = False,
     *,
     doc_ids: torch.Tensor | None = None,
+    documents=None,
 ):
     """Dense (optionally causal) attention, differentiable in q, k, v.
 
     q: [B, S, Hq, D]; k, v: [B, Sk, Hkv, D], Hq % Hkv == 0 (GQA). causal masks key j > query i
     (aligned at position 0). softmax_scale defaults to 1/sqrt(D). Returns out [B, S, Hq, D] in q.dtype
     and, with return_lse, lse [B, Hq, S] fp32 (natural log, no gradient). Backend: see `dense_backend`.
-    doc_ids: optional integer tensor [B, S] of document ids (packed samples; needs Sk == S): a query
-    attends only to keys of its own document. These calls run our partial kernels (Triton on CUDA,
-    which skip key blocks of other documents; PyTorch on the CPU), never an S x S mask.
+    documents: a `mtrain.ops.varlen.Documents` of the packed rows (needs Sk == S and causal): a query attends
+    only to keys of its own document, in one varlen call (FA4's varlen kernel, flash-attn 2's, or SDPA per document;
+    `mtrain.ops.varlen.varlen_backend`). doc_ids: integer tensor [B, S] of document ids, the same masking; without
+    return_lse its boundaries are read on the host here (build `Documents` once per batch instead); with return_lse
+    these calls run our partial kernels (Triton on CUDA, which skip key blocks of other documents; PyTorch on the
+    CPU), never an S x S mask.
     """
     check_qkv(q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if (doc_ids is not None or documents is not None) and not return_lse:
+        from mtrain.ops.varlen import Documents, document_attention
+
+        if not causal:
+            raise ValueError("dense attention with documents is causal within each document; pass causal=True")
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"documents need as many keys as queries; got Sq={q.shape[1]}, Sk={k.shape[1]}")
+        documents = documents if documents is not None else Documents.from_doc_ids(doc_ids, q.device)
+        return document_attention(q, k, v, documents, scale)
+    if documents is not None:
+        doc_ids = documents.doc_ids
     if doc_ids is not None:
         from mtrain.ops.partial_autograd import partial_attention
 
@@ -80,6 +109,10 @@ def dense_attention(
                                      block_size=64, q_doc=doc_ids, k_doc=doc_ids)
         return (out, lse) if return_lse else out
     backend = dense_backend(q, return_lse)
+    if backend == "fa4":
+        from flash_attn.cute import flash_attn_func as fa4_func
+
+        return fa4_func(q, k, v, softmax_scale=scale, causal=causal)[0]
     if backend == "flash_attn":
         from flash_attn import flash_attn_func
 

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from mtrain.errors import MtrainError
+from mtrain.ops.varlen import Documents
 from mtrain.parallel.comm import hierarchical_groups, local_world_size_from_env
+from mtrain.parallel.dense_gather import gather_runs, gathered_dense_attention
 from mtrain.parallel import ring_flat, ring_gather, ring_hierarchical
 from mtrain.parallel.estimate import SparseSettings, estimate_rank_index
 from mtrain.parallel.fa4_steps import ENGINES, resolve_engine
@@ -117,6 +119,8 @@ def ring_attention(
     scorer: str = "auto",
     schedule: str = "ring",
     kv_gather=None,
+    dense_schedule: str = "auto",
+    documents=None,
 ) -> torch.Tensor:
     """Causal attention over a sequence sharded across a context-parallel group; differentiable.
 
@@ -145,6 +149,11 @@ def ring_attention(
     merge (`mtrain.parallel.ring_gather`; W x the shard's K/V in memory); dense layers always run the ring.
     kv_gather: with schedule "gather", a `ring_gather.KVGather` of these k, v the caller started earlier (e.g.
     before its own estimate), used instead of starting one here (dropped if the layer runs dense).
+    dense_schedule: how a dense call (no index, no sparse) runs: "gather" (every rank all-gathers the group's K/V and
+    runs its rows in one varlen call per run of consecutive positions, `mtrain.parallel.dense_gather`; contiguous and
+    zigzag layouts), "ring" (the ring's steps), "auto" (gather where the layout allows, else the ring).
+    documents: `mtrain.ops.varlen.Documents` of doc_ids (built once per batch), for the gathered dense call; read
+    from doc_ids here when not given.
     Returns out [B, S_local, Hq, D] in q.dtype; partial results are merged in fp32 through the LSE.
     """
     world = dist.get_world_size(group)
@@ -160,6 +169,14 @@ def ring_attention(
         raise ValueError(f"ring schedule must be one of {SCHEDULES}; got {schedule!r}")
     if doc_ids is not None:
         doc_ids = _check_docs(doc_ids, q, seq_len)
+    if index is None and sparse is None and world > 1:
+        runs = gather_runs(layout, seq_len, rank, dense_schedule)
+        if runs is not None:
+            if kv_gather is not None:
+                kv_gather.drop()
+            if doc_ids is not None and documents is None:
+                documents = Documents.from_doc_ids(doc_ids)
+            return gathered_dense_attention(q, k, v, runs, layout, group, scale, documents)
     gather = kv_gather if schedule == "gather" else None
     if gather is None and schedule == "gather" and (index is not None or sparse is not None) and world > 1:
         spare = 0 if sparse is None else spare_bound(sparse, q.shape[0] * q.shape[2], seq_len, q.shape[1])

@@ -363,7 +363,7 @@ class Trainer:
         CONTEXT.group, CONTEXT.layout = mesh.cp_group, layout
         CONTEXT.inner_group, CONTEXT.outer_group = mesh.inner_group, mesh.outer_group
         CONTEXT.local_world_size = node
-        CONTEXT.schedule = r.parallel.schedule
+        CONTEXT.schedule, CONTEXT.dense_schedule = r.parallel.schedule, r.parallel.dense_schedule
         return mesh, layout
 
     def _micro_batch(self, samples: list[dict]) -> dict:
@@ -403,7 +403,7 @@ class Trainer:
 
         from mtrain.data import TrainingReader
         from mtrain.models import export_hf, load_model, load_tokenizer
-        from mtrain.models.context import CONTEXT, clear_records
+        from mtrain.models.context import CONTEXT, clear_records, set_documents
         from mtrain.train.metrics import attention_stats
 
         self.reader = TrainingReader(r.data.path, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, seed=t.seed,
@@ -499,8 +499,9 @@ class Trainer:
                         raise MtrainError(f"data.path {r.data.path}: token id {top} at step {self.state.step + 1} is "
                                           f"outside the model's {self.embedding_rows}-row embedding; pack the data "
                                           "with the model's tokenizer")
-                    batch = {k: v.to(device) for k, v in cpu_batch.items()}
-                    CONTEXT.doc_ids = batch.pop("doc_ids", None)
+                    batch = {k: v.to(device) for k, v in cpu_batch.items() if k != "doc_ids"}
+                    # the documents' boundaries read here from the CPU batch, once; the layers read none
+                    set_documents(cpu_batch.get("doc_ids"), device)
                     with accelerator.accumulate(model):
                         with offload():
                             loss_sum, _ = model(batch["input_ids"], batch["position_ids"], batch["labels"],
