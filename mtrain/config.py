@@ -162,8 +162,8 @@ class ParallelConfig:
     Dense layers follow dense_schedule."""
     dense_schedule: Literal["auto", "ring", "gather"] = "auto"
     """How dense layers (the dense kinds, and sparse kinds' layers run dense) share K/V: gather (every rank all-gathers
-    the group's K/V and runs its rows in one varlen call per run of consecutive positions, with FlashAttention-4's
-    varlen kernel where it runs: needs the contiguous or zigzag layout), ring (the ring's steps, any layout), or auto
+    the group's K/V and runs its rows in one varlen call, with FlashAttention-4's varlen kernel where it runs: needs the
+    contiguous or zigzag layout), ring (the ring's steps, any layout), or auto
     (gather where the layout allows, else the ring)."""
 
 
@@ -486,8 +486,8 @@ def _check(recipe: RecipeConfig) -> None:
     if p.layout not in ("contiguous", "zigzag", "stripe", "block-stripe"):
         raise ConfigError(f"parallel.layout: '{p.layout}' is not one of contiguous, zigzag, stripe, block-stripe{_suggest(p.layout, ('contiguous', 'zigzag', 'stripe', 'block-stripe'))}")
     if p.dense_schedule == "gather" and p.cp_size > 1 and p.layout in ("stripe", "block-stripe"):
-        raise ConfigError(f"parallel.dense_schedule: gather runs one varlen call per run of consecutive positions, and "
-                          f"a {p.layout} shard has one per stripe; use parallel.layout zigzag (or contiguous), or "
+        raise ConfigError(f"parallel.dense_schedule: gather needs shards of a few runs of consecutive positions, and "
+                          f"a {p.layout} shard has one run per stripe; use parallel.layout zigzag (or contiguous), or "
                           "dense_schedule auto (the ring for this layout)")
 
 

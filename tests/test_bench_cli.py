@@ -15,7 +15,7 @@ import pytest
 from ranks import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
-SUBCOMMANDS = ("attention", "real", "ring", "train", "cost", "plan", "imbalance", "check")
+SUBCOMMANDS = ("attention", "documents", "real", "ring", "train", "cost", "plan", "imbalance", "check")
 
 
 def mtrain(*args, env=None, timeout=300, module="mtrain"):
@@ -50,6 +50,7 @@ def test_options_and_help_pass_through_to_the_subcommand():
     assert "--model" in mtrain("bench", "real", "--help").stdout
     assert "--write-table" in mtrain("bench", "cost", "--help").stdout
     assert "--quick" in mtrain("bench", "check", "--help").stdout
+    assert "--ring-cp" in mtrain("bench", "documents", "--help").stdout
     assert "--node-size" in mtrain("--help", module="mtrain.bench.plan", timeout=120).stdout
 
 
@@ -210,3 +211,28 @@ def test_ring_on_real_attention_lists_one_devices_lines():
     assert "1024 tokens of prose, CP=2" in run.stdout  # --text: prose by default
     assert "with list-free columns, as the ring reads them at large caps" in run.stdout
     assert "with the column lists instead: ring" in run.stdout and "rank 0 of CP=4" in run.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--heads", "9/3"], "want HQ/HKV/D"),
+    (["--heads", "9/2/64"], "HKV dividing HQ"),
+    (["--seqs", "1000"], "16 documents"),
+    (["--ring-cp", "1"], "CP sizes must be >= 2"),
+])
+def test_bench_documents_refuses_bad_arguments(args, words, capsys):
+    from mtrain.bench.documents import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_bench_documents_mixes():
+    from mtrain.bench.documents import causal_pairs, document_lengths
+
+    assert document_lengths("long", 131072) == [53029, 41022, 25013, 12008]  # 53 : 41 : 25 : 12
+    assert document_lengths("long", 262144) == document_lengths("long", 131072) * 2
+    assert document_lengths("short", 32768) == [2048] * 16
+    assert causal_pairs([2, 3]) == 3 + 6
+    with pytest.raises(ValueError, match="one of"):
+        document_lengths("medium", 4096)

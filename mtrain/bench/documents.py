@@ -191,7 +191,8 @@ def _time_ring_rank(cp, tokens_per_gpu, heads, mix, iters, log) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mtrain bench documents", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072], help="one-device sequence lengths")
+    ap.add_argument("--seqs", type=int, nargs="*", default=[32768, 131072],
+                    help="one-device sequence lengths (none: only the ring rank)")
     ap.add_argument("--heads", nargs="+", default=["16/2/128", "9/3/64"], help="HQ/HKV/D head shapes")
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
     ap.add_argument("--ring-cp", type=int, nargs="*", default=[2, 4, 8], help="CP sizes of the emulated ring rank")

@@ -1,13 +1,14 @@
-"""Dense layers of a context-parallel group as one varlen call per query run (`parallel.dense_schedule: gather`):
-every rank all-gathers the group's K/V once per layer (small under GQA), puts them in sequence order, and runs its
-query rows against them with the dense kernel of one device (`mtrain.ops.varlen`: FlashAttention-4's varlen kernel
-where it runs), documents or not. This is the all-gather scheme Llama 3 trained with: no ring steps, no LSE merge.
+"""Dense layers of a context-parallel group as one varlen call per rank (`parallel.dense_schedule: gather`): every
+rank all-gathers the group's K/V once per layer (small under GQA) and runs its query rows against the keys they
+read with the dense kernel of one device (`mtrain.ops.varlen`: FlashAttention-4's varlen kernel where it runs),
+documents or not. This is the all-gather scheme Llama 3 trained with: no ring steps, no LSE merge.
 
 It needs a layout whose shard is a few runs of consecutive positions (contiguous: one, zigzag: two, balanced for
 causal work); a run [g0, g1) and a document [d0, d1) crossing it give one varlen entry, queries [max(d0, g0),
-min(d1, g1)) against keys [d0, min(d1, g1)), causal from the bottom right. One run's entries read consecutive key
-ranges, so its keys are one slice of the gathered sequence. dK/dV go back to their owners in one reduce-scatter,
-summed in fp32. Memory: the group's K/V of the layer on every rank (cp_size x the shard's).
+min(d1, g1)) against keys [d0, min(d1, g1)), causal from the bottom right. The keys each entry reads are copied out
+of the gathered shards into one packed tensor (a key two runs read is copied twice), so the whole rank is one call.
+dK/dV are added back in fp32 and go to their owners in one reduce-scatter. Memory: the group's K/V of the layer on
+every rank (cp_size x the shard's), and an fp32 buffer of that size in the backward.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from mtrain.errors import MtrainError
 from mtrain.ops.varlen import Segments, varlen_attention
 
 DENSE_SCHEDULES = ("auto", "ring", "gather")
-# the most runs of consecutive positions a shard may have for the gathered dense call (one varlen call per run)
+# the most runs of consecutive positions a shard may have for the gathered dense call
 MAX_RUNS = 4
 
 _RUNS: dict = {}
@@ -53,23 +54,19 @@ def gather_runs(layout, seq_len: int, rank: int, dense_schedule: str):
     return runs
 
 
-def _run_segments(runs, batch: int, seq_len: int, documents, device):
-    """Per run: (Segments, key start per batch row). Without documents one entry per row (all keys up to the run's
-    end); with them one per (row, document crossing the run). Cached on the documents (built once per batch) or per
-    shape, so a layer copies nothing to the device."""
-    cache = _SEGMENTS if documents is None else documents.cache
-    key = (runs, batch, seq_len, str(device))
-    if key in cache:
-        return cache[key]
-    out = []
-    for l0, l1, g0 in runs:
-        g1 = g0 + (l1 - l0)
-        q_lengths, k_lengths, k_starts = [], [], []
-        for b in range(batch):
+def _key_ranges(runs, batch: int, documents) -> tuple[list[int], list[int], list[tuple[int, int, int]]]:
+    """The varlen entries of this rank's rows, in the order of q [B, S_local] flattened (row by row, each row's runs in
+    order): query lengths, key lengths, and each (row, run)'s key range (row, start, stop) in sequence positions.
+    Without documents one entry per (row, run): the keys up to the run's end; with them one per document crossing
+    the run: that document's keys up to the run's end (consecutive ranges, so one range per (row, run))."""
+    q_lengths, k_lengths, ranges = [], [], []
+    for b in range(batch):
+        for l0, l1, g0 in runs:
+            g1 = g0 + (l1 - l0)
             if documents is None:
                 q_lengths.append(g1 - g0)
                 k_lengths.append(g1)
-                k_starts.append(0)
+                ranges.append((b, 0, g1))
                 continue
             first = None
             for d0, n in zip(documents.starts(b), documents.lengths[b]):
@@ -79,12 +76,25 @@ def _run_segments(runs, batch: int, seq_len: int, documents, device):
                 first = d0 if first is None else first
                 q_lengths.append(min(d1, g1) - max(d0, g0))
                 k_lengths.append(min(d1, g1) - d0)
-            k_starts.append(first)
-        out.append((Segments.build(q_lengths, k_lengths, device), tuple(k_starts)))
-    if documents is None and len(_SEGMENTS) > 64:
-        _SEGMENTS.clear()
-    cache[key] = out
-    return out
+            ranges.append((b, first, g1))
+    return q_lengths, k_lengths, ranges
+
+
+def _plan(layout, runs, batch: int, seq_len: int, documents, device):
+    """(Segments, (shard, row, sequence row) index tensors of every key the call reads, in packing order): cached on
+    the documents (built once per batch) or per shape and layout, so a layer copies nothing to the device."""
+    cache = _SEGMENTS if documents is None else documents.cache
+    key = (layout.spec, runs, batch, seq_len, str(device))
+    if key not in cache:
+        q_lengths, k_lengths, ranges = _key_ranges(runs, batch, documents)
+        _, to_sequence = _orders(layout, seq_len, device)
+        shard_len = seq_len // layout.world_size
+        at = torch.cat([to_sequence[start:stop] for _, start, stop in ranges])
+        rows = torch.cat([torch.full((stop - start,), b, dtype=torch.long) for b, start, stop in ranges]).to(device)
+        if documents is None and len(_SEGMENTS) > 64:
+            _SEGMENTS.clear()
+        cache[key] = (Segments.build(q_lengths, k_lengths, device), (at // shard_len, rows, at % shard_len))
+    return cache[key]
 
 
 _ORDERS: dict = {}
@@ -103,48 +113,36 @@ def _orders(layout, seq_len: int, device):
 
 
 class _GatherKV(torch.autograd.Function):
-    """All-gather this rank's k, v [B, S_local, Hkv, D] into the whole sequence's and hand out the key ranges of each
-    run: per run, k and v [sum over rows of the row's range, Hkv, D] (a row's range [start_b, stop)). Backward: the
-    runs' gradients summed in fp32 into the whole sequence's, then reduce-scattered back to their owners."""
+    """All-gather this rank's k, v [B, S_local, Hkv, D] and pack the keys the call reads (`_plan`'s index: gathered
+    shard, batch row, row within the shard, per key), k and v [Tk, Hkv, D] each; only those keys are copied.
+    Backward: their gradients added in fp32 into the gathered shards' places (a key read by two entries gets both),
+    then reduce-scattered back to their owners."""
 
     @staticmethod
-    def forward(ctx, k, v, group, order, to_sequence, ranges):
+    def forward(ctx, k, v, group, where):
         world = dist.get_world_size(group)
-        local = torch.stack((k, v)).contiguous()  # [2, B, Sl, Hkv, D]
-        _, B, Sl, H, D = local.shape
-        buf = torch.empty((world * 2, B, Sl, H, D), dtype=local.dtype, device=local.device)
+        B, Sl, H, D = k.shape
+        local = torch.stack((k, v), dim=2).contiguous()  # [B, Sl, 2, H, D]: one collective for both
+        buf = torch.empty((world * B, Sl, 2, H, D), dtype=k.dtype, device=k.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name, where it is
         gather(buf, local, group=group)
-        whole = buf.view(world, 2, B, Sl, H, D).permute(1, 2, 0, 3, 4, 5).reshape(2, B, world * Sl, H, D)
-        whole = whole.index_select(2, to_sequence)
-        ctx.group, ctx.world, ctx.dtype, ctx.ranges, ctx.shape = group, world, k.dtype, ranges, whole.shape
-        ctx.save_for_backward(order)
-        out = []
-        for starts, stop in ranges:
-            rows = [whole[:, b, start:stop] for b, start in enumerate(starts)]
-            both = rows[0] if B == 1 else torch.cat(rows, dim=1)
-            out += [both[0], both[1]]
-        return tuple(out)
+        shard, row, at = where
+        both = buf.view(world, B, Sl, 2, H, D)[shard, row, at]  # [Tk, 2, H, D]
+        ctx.group, ctx.world, ctx.dtype, ctx.shape = group, world, k.dtype, (world, B, Sl, 2, H, D)
+        ctx.save_for_backward(shard, row, at)
+        return both[:, 0].contiguous(), both[:, 1].contiguous()
 
     @staticmethod
-    def backward(ctx, *grads):
-        (order,) = ctx.saved_tensors
-        whole = torch.zeros(ctx.shape, dtype=torch.float32, device=order.device)
-        for r, (starts, stop) in enumerate(ctx.ranges):
-            for i, g in enumerate(grads[2 * r: 2 * r + 2]):
-                if g is None:
-                    continue
-                at = 0
-                for b, start in enumerate(starts):
-                    whole[i, b, start:stop] += g[at:at + stop - start].float()
-                    at += stop - start
-        _, B, S, H, D = whole.shape
-        Sl = S // ctx.world
-        parts = whole.index_select(2, order).view(2, B, ctx.world, Sl, H, D).permute(2, 0, 1, 3, 4, 5)
-        parts = parts.reshape(ctx.world * 2, B, Sl, H, D)
-        mine = torch.empty((2, B, Sl, H, D), dtype=parts.dtype, device=parts.device)
-        dist.reduce_scatter_tensor(mine, parts, group=ctx.group)
-        return mine[0].to(ctx.dtype), mine[1].to(ctx.dtype), None, None, None, None
+    def backward(ctx, dk, dv):
+        shard, row, at = ctx.saved_tensors
+        world, B, Sl, _, H, D = ctx.shape
+        parts = torch.zeros(ctx.shape, dtype=torch.float32, device=shard.device)
+        for i, g in enumerate((dk, dv)):
+            if g is not None:
+                parts.index_put_((shard, row, at, torch.full_like(at, i)), g.float(), accumulate=True)
+        mine = torch.empty((B, Sl, 2, H, D), dtype=torch.float32, device=parts.device)
+        dist.reduce_scatter_tensor(mine, parts.view(world * B, Sl, 2, H, D), group=ctx.group)
+        return mine[:, :, 0].to(ctx.dtype), mine[:, :, 1].to(ctx.dtype), None, None
 
 
 def gathered_dense_attention(q, k, v, runs, layout, group, scale: float, documents=None, backend=None):
@@ -155,13 +153,7 @@ def gathered_dense_attention(q, k, v, runs, layout, group, scale: float, documen
     world = dist.get_world_size(group)
     B, Sl = q.shape[:2]
     seq_len = Sl * world
-    order, to_sequence = _orders(layout, seq_len, q.device)
-    segments = _run_segments(runs, B, seq_len, documents, q.device)
-    ranges = tuple((k_starts, g0 + (l1 - l0)) for (l0, l1, g0), (_, k_starts) in zip(runs, segments))
-    kv = _GatherKV.apply(k, v, group, order, to_sequence, ranges)
-    pieces = []
-    for r, ((l0, l1, _), (seg, _)) in enumerate(zip(runs, segments)):
-        qr = q[:, l0:l1].reshape(B * (l1 - l0), *q.shape[2:])
-        pieces.append(varlen_attention(qr, kv[2 * r], kv[2 * r + 1], seg, scale, backend)
-                      .view(B, l1 - l0, *q.shape[2:]))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+    seg, where = _plan(layout, runs, B, seq_len, documents, q.device)
+    k_packed, v_packed = _GatherKV.apply(k, v, group, where)
+    out = varlen_attention(q.reshape(B * Sl, *q.shape[2:]), k_packed, v_packed, seg, scale, backend)
+    return out.view(q.shape)

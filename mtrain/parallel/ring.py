@@ -150,8 +150,8 @@ def ring_attention(
     kv_gather: with schedule "gather", a `ring_gather.KVGather` of these k, v the caller started earlier (e.g.
     before its own estimate), used instead of starting one here (dropped if the layer runs dense).
     dense_schedule: how a dense call (no index, no sparse) runs: "gather" (every rank all-gathers the group's K/V and
-    runs its rows in one varlen call per run of consecutive positions, `mtrain.parallel.dense_gather`; contiguous and
-    zigzag layouts), "ring" (the ring's steps), "auto" (gather where the layout allows, else the ring).
+    runs its rows in one varlen call, `mtrain.parallel.dense_gather`; layouts whose shards are a few runs of
+    consecutive positions: contiguous and zigzag), "ring" (the ring's steps), "auto" (gather where the layout allows, else the ring).
     documents: `mtrain.ops.varlen.Documents` of doc_ids (built once per batch), for the gathered dense call; read
     from doc_ids here when not given.
     Returns out [B, S_local, Hq, D] in q.dtype; partial results are merged in fp32 through the LSE.
