@@ -212,6 +212,9 @@ def test_four_gpu_recipes_are_twins():
     sparse, dense = (_read_recipe(repo / "recipes" / f"smollm2-512k-{k}.yaml") for k in ("mtraining", "dense"))
     assert sparse["attention"].pop("kind") == "mtraining" and dense["attention"].pop("kind") == "dense"
     assert sparse["train"].pop("output_dir") != dense["train"].pop("output_dir")
+    # the dense side runs as a user would on one node: zigzag shards, the gathered varlen call (dense_gather)
+    assert (dense["parallel"].pop("layout"), dense["parallel"].pop("dense_schedule")) == ("zigzag", "gather")
+    assert sparse["parallel"].pop("layout") == "block-stripe"
     assert sparse == dense
     assert sparse["parallel"]["cp_size"] == 4 and sparse["train"]["deepspeed"] == "configs/deepspeed/zero2.json"
     assert sparse["model"]["gradient_checkpointing"] and sparse["data"]["seq_len"] == 524288

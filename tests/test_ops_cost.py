@@ -206,3 +206,31 @@ def test_graphed_estimate_carries_the_index_term(monkeypatch):
     floor = cost.worth_estimating(**args, rows=2112, graphed=True).sparse_ms
     assert floor == pytest.approx(p.estimate_ms + cost.sparse_ms(0, 0, 32768, 9, 64, 128, engine="fa4",
                                                                   with_index=False, table=measured))
+
+
+# FA4's varlen dense over packed documents (`dense_attention(documents=)`), measured by `mtrain bench documents` on
+# one H200 on 2026-12-01 in a run apart from the fit's: (S, Hq, D, mix, ms fwd+bwd). The fit claims <= 25%.
+FA4_DOCS_H200 = [(131072, 16, 128, "long", 121.99), (131072, 16, 128, "short", 27.42), (131072, 9, 64, "long", 39.65),
+                 (131072, 9, 64, "short", 8.95), (32768, 16, 128, "long", 8.12), (32768, 9, 64, "short", 1.27)]
+
+
+@pytest.mark.parametrize("S, Hq, D, mix, train_ms", FA4_DOCS_H200)
+def test_fa4_varlen_dense_prediction_reproduces_h200_measurements(S, Hq, D, mix, train_ms):
+    from mtrain.bench.documents import document_lengths
+
+    lengths = document_lengths(mix, S)
+    got = cost.dense_ms(S, Hq, D, table=cost.H200, doc_lengths=lengths, engine="fa4")
+    assert got == pytest.approx(train_ms, rel=0.25)
+
+
+def test_cost_model_prices_the_dense_engine_that_runs():
+    """A dense layer on FA4 is priced at FA4's rates (the choice of sparse weighs against the dense that runs); a
+    CPU table without dense engines keeps its one call per document."""
+    short = [2048] * 64
+    assert cost.dense_ms(131072, 16, 128, doc_lengths=short, engine="fa4") < cost.dense_ms(131072, 16, 128,
+                                                                                         doc_lengths=short)
+    assert cost.dense_ms(4096, 4, 32, table=cost.CPU, doc_lengths=[1024] * 4, engine="fa4") == cost.dense_ms(
+        4096, 4, 32, table=cost.CPU, doc_lengths=[1024] * 4)
+    p = cost.predict(10_000, 0, seq_len=131072, heads=16, head_dim=128, block_size=128, doc_lengths=short,
+                     dense_engine="fa4")
+    assert p.dense_ms == pytest.approx(cost.dense_ms(131072, 16, 128, doc_lengths=short, engine="fa4"))

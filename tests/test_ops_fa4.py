@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtrain.ops import SparseIndex, partial, reference, vertical_slash_attention
-from mtrain.ops.dense import importable
+from mtrain.ops.backends import importable
 from mtrain.ops.fa4 import BLOCK_SIZE, fa4_block_lists, fa4_block_lists_general, load_fa4
 from test_ops_sparse_attention import make_inputs, random_lines
 
@@ -176,7 +176,7 @@ def test_flash_attn_4_alone_is_not_flash_attn_2(tmp_path, monkeypatch):
     flash-attn 2 (whose flash_attn_func it would then fail to import)."""
     import sys
 
-    from mtrain.ops.dense import _has_flash_attn
+    from mtrain.ops.backends import has_flash_attn
 
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("a real flash_attn is installed here")
@@ -184,11 +184,11 @@ def test_flash_attn_4_alone_is_not_flash_attn_2(tmp_path, monkeypatch):
     (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        assert not _has_flash_attn()
+        assert not has_flash_attn()
         (tmp_path / "flash_attn" / "flash_attn_interface.py").write_text("def flash_attn_func(*a, **k): pass\n")
         sys.modules.pop("flash_attn", None)
         importlib.invalidate_caches()
-        assert _has_flash_attn()
+        assert has_flash_attn()
     finally:  # the stand-in package must not outlive the test
         sys.modules.pop("flash_attn", None)
         sys.modules.pop("flash_attn.flash_attn_interface", None)

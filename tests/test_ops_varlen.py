@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mtrain.ops import dense_attention
+from mtrain.ops.backends import has_flash_attn
 from mtrain.ops.varlen import (VARLEN_BACKENDS, Documents, Segments, document_attention, varlen_attention,
                                varlen_backend)
 
@@ -29,7 +30,7 @@ def runnable(backend, device):
         probe = torch.zeros(1, 1, 64, device="cuda", dtype=torch.bfloat16)
         if backend == "fa4" and varlen_backend(probe) != "fa4":
             pytest.skip("FlashAttention-4 is not installed or does not run on this GPU")
-        if backend == "flash_attn" and not __import__("mtrain.ops.dense").ops.dense._has_flash_attn():
+        if backend == "flash_attn" and not has_flash_attn():
             pytest.skip("flash-attn 2 is not installed")
 
 

@@ -13,6 +13,10 @@ importable; otherwise one "skip" line): "fa4" with FA4's own block-sparse backwa
 with our deterministic backward behind FA4's forward, and "fa4-nocols" on the same slashes without verticals (no
 column path, FA4 alone). "triton-listfree", "triton-lf-atomic" and "fa4-listfree": the same index with its columns
 read list-free (`mtrain.ops.columns.VerticalColumns`), against the same reference.
+With documents, "dense-fa4" / "dense-sdpa" / "dense-triton" run dense attention within the documents through each
+varlen backend (`mtrain.ops.varlen`; fa4 where FA4 runs), and every case runs "ring-dense": the dense ring's gathered
+step (`mtrain.parallel.dense_gather`, zigzag) of rank 0 of a 2-rank group run alone (`mtrain.bench.emulate`), against
+float64 attention with the other rank's keys zeroed.
 Tolerances are relative Frobenius errors against float64, per dtype (TOL below), on out and dq/dk/dv.
 The pattern estimator's Triton scorer is checked in each case too: its est_recall against the float64 mass of
 the scored rows inside its index, its density against the PyTorch scorer's. On CUDA two ring cases run on a
@@ -110,6 +114,16 @@ def engines(device, index, doc_ids, S, dtype=None):
                                                                    doc_ids=doc_ids),
         "dense": lambda q, k, v: dense_attention(q, k, v, causal=True, doc_ids=doc_ids),
     }
+    if doc_ids is not None:  # dense attention with documents through each varlen backend that runs here
+        from mtrain.ops.dense import fa4_runs
+        from mtrain.ops.varlen import Documents, document_attention
+
+        docs = Documents.from_doc_ids(doc_ids)
+        for backend in ("fa4", "sdpa", "triton"):
+            if backend != "fa4" or (dtype is not None and fa4_runs(torch.empty(1, 1, 1, 64, device=device,
+                                                                               dtype=dtype))):
+                out[f"dense-{backend}"] = (lambda b: lambda q, k, v: document_attention(q, k, v, docs,
+                                                                                        backend=b))(backend)
     # the same index with its columns read list-free (mtrain.ops.columns): the same pairs, so the same reference
     listfree = with_list_free_columns(index)
     out["triton-listfree"] = lambda q, k, v: vertical_slash_attention(q, k, v, listfree, impl="triton",
@@ -180,6 +194,37 @@ def _one_rank_group(device) -> None:
         store = os.path.join(tempfile.mkdtemp(), "init")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
                                 world_size=1)
+
+
+def dense_gather_case(q, k, v, doc_ids, dout, world: int = 2):
+    """The dense ring's gathered step (`mtrain.parallel.dense_gather`, zigzag) for rank 0 of a `world`-rank group,
+    run alone (`mtrain.bench.emulate`: the other ranks' keys are zeros); reference: float64 attention over the whole
+    sequence with those keys zeroed, rank 0's rows, and the gradients of rank 0's rows alone (what its shard of dK/dV
+    holds before the other ranks' parts are added). Returns (got, want), each (out, dq, dk, dv) of rank 0's shard."""
+    from mtrain.bench.emulate import emulated_group
+    from mtrain.ops.varlen import Documents
+    from mtrain.parallel.dense_gather import gathered_dense_attention, query_runs
+    from mtrain.parallel.layout import Layout
+
+    S = q.shape[1]
+    layout = Layout.create("zigzag", world_size=world)
+    mine = layout.indices(S, 0).to(q.device)
+    others = torch.ones(S, dtype=torch.bool, device=q.device)
+    others[mine] = False
+    k0, v0 = (t.masked_fill(others[None, :, None, None], 0) for t in (k, v))
+    mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    if doc_ids is not None:
+        mask &= doc_ids[0][:, None] == doc_ids[0][None, :]
+    qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k0, v0))
+    out, _ = reference.attention(qr, kr, vr, mask)
+    out[:, mine].backward(dout[:, mine].double())
+    want = (out.detach()[:, mine], qr.grad[:, mine], kr.grad[:, mine], vr.grad[:, mine])
+    docs = None if doc_ids is None else Documents.from_doc_ids(doc_ids)
+    shards = [t[:, mine].detach().clone().requires_grad_(True) for t in (q, k, v)]
+    with emulated_group(world, 0) as grp:
+        got = gathered_dense_attention(*shards, query_runs(layout, S, 0), layout, grp, q.shape[-1] ** -0.5, docs)
+        got.backward(dout[:, mine])
+    return (got.detach(), *(t.grad for t in shards)), want
 
 
 def ring_engine_case(q, k, v, index, doc_ids, bs, dout):
@@ -427,7 +472,7 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
             raised(name, exc)
             lap(name)
             continue
-        report(name, [rel(a, b) for a, b in zip(got, want_dense if name == "dense" else want)])
+        report(name, [rel(a, b) for a, b in zip(got, want_dense if name.startswith("dense") else want)])
         lap(name)
     if wanted("fa4-nocols") and fa4_eligible(device, index, dtype):
         try:  # FA4 alone: the same slashes without verticals, so the column path does not run
@@ -481,6 +526,13 @@ def run_case(case) -> tuple[list[str], list[str], dict, dict]:
             raised(name, exc)
         lap(name)
 
+    if wanted("ring-dense"):
+        try:
+            got, want_rank = dense_gather_case(q, k, v, doc_ids, dout)
+            report("ring-dense", [rel(a, b) for a, b in zip(got, want_rank)])
+        except Exception as exc:  # noqa: BLE001
+            raised("ring-dense", exc)
+        lap("ring-dense")
     if wanted("ring-fa4") and device.type == "cuda":
         whole_block_case("ring-fa4", ring_engine_case)
     if wanted("ring-listfree") and device.type == "cuda":
@@ -511,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", nargs="+", metavar="HQxHKVxD",
                     help="head shapes (default 4x4x64 8x2x128; --quick: 4x2x64)")
     ap.add_argument("--engines", nargs="+", metavar="NAME",
-                    help="check only these (triton-det triton-atomic triton-listfree triton-lf-atomic dense flex fa4 "
+                    help="check only these (triton-det triton-atomic triton-listfree triton-lf-atomic dense dense-fa4 "
+                         "dense-sdpa dense-triton ring-dense flex fa4 "
                          "fa4-det fa4-listfree fa4-nocols estimator ring-step ring-fa4 ring-listfree ring-estimate merge "
                          "repeat); default all that apply")
     args = ap.parse_args(argv)

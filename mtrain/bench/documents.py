@@ -56,6 +56,7 @@ def _check_small(device, log) -> list[dict]:
     """Every varlen backend the GPU runs against a float64 reference on 4K tokens of mixed documents (bf16)."""
     import torch
 
+    from mtrain.ops.backends import has_flash_attn
     from mtrain.ops.varlen import VARLEN_BACKENDS, Documents, document_attention, varlen_backend
 
     torch.manual_seed(0)
@@ -70,7 +71,7 @@ def _check_small(device, log) -> list[dict]:
     for backend in VARLEN_BACKENDS:
         if backend == "fa4" and varlen_backend(q.bfloat16()) != "fa4":
             continue
-        if backend == "flash_attn" and not __import__("mtrain.ops.dense").ops.dense._has_flash_attn():
+        if backend == "flash_attn" and not has_flash_attn():
             continue
         got = [t.bfloat16().requires_grad_() for t in (q, k, v)]
         out = document_attention(*got, docs, backend=backend)
@@ -89,7 +90,7 @@ def _time_one_device(S, heads, mix, iters, log) -> list[dict]:
     import torch
 
     from mtrain.bench.timing import timed
-    from mtrain.ops.dense import _sdpa, fa4_runs
+    from mtrain.ops.backends import fa4_runs, has_flash_attn, sdpa_attention
     from mtrain.ops.varlen import Documents, document_attention
 
     Hq, Hkv, D = heads
@@ -111,12 +112,12 @@ def _time_one_device(S, heads, mix, iters, log) -> list[dict]:
     def per_document():
         pieces, at = [], 0
         for n in lengths:
-            pieces.append(_sdpa(q[:, at:at + n], k[:, at:at + n], v[:, at:at + n], True, D ** -0.5))
+            pieces.append(sdpa_attention(q[:, at:at + n], k[:, at:at + n], v[:, at:at + n], True, D ** -0.5))
             at += n
         return torch.cat(pieces, dim=1)
 
     variants["cudnn-per-doc"] = per_document
-    if __import__("mtrain.ops.dense").ops.dense._has_flash_attn():
+    if has_flash_attn():
         variants["fa2-varlen"] = lambda: document_attention(q, k, v, docs, backend="flash_attn")
     variants["triton"] = lambda: document_attention(q, k, v, docs, backend="triton")
     ref = None
@@ -188,6 +189,51 @@ def _time_ring_rank(cp, tokens_per_gpu, heads, mix, iters, log) -> dict:
             "rank_pairs": rank_pairs, "cp1_ms": one_ms, "cp1_pairs": causal_pairs(one_lengths), "rate_vs_cp1": rate}
 
 
+FIT_SEQS = (8192, 32768, 131072)
+
+
+def fit_dense(heads_list, iters, log) -> dict:
+    """The cost model's dense figures for the path training runs (`dense_attention(documents=)`, FA4's varlen kernel
+    where it runs): ms of forward ("eval") and forward + backward ("train") on one document, the long mix and the short
+    mix at 8K / 32K / 128K, least-squares fitted per head dim to ms0 + per_unit * unit, unit = Hq * causal pairs * D /
+    1e12 (`mtrain.ops.cost.CostTable.dense`), weighted by 1 / ms. Returns {D: {mode: (ms0, per_unit)}} and logs the fit's worst error."""
+    import torch
+
+    from mtrain.bench.timing import timed
+    from mtrain.ops.varlen import Documents, document_attention
+
+    out = {}
+    for Hq, Hkv, D in heads_list:
+        points = {"train": [], "eval": []}
+        for S in FIT_SEQS:
+            for lengths in ([S], document_lengths("long", S), document_lengths("short", S)):
+                docs = Documents.from_doc_ids(doc_ids_of(lengths, "cpu"), "cuda")
+                q, k, v, dout = (torch.randn(1, S, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=i < 3)
+                                 for i, h in enumerate((Hq, Hkv, Hkv, Hq)))
+                unit = Hq * causal_pairs(lengths) * D / 1e12
+
+                def train():
+                    q.grad = k.grad = v.grad = None
+                    document_attention(q, k, v, docs).backward(dout)
+
+                with torch.no_grad():
+                    points["eval"].append((unit, timed(lambda: document_attention(q, k, v, docs), iters, warmup=2)))
+                points["train"].append((unit, timed(train, iters, warmup=2)))
+        out[D] = {}
+        for mode, pts in points.items():
+            A = torch.tensor([[1.0, u] for u, _ in pts], dtype=torch.float64)
+            y = torch.tensor([ms for _, ms in pts], dtype=torch.float64)
+            # least squares of the relative error: the small calls' fixed cost counts as much as the large calls' rate
+            ms0, per_unit = torch.linalg.lstsq(A / y[:, None], torch.ones_like(y)[:, None]).solution.flatten().tolist()
+            ms0 = max(ms0, 0.0)
+            worst = max(abs(ms0 + per_unit * u - ms) / ms for u, ms in pts)
+            out[D][mode] = (round(ms0, 4), round(per_unit, 4))
+            log(f"fit D={D} {mode}: ms0 {ms0:.4f} per unit {per_unit:.4f} (worst relative error {worst:.1%} over "
+                f"{len(pts)} points: " + ", ".join(f"{ms:.2f}" for _, ms in pts) + " ms)")
+    log(f"dense_engines fa4 (paste into mtrain/ops/cost.py): {out}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mtrain bench documents", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -198,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ring-cp", type=int, nargs="*", default=[2, 4, 8], help="CP sizes of the emulated ring rank")
     ap.add_argument("--ring-tokens", type=int, default=131072, help="tokens per GPU of the emulated ring rank")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--fit", action="store_true", help="also time the dense path at 8K-128K and fit the cost model's "
+                    "dense figures (mtrain.ops.cost)")
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/bench"), help="folder for the log and json")
     args = ap.parse_args(argv)
     heads = []
@@ -239,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         for h in heads:
             for mix in args.mixes:
                 result["ring"].append(_time_ring_rank(cp, args.ring_tokens, h, mix, args.iters, log))
+    if args.fit:
+        result["fit"] = {str(d): modes for d, modes in fit_dense(heads, args.iters, log).items()}
     with open(os.path.join(args.out, "documents.json"), "w") as f:
         json.dump(result, f, indent=1)
     failed = [r["backend"] for r in result["check"] if not r["ok"]]

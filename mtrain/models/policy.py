@@ -129,12 +129,12 @@ def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_id
     read = _choice_stats(index, q, target, layer_idx)
     blocks, columns = int(read[0]), int(read[1])
     B, _, Hq, D = q.shape
-    # one device with packed documents: the dense path runs one call per document
+    # one device with packed documents: the dense path runs them in one varlen call (or one call per document)
     doc_lengths = None if doc_ids is None else document_lengths(doc_ids)
     prediction = cost.predict(blocks, columns, seq_len=index.seq_len, heads=Hq, head_dim=D,
                               block_size=index.block_size, batch=B, backward=training, device=q.device,
                               world=world, doc_lengths=doc_lengths, estimate_rows=rows, engine=engine,
-                              graphed=graphed)
+                              graphed=graphed, dense_engine=dense_engine(q))
     by_cost = prediction.path
     has_recall = target is not None and index._cache.get("est_recall") is not None
     reasons = []
@@ -169,7 +169,7 @@ def skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 
     floor = cost.worth_estimating(seq_len=S, heads=Hq, head_dim=D, block_size=s.block_size,
                                   rows=scored_rows(s, S), batch=B, backward=training,
                                   device=q.device, world=world, doc_lengths=doc_lengths, engine=engine,
-                                  graphed=graphed)
+                                  graphed=graphed, dense_engine=dense_engine(q))
     if floor.path == "sparse":
         return False
     CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, floor.dense_ms, floor.sparse_ms,
@@ -454,8 +454,19 @@ def remember_choice(layer_idx, path: str, index, training: bool) -> None:
         CONTEXT.memo[layer_idx] = (path, lines)
 
 
+def dense_engine(q) -> str:
+    """The dense kernel a dense layer runs for q (`mtrain.ops.dense.dense_backend`), as the cost model names it."""
+    from mtrain.ops.dense import dense_backend
+
+    return dense_backend(q)
+
+
 def document_lengths(doc_ids) -> list[int]:
-    """Lengths of the runs of equal document ids of every row of doc_ids [B, S] (one host read)."""
+    """Lengths of the runs of equal document ids of every row of doc_ids [B, S]: the batch's (`set_documents`, read
+    once per batch) when doc_ids are its ids, else one host read here."""
+    docs = CONTEXT.documents
+    if docs is not None and docs.doc_ids is doc_ids:
+        return [n for row in docs.lengths for n in row]
     change = torch.ones_like(doc_ids, dtype=torch.bool)
     change[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     starts = torch.nonzero(change.flatten()).flatten().tolist()

@@ -29,7 +29,7 @@ AUTO_FA4_BLOCK_SIZES: frozenset[int] = frozenset({128})
 @functools.lru_cache(maxsize=8)
 def fa4_usable(device_type: str, device_index) -> bool:
     """Whether the fa4 engine can run here: a CUDA GPU of compute capability >= 9 with flash_attn.cute importable."""
-    from mtrain.ops.dense import importable
+    from mtrain.ops.backends import importable
 
     return device_type == "cuda" and torch.cuda.get_device_capability(device_index)[0] >= 9 and importable(
         "flash_attn.cute")

@@ -41,6 +41,9 @@ class CostTable:
         measured; `estimate` + `index` are used instead.
     engines[name] = a `sparse` dict of another block engine (`vertical_slash_attention`'s impl, e.g. "fa4"), for
         the block sizes it runs; an engine or block size it lacks uses `sparse` (our Triton kernels).
+    dense_engines[name] = a `dense` dict of another dense kernel (`mtrain.ops.dense.dense_backend`'s name, e.g.
+        "fa4"), which runs a packed row's documents in one varlen call (`mtrain.ops.varlen`): its fixed cost is paid
+        once per call, not per document. A dense kernel the table lacks uses `dense` (cuDNN, one call per document).
     A head dim or block size that was not measured takes the nearest measured one (its rate per unit).
     """
 
@@ -52,6 +55,7 @@ class CostTable:
     estimate: tuple = (0.0, 0.0)
     graphed: tuple = (0.0, 0.0)
     engines: dict = dataclasses.field(default_factory=dict)
+    dense_engines: dict = dataclasses.field(default_factory=dict)
 
 
 # Fitted on one NVIDIA H200 (torch 2.11, triton 3.6, bf16) by `python -m mtrain.bench.cost` and its `--fit`, 2026-11-23
@@ -74,6 +78,11 @@ H200 = CostTable(
     # it), block 128: `python -m mtrain.bench.cost --engine fa4 --only sparse` then `--fit` (BENCHMARKS.md, as above).
     engines={"fa4": {(64, 128): {"train": (0.8134, 2.4678, 23.2355, 110.831), "eval": (0.2598, 0.1517, 8.2985, 30.9084)},
                      (128, 128): {"train": (0.6512, 3.072, 20.0972, 90.4516), "eval": (0.1785, 0.3228, 5.4266, 24.8306)}}},
+    # FlashAttention-4 dense (`dense_attention`: FA4's varlen kernel over a packed row's documents, one call), 8K-128K,
+    # one document, the long and the short mix: `mtrain bench documents --fit` on one H200, 2026-12-01 (BENCHMARKS.md,
+    # "Dense attention with documents"; worst relative error 12-24%, at the 8K points).
+    dense_engines={"fa4": {64: {"train": (1.0711, 23.7402), "eval": (0.2758, 7.8034)},
+                           128: {"train": (0.8198, 22.2261), "eval": (0.228, 6.1444)}}},
 )
 
 # The CPU path (fp32; dense = PyTorch SDPA, sparse = mtrain.ops.partial's PyTorch path over the listed blocks,
@@ -171,18 +180,23 @@ def _mode(backward: bool) -> str:
 
 
 def dense_ms(seq_len: int, heads: int, head_dim: int, *, batch: int = 1, backward: bool = True,
-             table: CostTable = H200, doc_lengths=None) -> float:
+             table: CostTable = H200, doc_lengths=None, engine: str = "sdpa") -> float:
     """Predicted ms of dense causal attention over `batch` rows of `seq_len` tokens, `heads` query heads.
 
-    doc_lengths: packed rows run one dense call per document: an iterable of all documents' lengths (over the
-    whole batch); then `batch` and `seq_len` only count the calls' fixed cost.
+    doc_lengths: packed rows: an iterable of all documents' lengths (over the whole batch); then `batch` and
+    `seq_len` only count the calls' fixed cost. engine: the dense kernel that runs (`mtrain.ops.dense.dense_backend`):
+    one in CostTable.dense_engines runs every document in one varlen call at its own rates; another runs one call per
+    document at the `dense` rates.
     """
-    ms0, per_unit = table.dense[_nearest(table.dense, head_dim)][_mode(backward)]
+    rates = table.dense_engines.get(engine) or table.dense
+    ms0, per_unit = rates[_nearest(rates, head_dim)][_mode(backward)]
     if doc_lengths is None:
         pairs, calls = batch * seq_len * seq_len / 2, 1
     else:
         lengths = list(doc_lengths)
         pairs, calls = sum(n * n / 2 for n in lengths), max(1, len(lengths))
+    if engine in table.dense_engines:
+        calls = 1
     return calls * ms0 + per_unit * heads * pairs * head_dim / 1e12
 
 
@@ -226,13 +240,14 @@ def estimate_ms(seq_len: int, heads: int, rows: int, *, batch: int = 1, table: C
 
 def worth_estimating(*, seq_len: int, heads: int, head_dim: int, block_size: int, rows: int, batch: int = 1,
                      backward: bool = True, device="cuda", world: int = 1, doc_lengths=None,
-                     margin: float = SPARSE_MARGIN, engine: str = "auto", graphed: bool = False) -> Prediction:
+                     margin: float = SPARSE_MARGIN, engine: str = "auto", graphed: bool = False,
+                     dense_engine: str = "sdpa") -> Prediction:
     """Whether sparse attention can pay at all, before estimating: its floor (the estimate + the index's and
     kernels' fixed costs with no listed work) against dense. Prediction.path "dense" = it cannot: run dense
-    and skip the estimate; sparse_ms holds the floor. graphed: as in `predict`."""
+    and skip the estimate; sparse_ms holds the floor. graphed, dense_engine: as in `predict`."""
     table = table_for(device)
     dense = dense_ms(seq_len, heads, head_dim, batch=batch, backward=backward, table=table,
-                     doc_lengths=doc_lengths) / world
+                     doc_lengths=doc_lengths, engine=dense_engine) / world
     g = _graphed(table, graphed)
     floor = (estimate_ms(seq_len, heads, rows, batch=batch, table=table, world=world, graphed=g)
              + sparse_ms(0, 0, seq_len, heads, head_dim, block_size, batch=batch, backward=backward, table=table,
@@ -274,7 +289,7 @@ def choose(dense: float, sparse: float, margin: float = SPARSE_MARGIN) -> str:
 def predict(blocks: float, columns: float, *, seq_len: int, heads: int, head_dim: int, block_size: int,
             batch: int = 1, backward: bool = True, device="cuda", world: int = 1, doc_lengths=None,
             margin: float = SPARSE_MARGIN, estimate_rows: int = 0, engine: str = "auto",
-            graphed: bool = False) -> Prediction:
+            graphed: bool = False, dense_engine: str = "sdpa") -> Prediction:
     """Both paths' predicted ms for one rank and the cheaper path (see `choose`).
 
     world: context-parallel group size (dense and sparse kernels split over the ranks; the index is whole on
@@ -283,11 +298,12 @@ def predict(blocks: float, columns: float, *, seq_len: int, heads: int, head_dim
     estimate_rows: the query rows the estimate scored (> 0: Prediction.estimate_ms holds its predicted cost).
     engine: the block engine of the sparse path (see `sparse_ms`). graphed: the estimate ran from a CUDA graph that
     also built the index and the engine's plans (CostTable.graphed, where measured): the sparse path then no longer
-    pays the index term, and the estimate's predicted cost includes it.
+    pays the index term, and the estimate's predicted cost includes it. dense_engine: the dense kernel the dense
+    path runs (`dense_ms`'s engine).
     """
     table = table_for(device)
     dense = dense_ms(seq_len, heads, head_dim, batch=batch, backward=backward, table=table,
-                     doc_lengths=doc_lengths) / world
+                     doc_lengths=doc_lengths, engine=dense_engine) / world
     g = _graphed(table, graphed)
     sparse = sparse_ms(blocks, columns, seq_len, heads, head_dim, block_size, batch=batch, backward=backward,
                        table=table, world=world, engine=engine, with_index=not g)

@@ -4,37 +4,12 @@ documents through one varlen call (`mtrain.ops.varlen`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
-import torch.nn.functional as F
 
+from mtrain.ops.backends import fa4_runs, has_flash_attn, importable, sdpa_attention  # noqa: F401 (re-exported)
 from mtrain.ops.reference import check_qkv
-
-
-def importable(module: str) -> bool:
-    """Whether `module` (dotted) is installed, without importing it (a missing parent package is no error)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # the parent package is missing
-        return False
-
-
-def _has_flash_attn() -> bool:
-    """Whether flash-attn 2's `flash_attn_func` can be imported: flash-attn-4 alone (the `fa4` extra) also
-    provides a `flash_attn` package (only `flash_attn.cute`), which does not count."""
-    return importable("flash_attn.flash_attn_interface")
-
-
-def fa4_runs(q: torch.Tensor) -> bool:
-    """Whether FlashAttention-4 (`flash_attn.cute`) runs this q: installed, a Hopper or Blackwell GPU, fp16/bf16, a
-    head dimension it takes (a multiple of 8, at most 128; 256 on Hopper)."""
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or not importable("flash_attn.cute.interface"):
-        return False
-    major = torch.cuda.get_device_capability(q.device)[0]
-    D = q.shape[-1]
-    return major in (9, 10, 11) and D % 8 == 0 and D <= (256 if major == 9 else 128)
 
 
 def dense_backend(q: torch.Tensor, return_lse: bool = False) -> str:
@@ -44,23 +19,9 @@ def dense_backend(q: torch.Tensor, return_lse: bool = False) -> str:
         return "torch" if return_lse else "sdpa"
     if fa4_runs(q):
         return "fa4"
-    if _has_flash_attn() and q.dtype in (torch.float16, torch.bfloat16):
+    if has_flash_attn() and q.dtype in (torch.float16, torch.bfloat16):
         return "flash_attn"
     return "triton" if return_lse else "sdpa"
-
-
-def _sdpa(q, k, v, causal, scale):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    B, S, Hq, D = q.shape
-    Hkv = k.shape[2]
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    # cuDNN first: the fastest causal fwd+bwd of SDPA's backends at long context on Hopper (BENCHMARKS.md).
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-             SDPBackend.MATH]
-    with sdpa_kernel(order, set_priority=True):
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=Hq != Hkv)
-    return out.transpose(1, 2)
 
 
 def dense_attention(
@@ -121,7 +82,7 @@ def dense_attention(
             return out, lse.detach().float()
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
     if backend == "sdpa":
-        return _sdpa(q, k, v, causal, scale)
+        return sdpa_attention(q, k, v, causal, scale)
     if backend == "triton":
         from mtrain.ops.partial_autograd import partial_attention
 

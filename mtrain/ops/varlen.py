@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from mtrain.ops.dense import _has_flash_attn, _sdpa, fa4_runs
+from mtrain.ops.backends import fa4_runs, has_flash_attn, sdpa_attention
 
 # Backends of `varlen_attention`, fastest first where each runs (BENCHMARKS.md, "Dense attention with documents").
 VARLEN_BACKENDS = ("fa4", "flash_attn", "sdpa", "triton")
@@ -135,7 +135,7 @@ def varlen_backend(q: torch.Tensor) -> str:
     CPU's own kernels)."""
     if fa4_runs(q):
         return "fa4"
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _has_flash_attn():
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and has_flash_attn():
         return "flash_attn"
     return "sdpa"
 
@@ -165,7 +165,7 @@ def _flash_attn(q, k, v, seg: Segments, scale):
 
 
 def _sdpa_entries(q, k, v, seg: Segments, scale):
-    """SDPA once per entry: a square entry through `_sdpa` (cuDNN first), one with more keys than queries with a
+    """SDPA once per entry: a square entry through `sdpa_attention` (cuDNN first), one with more keys than queries with a
     bottom-right causal bias (SDPA's flash / efficient / math kernels; its K/V heads repeated for GQA)."""
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
@@ -175,7 +175,7 @@ def _sdpa_entries(q, k, v, seg: Segments, scale):
     for lq, lk in zip(seg.q_lengths, seg.k_lengths):
         qi, ki, vi = q[None, q0:q0 + lq], k[None, k0:k0 + lk], v[None, k0:k0 + lk]
         if lq == lk:
-            pieces.append(_sdpa(qi, ki, vi, True, scale)[0])
+            pieces.append(sdpa_attention(qi, ki, vi, True, scale)[0])
         else:
             ki, vi = (t.transpose(1, 2).repeat_interleave(group, dim=1) for t in (ki, vi))
             out = F.scaled_dot_product_attention(qi.transpose(1, 2), ki, vi, attn_mask=causal_lower_right(lq, lk),
