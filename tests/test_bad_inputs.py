@@ -716,6 +716,18 @@ def test_truncated_gguf_is_named(tmp_path, capsys, keep):
     assert not (tmp_path / "hf").exists()
 
 
+def test_convert_keeps_a_folder_it_did_not_write(tmp_path, capsys):
+    """`mtrain convert --out DIR` into a folder of other files is refused in one line, and the files stay (before:
+    the folder was replaced whole, its files gone without a word); export refuses the same --out."""
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    rc, err = run_cli(["convert", str(_tiny_gguf(tmp_path / "whole.gguf")), "--out", str(out)], capsys)
+    assert rc == 2, err
+    assert_one_line(err, "notes", "not a HF checkpoint folder", "new or empty folder")
+    assert (out / "notes.txt").read_text() == "keep me" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
 def test_whole_gguf_passes_the_truncation_check(tmp_path):
     from mtrain.models.convert import check_gguf
 

@@ -273,3 +273,30 @@ def test_study_table_pools_every_length(tmp_path, capsys):
     assert "| dense | all | 66.7 ±21.1 (n=6) |" in text
     row = next(line for line in text.splitlines() if line.startswith("| mtraining | all"))
     assert "66.7 ±21.1 (n=6)" in row and "+0.0 ±25.8 (n=6)" in row
+
+
+def test_study_pairs_by_prompt_and_refuses_different_prompts(tmp_path, capsys):
+    """Two evaluations of the same prompts pair by prompt_sha256 whatever their sample order; two of different
+    prompts are refused in one line naming both folders and the fix (before: "paired" by position, RULER +50.0 ±0.0,
+    exit 0)."""
+    import os
+
+    from mtrain.eval.predictions import append_records, predictions_path
+    from mtrain.eval.scoring import paired_difference
+    from mtrain.eval.study import main
+
+    def write(side, hits, shas):
+        os.makedirs(tmp_path / side / "predictions", exist_ok=True)
+        append_records(predictions_path(str(tmp_path / side), "niah"),
+                       [_rec("niah", 64, i, prediction="7" if h else "no", references=["7"], meta={"depth": 0.0},
+                             prompt_sha256=sha) for i, (h, sha) in enumerate(zip(hits, shas))])
+
+    write("a", [1, 1, 0], ["p0", "p1", "p2"])
+    write("b", [0, 1, 1], ["p2", "p1", "p0"])  # the same prompts in another order: p0 1-1, p1 1-1, p2 0-0
+    cell = paired_difference(str(tmp_path / "a"), str(tmp_path / "b"))["tasks"]["niah"]["64"]
+    assert cell["diff"] == 0.0 and cell["n"] == 3
+    write("c", [0, 0, 0], ["q0", "q1", "q2"])
+    rc = main(["--eval", f"a={tmp_path / 'a'}", "--eval", f"c={tmp_path / 'c'}", "--reference", "c"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "scored different prompts" in err and "same suite, seed and tokenizer" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

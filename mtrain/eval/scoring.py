@@ -11,6 +11,7 @@ import math
 import os
 from collections import defaultdict
 
+from mtrain.errors import MtrainError
 from mtrain.atomic import atomic_path, write_json_atomic, write_text_atomic
 from mtrain.eval.metrics import METRICS, ruler_postprocess
 from mtrain.eval.registry import get_task
@@ -114,19 +115,37 @@ def _per_sample(records_by_task: dict[str, list[dict]]) -> dict[tuple[str, int],
     return out
 
 
+def _per_prompt(records_by_task: dict[str, list[dict]]) -> dict[tuple[str, int], dict[str, float]]:
+    """`_per_sample`'s scores keyed by each sample's prompt (its `prompt_sha256`; records written before it was
+    recorded: by index, "#i")."""
+    out: dict[tuple[str, int], dict[str, float]] = {}
+    for name, records in records_by_task.items():
+        for r in _unique(records):
+            scores = _per_sample({name: [r]})
+            for key, by_index in scores.items():
+                out.setdefault(key, {})[r.get("prompt_sha256") or f"#{r['index']}"] = by_index[r["index"]]
+    return out
+
+
 def paired_difference(out_a: str, out_b: str) -> dict:
-    """Scores of evaluation `out_a` minus those of `out_b` (two `mtrain eval --out` folders of one suite and seed, so
-    sample i of a task and length is the same prompt in both), on the samples both hold, with the standard error of
+    """Scores of evaluation `out_a` minus those of `out_b` (two `mtrain eval --out` folders of one suite and seed),
+    paired by prompt (`prompt_sha256`) on the samples both hold, with the standard error of
     the paired differences: the right error for two models on the same prompts, smaller than the two means' errors
     combined when the models agree on most samples. Returns {"tasks": {task: {length: {"diff", "stderr", "n"}}},
     "ruler": {length: {"diff", "stderr", "tasks", "n"}}, "niah": {length: ...}, "pooled": the same over all lengths
-    (as `pooled_scores`)} in the scores' scale (x100)."""
-    a, b = _per_sample(load_predictions(out_a)), _per_sample(load_predictions(out_b))
+    (as `pooled_scores`)} in the scores' scale (x100). MtrainError when, for a task and length, neither holds all the
+    other's prompts (another suite, seed or tokenizer)."""
+    recs_a, recs_b = load_predictions(out_a), load_predictions(out_b)
+    a, b = _per_prompt(recs_a), _per_prompt(recs_b)
     tasks: dict[str, dict] = {}
     pooled: dict[str, list[float]] = defaultdict(list)  # every length's differences of a task, for "pooled"
     for key in sorted(set(a) & set(b)):
         name, length = key
         common = sorted(set(a[key]) & set(b[key]))
+        if not (set(a[key]) <= set(b[key]) or set(b[key]) <= set(a[key])):  # one may lack samples, not hold others
+            raise MtrainError(f"{out_a} and {out_b} scored different prompts ({name} at length {length}: "
+                              f"{len(set(a[key]) - set(b[key]))} of {len(a[key])} prompts not in the other): paired "
+                              "differences need the same prompts; evaluate both with the same suite, seed and tokenizer")
         if not common:
             continue
         _, scale = METRICS[get_task(name).metric]

@@ -20,6 +20,7 @@ import os
 import sys
 
 from mtrain.atomic import write_text_atomic
+from mtrain.errors import MtrainError
 from mtrain.eval.scoring import load_predictions, paired_difference, pooled_scores, score_records
 
 
@@ -126,7 +127,11 @@ def main(argv=None) -> int:
     for name, path in evals.items():
         if not os.path.isdir(os.path.join(path, "predictions")):
             parser.error(f"--eval {name}={path}: no predictions/ folder there (an `mtrain eval --out` folder)")
-    text = table(evals, args.reference, runs, args.last_steps)
+    try:
+        text = table(evals, args.reference, runs, args.last_steps)
+    except MtrainError as exc:  # e.g. two evaluations of different prompts, which cannot be paired
+        print(f"python -m mtrain.eval.study: error: {exc}", file=sys.stderr)
+        return 2
     print(text, end="")
     if args.out:
         write_text_atomic(args.out, text)

@@ -50,7 +50,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from mtrain.models.loading import MODEL_FAMILIES, export_hf
+    from mtrain.models.loading import MODEL_FAMILIES, check_checkpoint_out, export_hf
 
     src = Path(gguf_file).expanduser().resolve()
     if not src.is_file():
@@ -65,8 +65,7 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float
         raise MtrainError("reading GGUF needs the 'gguf' package: pip install gguf (or: make real-model)") from None
     check_gguf(src)
     out = Path(out_dir).expanduser().resolve()
-    if out.exists() and not out.is_dir():
-        raise MtrainError(f"--out '{out_dir}' exists and is not a folder")
+    check_checkpoint_out(out, "converting")
 
     where, name = str(src.parent), src.name
     try:
@@ -118,7 +117,8 @@ def register(sub) -> None:
         "and by the benchmarks. `make real-model` does this for SmolLM2-135M.",
     )
     p.add_argument("gguf_file", help="path of the .gguf file")
-    p.add_argument("--out", required=True, help="output folder (replaced atomically if it exists)")
+    p.add_argument("--out", required=True, help="output folder: new, empty, or a HF checkpoint folder (replaced "
+                   "atomically); a folder of other files is refused")
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="weight dtype of the checkpoint (default float32)")
     p.set_defaults(func=run_convert)
 

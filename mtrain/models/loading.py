@@ -136,6 +136,16 @@ def _legacy_rope_scaling(rope_parameters: dict) -> dict | None:
     return legacy
 
 
+def check_checkpoint_out(out: str | os.PathLike, action: str) -> None:
+    """MtrainError unless `out` (a command's --out) is new, an empty folder, or a HF checkpoint folder (config.json):
+    `export_hf` replaces the folder whole, so a folder of anything else would lose its files. action: what the
+    command would do there ("exporting", "converting")."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
+        raise MtrainError(f"--out {out}: exists and is not a HF checkpoint folder, so {action} would replace it and "
+                          "its files; choose a new or empty folder")
+
+
 def export_hf(model, tokenizer, out_dir: str | os.PathLike) -> Path:
     """Write a plain HF checkpoint (safetensors + config.json + tokenizer) atomically to `out_dir`.
 

@@ -54,13 +54,12 @@ def _saved_model_recipe(path: Path):
 
 def export_run(run_dir: str | Path, out: str | Path) -> Path:
     from mtrain.models import export_hf, load_model, load_tokenizer
+    from mtrain.models.loading import check_checkpoint_out
 
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
         raise MtrainError(f"{run_dir}: no such run folder; give a train.output_dir")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())):
-        raise MtrainError(f"--out {out}: exists and is not a HF checkpoint folder, so exporting would replace it; "
-                          "choose a new or empty folder")
+    check_checkpoint_out(out, "exporting")
     candidates = checkpoint_candidates(run_dir / "checkpoints")
     if not candidates:
         raise MtrainError(f"{run_dir} has no checkpoints/latest; train it first (mtrain train RECIPE)")
