@@ -772,6 +772,29 @@ def test_pickle_in_checkpoint_never_runs(world, tmp_path, capsys, caplog, name):
     assert "weights_only" not in caplog.text + err  # torch's advice to unpickle anyway never reaches the user
 
 
+@pytest.mark.parametrize("edit", ["data", "state"])
+def test_hand_edited_trainer_state_names_the_file(world, tmp_path, capsys, edit):
+    """A trainer_state_rank0.json edited by hand (valid JSON, files.json updated to vouch for it) whose data cursor or
+    counters are not what mtrain writes: refused in one line naming the file and how to resume from an earlier
+    checkpoint (before: "internal error")."""
+    run = copy_run(world, tmp_path / "run")
+    latest = _latest(run)
+    path = latest / "trainer_state_rank0.json"
+    saved = json.loads(path.read_text())
+    if edit == "data":
+        saved["data"] = "epoch 3"
+    else:
+        saved["state"]["step"] = {"value": 2}
+    path.write_text(json.dumps(saved))
+    listing = json.loads((latest / "files.json").read_text())
+    listing.pop(path.name, None)
+    (latest / "files.json").write_text(json.dumps(listing))
+    rc, err = run_cli(["train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}",
+                       "--set", "train.max_steps=3", "--set", "train.export=false"], capsys)
+    assert rc == 2, err
+    assert_one_line(err, "trainer_state_rank0.json", "not a trainer state", "latest")
+
+
 def _plant_zero2_files(ckpt: Path, marker: Path) -> None:
     """Files named and laid out as accelerate + DeepSpeed ZeRO-2 write them (pytorch_model/mp_rank_00_model_states.pt,
     pytorch_model/zero_pp_rank_R_mp_rank_00_optim_states.pt), each a torch.save'd dict holding a payload among its

@@ -236,3 +236,34 @@ def test_bench_documents_mixes():
     assert causal_pairs([2, 3]) == 3 + 6
     with pytest.raises(ValueError, match="one of"):
         document_lengths("medium", 4096)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "imbalance", "--density", "5"], "--density 5.0: the fraction of causal blocks computed must be in (0, 1]"),
+    (["bench", "real", "--model", "nowhere", "--seq-len", "1024", "--sparse", "recal=0.9"], "unknown key 'recal'"),
+    (["bench", "real", "--model", "nowhere", "--seq-len", "1024", "--sparse", "recall=5"], "recall must be in (0, 1]"),
+    (["bench", "real", "--model", "nowhere", "--seq-len", "1024", "--sparse", "engine=fa4"], "--engine"),
+])
+def test_bench_arguments_refused_in_one_line(argv, words, capsys):
+    """Bad benchmark arguments are refused up front in one line naming the bad value, as the rest of the CLI does
+    (before: --density 5 accepted; --sparse unchecked until a TypeError deep in a run)."""
+    from mtrain.cli import main
+
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--schedules", "ring,gathr"], "--schedules ring,gathr: each must be one of ring, gather"),
+    (["--emulate-cp", "4", "--node-size", "3"], "--node-size 3: the hierarchical ring needs nodes"),
+    (["--node-size", "-1"], "--node-size -1"),
+])
+def test_bench_ring_checks_its_arguments_before_running(argv, words, capsys):
+    """`mtrain bench ring` refuses a bad --schedules or --node-size before it starts (before: minutes of running,
+    then a traceback or a silently dropped variant)."""
+    from mtrain.bench.ring import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and words in capsys.readouterr().err

@@ -180,6 +180,14 @@ def test_cost_table_override_from_measured_rows(tmp_path, monkeypatch):
     table.write_text('{"estimate": [1.0]}')
     with pytest.raises(MtrainError, match="MTRAIN_COST_TABLE=.*estimate needs 2 numbers"):
         cost.table_for("cuda")
+    # entries that load but would break a prediction later: refused at load, naming the file and the entry
+    for doc, words in (('{"dense": {"64": {"train": [1.0]}}}', "dense.64 needs the modes train and eval"),
+                       ('{"dense": {"64": {"train": [1.0], "eval": [1.0, 2.0]}}}', "dense.64.train needs 2 finite"),
+                       ('{"sparse": {"64,64": {"train": [1, 2, 3, "x"], "eval": [1, 2, 3, 4]}}}',
+                        "sparse.64,64.train needs 4 finite")):
+        table.write_text(doc)
+        with pytest.raises(MtrainError, match=f"MTRAIN_COST_TABLE={table}.*{words}"):
+            cost.table_for("cuda")
 
 
 def test_graphed_estimate_carries_the_index_term(monkeypatch):

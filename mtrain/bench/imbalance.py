@@ -61,6 +61,9 @@ def run(args) -> int:
     from mtrain.bench.synthetic import synthetic_index
     from mtrain.parallel import Layout, imbalance
 
+    if not 0.0 < args.density <= 1.0:
+        raise MtrainError(f"--density {args.density}: the fraction of causal blocks computed must be in (0, 1], "
+                          "e.g. 0.05")
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     for name in layouts:
         Layout.create(name, world_size=1)  # rejects unknown names with the list of known ones

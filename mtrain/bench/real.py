@@ -649,19 +649,27 @@ def add_arguments(parser: argparse.ArgumentParser, required: bool = False) -> No
                       help="sparse attention setting (SparseSettings field), e.g. --sparse recall=0.95 (repeatable)")
 
 
+def sparse_overrides(items: list[str]) -> dict:
+    """The --sparse KEY=VALUE items as SparseSettings fields, validated as `mtrain eval --sparse` validates them (one
+    line naming the bad item); the per-layer policy keys have flags of their own here."""
+    from mtrain.errors import MtrainError
+    from mtrain.eval.cli import POLICY_KEYS, attention_options
+
+    settings = attention_options("mtraining", items, {}).get("sparse", {})
+    policy = sorted(set(settings) & set(POLICY_KEYS))
+    if policy:
+        raise MtrainError(f"--sparse {policy[0]}=...: set the per-layer policy with this command's own flags "
+                          "(--policy, --engine, --max-output-error, --escalate-recall)")
+    return settings
+
+
 def run_cli(args) -> int:
     """Run the benchmark at every --seq-len, logging to OUT/bench_real.log."""
-    import yaml
-
     from mtrain.parallel import SparseSettings
 
     if not args.seq_len:
         raise SystemExit("--model needs --seq-len N [N ...]")
-    overrides = {}
-    for item in args.sparse:
-        key, _, value = item.partition("=")
-        overrides[key] = yaml.safe_load(value)
-    settings = SparseSettings(**overrides)
+    settings = SparseSettings(**sparse_overrides(args.sparse))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_real.log"), "a") as logf:
         def log(msg):

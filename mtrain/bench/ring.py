@@ -998,7 +998,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     args.check_len = args.check_len[0]
+    bad = [name for name in args.schedules if name not in ring_gather.SCHEDULES]
+    if bad or not args.schedules:
+        parser.error(f"--schedules {','.join(args.schedules)}: each must be one of {', '.join(ring_gather.SCHEDULES)}, "
+                     "comma separated (e.g. ring,gather)")
+    if args.node_size < 0:
+        parser.error(f"--node-size {args.node_size}: give the ranks per node (>= 2), or 0 for no hierarchical ring")
     if args.emulate_cp:
+        check_node_size(parser, args.node_size, args.emulate_cp)
         return _main_emulated(args)
 
     global DTYPE
@@ -1015,6 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
         name = torch.cuda.get_device_name(device)
+    check_node_size(parser, args.node_size, world)
     report: list[dict] = []
     if rank == 0:
         print(f"torch {torch.__version__}, {name} x {world}, heads {args.heads}/{args.kv_heads} x {args.dim}, "
@@ -1046,6 +1054,13 @@ def main(argv: list[str] | None = None) -> int:
     graphed.release_graphs()  # before the process group goes: a graph holding NCCL work can hang its teardown
     dist.destroy_process_group()
     return 0
+
+
+def check_node_size(parser, node_size: int, world: int) -> None:
+    """--node-size must split the group into several nodes of at least 2 ranks (0: no hierarchical ring)."""
+    if node_size and not (1 < node_size < world and world % node_size == 0):
+        parser.error(f"--node-size {node_size}: the hierarchical ring needs nodes of 2 or more ranks that split the "
+                     f"group of {world} into several (a divisor of {world} between 2 and {world // 2}), or 0 for none")
 
 
 def _write_json(path: str | None, report: list[dict]) -> None:

@@ -134,6 +134,19 @@ def write_override(path: str, figures: dict, source: str) -> None:
     os.replace(tmp, path)
 
 
+def _modes(value, count: int, where: str) -> dict:
+    """{"train": (count numbers), "eval": (count numbers)} of an override's entry; ValueError naming `where`."""
+    if not isinstance(value, dict) or set(value) != {"train", "eval"}:
+        raise ValueError(f"{where} needs the modes train and eval, got {value!r}")
+    out = {}
+    for mode, coeffs in value.items():
+        if not isinstance(coeffs, list) or len(coeffs) != count or not all(
+                isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in coeffs):
+            raise ValueError(f"{where}.{mode} needs {count} finite numbers, got {coeffs!r}")
+        out[mode] = tuple(float(c) for c in coeffs)
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def _with_override(cuda: bool, path: str, mtime) -> CostTable:
     from mtrain.errors import MtrainError
@@ -147,10 +160,10 @@ def _with_override(cuda: bool, path: str, mtime) -> CostTable:
                 continue
             value = doc[name]
             if name == "sparse":
-                value = {**base.sparse, **{tuple(int(x) for x in key.split(",")): {m: tuple(c) for m, c in v.items()}
+                value = {**base.sparse, **{tuple(int(x) for x in key.split(",")): _modes(v, 4, f"sparse.{key}")
                                            for key, v in value.items()}}
             elif name == "dense":
-                value = {**base.dense, **{int(key): {m: tuple(c) for m, c in v.items()} for key, v in value.items()}}
+                value = {**base.dense, **{int(key): _modes(v, 2, f"dense.{key}") for key, v in value.items()}}
             else:
                 value = tuple(float(x) for x in value)
                 if len(value) != len(getattr(base, name)):

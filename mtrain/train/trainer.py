@@ -54,7 +54,12 @@ class TrainState:
         return dict(self.__dict__)
 
     def load_state_dict(self, state: dict) -> None:
-        self.__dict__.update(state)
+        """The counters `state` holds (those it lacks, from a checkpoint written before they existed, keep their
+        defaults); TypeError unless each is a whole number >= 0, as state_dict wrote it."""
+        bad = {k: v for k, v in state.items() if k in self.__dict__ and (type(v) is not int or v < 0)}
+        if bad:
+            raise TypeError(f"counters must be whole numbers >= 0, got {bad}")
+        self.__dict__.update({k: v for k, v in state.items() if k in self.__dict__})
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -312,12 +317,19 @@ class Trainer:
                                   f"{self.model_key} ({mismatch}): resume with the model the run was started with, "
                                   "or start a new run (another train.output_dir)") from None
             raise DamagedCheckpointError(f"cannot load it ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
-        self.state.load_state_dict(state)
-        self.reader.load_state_dict(saved["data"])
-        if "attention" in saved:  # checkpoints from before it was saved resume with fresh holds
-            from mtrain.models.policy import load_policy_state
+        state_file = path / f"trainer_state_rank{accelerator.process_index}.json"
+        try:  # counters, data cursor and attention holds: a hand-edited file fails here, named
+            self.state.load_state_dict(state)
+            self.reader.load_state_dict(saved["data"])
+            if "attention" in saved:  # checkpoints from before it was saved resume with fresh holds
+                from mtrain.models.policy import load_policy_state
 
-            load_policy_state(saved["attention"])
+                load_policy_state(saved["attention"])
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise MtrainError(f"{state_file}: not a trainer state as mtrain writes it ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:200]}); restore the file, or resume from an earlier "
+                              f"checkpoint by writing its name (e.g. step-0000010) into {path.parent / LATEST}"
+                              ) from None
         log.info("resumed from %s at step %d", path, self.state.step)
 
     # ---- the loop -----------------------------------------------------------------------------
