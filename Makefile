@@ -181,10 +181,11 @@ $(REAL_STAMP): | $(STAMP)
 LONG_PACKAGES ?= torch,transformers
 LONG_STEPS    ?= 20
 
-data/longdocs/code.jsonl: | $(STAMP)
+# manifest.json is written last, after code.jsonl and books.jsonl are both in place: a run stopped anywhere reruns
+data/longdocs/manifest.json: | $(STAMP)
 	$(PY) -m mtrain.data.longdocs --out data/longdocs --packages $(LONG_PACKAGES)
 
-data-long: $(REAL_STAMP) data/longdocs/code.jsonl
+data-long: $(REAL_STAMP) data/longdocs/manifest.json
 	for seq in 262144 524288; do $(MTRAIN) pack data/smollm2-512k.yaml --tokenizer $(REAL_MODEL) --seq-len $$seq \
 		--total-tokens $$(( $(LONG_STEPS) * seq )) --out data/packed/smollm2-$$(( seq / 1024 ))k || exit; done
 

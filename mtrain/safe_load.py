@@ -39,12 +39,16 @@ def allowed_globals() -> list:
 def _refusal(path: Path, exc: Exception) -> str:
     """One line for a file the weights-only unpickler refused: the object it holds, not torch's advice."""
     text = " ".join(str(exc).split())
-    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", text)
+    # torch's wordings across versions: "Unsupported global: GLOBAL x.y" (2.6-2.11), "Trying to load unsupported
+    # GLOBAL x.y whose module x is blocked" (2.13), "... but got <class 'x.y'>"
+    found = re.search(r"unsupported(?: global:)? GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", text, re.IGNORECASE)
     if found:
         what = next(g for g in found.groups() if g)
         return (f"{path}: holds a pickled object ({what}) besides tensors; mtrain loads tensors only, so its code "
                 "is never run: use files that mtrain wrote, or re-create them")
-    reason = text.split("WeightsUnpickler error: ")[-1].split(" Check the documentation")[0]
+    # what the unpickler stopped at, without torch's preamble and its advice to load with weights_only=False
+    reason = text.split("WeightsUnpickler error: ")[-1].split("trusted source.")[-1]
+    reason = reason.split(" Check the documentation")[0].strip()
     return f"{path}: not a torch tensor file (the weights-only unpickler stops: {reason[:100]})"
 
 

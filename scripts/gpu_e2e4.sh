@@ -96,7 +96,7 @@ wheels() {  # the carried wheels, once per machine (they stay in /root/pylib whi
 }
 
 longdocs() {  # the long documents, from this machine's Python and its installed packages
-  [ -f data/longdocs/code.jsonl ] || "$PYTHON" -m mtrain.data.longdocs --out data/longdocs --packages "$PACKAGES" \
+  [ -f data/longdocs/manifest.json ] || "$PYTHON" -m mtrain.data.longdocs --out data/longdocs --packages "$PACKAGES" \
     | tee -a "$LOG"
 }
 

@@ -1218,8 +1218,18 @@ def test_export_from_another_directory_after_the_data_is_gone(world, tmp_path, c
     rc, err = run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")], capsys)
     assert rc == 2
     assert_one_line(err, f"{ckpt / 'config.yaml'}", "model.config", "assets/config.json",
-                    "from the directory the run was launched in")
-    monkeypatch.chdir(tmp_path)  # ... where it works
+                    "--set model.path=", "from the directory the run was launched in")
+    # the advice works: the model's files where they are now, from anywhere (the assets moved, say)
+    shutil.move(tmp_path / "assets", tmp_path / "moved")
+    rc, err = run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf3"), "--set",
+                       f"model.config={tmp_path / 'moved' / 'config.json'}", "--set",
+                       f"model.tokenizer={tmp_path / 'moved' / 'tok'}"], capsys)
+    assert rc == 0, err
+    rc, err = run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf4"), "--set", "train.seed=3"],
+                      capsys)
+    assert rc == 2 and "export reads only the model section" in err
+    shutil.move(tmp_path / "moved", tmp_path / "assets")
+    monkeypatch.chdir(tmp_path)  # ... or from where the run was launched
     rc, err = run_cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")], capsys)
     assert rc == 0, err
 
@@ -1286,3 +1296,27 @@ def test_wandb_offline_resolves_no_server_name(world, tmp_path):
     assert list(run.glob("wandb/offline-run-*/run-*.wandb")), "wandb wrote no offline run log"
     internet = [line for line in trace.read_text().splitlines() if "AF_INET" in line or "htons(53)" in line]
     assert not internet, internet[:5]
+
+
+def test_planted_module_function_is_named_in_one_line(tmp_path):
+    """A payload calling a function of a blocked module (os.system, which this torch words as "Trying to load
+    unsupported GLOBAL posix.system whose module posix is blocked") is refused naming the object, without torch's
+    advice to load with weights_only=False (before: a garbled line quoting torch's preamble)."""
+    import os
+
+    import torch
+
+    from mtrain.errors import MtrainError
+    from mtrain.safe_load import load_tensors
+
+    class SystemCall:
+        def __reduce__(self):
+            return os.system, ("true",)
+
+    path = tmp_path / "planted.pt"
+    torch.save({"w": torch.zeros(2), "x": SystemCall()}, path)
+    with pytest.raises(MtrainError) as exc:
+        load_tensors(path)
+    line = str(exc.value)
+    assert "holds a pickled object" in line and "system" in line and str(path) in line
+    assert "weights_only" not in line and "\n" not in line

@@ -2,6 +2,8 @@
 SmolLM2's tokenizer through data/smollm2-512k.yaml as the 4-GPU runs read them."""
 
 import json
+
+import pytest
 import shutil
 from pathlib import Path
 
@@ -41,6 +43,30 @@ def test_code_repositories_and_books(tmp_path):
                     max_doc_chars=150_000)
     assert (tmp_path / "a" / "code.jsonl").read_bytes() == (tmp_path / "b" / "code.jsonl").read_bytes()
     assert not list(tmp_path.rglob("*.tmp"))
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text()) == stats  # written last: both files are there
+
+
+def test_stopped_between_the_two_outputs_writes_both_again(tmp_path, monkeypatch):
+    """Killed while writing books.jsonl (after code.jsonl was complete): no manifest is left, and the next run writes
+    both and the manifest (before: code.jsonl alone was in place, the Makefile's target, so `make data-long` never
+    wrote books.jsonl)."""
+    from mtrain.data import longdocs
+
+    out = tmp_path / "docs"
+    real_books = longdocs.books
+
+    def killed(**kwargs):
+        yield from ()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(longdocs, "books", killed)
+    with pytest.raises(KeyboardInterrupt):
+        longdocs.write_long_docs(out, code_chars=300_000, packages=["mtrain"], min_doc_chars=20_000)
+    assert not (out / "manifest.json").exists() and not (out / "code.jsonl").exists()
+    monkeypatch.setattr(longdocs, "books", real_books)
+    stats = longdocs.write_long_docs(out, code_chars=300_000, packages=["mtrain"], min_doc_chars=20_000)
+    assert (out / "code.jsonl").exists() and (out / "books.jsonl").exists()
+    assert json.loads((out / "manifest.json").read_text()) == stats
 
 
 def test_repositories_in_order(tmp_path):

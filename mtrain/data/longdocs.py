@@ -23,6 +23,7 @@ import sysconfig
 from collections.abc import Iterable, Iterator
 
 from mtrain.data.prose import reference_topics, stdlib_docstrings
+from mtrain.atomic import write_json_atomic
 from mtrain.errors import MtrainError
 
 SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
@@ -125,12 +126,21 @@ def books(*, min_doc_chars: int = 50_000, stdlib: str | None = None) -> Iterator
             yield name, text
 
 
+MANIFEST = "manifest.json"
+
+
 def write_long_docs(out_dir: str | os.PathLike, *, code_chars: int = 40_000_000, packages: Iterable[str] = (),
                     min_doc_chars: int = 50_000, max_doc_chars: int = 4_000_000) -> dict:
     """Write OUT/code.jsonl (code repositories, stopping after the document that reaches `code_chars`
-    characters) and OUT/books.jsonl (fields `text` and `name`), atomically; return their statistics."""
+    characters) and OUT/books.jsonl (fields `text` and `name`), then OUT/manifest.json (their statistics), and return
+    the statistics. Atomic as a whole: both files are written aside and put in place together, the manifest last, so
+    a run stopped anywhere leaves no manifest and the next one writes everything again (`make data-long` waits on
+    the manifest)."""
     os.makedirs(out_dir, exist_ok=True)
-    stats = {}
+    manifest = os.path.join(out_dir, MANIFEST)
+    if os.path.exists(manifest):
+        os.remove(manifest)  # what follows replaces the files it vouched for
+    stats, written = {}, []
     sources = {
         "code": code_repos(packages, min_doc_chars=min_doc_chars, max_doc_chars=max_doc_chars),
         "books": books(min_doc_chars=min_doc_chars),
@@ -145,10 +155,14 @@ def write_long_docs(out_dir: str | os.PathLike, *, code_chars: int = 40_000_000,
                 if kind == "code" and chars >= code_chars:
                     break
         if n == 0:
-            os.remove(path + ".tmp")
+            for tmp in [path, *written]:
+                os.remove(tmp + ".tmp")
             raise MtrainError(f"no {kind} documents of at least {min_doc_chars} characters in this installation")
-        os.replace(path + ".tmp", path)
+        written.append(path)
         stats[kind] = {"documents": n, "characters": chars, "longest": longest}
+    for path in written:
+        os.replace(path + ".tmp", path)
+    write_json_atomic(manifest, stats, indent=1)
     return stats
 
 

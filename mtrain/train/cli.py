@@ -29,6 +29,9 @@ def register(sub) -> None:
     )
     e.add_argument("run_dir", help="a run folder (train.output_dir) holding checkpoints/latest")
     e.add_argument("--out", required=True, help="output folder for the HF checkpoint")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.KEY=VALUE",
+                   help="replace a model setting of the run's saved config (repeatable), e.g. the model's files "
+                        "where they are now after the run or its assets moved: --set model.config=PATH")
     e.set_defaults(func=run_export)
 
 
@@ -54,6 +57,6 @@ def run_train(args) -> int:
 def run_export(args) -> int:
     from mtrain.train.export import export_run
 
-    out = export_run(args.run_dir, args.out)
+    out = export_run(args.run_dir, args.out, args.overrides)
     print(f"wrote {out}")
     return 0

@@ -37,22 +37,27 @@ def _checkpoint_state_dict(ckpt: Path) -> dict:
     raise MtrainError(f"{ckpt} holds neither model.safetensors nor DeepSpeed ZeRO partitions")
 
 
-def _saved_model_recipe(path: Path):
+def _saved_model_recipe(path: Path, overrides: list[str] = ()):
     """The run's saved recipe, checked only for what export uses (the model section: it never reads the training
-    data, which may be gone). Older runs saved relative paths, taken from the directory they were launched in."""
+    data, which may be gone), with `overrides` (model.KEY=VALUE items: the model's files where they are now). Older
+    runs saved relative paths, taken from the directory they were launched in."""
     from mtrain.config import check_model_section, parse_recipe
     from mtrain.errors import ConfigError
 
+    other = [item for item in overrides if not item.startswith("model.")]
+    if other:
+        raise MtrainError(f"--set {other[0]}: export reads only the model section; give model.KEY=VALUE items")
     try:
-        recipe = parse_recipe(path)
+        recipe = parse_recipe(path, list(overrides))
         check_model_section(recipe.model)
     except ConfigError as exc:
-        raise MtrainError(f"{path} (the run's recipe): {exc}; run export from the directory the run was launched "
-                          "in, or fix that path there") from None
+        raise MtrainError(f"{path} (the run's recipe): {exc}; give the model's files where they are now (mtrain "
+                          "export RUN --out DIR --set model.path=... / model.config=... / model.tokenizer=...), or "
+                          "run export from the directory the run was launched in") from None
     return recipe
 
 
-def export_run(run_dir: str | Path, out: str | Path) -> Path:
+def export_run(run_dir: str | Path, out: str | Path, overrides: list[str] = ()) -> Path:
     from mtrain.models import export_hf, load_model, load_tokenizer
     from mtrain.models.loading import check_checkpoint_out
 
@@ -72,7 +77,7 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
         offer = f"; the previous intact checkpoint is {intact}" if intact else ""
         raise MtrainError(f"checkpoint {ckpt} is damaged ({exc}){offer}: restore it, or point checkpoints/latest "
                           "at an intact one") from None
-    recipe = _saved_model_recipe(ckpt / "config.yaml")
+    recipe = _saved_model_recipe(ckpt / "config.yaml", overrides)
     model = load_model(recipe.model, "sdpa")
     # the trainer checkpoints the model inside its ChunkedLossLM wrapper: drop the wrapper's prefix
     state = {k.removeprefix("model."): v for k, v in raw_state.items()}
