@@ -300,3 +300,12 @@ def test_study_pairs_by_prompt_and_refuses_different_prompts(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "scored different prompts" in err and "same suite, seed and tokenizer" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_study_final_loss_skips_a_torn_last_line(tmp_path):
+    """metrics.jsonl of a run killed mid-write: the study reads its complete lines, as the trainer and compare do
+    (before: a JSONDecodeError traceback)."""
+    from mtrain.eval.study import final_loss
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}\n{"step": 3, "lo')
+    assert final_loss(str(tmp_path), 10) == (1.5, 2)

@@ -15,7 +15,6 @@ loss: the mean over the last --last-steps logged steps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -39,8 +38,9 @@ def final_loss(run_dir: str, last: int) -> tuple[float, int]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise SystemExit(f"{path}: no such file (a training run folder holds metrics.jsonl)")
-    with open(path) as f:
-        losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    from mtrain.train.metrics import read_metrics
+
+    losses = [r["loss"] for r in read_metrics(path) if isinstance(r, dict) and "loss" in r]  # a torn last line skipped
     if not losses:
         raise SystemExit(f"{path}: no step logged a loss")
     tail = losses[-last:]

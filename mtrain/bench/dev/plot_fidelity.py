@@ -8,17 +8,14 @@ dense in nats (a ratio spikes on the near-zero losses of needle-heavy samples).
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def losses(path: str) -> dict[int, float]:
-    out = {}
-    with open(path) as fh:
-        for line in fh:
-            if line.strip():
-                row = json.loads(line)
-                out[int(row["step"])] = float(row["loss"])
-    return out
+    from mtrain.train.metrics import read_metrics
+
+    # a torn last line (a run still writing, or killed) is skipped, as everywhere metrics.jsonl is read
+    return {int(row["step"]): float(row["loss"]) for row in read_metrics(path)
+            if isinstance(row, dict) and "step" in row and "loss" in row}
 
 
 def main() -> None:
