@@ -64,6 +64,9 @@ class DataConfig:
     """Shuffle sample order each epoch (seeded by train.seed)."""
 
 
+DEFAULT_ESCALATE_RECALL = 0.995
+
+
 @dataclass
 class AttentionConfig:
     kind: str = "dense"
@@ -83,8 +86,9 @@ class AttentionConfig:
     max_slash: int = 16384
     """Budget cap on slash lines per head, in token diagonals (slashes are chosen per block offset, which
     counts as block_size diagonals)."""
-    sample_blocks: int = 16
-    """Query blocks spread evenly over the sequence that the estimate scores besides the last_q queries."""
+    sample_blocks: int = 32
+    """Query blocks spread evenly over the sequence that the estimate scores besides the last_q queries (32: with 16,
+    SmolLM2-135M with every layer sparse read +1.7% perplexity at 32K, with 32 +0.2%; BENCHMARKS.md, issue #29)."""
     sample_rows: Optional[int] = None
     """Rows the estimate scores per sampled query block (its first ones, at most block_size); None = the whole
     block. Fewer rows make the estimate cheaper (its cost is linear in the scored rows) and its pattern coarser."""
@@ -102,21 +106,23 @@ class AttentionConfig:
     Hopper or newer GPUs) for the listed blocks plus our column kernels. Under context parallelism the engine picks
     the kernels of every sparse ring step: fa4 (FA4's block-sparse kernels, where it runs: 128-token blocks, no
     document masking; else ours), triton, or auto (fa4 where it runs); flex has no ring steps and is refused there."""
-    max_output_error: Optional[float] = None
+    max_output_error: Optional[float] = 0.025
     """Under sparse_policy auto, the quality check: a layer runs dense where the relative error of the attention
     output of the rows the estimate scored, with only the pairs inside the estimated index against dense attention
     (`mtrain.models.policy.quality_error`; under context parallelism measured across the group,
     `mtrain.parallel.quality.gathered_output_error`), exceeds this number, whatever the cost model says. It costs two
-    partial-attention calls over those rows' query blocks, once per `dense_hold_steps` for a layer that passed. null (default) = no check. BENCHMARKS.md ("The
-    quality check", issue #29) has the CPU measurements: the output error follows a layer's perplexity cost where the
-    estimate's row mass does not."""
-    escalate_recall: Optional[float] = None
+    partial-attention calls over those rows' query blocks, once per `dense_hold_steps` for a layer that passed. Default
+    0.025: with it and `escalate_recall` 0.995, every layer sparse on SmolLM2-135M held perplexity within 1% of dense
+    on four kinds of text at 4K and 8K (CPU), where the estimate alone missed by up to 2.4%. null = no check (faster,
+    lossier: a setting to name). BENCHMARKS.md ("The quality check", issue #29) has the CPU measurements: the output
+    error follows a layer's perplexity cost where the estimate's row mass does not."""
+    escalate_recall: Optional[float] = DEFAULT_ESCALATE_RECALL
     """With max_output_error: a layer whose output error on the scored rows exceeds it first estimates again at this
     recall (above `recall`, at most 1) and keeps it for the rest of the run (saved with checkpoints, logged as
     attn_layer_recall/LNN); the check then reads the new index, and only a layer still over the limit goes dense under
     auto. Under sparse_policy always the check runs for this alone and the layer stays sparse. Spends the higher
     recall's pairs only on the layers whose error needs them, where raising `recall` spends them on every layer.
-    null (default) = no escalation."""
+    Default 0.995 (see max_output_error); null = no escalation."""
     dense_hold_steps: int = 16
     """Under sparse_policy auto, in training: a layer the choice sent dense runs dense without estimating its
     pattern for this many further steps, then estimates again (the estimate is paid before the choice; a
@@ -145,6 +151,15 @@ class AttentionConfig:
     xattn_threshold: float = 0.9
     """kind xattention: each query block keeps the fewest key blocks (diagonal and first block always) whose
     normalised antidiagonal scores reach this fraction, in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        # The default escalation needs the check and a recall below it: a recipe that turns the check off, or asks
+        # for a recall at or above 0.995 on every layer, has nothing to escalate to (an escalate_recall it names
+        # itself is checked as given).
+        er, recall = self.escalate_recall, self.recall
+        if er == DEFAULT_ESCALATE_RECALL and type(er) is float and (
+                self.max_output_error is None or (isinstance(recall, (int, float)) and recall >= er)):
+            self.escalate_recall = None
 
 
 @dataclass

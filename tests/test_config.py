@@ -76,7 +76,6 @@ def test_unknown_key_named_with_suggestion(recipe_file):
         ("attention.widen_caps=sometimes", r"attention\.widen_caps: expected true or false, got 'sometimes'"),
         ("attention.widen_max_list_mib=-1", r"attention\.widen_max_list_mib: must be an integer >= 0"),
         ("attention.widen_max_list_mib=lots", r"attention\.widen_max_list_mib: expected an integer, got 'lots'"),
-        ("attention.escalate_recall=0.995", r"attention\.escalate_recall needs attention\.max_output_error"),
         ("attention.escalate_recall=0.99", r"attention\.escalate_recall: must be a number above attention\.recall"),
         ("attention.escalate_recall=1.5", r"attention\.escalate_recall: must be a number above attention\.recall"),
     ],
@@ -108,15 +107,28 @@ def test_widen_caps_is_on_by_default_and_reaches_the_registration(recipe_file, m
     recipe = load_recipe(recipe_file, ["attention.kind=mtraining", "attention.widen_max_list_mib=1024"])
     registry.register_attention(recipe)
     assert seen["widen_max_list_mib"] == 1024
-    assert seen["escalate_recall"] is None
+    assert seen["escalate_recall"] == 0.995 and seen["max_output_error"] == 0.025  # the defaults that keep quality
     recipe = load_recipe(recipe_file, ["attention.kind=mtraining", "attention.max_output_error=0.025",
                                        "attention.escalate_recall=0.995"])
     registry.register_attention(recipe)
     assert seen["escalate_recall"] == 0.995 and seen["max_output_error"] == 0.025
 
 
-def test_max_output_error_is_off_by_default_and_runs_under_context_parallelism(recipe_file):
-    assert load_recipe(recipe_file).attention.max_output_error is None
+def test_quality_check_and_escalation_are_on_by_default(recipe_file):
+    """The mtraining kind's defaults hold quality (issue #50): the check at 0.025 and escalation to 0.995, 32 sampled
+    blocks. A recipe that turns the check off, or asks for a recall of 0.995 or more, has no default escalation; an
+    escalation it names without the check is refused."""
+    a = load_recipe(recipe_file).attention
+    assert (a.max_output_error, a.escalate_recall, a.sample_blocks) == (0.025, 0.995, 32)
+    off = load_recipe(recipe_file, ["attention.max_output_error=null"]).attention
+    assert off.max_output_error is None and off.escalate_recall is None
+    high = load_recipe(recipe_file, ["attention.recall=0.995"]).attention
+    assert high.escalate_recall is None and high.max_output_error == 0.025
+    with pytest.raises(ConfigError, match=r"attention\.escalate_recall needs attention\.max_output_error"):
+        load_recipe(recipe_file, ["attention.max_output_error=null", "attention.escalate_recall=0.999"])
+
+
+def test_max_output_error_runs_under_context_parallelism(recipe_file):
     assert load_recipe(recipe_file, ["attention.max_output_error=0.03"]).attention.max_output_error == 0.03
     cp = load_recipe(recipe_file, ["attention.max_output_error=0.03", "parallel.cp_size=2"])
     assert cp.attention.max_output_error == 0.03 and cp.parallel.cp_size == 2

@@ -112,7 +112,8 @@ def test_bad_attention_source_names_the_problem(tmp_path, kind, items, source, m
              "missing": str(tmp_path / "nope.yaml"), "bad-yaml": str(tmp_path / "bad.yaml"),
              "no-check": str(tmp_path / "bad.yaml"), None: None}
     # keys only a cross-field check catches reach the same validation as --sparse items
-    text = "  kind: mtraining\n  escalate_recall: 0.995\n" if source == "no-check" else "  recal: 0.9\n"
+    text = ("  kind: mtraining\n  max_output_error: null\n  escalate_recall: 0.999\n" if source == "no-check"
+            else "  recal: 0.9\n")
     (tmp_path / "bad.yaml").write_text("attention:\n" + text)
     with pytest.raises(MtrainError) as err:
         attention_options(kind, items, {}, from_path=paths[source])

@@ -333,7 +333,7 @@ def estimate_vertical_slash(
     share_kv_group: bool = False,
     softmax_scale: float | None = None,
     slash_recall: float | None = None,
-    sample_blocks: int = 16,
+    sample_blocks: int = 32,
     sample_rows: int | None = None,
     cap_fraction: float | None = None,
     doc_ids: torch.Tensor | None = None,

@@ -39,7 +39,7 @@ class SparseSettings:
     """Select once per KV group on the scores summed over its query heads (one budget per group)."""
     slash_recall: float | None = None
     """Target the slashes complete the coverage to (after the kept blocks and verticals); None = `recall`."""
-    sample_blocks: int = 16
+    sample_blocks: int = 32
     """Query blocks spread evenly over the sequence whose first sample_rows rows are scored besides the last_q rows."""
     sample_rows: int | None = None
     """Rows scored per sampled query block (at most block_size); None = the whole block."""
