@@ -287,7 +287,13 @@ def main() -> int:
                          "R (attention.max_output_error E with attention.escalate_recall R, under policy always)")
     ap.add_argument("--one-layer", action="store_true",
                     help="also each layer sparse alone (the others dense), per cell: the per-layer rise and measures")
+    ap.add_argument("--escalated-only", action="store_true",
+                    help="run only the --escalate passes (not the every-layer-sparse pass without the check before "
+                         "them): with --set default --escalate 0.025:0.995, the mtraining kind's defaults alone")
     args = ap.parse_args()
+    if args.escalated_only and (not args.escalate or args.max_error or args.dense or args.one_layer):
+        ap.error("--escalated-only needs --escalate and takes no --max-error, --dense or --one-layer (they read the "
+                 "pass it skips)")
     if args.table:
         cells = []
         for name in args.table:
@@ -335,13 +341,16 @@ def main() -> int:
             ids, ppl_dense, dense_s = text_ids(text)
             t0 = time.perf_counter()
             settings = SparseSettings(**overrides[name])
-            cell = sparse_pass(net, ids, settings, args.recall_rows)
-            cell.update(seq_len=seq_len, text=text, setting=name, ppl_dense=ppl_dense, rise=cell["ppl"] / ppl_dense - 1,
-                        seconds=time.perf_counter() - t0, dense_seconds=dense_s, yarn_factor=factor)
-            n_layers = cell["layers"]
-            found = [cell]
-            chosen = [(f"max_error={limit}", quality_paths(cell["per_layer"], n_layers, limit))
-                      for limit in args.max_error]
+            found, chosen = [], []
+            if not args.escalated_only:
+                cell = sparse_pass(net, ids, settings, args.recall_rows)
+                cell.update(seq_len=seq_len, text=text, setting=name, ppl_dense=ppl_dense,
+                            rise=cell["ppl"] / ppl_dense - 1, seconds=time.perf_counter() - t0,
+                            dense_seconds=dense_s, yarn_factor=factor)
+                n_layers = cell["layers"]
+                found = [cell]
+                chosen = [(f"max_error={limit}", quality_paths(cell["per_layer"], n_layers, limit))
+                          for limit in args.max_error]
             for listed in args.dense:
                 layers = sorted(int(x) for x in listed.split(","))
                 chosen.append((f"dense {layers}", {i: "dense" if i in layers else "sparse" for i in range(n_layers)}))
