@@ -283,7 +283,7 @@ def test_scored_rows_of_q_alone_give_the_same_index():
     kw = dict(recall=0.95, block_size=64, sample_blocks=3, last_q=40, softmax_scale=0.2)
     rows = estimate_rows(1000, **kw)
     assert torch.equal(rows, scored_rows(1000, 40, 3, 64))
-    assert torch.equal(estimate_rows(4096), scored_rows(4096, 64, 16, 64))  # the estimator's own defaults
+    assert torch.equal(estimate_rows(4096), scored_rows(4096, 64, 32, 64))  # the estimator's own defaults
     whole = estimate_vertical_slash(q, k, **kw)
     assert same_index(estimate_vertical_slash(q[:, rows], k, scored_q=True, **kw), whole)
     with pytest.raises(ValueError, match="scored rows"):

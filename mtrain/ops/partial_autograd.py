@@ -14,9 +14,10 @@ from mtrain.ops import partial
 
 
 # Entries of an index's cache that are not derived lists (the estimator's own recall figure, the lines it was built
-# from, the list-free columns, which reach the backward as its `columns`): they stay with the caller and are not
-# handed to the backward.
-NOT_PLANS = ("est_recall", "lines", "diagonal_listed", "vcols")
+# from, the list-free columns, which reach the backward as its `columns`, the quality check's output error and what it
+# overruled): they stay with the caller and are not handed to the backward (a gradient-checkpointed layer rebuilds its
+# index from the lines, without them, and must save the same tensors).
+NOT_PLANS = ("est_recall", "lines", "diagonal_listed", "vcols", "output_error", "overruled")
 
 
 def split_tensors(obj, tensors: list):
