@@ -125,6 +125,7 @@ def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_id
     if policy == "never":
         return "dense", None
     from mtrain.ops import cost
+    from mtrain.ops.dense import dense_backend
 
     read = _choice_stats(index, q, target, layer_idx)
     blocks, columns = int(read[0]), int(read[1])
@@ -134,7 +135,7 @@ def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_id
     prediction = cost.predict(blocks, columns, seq_len=index.seq_len, heads=Hq, head_dim=D,
                               block_size=index.block_size, batch=B, backward=training, device=q.device,
                               world=world, doc_lengths=doc_lengths, estimate_rows=rows, engine=engine,
-                              graphed=graphed, dense_engine=dense_engine(q))
+                              graphed=graphed, dense_engine=dense_backend(q))
     by_cost = prediction.path
     has_recall = target is not None and index._cache.get("est_recall") is not None
     reasons = []
@@ -162,6 +163,7 @@ def skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 
                                           cap_scale=CONTEXT.cap_scale.get(layer_idx, 1)))
         return True
     from mtrain.ops import cost
+    from mtrain.ops.dense import dense_backend
 
     B, S_local, Hq, D = q.shape
     S = S_local * world
@@ -169,7 +171,7 @@ def skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 
     floor = cost.worth_estimating(seq_len=S, heads=Hq, head_dim=D, block_size=s.block_size,
                                   rows=scored_rows(s, S), batch=B, backward=training,
                                   device=q.device, world=world, doc_lengths=doc_lengths, engine=engine,
-                                  graphed=graphed, dense_engine=dense_engine(q))
+                                  graphed=graphed, dense_engine=dense_backend(q))
     if floor.path == "sparse":
         return False
     CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, floor.dense_ms, floor.sparse_ms,
@@ -452,13 +454,6 @@ def remember_choice(layer_idx, path: str, index, training: bool) -> None:
         CONTEXT.memo.pop(layer_idx, None)  # nothing to rebuild from: the recomputation estimates again
     else:
         CONTEXT.memo[layer_idx] = (path, lines)
-
-
-def dense_engine(q) -> str:
-    """The dense kernel a dense layer runs for q (`mtrain.ops.dense.dense_backend`), as the cost model names it."""
-    from mtrain.ops.dense import dense_backend
-
-    return dense_backend(q)
 
 
 def document_lengths(doc_ids) -> list[int]:

@@ -106,14 +106,6 @@ class Documents:
         return cls(doc_ids.to(device=device, dtype=torch.int64), lengths, Segments.build(flat, device=device))
 
     @property
-    def batch(self) -> int:
-        return self.doc_ids.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.doc_ids.shape[1]
-
-    @property
     def max_len(self) -> int:
         return self.segments.max_q
 
@@ -124,9 +116,6 @@ class Documents:
             out.append(at)
             at += n
         return out
-
-    def to(self, device) -> "Documents":
-        return dataclasses.replace(self, doc_ids=self.doc_ids.to(device), segments=self.segments.to(device), cache={})
 
 
 def varlen_backend(q: torch.Tensor) -> str:

@@ -87,7 +87,7 @@ def _plan(layout, runs, batch: int, seq_len: int, documents, device):
     key = (layout.spec, runs, batch, seq_len, str(device))
     if key not in cache:
         q_lengths, k_lengths, ranges = _key_ranges(runs, batch, documents)
-        _, to_sequence = _orders(layout, seq_len, device)
+        to_sequence = _to_sequence(layout, seq_len, device)
         shard_len = seq_len // layout.world_size
         at = torch.cat([to_sequence[start:stop] for _, start, stop in ranges])
         rows = torch.cat([torch.full((stop - start,), b, dtype=torch.long) for b, start, stop in ranges]).to(device)
@@ -97,19 +97,19 @@ def _plan(layout, runs, batch: int, seq_len: int, documents, device):
     return cache[key]
 
 
-_ORDERS: dict = {}
+_TO_SEQUENCE: dict = {}
 
 
-def _orders(layout, seq_len: int, device):
-    """(order, to_sequence): the sequence positions of the ranks' shards one after another, and its inverse
-    permutation; on the device, cached per layout (no copy to the device per layer)."""
+def _to_sequence(layout, seq_len: int, device):
+    """Where each sequence position lies among the ranks' shards laid one after another (the gathered K/V's rows), on
+    the device, cached per layout (no copy to the device per layer)."""
     key = (layout.spec, seq_len, str(device))
-    if key not in _ORDERS:
-        if len(_ORDERS) > 16:
-            _ORDERS.clear()
+    if key not in _TO_SEQUENCE:
+        if len(_TO_SEQUENCE) > 16:
+            _TO_SEQUENCE.clear()
         order = torch.cat([layout.indices(seq_len, r) for r in range(layout.world_size)])
-        _ORDERS[key] = (order.to(device), torch.argsort(order).to(device))
-    return _ORDERS[key]
+        _TO_SEQUENCE[key] = torch.argsort(order).to(device)
+    return _TO_SEQUENCE[key]
 
 
 class _GatherKV(torch.autograd.Function):
