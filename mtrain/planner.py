@@ -309,33 +309,28 @@ def memory_terms(spec: PlanSpec) -> dict:
     return out
 
 
-def plan(spec: PlanSpec) -> Plan:
-    """The cost model (see the module docstring); raises MtrainError on an invalid spec."""
-    from mtrain.parallel.traffic import expected_per_rank, layer_traffic
-
-    errors = spec.check()
-    if errors:
-        raise MtrainError("; ".join(errors))
-    s, g = spec.shape, spec.gpu
-    out = Plan(spec)
-    w, S = spec.cp, spec.seq_len
-    world = spec.gpus
-    dp = world // w
-    nodes = max(1, world // spec.node_size)
-    cp_nodes = max(1, math.ceil(w / spec.node_size))
-    local = min(w, spec.node_size)
+def _flops(spec: PlanSpec) -> dict:
+    """FLOPs per rank per micro-step: the linear layers (LM head included), attention as it runs (dense, or the
+    sparse density's share) and attention as it would run dense."""
+    s, w, S = spec.shape, spec.cp, spec.seq_len
     tokens = S / w  # per rank
-    n = s.params
     recompute = 1 if spec.checkpointing else 0
-
-    # FLOPs per rank per micro-step
     linear = 2 * s.layers * s.layer_params * tokens * (3 + recompute) + 2 * s.hidden * s.vocab * tokens * 3
     attn_dense = 2 * s.q_heads * s.head_dim * S * S / w * s.layers * (3.5 + recompute)  # fwd 2, bwd 5 of 4*S^2/2*D
     frac = 1.0 if spec.attention == "dense" else spec.density
-    out.flops = {"linear (incl. LM head)": linear, "attention": attn_dense * frac,
-                 "attention if dense": attn_dense}
+    return {"linear (incl. LM head)": linear, "attention": attn_dense * frac, "attention if dense": attn_dense}
 
-    # memory per GPU (GB)
+
+def _memory(spec: PlanSpec, out: Plan, kv_shard: float, columns: int, per_rank: float) -> None:
+    """Fill `out`'s memory per GPU (GB, with its total) and host memory per node, and mark it as not fitting (with
+    a note) when either is over what the GPU or the node holds. kv_shard: bytes of a rank's K/V shard; columns,
+    per_rank: the distinct vertical columns at worst and those one rank owns."""
+    s, g = spec.shape, spec.gpu
+    w, S = spec.cp, spec.seq_len
+    world = spec.gpus
+    nodes = max(1, world // spec.node_size)
+    tokens = S / w  # per rank
+    n = s.params
     w_bytes = 2 * n
     opt = 12 * n / world  # fp32 master + Adam m, v partitioned by ZeRO over all ranks
     bucket = min(2 * n, 0.5 * GB)  # DeepSpeed's reduce bucket
@@ -348,11 +343,6 @@ def plan(spec: PlanSpec) -> Plan:
     layer = (tokens * per_token_layer - (tokens - mlp_tokens) * 12 * s.intermediate) * (
         1 if spec.checkpointing else s.layers)
     logits = spec.loss_chunk * s.vocab * (2 + 4)  # a chunk's bf16 logits and fp32 gradient (not with a layer's)
-    kv_shard = tokens * s.kv_heads * s.head_dim * 2 * 2
-    columns = 0
-    if spec.attention == "sparse" and w > 1:
-        columns = min(S, spec.block_size + s.q_heads * spec.verticals)  # distinct columns at worst (all heads)
-    per_rank = expected_per_rank(columns, w, min(spec.block_size, S)) if columns else 0
     col_row = 2 * s.kv_heads * s.head_dim
     kv_buffers = 2 * kv_shard + 2 * kv_shard * 2 + (columns * col_row * (2 + 4) + w * per_rank * col_row * 2)
     rows_per_rank = S // spec.block_size / w
@@ -380,11 +370,16 @@ def plan(spec: PlanSpec) -> Plan:
         out.fits = False
         out.notes.append(f"optimizer offload needs {host / GB:.0f} GB per node > {spec.host_memory_gb:.0f} GB")
 
-    # bytes per link, per micro-step (all layers)
-    traffic = layer_traffic(world=w, seq_len=S, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
-                            columns=columns, per_rank=per_rank, block_size=spec.block_size,
-                            scored_rows=spec.scored_rows, vertical_cap=spec.max_vertical,
-                            sparse=spec.attention == "sparse")
+
+def _link_bytes(spec: PlanSpec, traffic, kv_shard: float) -> dict:
+    """Bytes per link: the ring's K/V over NVLink and over the network and the side traffic (columns, estimate)
+    per micro-step, all layers; the gradient sync and the offload's PCIe traffic per optimizer step. traffic: one
+    layer's (`mtrain.parallel.traffic.layer_traffic`); kv_shard: bytes of a rank's K/V shard."""
+    s, w = spec.shape, spec.cp
+    world = spec.gpus
+    n = s.params
+    cp_nodes = max(1, math.ceil(w / spec.node_size))
+    recompute = 1 if spec.checkpointing else 0
     calls = 1 + recompute  # the recomputed forward repeats the forward's traffic
     ring_fwd = (w - 1) * kv_shard
     ring_per_layer = traffic.ring_kv + recompute * ring_fwd
@@ -401,15 +396,30 @@ def plan(spec: PlanSpec) -> Plan:
         nvlink, network = 0.0, ring_per_layer
     side_link = "network" if cp_nodes > 1 else "nvlink"
     grad_sync = 2 * 2 * n * (world - 1) / world  # ZeRO-2: reduce-scatter of bf16 gradients + all-gather of weights
-    out.link_bytes = {"ring KV, NVLink (per micro-step)": nvlink * s.layers,
-                      "ring KV, network (per micro-step)": network * s.layers,
-                      f"side traffic, {side_link} (per micro-step)": side_per_layer * s.layers,
-                      "  same, before #17 (column all-reduce, all candidates)":
-                          (traffic.columns_before + calls * traffic.estimate_before) * s.layers,
-                      "gradient sync (per optimizer step)": grad_sync,
-                      "offload PCIe (per optimizer step)": 6 * n / world if spec.offload else 0.0}
+    return {"ring KV, NVLink (per micro-step)": nvlink * s.layers,
+            "ring KV, network (per micro-step)": network * s.layers,
+            f"side traffic, {side_link} (per micro-step)": side_per_layer * s.layers,
+            "  same, before #17 (column all-reduce, all candidates)":
+                (traffic.columns_before + calls * traffic.estimate_before) * s.layers,
+            "gradient sync (per optimizer step)": grad_sync,
+            "offload PCIe (per optimizer step)": 6 * n / world if spec.offload else 0.0}
 
-    # time per micro-step
+
+def _times(spec: PlanSpec, linear: float, traffic, kv_shard: float) -> dict:
+    """Seconds per micro-step of each part (linear layers, attention kernels, the sparse estimate and index and, on
+    a ring, the transfers and collectives the compute does not hide), then those of the optimizer step (gradient
+    sync, CPU Adam with offload). linear: the micro-step's linear FLOPs; traffic and kv_shard as `_link_bytes`."""
+    s, g = spec.shape, spec.gpu
+    w = spec.cp
+    world = spec.gpus
+    nodes = max(1, world // spec.node_size)
+    cp_nodes = max(1, math.ceil(w / spec.node_size))
+    local = min(w, spec.node_size)
+    n = s.params
+    recompute = 1 if spec.checkpointing else 0
+    calls = 1 + recompute  # the recomputed forward repeats the forward's traffic
+    hier = spec.ring == "hierarchical" and cp_nodes > 1
+    grad_sync = 2 * 2 * n * (world - 1) / world  # ZeRO-2: reduce-scatter of bf16 gradients + all-gather of weights
     at = attention_layer_ms(spec)
     linear_s = linear / (g.matmul_tflops * 1e12)
     kernel_s = at["kernels"] * s.layers / 1e3
@@ -436,7 +446,35 @@ def plan(spec: PlanSpec) -> Plan:
     if spec.offload:
         per_node = n / world * min(world, spec.node_size)
         times["optimizer step: CPU Adam + PCIe"] = per_node / spec.cpu_adam_params_per_s + 6 * n / world / (g.pcie_gbs * GB)
-    out.times_s = times
+    return times
+
+
+def plan(spec: PlanSpec) -> Plan:
+    """The cost model (see the module docstring); raises MtrainError on an invalid spec."""
+    from mtrain.parallel.traffic import expected_per_rank, layer_traffic
+
+    errors = spec.check()
+    if errors:
+        raise MtrainError("; ".join(errors))
+    s = spec.shape
+    out = Plan(spec)
+    w, S = spec.cp, spec.seq_len
+    dp = spec.gpus // w
+    tokens = S / w  # per rank
+    out.flops = _flops(spec)  # per rank per micro-step
+    kv_shard = tokens * s.kv_heads * s.head_dim * 2 * 2
+    columns = 0
+    if spec.attention == "sparse" and w > 1:
+        columns = min(S, spec.block_size + s.q_heads * spec.verticals)  # distinct columns at worst (all heads)
+    per_rank = expected_per_rank(columns, w, min(spec.block_size, S)) if columns else 0
+    _memory(spec, out, kv_shard, columns, per_rank)  # per GPU (GB)
+    # bytes per link, per micro-step (all layers)
+    traffic = layer_traffic(world=w, seq_len=S, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+                            columns=columns, per_rank=per_rank, block_size=spec.block_size,
+                            scored_rows=spec.scored_rows, vertical_cap=spec.max_vertical,
+                            sparse=spec.attention == "sparse")
+    out.link_bytes = _link_bytes(spec, traffic, kv_shard)
+    out.times_s = _times(spec, out.flops["linear (incl. LM head)"], traffic, kv_shard)  # per micro-step
     if dp > 1:
         out.notes.append(f"data parallel x{dp}: {dp} sequences per micro-step across the cluster")
     return out
@@ -500,7 +538,7 @@ MEASURED = [
 ]
 _HEADS_16 = ModelShape("attention 16/16 x 128", 1, 2048, 16, 16, 128, 1, 1)
 _HEADS_16_2 = ModelShape("attention 16/2 x 128", 1, 2048, 16, 2, 128, 1, 1)
-# CPU gloo, 2 ranks, fp32, 8K tokens, 4/2 heads x 32 (mtrain/bench/dev/bench_ring_cpu.py, 2026-11-24, median of 3, twice)
+# CPU gloo, 2 ranks, fp32, 8K tokens, 4/2 heads x 32 (tools/bench_ring_cpu.py, 2026-11-24, median of 3, twice)
 _CPU_HEADS = ModelShape("attention 4/2 x 32", 1, 128, 4, 2, 32, 1, 1)
 MEASURED += [
     ("CPU gloo 2 ranks ring attention dense 4K/rank", dict(shape=_CPU_HEADS, seq_len=8192, gpus=2, cp=2,

@@ -456,7 +456,8 @@ def write_jsonl(path: str | os.PathLike, docs: list[str], field: str = "text") -
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of `python -m mtrain.data.synthetic`: the corpus's options, the copy drills' group."""
     parser = argparse.ArgumentParser(
         prog="python -m mtrain.data.synthetic",
         description="Write the synthetic long-context corpus (jsonl, field 'text') used by the embedded default.",
@@ -505,27 +506,33 @@ def main(argv: list[str] | None = None) -> int:
                         "value said again)")
     copy.add_argument("--tokenizer", help="tokenizer the drills (and --fit-tokens) are counted in "
                       "(default: the tiny tokenizer)")
-    args = parser.parse_args(argv)
-    if args.copy_period:
-        try:
-            lo, hi = (int(v) for v in args.copy_period.split(":"))
-        except ValueError:
-            parser.error(f"--copy-period {args.copy_period!r}: expected LO:HI")
-        if not 0 < lo <= hi or args.copy_tokens <= hi or args.docs <= 0:
-            parser.error("need 0 < LO <= HI < --copy-tokens and --docs > 0")
-        if args.copy_far and 2 * hi > args.copy_tokens:
-            parser.error("--copy-far: need 2 * HI <= --copy-tokens")
-        if args.copy_spread and not args.copy_far:
-            parser.error("--copy-spread needs --copy-far")
-        shares = (args.copy_digits, args.copy_prose, args.copy_needles, args.copy_repeats)
-        if not (min(shares) >= 0 and sum(shares) <= 1):
-            parser.error("need --copy-digits, --copy-prose, --copy-needles, --copy-repeats >= 0 with a sum <= 1")
-        cspec = CopySpec(args.docs, args.copy_tokens, lo, hi, args.copy_digits, args.copy_prose, args.seed,
-                         args.tokenizer, args.copy_needles, args.copy_far,
-                         args.copy_spread, args.copy_repeats)
-        out = write_jsonl(args.out, generate_copies(cspec))
-        print(f"wrote {cspec.num_docs} copy drills to {out}")
-        return 0
+    return parser
+
+
+def _copy_spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CopySpec:
+    """The copy drills `args` ask for (--copy-period and the --copy-* options), checked: a bad value stops the
+    command through `parser.error`."""
+    try:
+        lo, hi = (int(v) for v in args.copy_period.split(":"))
+    except ValueError:
+        parser.error(f"--copy-period {args.copy_period!r}: expected LO:HI")
+    if not 0 < lo <= hi or args.copy_tokens <= hi or args.docs <= 0:
+        parser.error("need 0 < LO <= HI < --copy-tokens and --docs > 0")
+    if args.copy_far and 2 * hi > args.copy_tokens:
+        parser.error("--copy-far: need 2 * HI <= --copy-tokens")
+    if args.copy_spread and not args.copy_far:
+        parser.error("--copy-spread needs --copy-far")
+    shares = (args.copy_digits, args.copy_prose, args.copy_needles, args.copy_repeats)
+    if not (min(shares) >= 0 and sum(shares) <= 1):
+        parser.error("need --copy-digits, --copy-prose, --copy-needles, --copy-repeats >= 0 with a sum <= 1")
+    return CopySpec(args.docs, args.copy_tokens, lo, hi, args.copy_digits, args.copy_prose, args.seed,
+                    args.tokenizer, args.copy_needles, args.copy_far,
+                    args.copy_spread, args.copy_repeats)
+
+
+def _corpus_spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CorpusSpec:
+    """The corpus `args` ask for (sizes, retrieval share and formats, fitted lengths, needle values), checked: a
+    bad value stops the command through `parser.error`."""
     if args.docs <= 0 or args.min_sentences <= 0 or args.max_sentences < args.min_sentences:
         parser.error("need --docs > 0 and 0 < --min-sentences <= --max-sentences")
     if args.facts <= 0 or not 0.0 <= args.retrieval <= 1.0:
@@ -557,8 +564,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--edge-depths: need a share in [0, 1]")
     if not 0.0 <= args.value_repeats <= 1.0:
         parser.error("--value-repeats: need a share in [0, 1]")
-    spec = CorpusSpec(args.docs, args.min_sentences, args.max_sentences, args.facts, args.seed, args.retrieval,
+    return CorpusSpec(args.docs, args.min_sentences, args.max_sentences, args.facts, args.seed, args.retrieval,
                       tuple(formats), fit, args.tokenizer, digits, args.edge_depths, args.value_repeats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the copy drills (with --copy-period) or the corpus to --out, and say how many; returns 0."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.copy_period:
+        cspec = _copy_spec(parser, args)
+        out = write_jsonl(args.out, generate_copies(cspec))
+        print(f"wrote {cspec.num_docs} copy drills to {out}")
+        return 0
+    spec = _corpus_spec(parser, args)
     out = write_jsonl(args.out, generate(spec))
     print(f"wrote {spec.num_docs} documents to {out}")
     return 0

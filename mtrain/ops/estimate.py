@@ -319,26 +319,97 @@ def choose_verticals(cand_mass, cand_ids, slash_mass, need, cap_v: int, min_v: i
     return torch.where(keep, ids, -1), torch.where(keep, top, 0.0).sum(-1)
 
 
+def _checked_args(q, k, recall: float, sample_rows: int | None, doc_ids, scorer: str, scored_q: bool,
+                  block_size: int) -> tuple[int, str]:
+    """`estimate_vertical_slash`'s arguments checked (a ValueError names the first that is wrong): returns the
+    sequence's length (k's with scored_q) and the scorer that runs ("auto" resolved: "triton" on a GPU at a
+    power-of-two block_size >= 16, else "torch")."""
+    if not 0.0 < recall <= 1.0:
+        raise ValueError(f"recall must be in (0, 1]; got {recall}")
+    if sample_rows is not None and sample_rows < 1:
+        raise ValueError(f"sample_rows must be >= 1 or None; got {sample_rows}")
+    B, S, Hq, _ = q.shape
+    if scored_q:
+        S = k.shape[1]
+    if k.dim() != 4 or k.shape[0] != B or k.shape[1] != S or Hq % k.shape[2] != 0:
+        raise ValueError(f"k must be [B={B}, S={S}, Hkv, D] with Hq % Hkv == 0; got {tuple(k.shape)}")
+    if doc_ids is not None and (doc_ids.shape != (B, S) or doc_ids.is_floating_point()):
+        raise ValueError(
+            f"doc_ids must be an integer tensor [B={B}, S={S}]; got {doc_ids.dtype} {tuple(doc_ids.shape)}"
+        )
+    if scorer not in ("auto", "torch", "triton"):
+        raise ValueError(f"scorer must be 'auto', 'torch' or 'triton'; got {scorer!r}")
+    pow2 = block_size >= 16 and block_size & (block_size - 1) == 0
+    if scorer == "auto":
+        scorer = "triton" if q.is_cuda and pow2 else "torch"
+    return S, scorer
+
+
+def _score(scorer: str, q_rows, k, rows, k_pos, block_size: int, scale: float, softmax_scale: float | None, docs):
+    """Step 1 of `estimate_vertical_slash`: the scored rows `q_rows` against all keys, split into the mass of the
+    always-kept blocks and the rest. Returns (probs [B, Hkv, G, n, S], None with the triton scorer, which writes
+    no probabilities; mandatory [B, Hkv, G]; vert [B, Hkv, G, S], the column mass outside the kept blocks; rest
+    [B, Hkv, G, n, nKB], the block mass outside them; lse, each row's log-sum-exp from the triton scorer, else
+    None)."""
+    B, S, Hkv = k.shape[0], k.shape[1], k.shape[2]
+    G, n, n_blocks = q_rows.shape[2] // Hkv, rows.numel(), -(-S // block_size)
+    if scorer == "triton":
+        from mtrain.ops._triton_estimate import score_rows
+
+        with torch.profiler.record_function("est:1 score"):
+            lse, pooled, vert = score_rows(q_rows, k, rows, block_size, scale, docs)
+        pooled, vert = pooled.view(B, Hkv, G, n, n_blocks), vert.view(B, Hkv, G, S)
+        mandatory, rest = kept_split(pooled, rows, block_size)
+        return None, mandatory, vert, rest, lse
+    logits = row_probs(q_rows, k, rows, softmax_scale, docs)  # [B, Hkv, G, n, S]
+    row_max = logits.amax(-1)
+    row_sum = torch.exp(logits - row_max[..., None]).sum(-1)
+    probs, pooled, mandatory, vert, rest = residual_parts(logits, rows, k_pos, row_max, row_sum, block_size,
+                                                          n_blocks)
+    return probs, mandatory, vert, rest, None
+
+
+def _uncovered_offsets(probs, rest, slash_heads, v_idx, q_rows, k, lse, plan, k_pos, scale: float, block_size: int,
+                       docs) -> torch.Tensor:
+    """Step 3's input in `estimate_vertical_slash`: the mass per block offset [B, Hkv, G, nKB] that the kept blocks
+    and the chosen verticals v_idx leave uncovered. From the probabilities when the torch scorer kept them; with
+    the triton scorer (probs None), the verticals' mass per offset is recomputed from q and k (`lse` the rows')
+    and taken from each offset's mass `slash_heads`."""
+    rows, row_blocks, table = plan
+    B, S, Hkv = k.shape[0], k.shape[1], k.shape[2]
+    Hq = q_rows.shape[2]
+    if probs is None:  # the verticals' mass per block offset, from q and k, less what blocks hold
+        from mtrain.ops._triton_estimate import group_column_mass
+
+        v_sorted = torch.sort(v_idx, dim=-1).values.expand(B, Hkv, Hq // Hkv, -1).reshape(B, Hq, -1)
+        colsum = group_column_mass(q_rows, k, lse, rows, table, v_sorted[:, :, None], scale, block_size,
+                                   docs, skip_kept=True)
+        held = offset_mass(colsum, v_sorted, row_blocks, block_size, -(-S // block_size)).view(B, Hkv, Hq // Hkv, -1)
+        return (slash_heads - held).clamp_(min=0.0)
+    uncovered = uncovered_blocks(probs, rest, rows, k_pos, v_idx, S, block_size)
+    return block_slash_mass(uncovered, rows, block_size)
+
+
+def _index_of(v_idx, s_tok, covered, seq_len: int, block_size: int, n: int) -> SparseIndex:
+    """The `SparseIndex` of the chosen lines (v_idx, s_tok [B, Hkv, G or 1, N], -1 padded, expanded here to every
+    query head), carrying the mean mass of the n scored rows inside it (`covered` [B, Hkv, G] over n) as
+    `_cache["est_recall"]` and its `from_lines` arguments as `_cache["lines"]`."""
+    B, Hkv, G = covered.shape
+    v_idx = v_idx.expand(B, Hkv, G, -1).reshape(B, Hkv * G, -1)
+    s_tok = s_tok.expand(B, Hkv, G, -1).reshape(B, Hkv * G, -1)
+    with torch.profiler.record_function("est:5 index"):
+        index = SparseIndex.from_lines(v_idx, s_tok, seq_len, block_size)
+    index._cache["est_recall"] = covered.reshape(B, Hkv * G) / n
+    index._cache["lines"] = (v_idx, s_tok)  # `SparseIndex.from_lines` arguments (gradient checkpointing)
+    return index
+
+
 def estimate_vertical_slash(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    recall: float = 0.99,
-    last_q: int = 64,
-    max_vertical: int = 16384,
-    max_slash: int = 16384,
-    block_size: int = 64,
-    *,
-    min_vertical: int = 16,
-    min_slash: int = 16,
-    share_kv_group: bool = False,
-    softmax_scale: float | None = None,
-    slash_recall: float | None = None,
-    sample_blocks: int = 32,
-    sample_rows: int | None = None,
-    cap_fraction: float | None = None,
-    doc_ids: torch.Tensor | None = None,
-    scorer: str = "auto",
-    scored_q: bool = False,
+    q: torch.Tensor, k: torch.Tensor, recall: float = 0.99, last_q: int = 64, max_vertical: int = 16384,
+    max_slash: int = 16384, block_size: int = 64, *, min_vertical: int = 16, min_slash: int = 16,
+    share_kv_group: bool = False, softmax_scale: float | None = None, slash_recall: float | None = None,
+    sample_blocks: int = 32, sample_rows: int | None = None, cap_fraction: float | None = None,
+    doc_ids: torch.Tensor | None = None, scorer: str = "auto", scored_q: bool = False,
 ) -> SparseIndex:
     """Estimate the vertical-slash pattern of causal attention and return its `SparseIndex`.
 
@@ -368,26 +439,9 @@ def estimate_vertical_slash(
     rows inside the final index (blocks after expansion, sink and diagonal included, and columns), summed from
     the per-block, per-column and per-offset masses the steps above computed (`kept_mass`).
     """
-    if not 0.0 < recall <= 1.0:
-        raise ValueError(f"recall must be in (0, 1]; got {recall}")
-    if sample_rows is not None and sample_rows < 1:
-        raise ValueError(f"sample_rows must be >= 1 or None; got {sample_rows}")
-    B, S, Hq, D = q.shape
-    if scored_q:
-        S = k.shape[1]
-    if k.dim() != 4 or k.shape[0] != B or k.shape[1] != S or Hq % k.shape[2] != 0:
-        raise ValueError(f"k must be [B={B}, S={S}, Hkv, D] with Hq % Hkv == 0; got {tuple(k.shape)}")
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    if doc_ids is not None and (doc_ids.shape != (B, S) or doc_ids.is_floating_point()):
-        raise ValueError(
-            f"doc_ids must be an integer tensor [B={B}, S={S}]; got {doc_ids.dtype} {tuple(doc_ids.shape)}"
-        )
-    if scorer not in ("auto", "torch", "triton"):
-        raise ValueError(f"scorer must be 'auto', 'torch' or 'triton'; got {scorer!r}")
-    pow2 = block_size >= 16 and block_size & (block_size - 1) == 0
-    if scorer == "auto":
-        scorer = "triton" if q.is_cuda and pow2 else "torch"
+    S, scorer = _checked_args(q, k, recall, sample_rows, doc_ids, scorer, scored_q, block_size)
+    _, _, Hq, D = q.shape
+    G = Hq // k.shape[2]
     with torch.no_grad():
         docs = None if doc_ids is None else doc_ids.to(q.device)
         plan = row_plan(S, last_q, sample_blocks, block_size, q.device, sample_rows)
@@ -400,23 +454,9 @@ def estimate_vertical_slash(
         n_blocks = -(-S // block_size)
         k_pos = torch.arange(S, device=q.device)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-        stage = torch.profiler.record_function  # labels for mtrain/bench/dev/profile_estimate.py (free when not profiling)
-        if scorer == "triton":
-            from mtrain.ops._triton_estimate import group_column_mass, score_rows
-
-            _, row_blocks, table = plan
-            with stage("est:1 score"):
-                lse, pooled, vert = score_rows(q_rows, k, rows, block_size, scale, docs)
-            pooled, vert = pooled.view(B, Hkv, G, n, n_blocks), vert.view(B, Hkv, G, S)
-            mandatory, rest = kept_split(pooled, rows, block_size)
-            probs = None
-        else:
-            logits = row_probs(q_rows, k, rows, softmax_scale, docs)  # [B, Hkv, G, n, S]
-            row_max = logits.amax(-1)
-            row_sum = torch.exp(logits - row_max[..., None]).sum(-1)
-            probs, pooled, mandatory, vert, rest = residual_parts(logits, rows, k_pos, row_max, row_sum, block_size,
-                                                                  n_blocks)
-            del logits
+        stage = torch.profiler.record_function  # labels for tools/profile_estimate.py (free when not profiling)
+        probs, mandatory, vert, rest, lse = _score(scorer, q_rows, k, rows, k_pos, block_size, scale, softmax_scale,
+                                                   docs)
         with stage("est:2 verticals"):
             slash_heads = block_slash_mass(rest, rows, block_size)  # [B, Hkv, G, nKB]
         slash0 = slash_heads
@@ -432,15 +472,8 @@ def estimate_vertical_slash(
                                              block_size)
         # the slash stage sees only what the kept blocks and the chosen verticals leave uncovered
         with stage("est:3 uncovered"):
-            if probs is None:  # the verticals' mass per block offset, from q and k, less what blocks hold
-                v_sorted = torch.sort(v_idx, dim=-1).values.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
-                colsum = group_column_mass(q_rows, k, lse, rows, table, v_sorted[:, :, None], scale, block_size,
-                                           docs, skip_kept=True)
-                held = offset_mass(colsum, v_sorted, row_blocks, block_size, n_blocks).view(B, Hkv, G, -1)
-                slash1 = (slash_heads - held).clamp_(min=0.0)
-            else:
-                uncovered = uncovered_blocks(probs, rest, rows, k_pos, v_idx, S, block_size)
-                slash1 = block_slash_mass(uncovered, rows, block_size)
+            slash1 = _uncovered_offsets(probs, rest, slash_heads, v_idx, q_rows, k, lse, plan, k_pos, scale,
+                                        block_size, docs)
         slash1_heads = slash1
         if share_kv_group:
             slash1 = slash1.sum(2, keepdim=True)
@@ -453,10 +486,4 @@ def estimate_vertical_slash(
         s_tok = torch.where(s_idx >= 0, s_idx * block_size, -1)
         with stage("est:6 covered"):
             covered = kept_mass(mandatory_heads, vert_heads, v_idx, slash1_heads, s_idx)
-        v_idx = v_idx.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
-        s_tok = s_tok.expand(B, Hkv, G, -1).reshape(B, Hq, -1)
-        with stage("est:5 index"):
-            index = SparseIndex.from_lines(v_idx, s_tok, S, block_size)
-        index._cache["est_recall"] = covered.reshape(B, Hq) / n
-        index._cache["lines"] = (v_idx, s_tok)  # `SparseIndex.from_lines` arguments (gradient checkpointing)
-        return index
+        return _index_of(v_idx, s_tok, covered, S, block_size, n)

@@ -698,6 +698,105 @@ def _line_totals(v, v_blk, offs, offs_last, seq_len: int, block_size: int):
     return torch.stack([blocks, columns, pairs + col_pairs], -1), used[:seq_len]
 
 
+def _checked_rows(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int, rows: torch.Tensor,
+                  check: bool, bound_widths: bool | str) -> torch.Tensor:
+    """`rows_from_lines`' arguments checked (a ValueError names what is wrong): returns `rows` as a LongTensor on
+    the lines' device. With check=False the rows' order and range are taken on trust (no host read)."""
+    if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
+        raise ValueError(
+            f"vertical must be [B, Hq, Nv] and slash [B, Hq, Ns]; got {tuple(vertical.shape)}, {tuple(slash.shape)}"
+        )
+    if block_size < 1 or seq_len < 1:
+        raise ValueError(f"block_size and seq_len must be positive; got {block_size}, {seq_len}")
+    n = -(-seq_len // block_size)
+    rows = rows.to(vertical.device).long()
+    if rows.dim() != 1 or rows.numel() == 0 or (check and (not bool(((rows >= 0) & (rows < n)).all())
+                                                           or not bool((rows[1:] > rows[:-1]).all()))):
+        raise ValueError(f"rows must be a non-empty ascending list of distinct query blocks in [0, {n})")
+    if bound_widths not in (False, True, "static"):
+        raise ValueError(f"bound_widths must be False, True or 'static'; got {bound_widths!r}")
+    return rows
+
+
+def _bounded_widths(offs, offs_last, v, v_blk, used, work, seq_len: int, n: int, bound_widths: bool | str,
+                    read_also: tuple):
+    """The list widths of `rows_from_lines` under bound_widths, returned as (offs, offs_last, v, v_blk,
+    block list width, column list width, sizes, host_read). "static": the widths the lines' shapes allow, known
+    on the host (sizes ends with the column union's width; host_read None). True: one host read of the most
+    offsets and verticals any head has and of the union's size (sizes, in that order), with read_also and the
+    listed entries of `work` (host_read, None without work), and the lines trimmed to those bounds."""
+    host_read = None
+    if bound_widths == "static":  # the widths the lines' shapes allow: known on the host, nothing read back
+        n_offs = offs.shape[-1]
+        if offs_last is not None:
+            n_offs = max(n_offs, offs_last.shape[-1])
+        sizes = [n_offs, v.shape[-1], min(seq_len, max(1, v.numel()))]
+        return offs, offs_last, v, v_blk, max(1, min(n_offs + 1, n)), max(1, v.shape[-1]), sizes, host_read
+    # the one host read: the widths every later step sizes its lists from
+    sizes = [(offs < NO_OFFSET).sum(-1).amax(), (v < seq_len).sum(-1).amax() if v.shape[-1] else offs.new_zeros(())]
+    if offs_last is not None:
+        sizes.append((offs_last < NO_OFFSET).sum(-1).amax())
+    if used is not None:
+        sizes.append(used.sum())
+    read = [torch.stack([t.reshape(()).double() for t in sizes])]
+    if work is not None:
+        read += [work[..., :2].sum((0, 1))] + [t.reshape(-1).double() for t in read_also]
+    read = torch.cat(read).tolist()
+    sizes, host_read = [int(x) for x in read[:len(sizes)]], read[len(sizes):]
+    n_offs, n_v = sizes[0], sizes[1]
+    offs = offs[..., :max(n_offs, 1)].contiguous()
+    if offs_last is not None:
+        offs_last = offs_last[..., :max(sizes[2], 1)].contiguous()
+        n_offs = max(n_offs, sizes[2])
+    v, v_blk = v[..., :n_v].contiguous(), v_blk[..., :n_v].contiguous()
+    return offs, offs_last, v, v_blk, max(1, min(n_offs + 1, n)), max(1, n_v), sizes, host_read
+
+
+def _block_lists(offs, offs_last, rows, n: int, list_width: int | None):
+    """(block ids [B, H, R, width] -1 padded, counts [B, H, R]) of the query blocks `rows` from the block offsets
+    (offs_last: a short last block's own, used if the rows hold it, with no host read to know). width: list_width,
+    else the rows' longest list (a host read)."""
+    counts, pick, sink = _rows_from_offsets(offs, rows)
+    last = None
+    if offs_last is not None:  # a short last block: its own offsets, if the rows hold it (no host read to know)
+        is_last = rows[-1:] == n - 1
+        last = _rows_from_offsets(offs_last, rows[-1:])
+        for mine, theirs in zip((counts, pick, sink), last):
+            mine[..., -1:] = torch.where(is_last, theirs, mine[..., -1:])
+    width = max(int(counts.max()), 1) if list_width is None else list_width
+    block_ids = _expand_rows(offs, rows, counts, pick, sink, width)
+    if last is not None:
+        tail_ids = _expand_rows(offs_last, rows[-1:], counts[..., -1:], pick[..., -1:], sink[..., -1:], width)
+        block_ids[:, :, -1:] = torch.where(is_last[:, None], tail_ids, block_ids[:, :, -1:])
+    return block_ids, counts
+
+
+def _column_lists(vertical, v, v_blk, offs, offs_last, rows, n: int, col_width: int | None, columns: bool):
+    """(column ids [B, H, R, width] -1 padded, or None with columns=False; column counts [B, H, R]) of the query
+    blocks `rows`: the verticals where their key block is not listed."""
+    B, H, _ = vertical.shape
+    if not columns:
+        return None, _row_column_counts(v_blk, offs, offs_last, rows, n)
+    if v.shape[-1] > 0:
+        return _row_columns(v, v_blk, offs, offs_last, rows, n, col_width)
+    col_ids = torch.full((B, H, rows.numel(), 1), -1, dtype=torch.int32, device=vertical.device)
+    col_counts = torch.zeros(B, H, rows.numel(), dtype=torch.int32, device=vertical.device)
+    return col_ids, col_counts
+
+
+def _column_union(used, seq_len: int, bound_widths: bool | str, sizes) -> torch.Tensor | None:
+    """The ascending positions that are a column of some query block, from `used` [seq_len] (None: not known, no
+    union): as wide as sizes[-1] under bound_widths, padded at its end with seq_len when "static"."""
+    if used is None:
+        return None
+    if bound_widths == "static":  # padded at the end with seq_len (causally invisible, after every position)
+        ids = compact(used[None], width=sizes[-1])[0][0].long()
+        return torch.where(ids >= 0, ids, seq_len)
+    if bound_widths:
+        return compact(used[None], width=max(sizes[-1], 1))[0][0, :sizes[-1]].long()
+    return torch.nonzero(used).flatten()
+
+
 def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
                     rows: torch.Tensor, *, totals: bool = True, check: bool = True,
                     bound_widths: bool | str = False, read_also: tuple = (), columns: bool = True) -> RowIndex:
@@ -722,83 +821,24 @@ def rows_from_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, b
     columns list-free from the lines (`mtrain.ops.columns.RingColumns`), so lists as wide as the vertical cap are
     never built.
     """
-    if vertical.dim() != 3 or slash.dim() != 3 or vertical.shape[:2] != slash.shape[:2]:
-        raise ValueError(
-            f"vertical must be [B, Hq, Nv] and slash [B, Hq, Ns]; got {tuple(vertical.shape)}, {tuple(slash.shape)}"
-        )
-    if block_size < 1 or seq_len < 1:
-        raise ValueError(f"block_size and seq_len must be positive; got {block_size}, {seq_len}")
+    rows = _checked_rows(vertical, slash, seq_len, block_size, rows, check, bound_widths)
     n = -(-seq_len // block_size)
-    rows = rows.to(vertical.device).long()
-    if rows.dim() != 1 or rows.numel() == 0 or (check and (not bool(((rows >= 0) & (rows < n)).all())
-                                                           or not bool((rows[1:] > rows[:-1]).all()))):
-        raise ValueError(f"rows must be a non-empty ascending list of distinct query blocks in [0, {n})")
-    static = bound_widths == "static"
-    if bound_widths not in (False, True, "static"):
-        raise ValueError(f"bound_widths must be False, True or 'static'; got {bound_widths!r}")
     offs, offs_last = block_offsets(slash, seq_len, block_size, trim=not bound_widths)
     v, v_blk = sorted_verticals(vertical, seq_len, block_size)
     work = used = None
     if totals:
         work, used = _line_totals(v, v_blk, offs, offs_last, seq_len, block_size)
-    list_width = col_width = None
-    if static:  # the widths the lines' shapes allow: known on the host, nothing read back
-        n_offs = offs.shape[-1]
-        if offs_last is not None:
-            n_offs = max(n_offs, offs_last.shape[-1])
-        sizes = [n_offs, v.shape[-1], min(seq_len, max(1, v.numel()))]
-        list_width, col_width = max(1, min(n_offs + 1, n)), max(1, v.shape[-1])
-    elif bound_widths:  # the one host read: the widths every later step sizes its lists from
-        sizes = [(offs < NO_OFFSET).sum(-1).amax(), (v < seq_len).sum(-1).amax() if v.shape[-1] else offs.new_zeros(())]
-        if offs_last is not None:
-            sizes.append((offs_last < NO_OFFSET).sum(-1).amax())
-        if used is not None:
-            sizes.append(used.sum())
-        read = [torch.stack([t.reshape(()).double() for t in sizes])]
-        if work is not None:
-            read += [work[..., :2].sum((0, 1))] + [t.reshape(-1).double() for t in read_also]
-        read = torch.cat(read).tolist()
-        sizes, host_read = [int(x) for x in read[:len(sizes)]], read[len(sizes):]
-        n_offs, n_v = sizes[0], sizes[1]
-        offs = offs[..., :max(n_offs, 1)].contiguous()
-        if offs_last is not None:
-            offs_last = offs_last[..., :max(sizes[2], 1)].contiguous()
-            n_offs = max(n_offs, sizes[2])
-        v, v_blk = v[..., :n_v].contiguous(), v_blk[..., :n_v].contiguous()
-        list_width, col_width = max(1, min(n_offs + 1, n)), max(1, n_v)
-    counts, pick, sink = _rows_from_offsets(offs, rows)
-    last = None
-    if offs_last is not None:  # a short last block: its own offsets, if the rows hold it (no host read to know)
-        is_last = rows[-1:] == n - 1
-        last = _rows_from_offsets(offs_last, rows[-1:])
-        for mine, theirs in zip((counts, pick, sink), last):
-            mine[..., -1:] = torch.where(is_last, theirs, mine[..., -1:])
-    width = max(int(counts.max()), 1) if list_width is None else list_width
-    block_ids = _expand_rows(offs, rows, counts, pick, sink, width)
-    if last is not None:
-        tail_ids = _expand_rows(offs_last, rows[-1:], counts[..., -1:], pick[..., -1:], sink[..., -1:], width)
-        block_ids[:, :, -1:] = torch.where(is_last[:, None], tail_ids, block_ids[:, :, -1:])
-    B, H, _ = vertical.shape
-    if not columns:
-        col_ids, col_counts = None, _row_column_counts(v_blk, offs, offs_last, rows, n)
-    elif v.shape[-1] > 0:
-        col_ids, col_counts = _row_columns(v, v_blk, offs, offs_last, rows, n, col_width)
-    else:
-        col_ids = torch.full((B, H, rows.numel(), 1), -1, dtype=torch.int32, device=vertical.device)
-        col_counts = torch.zeros(B, H, rows.numel(), dtype=torch.int32, device=vertical.device)
-    union = None
-    if used is not None:
-        if static:  # padded at the end with seq_len (causally invisible, after every position)
-            ids = compact(used[None], width=sizes[-1])[0][0].long()
-            union = torch.where(ids >= 0, ids, seq_len)
-        elif bound_widths:
-            union = compact(used[None], width=max(sizes[-1], 1))[0][0, :sizes[-1]].long()
-        else:
-            union = torch.nonzero(used).flatten()
+    list_width = col_width = sizes = host_read = None
+    if bound_widths:
+        offs, offs_last, v, v_blk, list_width, col_width, sizes, host_read = _bounded_widths(
+            offs, offs_last, v, v_blk, used, work, seq_len, n, bound_widths, read_also)
+    block_ids, counts = _block_lists(offs, offs_last, rows, n, list_width)
+    col_ids, col_counts = _column_lists(vertical, v, v_blk, offs, offs_last, rows, n, col_width, columns)
+    union = _column_union(used, seq_len, bound_widths, sizes)
     index = RowIndex(rows, block_ids, counts.to(torch.int32), col_ids, col_counts, seq_len, block_size, union, work)
     if bound_widths:
         index._cache["bounded_widths"] = True
-        if static:
+        if bound_widths == "static":
             index._cache["static_widths"] = True
         elif work is not None:
             index._cache["host_read"] = host_read

@@ -102,6 +102,73 @@ def _warn_unbalanced(layout: Layout, inner_group) -> None:
 _WARNED: list = []
 
 
+def _check_settings(engine: str, index, sparse, schedule: str) -> None:
+    """The engine and the schedule are known ones, and at most one of an index and estimation settings is given."""
+    if engine not in ENGINES:
+        raise ValueError(f"ring engine must be one of {ENGINES}; got {engine!r}")
+    if index is not None and sparse is not None:
+        raise MtrainError("ring_attention: give either a SparseIndex (index=) or estimation settings (sparse=)")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"ring schedule must be one of {SCHEDULES}; got {schedule!r}")
+
+
+def _start_gather(q, k, v, group, world: int, seq_len: int, index, sparse, schedule: str, kv_gather):
+    """The K/V all-gather of the "gather" schedule: the caller's kv_gather if it started one, else one started here
+    for a sparse layer on several ranks (in flight while the estimate runs). None under the ring, and for a dense
+    layer (a gather already started is then dropped)."""
+    gather = kv_gather if schedule == "gather" else None
+    if gather is None and schedule == "gather" and (index is not None or sparse is not None) and world > 1:
+        spare = 0 if sparse is None else spare_bound(sparse, q.shape[0] * q.shape[2], seq_len, q.shape[1])
+        gather = KVGather(k, v, group, spare=spare)  # in flight while the estimate runs
+    if gather is not None and index is None and sparse is None:
+        gather.drop()
+        gather = None
+    return gather
+
+
+def _estimate(q, k, layout: Layout, seq_len: int, rank: int, sparse: SparseSettings, scale: float, group, doc_ids,
+              scorer: str, schedule: str):
+    """This rank's rows of the index estimated online across the group with `sparse` (a RowIndex): with scorer
+    "auto" replayed from a CUDA graph under MTRAIN_GRAPH_RING_ESTIMATE=1 (else eager), with another scorer eager."""
+    positions = rank_positions(layout, seq_len, rank, q.device)  # cached on the device: no copy per call
+    if scorer == "auto":  # replayed from a CUDA graph with MTRAIN_GRAPH_RING_ESTIMATE=1, else eager
+        return estimate_rank_index_graphed(
+            q, k, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
+            rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
+            key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
+            layout_key=(layout.spec, rank), schedule=schedule)
+    return estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
+                               rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
+                               key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
+                               scorer=scorer, schedule=schedule)
+
+
+def _plan(q, index, layout: Layout, seq_len: int, rank: int, group, hierarchy, gather, doc_ids, engine: str):
+    """The plan the call runs: from the index (checked against the group's sequence) when there is one, the gathered
+    schedule's one step straight from it where the layout allows, else the ring's; without one the dense ring's.
+    With doc_ids it keeps each query to its document's keys; a sparse plan runs on the engine `resolve_engine`
+    picks (the gathered plan rebuilt for the sink form that engine needs)."""
+    if index is not None:
+        _check_index(index, q, seq_len)
+        # the gathered schedule's one step straight from the index where the layout allows, else the ring's plan
+        # (its steps merged into one by the schedule)
+        plan = gathered_sparse_plan(index, layout, rank, q.device) if gather is not None else None
+        if plan is None:
+            plan = sparse_plan(index, layout, rank, q.device, column_origin(group, hierarchy))
+    else:
+        plan = dense_plan(layout, seq_len, rank, q.device)
+    if doc_ids is not None:
+        plan = plan.with_documents(doc_ids)
+    if index is not None:
+        chosen = resolve_engine(engine, plan, q)
+        sink = ring_gather.gathered_sink_form(chosen, layout.world_size)  # not "listed" only under FA4's backward
+        if sink != "listed" and gather is not None and plan.gather_slots is not None:
+            plan = gathered_sparse_plan(index, layout, rank, q.device, sink=sink)
+        if chosen != plan.engine:
+            plan = dataclasses.replace(plan, engine=chosen)  # shares the plan's caches
+    return plan
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -161,12 +228,7 @@ def ring_attention(
     hierarchy = _pick_groups(group, inner_group, outer_group)
     seq_len = _check_shapes(q, k, v, layout, world)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if engine not in ENGINES:
-        raise ValueError(f"ring engine must be one of {ENGINES}; got {engine!r}")
-    if index is not None and sparse is not None:
-        raise MtrainError("ring_attention: give either a SparseIndex (index=) or estimation settings (sparse=)")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"ring schedule must be one of {SCHEDULES}; got {schedule!r}")
+    _check_settings(engine, index, sparse, schedule)
     if doc_ids is not None:
         doc_ids = _check_docs(doc_ids, q, seq_len)
     if index is None and sparse is None and world > 1:
@@ -177,45 +239,10 @@ def ring_attention(
             if doc_ids is not None and documents is None:
                 documents = Documents.from_doc_ids(doc_ids)
             return gathered_dense_attention(q, k, v, runs, layout, group, scale, documents)
-    gather = kv_gather if schedule == "gather" else None
-    if gather is None and schedule == "gather" and (index is not None or sparse is not None) and world > 1:
-        spare = 0 if sparse is None else spare_bound(sparse, q.shape[0] * q.shape[2], seq_len, q.shape[1])
-        gather = KVGather(k, v, group, spare=spare)  # in flight while the estimate runs
-    if gather is not None and index is None and sparse is None:
-        gather.drop()
-        gather = None
+    gather = _start_gather(q, k, v, group, world, seq_len, index, sparse, schedule, kv_gather)
     if sparse is not None:
-        positions = rank_positions(layout, seq_len, rank, q.device)  # cached on the device: no copy per call
-        if scorer == "auto":  # replayed from a CUDA graph with MTRAIN_GRAPH_RING_ESTIMATE=1, else eager
-            index = estimate_rank_index_graphed(
-                q, k, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
-                rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-                key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-                layout_key=(layout.spec, rank), schedule=schedule)
-        else:
-            index = estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
-                                        rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-                                        key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size,
-                                                                    q.device),
-                                        scorer=scorer, schedule=schedule)
-    if index is not None:
-        _check_index(index, q, seq_len)
-        # the gathered schedule's one step straight from the index where the layout allows, else the ring's plan
-        # (its steps merged into one by the schedule)
-        plan = gathered_sparse_plan(index, layout, rank, q.device) if gather is not None else None
-        if plan is None:
-            plan = sparse_plan(index, layout, rank, q.device, column_origin(group, hierarchy))
-    else:
-        plan = dense_plan(layout, seq_len, rank, q.device)
-    if doc_ids is not None:
-        plan = plan.with_documents(doc_ids)
-    if index is not None:
-        chosen = resolve_engine(engine, plan, q)
-        sink = ring_gather.gathered_sink_form(chosen, layout.world_size)  # not "listed" only under FA4's backward
-        if sink != "listed" and gather is not None and plan.gather_slots is not None:
-            plan = gathered_sparse_plan(index, layout, rank, q.device, sink=sink)
-        if chosen != plan.engine:
-            plan = dataclasses.replace(plan, engine=chosen)  # shares the plan's caches
+        index = _estimate(q, k, layout, seq_len, rank, sparse, scale, group, doc_ids, scorer, schedule)
+    plan = _plan(q, index, layout, seq_len, rank, group, hierarchy, gather, doc_ids, engine)
     if index is not None and gather is not None:
         out, _ = ring_gather_attention(q, k, v, plan, group, scale, gather)
     elif hierarchy is None:

@@ -16,8 +16,10 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,6 +62,30 @@ class TrainState:
         if bad:
             raise TypeError(f"counters must be whole numbers >= 0, got {bad}")
         self.__dict__.update({k: v for k, v in state.items() if k in self.__dict__})
+
+
+@dataclass
+class _Loop:
+    """What the steps of one run share, made by `Trainer._start_loop` and dropped when `Trainer.run` returns (the
+    Trainer keeps no model after its run): the accelerator and what it prepared, the LR scheduler, the metrics
+    logger, the progress bar, the reader's iterator, and, while they run, the first step's memory record and the
+    profiled step's profiler."""
+
+    accelerator: Any
+    model: Any  # the prepared ChunkedLossLM
+    optimizer: Any  # the prepared AdamW
+    scheduler: Any
+    metrics: MetricsLogger
+    previous_sigterm: Any  # the SIGTERM handler before the run's, put back when the loop ends
+    flops_per_token: float
+    world: int  # processes
+    device: torch.device
+    bar: Any
+    it: Iterator  # the reader's iterator (a new one each epoch)
+    offload: Callable  # train.offload_activations: OffloadActivations, else a context that does nothing
+    profile_at: int  # the step to profile (1-based; 0 = none)
+    record: MemoryRecord | None = None
+    profiler: StepProfile | None = None
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -399,8 +425,40 @@ class Trainer:
                 batch[key] = self.layout.shard(batch[key], self.mesh.cp_rank, dim=1)
         return batch
 
+    # ---- the run ------------------------------------------------------------------------------
     def run(self) -> dict:
-        r, t = self.recipe, self.recipe.train
+        """Train to train.max_steps and return the last step's metrics ({} when no step ran).
+
+        The outline: launch this process (`_launch`), build the data, model and optimizer (`_build`), resume from
+        the newest intact checkpoint (`_resume_checked`), then run one `_step` per optimizer step until
+        train.max_steps or a SIGTERM. Whatever ends the loop, the progress bar, the SIGTERM handler and the metrics
+        file are closed. A SIGTERM stops after its step's checkpoint; a run that reached train.max_steps ends with
+        the final checkpoint and the export (`_finish`)."""
+        t = self.recipe.train
+        accelerator = self._launch()
+        tokenizer, hf_model, model, base_optimizer, optimizer = self._build(accelerator)
+        self._resume_checked(accelerator)
+        loop = self._start_loop(accelerator, hf_model, model, optimizer, base_optimizer)
+        last = {}
+        try:
+            while self.state.step < t.max_steps and not self._stop_requested:
+                last = self._step(loop)
+        except Exception as exc:
+            self._stopped_by(loop, exc)
+            raise
+        finally:
+            self._close_loop(loop)
+        if self._stop_requested:
+            log.warning("stopped by SIGTERM at step %d; rerun the same command to resume", self.state.step)
+            return last
+        self._finish(accelerator, model, tokenizer)
+        return last
+
+    def _launch(self):
+        """This process's start, returning its accelerator: the run folder's lock (rank 0: a second run on the folder
+        refuses), the seeds, the accelerator (refused when it sees other processes than were launched, or no
+        distribution: gradients would not be reduced), the DP x CP mesh with its layout, and fresh counters."""
+        t = self.recipe.train
         if int(os.environ.get("RANK", "0")) == 0:  # one lock per launch: a second run on this folder refuses
             self._lock = RunLock(self.out).acquire()
         seed_everything(t.seed, t.deterministic)
@@ -412,11 +470,16 @@ class Trainer:
                               f"'{accelerator.distributed_type}': gradients would not be reduced")
         self.mesh, self.layout = self._setup_parallel(accelerator)
         self.state = TrainState(dp_size=self.mesh.dp_size, cp_size=self.mesh.cp_size)
+        return accelerator
 
+    def _build(self, accelerator):
+        """The data reader (kept as self.reader), the tokenizer and the model, with the optimizer: returns
+        (tokenizer, hf_model, model, base_optimizer, optimizer), model being the `ChunkedLossLM` around hf_model
+        and optimizer the AdamW base_optimizer, both prepared by accelerate. Refuses data packed at another
+        seq_len, and a tokenizer (the model's or the data's) larger than the embedding."""
+        r, t = self.recipe, self.recipe.train
         from mtrain.data import TrainingReader
-        from mtrain.models import export_hf, load_model, load_tokenizer
-        from mtrain.models.context import CONTEXT, clear_records, set_documents
-        from mtrain.train.metrics import attention_stats
+        from mtrain.models import load_model, load_tokenizer
 
         self.reader = TrainingReader(r.data.path, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size, seed=t.seed,
                                      shuffle=r.data.shuffle, document_masking=r.data.document_masking)
@@ -433,9 +496,16 @@ class Trainer:
         base_optimizer = self._optimizer(model)
         model, optimizer = accelerator.prepare(model, base_optimizer)
         if accelerator.is_main_process:
-            log.info("training on %d process(es): DP %d x CP %d, %s, attention %s", world, self.mesh.dp_size,
-                     self.mesh.cp_size, _engine_name(accelerator), r.attention.kind)
+            log.info("training on %d process(es): DP %d x CP %d, %s, attention %s", accelerator.num_processes,
+                     self.mesh.dp_size, self.mesh.cp_size, _engine_name(accelerator), r.attention.kind)
+        return tokenizer, hf_model, model, base_optimizer, optimizer
 
+    def _resume_checked(self, accelerator) -> None:
+        """Resume from the newest intact checkpoint (`_resume`), if there is one, and record this run's recipe as
+        OUTPUT_DIR/config.yaml (main process). A train.max_steps below the resumed step is refused before the file
+        is written; optim settings that differ from the checkpoint's are named in a warning (they apply from the
+        resumed step on)."""
+        r, t = self.recipe, self.recipe.train
         ckpt = self._resume(accelerator)
         if self.state.step > t.max_steps:
             raise ConfigError(
@@ -451,6 +521,13 @@ class Trainer:
             if changed:
                 log.warning("optim settings differ from checkpoint %s and apply from step %d: %s", ckpt.name,
                             self.state.step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+
+    def _start_loop(self, accelerator, hf_model, model, optimizer, base_optimizer) -> _Loop:
+        """What the steps share, made in this order: the LR scheduler at the resumed step, the metrics logger
+        (metrics.jsonl cut back to the steps before it, and wandb), the SIGTERM handler, the model's FLOPs per token,
+        the reader's iterator, the model in train mode, the progress bar, the first step's memory record when
+        train.memory_record asks for one, the activation offload context and the step to profile."""
+        r, t = self.recipe, self.recipe.train
         # The scheduler stays unwrapped (accelerate would step it once per process); it is rebuilt from the step.
         scheduler = self._scheduler(base_optimizer, self.state.step)
         metrics = MetricsLogger(
@@ -460,14 +537,12 @@ class Trainer:
         )
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         flops_per_token = self._model_flops_per_token(hf_model, r.data.seq_len)
-        device = accelerator.device
         it = iter(self.reader)
         model.train()
         from tqdm.auto import tqdm
 
         bar = tqdm(total=t.max_steps, initial=self.state.step, desc=f"train {self.out.name}", unit="step",
                    disable=not accelerator.is_main_process, dynamic_ncols=True)
-        last = {}
         record = None
         if memory_record_wanted(t.memory_record) and self.state.step < t.max_steps:
             record = MemoryRecord(self.out, accelerator.process_index)  # the first step's allocations (GPU only)
@@ -476,129 +551,214 @@ class Trainer:
 
         offload = OffloadActivations if t.offload_activations else contextlib.nullcontext
         profile_at = profile_step_wanted(t.profile_step)
-        profiler = None
-        try:
-            while self.state.step < t.max_steps and not self._stop_requested:
-                if self.state.step + 1 == profile_at:
-                    profiler = StepProfile(self.out, accelerator.process_index, profile_at)
-                    profiler.start()
-                start = time.perf_counter()
-                samples = []
-                for _ in range(t.grad_accum * t.micro_batch_size):
-                    sample, it = self._next_batch(it)
-                    samples.append(sample)
-                micro = [self._micro_batch(samples[i : i + t.micro_batch_size])
-                         for i in range(0, len(samples), t.micro_batch_size)]
-                local_valid = sum(int((b["labels"] != -100).sum()) for b in micro)
-                counts = torch.tensor([local_valid, sum(s["input_ids"].numel() for s in samples)], dtype=torch.float64,
-                                      device=device)
-                counts = accelerator.reduce(counts, reduction="sum")
-                # every CP rank counted the whole sample's tokens: count each sequence once
-                global_valid, global_tokens = max(1.0, float(counts[0])), int(counts[1]) // self.mesh.cp_size
+        return _Loop(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, metrics=metrics,
+                     previous_sigterm=previous, flops_per_token=flops_per_token, world=accelerator.num_processes,
+                     device=accelerator.device, bar=bar, it=it, offload=offload, profile_at=profile_at, record=record)
 
-                clear_records()
-                CONTEXT.step = self.state.step  # dense_hold counts optimizer steps
-                every = r.logging.recall_every
-                CONTEXT.sample_recall = bool(every) and (self.state.step + 1) % every == 0
-                # the imbalance is logged with the step's metrics: measure it only on the steps that log
-                CONTEXT.sample_imbalance = ((self.state.step + 1) % r.logging.log_every == 0
-                                            or self.state.step + 1 == t.max_steps)
-                loss_sum_local = torch.zeros((), dtype=torch.float64)
-                grad_norm = None
-                for cpu_batch in micro:
-                    top = int(cpu_batch["input_ids"].max())
-                    if top >= self.embedding_rows:  # data from a tokenizer larger than the embedding (no manifest)
-                        raise MtrainError(f"data.path {r.data.path}: token id {top} at step {self.state.step + 1} is "
-                                          f"outside the model's {self.embedding_rows}-row embedding; pack the data "
-                                          "with the model's tokenizer")
-                    batch = {k: v.to(device) for k, v in cpu_batch.items() if k != "doc_ids"}
-                    # the documents' boundaries read here from the CPU batch, once; the layers read none
-                    set_documents(cpu_batch.get("doc_ids"), device)
-                    with accelerator.accumulate(model):
-                        with offload():
-                            loss_sum, _ = model(batch["input_ids"], batch["position_ids"], batch["labels"],
-                                                batch.get("attention_mask"))
-                        # Normalise by the global count of valid tokens. accelerate divides by grad_accum
-                        # and DDP / DeepSpeed average over ranks: undo both so the gradient is that of the
-                        # global token mean (CP ranks' partial gradients add up to the full one).
-                        scaled = loss_sum * (world * t.grad_accum / global_valid)
-                        accelerator.backward(scaled)
-                        loss_sum_local += loss_sum.detach().double().cpu()
-                        if accelerator.sync_gradients:
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.optim.grad_clip or float("inf"))
-                loss_total = accelerator.reduce(loss_sum_local.to(device), reduction="sum")
-                loss = float(loss_total) / global_valid
-                if accelerator.distributed_type == "DEEPSPEED":
-                    # DeepSpeed clips and steps inside backward and skips an update whose gradients are not
-                    # finite itself (its overflow check): read back what it did.
-                    norm = model.get_global_grad_norm()
-                    grad_norm = float(norm) if norm is not None else float("nan")
-                    step_ok = model.was_step_applied() and math.isfinite(loss)
-                else:
-                    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-                    step_ok = math.isfinite(loss) and math.isfinite(grad_norm)
-                if not step_ok:
-                    optimizer.zero_grad(set_to_none=True)
-                    self.state.bad_steps += 1
-                    log.warning("step %d: non-finite loss/grad (%s, %s), update skipped (%d so far)",
-                                self.state.step + 1, loss, grad_norm, self.state.bad_steps)
-                    if self.state.bad_steps > t.max_bad_steps:
-                        raise MtrainError(f"{self.state.bad_steps} non-finite steps (train.max_bad_steps="
-                                          f"{t.max_bad_steps}); lower optim.lr or check the data")
-                else:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                lr = scheduler.get_last_lr()[0]  # the LR this step used
-                scheduler.step()
-                self.state.step += 1
-                self.state.tokens += global_tokens
-                if record is not None:
-                    record.finish(f"end of step {self.state.step}")
-                    record = None
-                elapsed = time.perf_counter() - start
-                if profiler is not None:  # after the step's clock: writing the profile is not the step's time
-                    profiler.finish()
-                    profiler = None
-                last = {
-                    "step": self.state.step,
-                    "loss": loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens": self.state.tokens,
-                    "tokens_per_s": global_tokens / elapsed,
-                    "tflops": flops_per_token * global_tokens / elapsed / world / 1e12,
-                    "skipped_steps": self.state.bad_steps,
-                }
-                if CONTEXT.densities:
-                    last["attention_density"] = float(sum(CONTEXT.densities)) / len(CONTEXT.densities)
-                if CONTEXT.imbalances:
-                    last["imbalance_worker"] = max(m[0] for m in CONTEXT.imbalances)
-                    last["imbalance_step"] = max(m[1] for m in CONTEXT.imbalances)
-                    # each CP rank's work over the mean (layer 0; the largest over the step's micro-batches)
-                    for rank, share in enumerate(map(max, zip(*(m[2] for m in CONTEXT.imbalances)))):
-                        last[f"imbalance_rank/r{rank}"] = share
-                if self.state.step % r.logging.log_every == 0 or self.state.step == t.max_steps:
-                    last.update(attention_stats(CONTEXT.layers))  # per layer: path, density, recalls
-                    last.update(_peak_memory(accelerator, device))  # collective: every rank logs the same steps
-                    metrics.log(last)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
-                if (t.save_every and self.state.step % t.save_every == 0) or self._stop_requested:
-                    self._save_checkpoint(accelerator)
-        except Exception as exc:
-            if record is not None:  # e.g. out of memory: where the memory went up to then
-                record.finish(f"step {self.state.step + 1} stopped by {type(exc).__name__}: {str(exc)[:200]}")
-            if profiler is not None:
-                profiler.finish(f"stopped by {type(exc).__name__}")
-            raise
-        finally:
-            bar.close()
-            signal.signal(signal.SIGTERM, previous)
-            metrics.close()
+    # ---- one step -----------------------------------------------------------------------------
+    def _step(self, loop: _Loop) -> dict:
+        """One optimizer step, returning its metrics: the step's micro-batches (`_micro_batches`), the attention
+        context set for it (`_prepare_context`), their forward and backward (`_forward_backward`), the update
+        applied or skipped (`_update`), the LR schedule and the counters moved on, the metrics logged (`_log_step`)
+        and, every train.save_every steps or after a SIGTERM, a checkpoint. The step train.profile_step names is
+        profiled, its profile written after the step's clock stops; the first step's memory record ends with it."""
+        t = self.recipe.train
+        if self.state.step + 1 == loop.profile_at:
+            loop.profiler = StepProfile(self.out, loop.accelerator.process_index, loop.profile_at)
+            loop.profiler.start()
+        start = time.perf_counter()
+        micro, global_valid, global_tokens = self._micro_batches(loop)
+        self._prepare_context()
+        loss, grad_norm = self._forward_backward(loop, micro, global_valid)
+        grad_norm = self._update(loop, loss, grad_norm)
+        lr = loop.scheduler.get_last_lr()[0]  # the LR this step used
+        loop.scheduler.step()
+        self.state.step += 1
+        self.state.tokens += global_tokens
+        if loop.record is not None:
+            loop.record.finish(f"end of step {self.state.step}")
+            loop.record = None
+        elapsed = time.perf_counter() - start
+        if loop.profiler is not None:  # after the step's clock: writing the profile is not the step's time
+            loop.profiler.finish()
+            loop.profiler = None
+        last = self._step_metrics(loop, loss, lr, grad_norm, global_tokens, elapsed)
+        self._log_step(loop, last, loss)
+        if (t.save_every and self.state.step % t.save_every == 0) or self._stop_requested:
+            self._save_checkpoint(loop.accelerator)
+        return last
 
-        if self._stop_requested:
-            log.warning("stopped by SIGTERM at step %d; rerun the same command to resume", self.state.step)
-            return last
+    def _micro_batches(self, loop: _Loop) -> tuple[list[dict], float, int]:
+        """The step's train.grad_accum micro-batches of train.micro_batch_size samples (`_micro_batch`: this CP
+        rank's shards, on the CPU) and the counts the step is normalised by, summed over all ranks: returns
+        (micro-batches, valid targets (at least 1), tokens (each sequence once, though every CP rank holds it))."""
+        t = self.recipe.train
+        samples = []
+        for _ in range(t.grad_accum * t.micro_batch_size):
+            sample, loop.it = self._next_batch(loop.it)
+            samples.append(sample)
+        micro = [self._micro_batch(samples[i : i + t.micro_batch_size])
+                 for i in range(0, len(samples), t.micro_batch_size)]
+        local_valid = sum(int((b["labels"] != -100).sum()) for b in micro)
+        counts = torch.tensor([local_valid, sum(s["input_ids"].numel() for s in samples)], dtype=torch.float64,
+                              device=loop.device)
+        counts = loop.accelerator.reduce(counts, reduction="sum")
+        # every CP rank counted the whole sample's tokens: count each sequence once
+        global_valid, global_tokens = max(1.0, float(counts[0])), int(counts[1]) // self.mesh.cp_size
+        return micro, global_valid, global_tokens
+
+    def _prepare_context(self) -> None:
+        """Set the attention context for the coming step: the records of the last one cleared, the optimizer step
+        (what dense_hold counts), whether the step samples recall (every logging.recall_every steps) and whether it
+        measures the ring's imbalance (only on the steps that log their metrics)."""
+        from mtrain.models.context import CONTEXT, clear_records
+
+        r, t = self.recipe, self.recipe.train
+        clear_records()
+        CONTEXT.step = self.state.step  # dense_hold counts optimizer steps
+        every = r.logging.recall_every
+        CONTEXT.sample_recall = bool(every) and (self.state.step + 1) % every == 0
+        # the imbalance is logged with the step's metrics: measure it only on the steps that log
+        CONTEXT.sample_imbalance = ((self.state.step + 1) % r.logging.log_every == 0
+                                    or self.state.step + 1 == t.max_steps)
+
+    def _forward_backward(self, loop: _Loop, micro: list[dict], global_valid: float):
+        """Forward and backward of each micro-batch under accelerate's gradient accumulation, the gradients
+        clipped to optim.grad_clip when they sync, then the step's loss: the loss summed over every rank's tokens
+        over the global count of valid targets. Returns (loss, the norm accelerate's clipping gave, None when no
+        micro-batch synced)."""
+        r, t = self.recipe, self.recipe.train
+        accelerator, model = loop.accelerator, loop.model
+        loss_sum_local = torch.zeros((), dtype=torch.float64)
+        grad_norm = None
+        for cpu_batch in micro:
+            batch = self._to_device(loop, cpu_batch)
+            with accelerator.accumulate(model):
+                with loop.offload():
+                    loss_sum, _ = model(batch["input_ids"], batch["position_ids"], batch["labels"],
+                                        batch.get("attention_mask"))
+                # Normalise by the global count of valid tokens. accelerate divides by grad_accum
+                # and DDP / DeepSpeed average over ranks: undo both so the gradient is that of the
+                # global token mean (CP ranks' partial gradients add up to the full one).
+                scaled = loss_sum * (loop.world * t.grad_accum / global_valid)
+                accelerator.backward(scaled)
+                loss_sum_local += loss_sum.detach().double().cpu()
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.optim.grad_clip or float("inf"))
+        loss_total = accelerator.reduce(loss_sum_local.to(loop.device), reduction="sum")
+        return float(loss_total) / global_valid, grad_norm
+
+    def _to_device(self, loop: _Loop, cpu_batch: dict) -> dict:
+        """A micro-batch on the device for the forward, less its document ids: those set the documents of the
+        attention context, read here from the CPU batch once (the layers read none). A token id outside the
+        embedding (data from a larger tokenizer, packed without a manifest to say so) is refused."""
+        from mtrain.models.context import set_documents
+
+        r = self.recipe
+        top = int(cpu_batch["input_ids"].max())
+        if top >= self.embedding_rows:  # data from a tokenizer larger than the embedding (no manifest)
+            raise MtrainError(f"data.path {r.data.path}: token id {top} at step {self.state.step + 1} is "
+                              f"outside the model's {self.embedding_rows}-row embedding; pack the data "
+                              "with the model's tokenizer")
+        batch = {k: v.to(loop.device) for k, v in cpu_batch.items() if k != "doc_ids"}
+        # the documents' boundaries read here from the CPU batch, once; the layers read none
+        set_documents(cpu_batch.get("doc_ids"), loop.device)
+        return batch
+
+    def _update(self, loop: _Loop, loss: float, grad_norm) -> float:
+        """Apply the step's update, or skip it when the loss or the gradient norm is not finite: a skipped update
+        counts in bad_steps, and more than train.max_bad_steps stops the run. Under DeepSpeed, which clips, steps
+        and skips non-finite updates inside backward, what it did is read back. Returns the gradient norm as a
+        float (nan when none is known)."""
+        t = self.recipe.train
+        model, optimizer = loop.model, loop.optimizer
+        if loop.accelerator.distributed_type == "DEEPSPEED":
+            # DeepSpeed clips and steps inside backward and skips an update whose gradients are not
+            # finite itself (its overflow check): read back what it did.
+            norm = model.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else float("nan")
+            step_ok = model.was_step_applied() and math.isfinite(loss)
+        else:
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            step_ok = math.isfinite(loss) and math.isfinite(grad_norm)
+        if not step_ok:
+            optimizer.zero_grad(set_to_none=True)
+            self.state.bad_steps += 1
+            log.warning("step %d: non-finite loss/grad (%s, %s), update skipped (%d so far)",
+                        self.state.step + 1, loss, grad_norm, self.state.bad_steps)
+            if self.state.bad_steps > t.max_bad_steps:
+                raise MtrainError(f"{self.state.bad_steps} non-finite steps (train.max_bad_steps="
+                                  f"{t.max_bad_steps}); lower optim.lr or check the data")
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _step_metrics(self, loop: _Loop, loss: float, lr: float, grad_norm: float, global_tokens: int,
+                      elapsed: float) -> dict:
+        """The step's metrics as metrics.jsonl records them: step, loss, the LR it used, gradient norm, tokens,
+        speed (tokens/s, TFLOP/s per process) and skipped steps; then, from the attention context, the mean
+        attention density and, when the step measured it, the ring's imbalance (worst worker, worst ring step,
+        each CP rank's work over the mean)."""
+        from mtrain.models.context import CONTEXT
+
+        last = {
+            "step": self.state.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": self.state.tokens,
+            "tokens_per_s": global_tokens / elapsed,
+            "tflops": loop.flops_per_token * global_tokens / elapsed / loop.world / 1e12,
+            "skipped_steps": self.state.bad_steps,
+        }
+        if CONTEXT.densities:
+            last["attention_density"] = float(sum(CONTEXT.densities)) / len(CONTEXT.densities)
+        if CONTEXT.imbalances:
+            last["imbalance_worker"] = max(m[0] for m in CONTEXT.imbalances)
+            last["imbalance_step"] = max(m[1] for m in CONTEXT.imbalances)
+            # each CP rank's work over the mean (layer 0; the largest over the step's micro-batches)
+            for rank, share in enumerate(map(max, zip(*(m[2] for m in CONTEXT.imbalances)))):
+                last[f"imbalance_rank/r{rank}"] = share
+        return last
+
+    def _log_step(self, loop: _Loop, last: dict, loss: float) -> None:
+        """Log the step's metrics (`last`, updated in place) every logging.log_every steps and at the last step,
+        with the per-layer attention summary and every rank's peak memory (a collective: every rank logs the same
+        steps), and move the progress bar on."""
+        from mtrain.models.context import CONTEXT
+        from mtrain.train.metrics import attention_stats
+
+        r, t = self.recipe, self.recipe.train
+        if self.state.step % r.logging.log_every == 0 or self.state.step == t.max_steps:
+            last.update(attention_stats(CONTEXT.layers))  # per layer: path, density, recalls
+            last.update(_peak_memory(loop.accelerator, loop.device))  # collective: every rank logs the same steps
+            loop.metrics.log(last)
+        loop.bar.update(1)
+        loop.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+
+    # ---- the end of the run -------------------------------------------------------------------
+    def _stopped_by(self, loop: _Loop, exc: Exception) -> None:
+        """Finish what the step that raised `exc` left open, each noting what stopped it: the first step's memory
+        record (e.g. out of memory: where the memory went up to then) and the profile of the profiled step."""
+        if loop.record is not None:  # e.g. out of memory: where the memory went up to then
+            loop.record.finish(f"step {self.state.step + 1} stopped by {type(exc).__name__}: {str(exc)[:200]}")
+        if loop.profiler is not None:
+            loop.profiler.finish(f"stopped by {type(exc).__name__}")
+
+    def _close_loop(self, loop: _Loop) -> None:
+        """Close the progress bar, put back the SIGTERM handler the run replaced, and close the metrics logger."""
+        loop.bar.close()
+        signal.signal(signal.SIGTERM, loop.previous_sigterm)
+        loop.metrics.close()
+
+    def _finish(self, accelerator, model, tokenizer) -> None:
+        """The end of a run that reached train.max_steps: the final checkpoint (unless the last periodic one holds
+        this step), the HF export of the model to OUTPUT_DIR/final when train.export, and a barrier so that no
+        process leaves before the others are done."""
+        from mtrain.models import export_hf
+
+        t = self.recipe.train
         if ckpt_needed(self.state.step, t):
             self._save_checkpoint(accelerator)
         if t.export:
@@ -607,7 +767,6 @@ class Trainer:
                 export_hf(accelerator.unwrap_model(model).model, tokenizer, self.out / "final")
                 log.info("exported HF checkpoint to %s", self.out / "final")
         accelerator.wait_for_everyone()
-        return last
 
 
 def check_vocabulary(r: RecipeConfig, tokenizer_size: int, rows: int, manifest: dict | None) -> int:
