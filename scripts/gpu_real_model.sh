@@ -40,8 +40,8 @@ case "${1:-}" in
       python -m mtrain.bench.check ${CHECK_ARGS:-} 2>&1 | grep -v "^ \|Warning\|warn\|AUTOTUNE\|Autotune\|strides\|dtypes\|^{" | tee "$RESULTS/gpu_check.txt"
     fi
     if [ "${PROFILE:-1}" = 1 ]; then  # the estimator's stages, kernels and host synchronisations
-      python -m mtrain.bench.dev.profile_estimate --seqs 32768 131072 --rows 20 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate.txt" | grep "^===\|^CUDA\|^host\|^  est\|launched\|^ *[0-9]*x "
-      python -m mtrain.bench.dev.profile_estimate --seqs 32768 131072 --rows 20 --block-size 128 --engine fa4 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate_128.txt" | grep "^===\|^CUDA\|^host\|^  est\|launched\|^ *[0-9]*x "
+      python -m tools.profile_estimate --seqs 32768 131072 --rows 20 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate.txt" | grep "^===\|^CUDA\|^host\|^  est\|launched\|^ *[0-9]*x "
+      python -m tools.profile_estimate --seqs 32768 131072 --rows 20 --block-size 128 --engine fa4 2>&1 | grep -v "Warning\|warn" | tee "$RESULTS/profile_estimate_128.txt" | grep "^===\|^CUDA\|^host\|^  est\|launched\|^ *[0-9]*x "
     fi
     if [ "${EST:-1}" = 1 ]; then
       python -m mtrain.bench.cost --only estimate graphed --out "$RESULTS/cost_estimate.jsonl" | tail -28

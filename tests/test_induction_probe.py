@@ -1,11 +1,15 @@
-"""mtrain/bench/dev/induction_probe.py: the previous-token head it sets at init, and its copy drills."""
+"""tools/induction_probe.py: the previous-token head it sets at init, and its copy drills."""
 
 import random
+import sys
+from pathlib import Path
 
 import torch
 
-from mtrain.bench.dev import induction_probe
 from mtrain.tiny import build_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ is not installed: the repository root
+from tools import induction_probe  # noqa: E402
 
 
 def test_previous_token_head_attends_to_the_previous_token():

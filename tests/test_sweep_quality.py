@@ -1,4 +1,4 @@
-"""mtrain/bench/dev/sweep_quality.py: its settings parse (bad ones refused before any run) and its one table."""
+"""tools/sweep_quality.py: its settings parse (bad ones refused before any run) and its one table."""
 
 import json
 import subprocess
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mtrain.bench.dev import sweep_quality
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ is not installed: the repository root
+from tools import sweep_quality  # noqa: E402
 
 
 def test_settings_parse_and_bad_ones_are_refused():
@@ -29,7 +30,7 @@ def test_table_merges_runs_in_length_and_text_order(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"cells": [cell(8192, "prose", "default", 0.01), cell(4096, "dialogue", "default", 0.0114)]}))
     b.write_text(json.dumps({"cells": [cell(4096, "prose", "last_q=256", -0.0004)]}))
-    run = subprocess.run([sys.executable, "-m", "mtrain.bench.dev.sweep_quality", "--table", str(a), str(b)],
+    run = subprocess.run([sys.executable, "-m", "tools.sweep_quality", "--table", str(a), str(b)],
                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True)
     lines = run.stdout.strip().splitlines()
     assert lines[0].startswith("| S | text | setting |") and len(lines) == 5

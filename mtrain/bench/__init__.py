@@ -2,7 +2,8 @@
 
     attention  sparse attention kernels against dense attention on planted inputs (GPU; CPU smoke)
     documents  dense attention over packed documents: FA4 varlen, cuDNN per document, ours; the dense ring's rank
-    real       sparse attention on a pretrained model's captured q/k/v: recall, perplexity, time
+    real       sparse attention on a pretrained model's captured q/k/v: recall, perplexity, time; with
+               --documents, over packed real documents against FA4 varlen
     ring       ring attention on one host's GPUs (torchrun -m mtrain.bench.ring; --cpu: gloo smoke)
     train      training-step throughput, MTraining against dense; --find-max: the longest context
     cost       the measurements behind the attention cost model (mtrain.ops.cost), and their fit
@@ -12,9 +13,10 @@
 
 Each lives in `mtrain/bench/<name>.py` with a `main(argv)`; `python -m mtrain.bench.<name>` runs it too. Shared
 helpers: `mtrain.bench.timing` (the one `timed()`), `mtrain.bench.synthetic` (the synthetic vertical-slash index and
-planted inputs). Tuning sweeps, profilers and kernel-variant benchmarks that only developers run are in
-`mtrain/bench/dev/` (`python -m mtrain.bench.dev.<name>`). `plan` and `imbalance` parse their options here; the
-others hand everything after their name to their own parser, which loads torch only when they run.
+planted inputs). Tuning sweeps, profilers and kernel-variant benchmarks that only developers run are in the
+repository's `tools/` (`python -m tools.<name>` from a checkout; not installed with the package). `plan` and
+`imbalance` parse their options here; the others hand everything after their name to their own parser, which loads
+torch only when they run.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def register(subparsers) -> None:
         help="benchmarks: " + ", ".join(SUBCOMMANDS),
         description="Benchmarks and the GPU correctness gate. `plan` and `imbalance` need only the CPU; the others "
         "time on a GPU and run a CPU smoke test where a GPU is missing. Developer tools (sweeps, profilers): "
-        "python -m mtrain.bench.dev.NAME.",
+        "python -m tools.NAME from a checkout.",
     )
     benches = parser.add_subparsers(dest="bench", metavar="BENCH")
     benches.required = True

@@ -633,12 +633,12 @@ SUBTILE = {"fwd": (64, 64), "dq": (64, 64), "dkdv": (64, 128), "col": (32, 64), 
            "coldq": (64, 32)}
 # Head dims <= 64 (less matrix work per tile): the forward runs a 128-token block as one 128-row query tile with
 # 4 warps (faster with SmolLM2's 9 q / 3 KV heads x 64 at 128-token blocks, bit for bit the same;
-# mtrain/bench/dev/bench_kernel_variants.py). The dQ and dK/dV choices above are the fastest there too.
+# tools/bench_kernel_variants.py). The dQ and dK/dV choices above are the fastest there too.
 SUBTILE_SMALL_HEADS = {"fwd": (128, 64), "colfwd": (128, 64)}
 # "colfwd" / "coldq": the forward and dQ passes of a column-only index (plans[NO_BLOCKS], the fa4 engine's
 # columns): a few gathered key columns per query tile, where the list-walking passes read whole key blocks.
 # "col": the column dK/dV pass (query rows per step; its chunks are 64 columns). Each the fastest of the variants
-# tried on the H200 at 128K, 16 / 2 heads x 128 (mtrain/bench/dev/bench_columns.py).
+# tried on the H200 at 128K, 16 / 2 heads x 128 (tools/bench_columns.py).
 # (num_warps, num_stages) per kernel on CUDA; mtrain/bench/attention.py measures the choices.
 CUDA_LAUNCH = {"fwd": (4, 3), "dq": (4, 2), "dkdv": (4, 3), "col": (4, 3), "colfwd": (4, 1), "coldq": (4, 1)}
 # Work-item length of the dK/dV passes (entries of a transposed list): None = max(256, 2x the mean list);

@@ -208,7 +208,7 @@ def scorer_config(block_size: int, head_dim: int, dtype: torch.dtype | None = No
     stages, whether the keys every row of a program sees run without masks (`split`; the same sums up to float
     rounding), and the keys one program walks (`keys`, rounded to the block size; None: KEYS_PER_PROGRAM).
 
-    Chosen on an H200 (`mtrain/bench/dev/bench_scorer.py`; the figures: BENCHMARKS.md "The scorer's launch
+    Chosen on an H200 (`tools/bench_scorer.py`; the figures: BENCHMARKS.md "The scorer's launch
     settings"): at 128-token blocks 128 rows and 4 warps beat 64 rows and 8 warps; at 64-token blocks 64 rows and 4
     warps stay the fastest. Summing a tile's columns on the tensor cores was slower everywhere or ran out of shared
     memory; block-major stores of the masses were no faster. fp32 inputs (tf32x3 dots, split copies of each operand
@@ -248,7 +248,7 @@ def score_rows(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, block_size:
     """q [B, n, Hq, D]: the queries at positions `rows` (sorted LongTensor [n]); k [B, S, Hkv, D]. Returns fp32
     (lse [B, Hq, n] natural-log softmax normaliser of each row's visible scaled logits, pooled [B, Hq, n, nKB]
     mass per key block, vert [B, Hq, S] column mass summed over rows outside the kept blocks, 0 in block 0).
-    config: launch settings over `scorer_config`'s (keys rows, warps, stages, split; mtrain/bench/dev/bench_scorer.py).
+    config: launch settings over `scorer_config`'s (keys rows, warps, stages, split; tools/bench_scorer.py).
 
     A shard's keys (context parallelism): key_blocks [S / block_size], the ascending global block id of each stored
     key block (S a multiple of block_size; doc_ids are then the whole sequence's); pooled and vert are then per

@@ -2,7 +2,7 @@
 column-only index): each candidate's kernels timed on an estimated index, its results checked against the
 current settings'.
 
-    python -m mtrain.bench.dev.bench_columns --seq 131072 --heads 16 2 128 --recall 0.96
+    python -m tools.bench_columns --seq 131072 --heads 16 2 128 --recall 0.96
 
 Three kernels are swept: the column forward merged into a block result ("colfwd": query rows x column chunk,
 warps, stages), the column dQ pass with another pass's gradients added ("coldq": the same), and the column

@@ -5,7 +5,7 @@ block-sparse kernels), on the benchmark's planted long-context inputs.
 First a correctness check per method on a short sequence: each method's output and gradients against a float64
 reference that applies the method's own index as a mask (`mtrain.ops.reference`); exits non-zero on a failure.
 
-    python -m mtrain.bench.dev.bench_baselines --seqs 65536 131072 [--heads 16 2 128] [--out DIR]
+    python -m tools.bench_baselines --seqs 65536 131072 [--heads 16 2 128] [--out DIR]
 
 Settings are the recipe defaults (attention.recall 0.99; moba 4096-token chunks, top 12; xattention stride 8,
 threshold 0.9) unless given.

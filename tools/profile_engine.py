@@ -2,7 +2,7 @@
 forward + backward by total time, for the index as estimated, for the same index with its column lists cut to
 their longest row (the estimate pads them to the vertical cap), and for its blocks alone.
 
-    python -m mtrain.bench.dev.profile_engine --seq 131072 --heads 16 2 128 --recall 0.96 --engine fa4
+    python -m tools.profile_engine --seq 131072 --heads 16 2 128 --recall 0.96 --engine fa4
 
 Inputs: the planted (`mtrain.bench.synthetic.make_inputs`) vertical-slash q/k/v (bf16); block 128 for fa4.
 """

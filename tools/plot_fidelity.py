@@ -2,7 +2,7 @@
 the training loss (one 32K sample per step, so single steps are noisy) and the per-step difference mtraining -
 dense in nats (a ratio spikes on the near-zero losses of needle-heavy samples).
 
-    python -m mtrain.bench.dev.plot_fidelity MTRAINING/metrics.jsonl DENSE/metrics.jsonl --out docs/fidelity-smollm2-32k.png
+    python -m tools.plot_fidelity MTRAINING/metrics.jsonl DENSE/metrics.jsonl --out docs/fidelity-smollm2-32k.png
 """
 
 from __future__ import annotations

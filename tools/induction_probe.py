@@ -5,7 +5,7 @@ loss and held-out copy accuracy as it goes; docs/history.md, "How the copy curri
 the copy curriculum" list the settings tried and what each gave. Not part of `make train`: a quick way to search
 for a setup before moving it into the recipes.
 
-    python -m mtrain.bench.dev.induction_probe --rows 128 --batch 4 --lr 3e-3 --steps 4000 --every 500 --prev-token-head
+    python -m tools.induction_probe --rows 128 --batch 4 --lr 3e-3 --steps 4000 --every 500 --prev-token-head
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Estimated vs true recall of the online vertical-slash estimate on a real model, per layer, and whole-model
 perplexity dense vs sparse, on real prose (CPython's pydoc_data topics) at fp32 on the CPU.
 
-  .venv/bin/python -m mtrain.bench.dev.real_recall --model models/smollm2-135m --seq-len 4096 [--ppl] [--set key=value ...]
+  .venv/bin/python -m tools.real_recall --model models/smollm2-135m --seq-len 4096 [--ppl] [--set key=value ...]
 
 --set passes SparseSettings fields to the estimator (e.g. --set last_q=256 --set sample_blocks=0).
 """

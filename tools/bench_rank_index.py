@@ -11,7 +11,7 @@ It also prints the rank's side-traffic bytes per layer from its real plan (`plan
 and after (all-gather + reduce-scatter). The lines are synthetic: per head `--verticals` random columns and a
 local window of `--window` tokens plus `--far` random far slashes (the estimator's caps bound real ones).
 
-    python -m mtrain.bench.dev.bench_rank_index --seq 524288 1048576 --cp 32 128 --heads 16 --verticals 1024
+    python -m tools.bench_rank_index --seq 524288 1048576 --cp 32 128 --heads 16 --verticals 1024
 """
 
 from __future__ import annotations
@@ -124,11 +124,11 @@ def main() -> None:
     for seq in args.seq:
         for cp in args.cp:
             for mode in args.modes:
-                cmd = [sys.executable, "-m", "mtrain.bench.dev.bench_rank_index", "--mode", mode, "--one-seq", str(seq), "--one-cp", str(cp)]
+                cmd = [sys.executable, "-m", "tools.bench_rank_index", "--mode", mode, "--one-seq", str(seq), "--one-cp", str(cp)]
                 for flag in ("rank", "heads", "kv_heads", "head_dim", "verticals", "window", "far", "block_size",
                              "vertical_cap", "repeat", "threads", "device"):
                     cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-                out = subprocess.run(cmd, capture_output=True, text=True)
+                out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
                 if out.returncode:
                     print(f"{seq} CP={cp} {mode}: failed: {out.stderr.strip().splitlines()[-1:]}")
                     continue

@@ -1,7 +1,7 @@
 """Ring attention forward + backward on CPU gloo ranks (PyTorch paths, fp32): the CPU row of `mtrain bench plan
 --check`. Dense on zigzag, sparse on block-stripe with a given index (local window + far slashes + verticals).
 
-    python -m mtrain.bench.dev.bench_ring_cpu --world 2 --tokens 8192 --heads 4 --kv-heads 2 --dim 32
+    python -m tools.bench_ring_cpu --world 2 --tokens 8192 --heads 4 --kv-heads 2 --dim 32
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ GPU time per call, host time per call, the host synchronisations (with the line 
 and GPU ops that cost most. For a layer whose back-to-back time (`mtrain bench real`'s "mtrain" column)
 exceeds its kernels.
 
-    python -m mtrain.bench.dev.profile_layer --model DIR --seq-len 32768 --layer 0 [--engine fa4] [--sparse block_size=128]
+    python -m tools.profile_layer --model DIR --seq-len 32768 --layer 0 [--engine fa4] [--sparse block_size=128]
 """
 
 from __future__ import annotations

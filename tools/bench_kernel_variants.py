@@ -2,7 +2,7 @@
 attributes of `mtrain.ops._triton_attention` (e.g. CUDA_LAUNCH, SUBTILE), and every variant is checked
 against the first one (same index, same inputs) before it is timed, next to cuDNN dense causal attention.
 
-    python -m mtrain.bench.dev.bench_kernel_variants --seqs 32768 --heads 9 3 64 --block-sizes 64 --variants base tma
+    python -m tools.bench_kernel_variants --seqs 32768 --heads 9 3 64 --block-sizes 64 --variants base tma
 
 Variants are named in VARIANTS below. Prints per (S, heads, block size, variant): density, forward / backward ms
 (deterministic backward), ms per 1% of causal pairs, the ratio to dense, and the largest relative difference to

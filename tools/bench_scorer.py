@@ -2,7 +2,7 @@
 rows the estimate scores (`estimate_rows`): GPU time per call and the largest difference from the first setting,
 for every shape asked. One process, one shape at a time; the inputs are the planted (`mtrain.bench.synthetic.make_inputs`) q/k.
 
-    python -m mtrain.bench.dev.bench_scorer --shapes 131072x16x2x128 32768x9x3x64 --block-size 128 \\
+    python -m tools.bench_scorer --shapes 131072x16x2x128 32768x9x3x64 --block-size 128 \\
         --variants r64-w8-nosplit r64-w8 r128-w8 r128-w8-s3
 
 A variant names its settings joined by '-': rN rows per program, wN warps, sN pipeline stages, kN keys per program,

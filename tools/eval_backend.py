@@ -1,6 +1,6 @@
 """Time per sample of the hf eval backend on a Qwen2.5-3B-shaped model (random weights) at long lengths.
 
-`python -m mtrain.bench.dev.eval_backend --out DIR --lengths 32768,65536` builds the checkpoint, runs NIAH, RULER niah_single_2
+`python -m tools.eval_backend --out DIR --lengths 32768,65536` builds the checkpoint, runs NIAH, RULER niah_single_2
 and PG-19-style perplexity through `run_suite`, and prints seconds per sample by task, length and prefill chunk.
 """
 
@@ -36,7 +36,7 @@ def build_checkpoint(path: str, layers: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mtrain.bench.dev.eval_backend", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.eval_backend", description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--lengths", default="32768,65536")
     parser.add_argument("--samples", type=int, default=2)

@@ -1,6 +1,6 @@
 """Packing throughput benchmark: real text packed three ways (re-encode, text, same tokenizer) in one run.
 
-Run: `python -m mtrain.bench.dev.pack_throughput --source-tokenizer LLAMA3_DIR --tokenizer QWEN_DIR --mb 32 --workers 1,2`.
+Run: `python -m tools.pack_throughput --source-tokenizer LLAMA3_DIR --tokenizer QWEN_DIR --mb 32 --workers 1,2`.
 """
 
 from __future__ import annotations

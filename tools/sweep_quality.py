@@ -7,7 +7,7 @@ density of the estimated patterns, and the true recall (the exact attention mass
 worst head, and its tail: the share of (head, sampled row) pairs whose own recall is below 0.9, and the 1st
 percentile of the rows' recall. Prints one markdown table (and writes every cell to --json).
 
-  python -m mtrain.bench.dev.sweep_quality --model models/smollm2-135m --seq-len 4096 8192 \\
+  python -m tools.sweep_quality --model models/smollm2-135m --seq-len 4096 8192 \\
       --texts prose docs code dialogue --set default --set last_q=256 --set recall=0.995
 
 A setting is `default` (SparseSettings as shipped) or comma-separated SparseSettings fields,

@@ -2,8 +2,8 @@
 backward's work plans on top (`prepare_backward`: everything the sparse kernels read from an index), reference
 builder vs the Triton builder, checked equal and for host syncs, plus the estimator's own cost. One table per run.
 
-    python -m mtrain.bench.dev.bench_index                       # 32K/64K/128K, SmolLM2 and Qwen2.5-3B heads
-    python -m mtrain.bench.dev.bench_index --seqs 4096 --reps 2  # quick (CPU: add TRITON_INTERPRET=1, tiny sizes)
+    python -m tools.bench_index                       # 32K/64K/128K, SmolLM2 and Qwen2.5-3B heads
+    python -m tools.bench_index --seqs 4096 --reps 2  # quick (CPU: add TRITON_INTERPRET=1, tiny sizes)
 
 Columns: "wall" = call to finished GPU work, from an idle GPU (host launch time included); "host" = time
 until the call returns (the new builder does not wait for the GPU); "stream" = GPU stream time of the

@@ -2,7 +2,7 @@
 `estimate_vertical_slash`), per kernel, the host-side enqueue time against the GPU time, and every host
 synchronisation (with the line that caused it).
 
-    python -m mtrain.bench.dev.profile_estimate --seqs 32768 131072 [--heads 9 3 64] [--block-size 128] [--engine fa4]
+    python -m tools.profile_estimate --seqs 32768 131072 [--heads 9 3 64] [--block-size 128] [--engine fa4]
 
 It also times the estimate as model layers run it: replayed from a CUDA graph (`estimate_graphed`), alone and with
 the engine's plans built in the same graph (`prepare=`), copies of the outputs included.
