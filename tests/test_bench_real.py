@@ -211,3 +211,44 @@ def test_bench_real_escalates_a_layer_over_the_limit(tmp_path):
         CONTEXT.escalate_recall, CONTEXT.layer_recall = saved
     # the timed layer, and those of the perplexity passes (which run every layer under the same check)
     assert summary["escalate_recall"] == 0.99 and 1 in summary["escalated_layers"]
+
+
+def test_packed_mixes_hold_the_sequence_in_their_documents():
+    """`mtrain bench real --documents`: the long mix is four documents of 41 / 31 / 19 / 9% of the sequence, the
+    short one sixteen equal documents; every token comes from the start of a real text (books, code)."""
+    from transformers import AutoTokenizer
+
+    from mtrain.bench.real_documents import packed_mix
+    from mtrain.tiny import TOKENIZER_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    ids, lengths, names = packed_mix(tokenizer, 4096, "long")
+    assert len(ids) == sum(lengths) == 4096 and lengths == [1679, 1269, 778, 370]
+    assert len(set(names)) == 4 and "python-reference" in names
+    ids, lengths, names = packed_mix(tokenizer, 4096, "short")
+    assert len(ids) == 4096 and lengths == [256] * 16
+    with pytest.raises(ValueError, match="--documents"):
+        packed_mix(tokenizer, 4096, "medium")
+
+
+@pytest.mark.slow
+def test_bench_real_on_packed_documents_reports_against_the_varlen_peer(tmp_path):
+    """One layer of the real model over the long mix at 1024 tokens (CPU): the peer, the dense kind and the sparse
+    kind as trained, per layer and for the whole model, the perplexities with the documents masked, written to
+    real_docs_<S>_<mix>.json."""
+    from mtrain.bench import real_documents
+    from mtrain.parallel import SparseSettings
+
+    summary = real_documents.run(str(require_real_model()), 1024, "long", policy="always", layers=[1], iters=1,
+                                 hold=1, out_dir=str(tmp_path), log=lambda _: None,
+                                 settings=SparseSettings(block_size=64, last_q=32, recall=0.9))
+    (layer,) = summary["layers"]
+    assert summary["document_lengths"] == [419, 317, 194, 94]
+    # policy always: every document of at least two blocks is estimated and runs sparse
+    assert layer["estimated"] == layer["sparse"] == 3 and all(0 < d <= 1 for d in layer["density"])
+    assert all(0 < r <= 1 + 1e-6 for r in layer["true_recall"])
+    for key in ("peer_ms", "dense_ms", "mtrain_ms", "steady_ms"):
+        assert math.isfinite(summary[key]) and summary[key] > 0
+    assert summary["speedup_vs_peer"] == pytest.approx(summary["peer_ms"] / summary["mtrain_ms"])
+    assert math.isfinite(summary["ppl_dense"]) and abs(summary["ppl_rise"]) < 0.05
+    assert json.loads((tmp_path / "real_docs_1024_long.json").read_text())["mix"] == "long"

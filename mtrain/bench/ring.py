@@ -540,7 +540,7 @@ def bench_model(rank, world, args, device, report) -> None:
     depend on the data). Whole model = the sum over layers (attention only)."""
     from transformers import AutoTokenizer
 
-    from mtrain.bench.real import capture_qkv, load_model, resolve_model
+    from mtrain.bench.model import capture_qkv, load_model, resolve_model
     from mtrain.data.texts import text_tokens
     from mtrain.ops.recall import gathered_true_recall
 

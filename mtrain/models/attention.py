@@ -12,7 +12,7 @@ import logging
 import torch
 
 from mtrain.errors import MtrainError
-from mtrain.models.context import CONTEXT, current_documents, hf_inputs, no_mask
+from mtrain.models.context import CONTEXT, LayerRecord, current_documents, hf_inputs, no_mask
 from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, check_wanted, choose_path, escalate,
                                   layer_settings, passed_check, quality_error, record_layer, remember_choice,
                                   replay_choice, scored_rows, skip_estimate, widen_or_hold)
@@ -90,64 +90,164 @@ def _graphed(q, prepare) -> bool:
     return graphed.GRAPH_ESTIMATE and q.is_cuda and prepare is not None
 
 
+def _decide(q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, engine, max_error, prepare,
+            graphed):
+    """("sparse", index) or ("dense", None) for one device's call over q [B, S, Hq, D] under SparseSettings `s`:
+    the replayed choice while gradient checkpointing recomputes (`memo_key`), else the estimate, the quality check
+    (and escalation), the choice and its holds and widening, whose state lives under `key` (the layer index, or on
+    packed documents the layer's documents of one length class: `document_key`); the records carry `layer_idx`."""
+    from mtrain.ops.graphed import estimate_graphed
+    from mtrain.ops.index import SparseIndex
+
+    replay = replay_choice(memo_key)
+    if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and index
+        path, lines = replay
+        if path == "sparse":
+            return "sparse", SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
+        return "dense", None
+    if policy == "never" or skip_estimate(q, s, key, policy=policy, training=training, engine=engine,
+                                          graphed=graphed, layer=layer_idx):
+        remember_choice(memo_key, "dense", None, training)
+        return "dense", None
+    # every SparseSettings field is an estimate_vertical_slash keyword of the same name
+    fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
+    # on CUDA replayed from a graph once the shapes have been seen twice (its ~280 launches are the cost at 32K),
+    # with what the engine derives from the index (another ~100 launches) built in the same graph
+    index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, prepare=prepare)
+    checked = check_wanted(max_error, policy) and check_due(key, training)
+    if checked:  # the quality check (attention.max_output_error), once per hold period in training
+        index._cache["output_error"] = quality_error(q, k, v, index, s, scaling)
+        if escalate(key, index, max_error):  # over the limit: estimate again at the escalated recall
+            s = dataclasses.replace(s, recall=CONTEXT.layer_recall[key])
+            index = estimate_graphed(q.detach(), k.detach(), **{**fields, "recall": s.recall},
+                                     softmax_scale=scaling, prepare=prepare)
+            index._cache["output_error"] = quality_error(q, k, v, index, s, scaling)
+    path, prediction = choose_path(index, q, policy=policy, training=training, target=s.recall,
+                                   rows=scored_rows(s, q.shape[1]), engine=engine,
+                                   graphed=graphed, layer_idx=key, max_error=max_error)
+    # wider caps next call where they bind, else the dense hold
+    cap_scale, widened = widen_or_hold(key, index, s, q.shape[1], prediction, policy, training)
+    if checked:
+        passed_check(key, path, training)
+    record_layer(key, path, index, prediction, q, k, scaling, cap_scale=cap_scale, widened=widened,
+                 layer=layer_idx)
+    remember_choice(memo_key, path, index, training)
+    return path, (index if path == "sparse" else None)
+
+
 def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None,
                      engine="auto", max_error=None):
     """One rank holds the whole sequence: dense causal, or online vertical-slash sparse attention with
     SparseSettings `s` on block engine `engine` (ENGINES), run sparse or dense per `policy` (see `choose_path`;
-    under "auto" with `max_error`, also dense where the layer's output error on the scored rows exceeds it)."""
+    under "auto" with `max_error`, also dense where the layer's output error on the scored rows exceeds it).
+    Packed documents (doc_ids) run per document (`_per_document`): each long enough document sparse on its own,
+    the rest in one dense varlen call."""
     from mtrain.ops import dense_attention, vertical_slash_attention
-    from mtrain.ops.graphed import estimate_graphed
-    from mtrain.ops.index import SparseIndex
 
-    if s is not None:  # the concrete engine (auto resolved): what runs, what the cost model prices, what is logged
-        engine = say_engine(engine, q, s.block_size)
-    prepare = prepare_spec(q, k, engine, doc_ids)
-    graphed = _graphed(q, prepare)
-
-    def sparse(index):
-        return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
+    documents = current_documents(doc_ids)  # the batch's boundaries, read from the host once per batch
+    if s is None:
+        return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=documents)
+    # the concrete engine (auto resolved): what runs, what the cost model prices, what is logged
+    engine = say_engine(engine, q, s.block_size)
+    if documents is not None:
+        return _per_document(q, k, v, scaling, s, documents, policy=policy, training=training,
+                             layer_idx=layer_idx, engine=engine, max_error=max_error)
+    prepare = prepare_spec(q, k, engine, None)
+    path, index = _decide(q, k, v, scaling, s, policy=policy, training=training, layer_idx=layer_idx,
+                          key=layer_idx, memo_key=layer_idx, engine=engine, max_error=max_error, prepare=prepare,
+                          graphed=_graphed(q, prepare))
+    if path == "sparse":
+        return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, impl=engine,
                                         deterministic=_deterministic_backward(engine))
+    return dense_attention(q, k, v, causal=True, softmax_scale=scaling)
 
-    replay = replay_choice(layer_idx) if s is not None else None
-    if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and index
-        path, lines = replay
-        if path == "sparse":
-            index = SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
-            return sparse(index)
-    elif s is not None and policy != "never" and not skip_estimate(q, s, layer_idx, policy=policy,
-                                                                     training=training, doc_ids=doc_ids,
-                                                                     engine=engine,
-                                                                     graphed=graphed):
-        # every SparseSettings field is an estimate_vertical_slash keyword of the same name
-        fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
-        # on CUDA replayed from a graph once the shapes have been seen twice (its ~280 launches are the cost at 32K),
-        # with what the engine derives from the index (another ~100 launches) built in the same graph
-        index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids,
-                                 prepare=prepare)
-        checked = check_wanted(max_error, policy) and check_due(layer_idx, training)
-        if checked:  # the quality check (attention.max_output_error), once per hold period in training
-            index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
-            if escalate(layer_idx, index, max_error):  # over the limit: estimate again at the escalated recall
-                s = dataclasses.replace(s, recall=CONTEXT.layer_recall[layer_idx])
-                index = estimate_graphed(q.detach(), k.detach(), **{**fields, "recall": s.recall},
-                                         softmax_scale=scaling, doc_ids=doc_ids, prepare=prepare)
-                index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
-        path, prediction = choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids,
-                                       target=s.recall, rows=scored_rows(s, q.shape[1]), engine=engine,
-                                       graphed=graphed, layer_idx=layer_idx, max_error=max_error)
-        # wider caps next call where they bind, else the dense hold
-        cap_scale, widened = widen_or_hold(layer_idx, index, s, q.shape[1], prediction, policy, training)
-        if checked:
-            passed_check(layer_idx, path, training)
-        record_layer(layer_idx, path, index, prediction, q, k, scaling, doc_ids, cap_scale=cap_scale,
-                     widened=widened)
-        remember_choice(layer_idx, path, index, training)
-        if path == "sparse":
-            return sparse(index)
-    elif s is not None:
-        remember_choice(layer_idx, "dense", None, training)
-    # with documents: one varlen call over the batch's boundaries, read from the host once per batch
-    return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=current_documents(doc_ids))
+
+def document_key(layer_idx, length: int):
+    """The policy's key for a layer's documents of `length` tokens: one per layer and power-of-two length class
+    ("03@64K": layer 3, documents of 32K+1 .. 64K tokens), under which their holds, widened caps, escalated recall
+    and quality-check cadence live (a document's pattern, and whether sparse pays on it, depends on its length
+    much as a whole sequence's does); None without a layer index."""
+    if layer_idx is None:
+        return None
+    size = 1 << max(int(length) - 1, 1).bit_length()
+    label = f"{size >> 10}K" if size >= 1024 else str(size)
+    return f"{layer_idx:02d}@{label}" if isinstance(layer_idx, int) else f"{layer_idx}@{label}"
+
+
+def _shortest_sparse(policy: str, heads: int, head_dim: int, block_size: int, s, training: bool, device,
+                     engine: str, dense_engine: str) -> int:
+    """The shortest document a sparse layer estimates: two blocks under "always" (a shorter one has no block to
+    skip); under "auto" the shortest whole number of blocks (from two up) at which the cost model's floor (the
+    estimate and the fixed costs, `cost.worth_estimating`) is under the document's dense cost, found by bisection
+    (the floor grows more slowly with the length than dense does); beyond 2**24 tokens, never. The estimate is
+    priced eager: documents' lengths change from batch to batch, so a CUDA graph of one length is rarely replayed.
+    s: the SparseSettings, whose scored rows depend on the length."""
+    from mtrain.ops import cost
+
+    shortest = 2 * block_size
+    if policy != "auto":
+        return shortest
+
+    def pays(blocks: int) -> bool:
+        length = blocks * block_size
+        return cost.worth_estimating(seq_len=length, heads=heads, head_dim=head_dim, block_size=block_size,
+                                     rows=scored_rows(s, length), backward=training, device=device,
+                                     engine=engine, dense_engine=dense_engine).path == "sparse"
+
+    low, high = 2, (1 << 24) // block_size  # pays(high) or nothing does; bisect on the first block count that pays
+    if not pays(high):
+        return 1 << 24
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if pays(middle) else (middle + 1, high)
+    return low * block_size
+
+
+def _per_document(q, k, v, scaling, s, documents, *, policy, training, layer_idx, engine, max_error):
+    """Sparse attention within packed documents on one device: every document at least `_shortest_sparse` long is
+    a causal sequence of its own (its own estimate from its own rows, index and choice, no block across a boundary,
+    nothing the documents mask computed); the documents the choice sends dense and the short ones (where dense is
+    cheap) run in one varlen call. Policy state per layer and length class (`document_key`); one record per
+    estimated document, under the layer's index."""
+    from mtrain.ops import vertical_slash_attention
+    from mtrain.ops.dense import dense_backend
+    from mtrain.ops.varlen import Segments, varlen_attention
+
+    B, S, Hq, D = q.shape
+    shortest = S + 1 if policy == "never" else _shortest_sparse(policy, Hq, D, s.block_size, s, training, q.device,
+                                                                 engine, dense_backend(q))
+    pieces, dense, slot = {}, [], 0
+    for b in range(B):
+        for start, n in zip(documents.starts(b), documents.lengths[b]):
+            if n < shortest:
+                dense.append((b, start, n))
+                continue
+            key = document_key(layer_idx, n)
+            qd, kd, vd = (t[b:b + 1, start:start + n] for t in (q, k, v))
+            # priced with an eager estimate (see `_shortest_sparse`), though a length seen twice replays a graph
+            path, index = _decide(qd, kd, vd, scaling, layer_settings(s, key), policy=policy,
+                                  training=training, layer_idx=layer_idx, key=key,
+                                  memo_key=None if key is None else (key, slot), engine=engine,
+                                  max_error=max_error, prepare=prepare_spec(qd, kd, engine, None), graphed=False)
+            slot += 1
+            if path == "sparse":
+                pieces[b, start] = vertical_slash_attention(qd, kd, vd, index, softmax_scale=scaling, impl=engine,
+                                                            deterministic=_deterministic_backward(engine))[0]
+            else:
+                dense.append((b, start, n))
+    if slot == 0 and policy != "never":  # no document long enough to estimate: the layer ran dense as a whole
+        CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None))
+    if len(dense) == sum(len(row) for row in documents.lengths):  # every document dense: the batch's one call
+        from mtrain.ops import dense_attention
+
+        return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=documents)
+    if dense:
+        cat = [torch.cat([t[b, start:start + n] for b, start, n in dense]) for t in (q, k, v)]
+        out = varlen_attention(*cat, Segments.build([n for _, _, n in dense], device=q.device), scaling)
+        for (b, start, n), piece in zip(dense, out.split([n for _, _, n in dense])):
+            pieces[b, start] = piece
+    rows = [torch.cat([pieces[b, start] for start in documents.starts(b)]) for b in range(B)]
+    return torch.stack(rows)
 
 
 def _start_gather(q, k, v, world: int, settings):

@@ -152,14 +152,17 @@ def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_id
 
 
 def skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 1, doc_ids=None,
-                   engine: str = "auto", graphed: bool = False) -> bool:
+                   engine: str = "auto", graphed: bool = False, layer=False) -> bool:
     """Under "auto": True when sparse cannot pay even with no work listed (the estimate and the fixed costs
     alone exceed dense; `mtrain.ops.cost.worth_estimating`). The call then runs dense without estimating and
-    records the floor. Decided from shapes and settings every rank shares."""
+    records the floor. Decided from shapes and settings every rank shares. layer_idx: the key of the policy's
+    state (the layer index, or a layer's documents of one length class); layer: the record's layer (default:
+    layer_idx)."""
+    layer = layer_idx if layer is False else layer
     if policy != "auto":
         return False
     if training and layer_idx is not None and CONTEXT.step < CONTEXT.dense_until.get(layer_idx, -1):
-        CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, held=True,  # held dense: see dense_hold
+        CONTEXT.layers.append(LayerRecord(layer, "dense", None, held=True,  # held dense: see dense_hold
                                           cap_scale=CONTEXT.cap_scale.get(layer_idx, 1)))
         return True
     from mtrain.ops import cost
@@ -174,7 +177,7 @@ def skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 
                                   graphed=graphed, dense_engine=dense_backend(q))
     if floor.path == "sparse":
         return False
-    CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None, floor.dense_ms, floor.sparse_ms,
+    CONTEXT.layers.append(LayerRecord(layer, "dense", None, floor.dense_ms, floor.sparse_ms,
                                       cap_scale=CONTEXT.cap_scale.get(layer_idx, 1)))
     return True
 
@@ -374,9 +377,12 @@ def policy_state() -> dict:
         if event is not None:
             event.synchronize()
         stats.append([layer, list(shape), parts, host.tolist()])
-    return {"dense_until": sorted(CONTEXT.dense_until.items()), "hold_streak": sorted(CONTEXT.hold_streak.items()),
-            "checked_until": sorted(CONTEXT.checked_until.items()), "cap_scale": sorted(CONTEXT.cap_scale.items()),
-            "layer_recall": sorted(CONTEXT.layer_recall.items()), "choice_stats": stats}
+    def items(state: dict) -> list:  # layer indices first, then the per-document keys ("03@64K": `document_key`)
+        return sorted(state.items(), key=lambda item: (isinstance(item[0], str), item[0]))
+
+    return {"dense_until": items(CONTEXT.dense_until), "hold_streak": items(CONTEXT.hold_streak),
+            "checked_until": items(CONTEXT.checked_until), "cap_scale": items(CONTEXT.cap_scale),
+            "layer_recall": items(CONTEXT.layer_recall), "choice_stats": stats}
 
 
 def load_policy_state(state: dict) -> None:
@@ -394,16 +400,17 @@ def load_policy_state(state: dict) -> None:
 
 
 def record_layer(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None,
-                 true_recall=None, cap_scale: int = 1, widened: bool = False) -> None:
+                 true_recall=None, cap_scale: int = 1, widened: bool = False, layer=False) -> None:
     """Append this call's LayerRecord; on sample_recall steps measure the true recall of a sparse call on
     CONTEXT.recall_rows rows spread evenly over the sequence (ending at the last row). q/k: the whole
     sequence (None under CP, where no rank holds it: the ring measures it across the group and passes
     `true_recall` instead). cap_scale: the layer's cap multiplier this call estimated with; widened: whether this
-    call's choice doubled it (`widen`)."""
+    call's choice doubled it (`widen`). layer_idx: the key of the policy's state; layer: the record's layer
+    (default: layer_idx)."""
     from mtrain.ops.index import list_bytes
 
     # own copies of the index's small tensors: a graph-replayed index's are views into its one buffer (`own`)
-    record = LayerRecord(layer_idx, path, index.density_tensor(), est_recall=own(index._cache.get("est_recall")),
+    record = LayerRecord(layer_idx if layer is False else layer, path, index.density_tensor(), est_recall=own(index._cache.get("est_recall")),
                          true_recall=true_recall, output_error=index._cache.get("output_error"),
                          cap_scale=cap_scale, widened=widened, index_bytes=list_bytes(index),
                          escalated_recall=CONTEXT.layer_recall.get(layer_idx) if layer_idx is not None else None)

@@ -1,0 +1,266 @@
+"""A real model's attention over PACKED documents: `mtrain bench real --model DIR --seq-len N --documents long|short`.
+
+Training packs documents and masks attention across them (`data.document_masking`). This benchmark packs real
+documents that need no download (`mtrain.data.longdocs`: books and code repositories of this Python) into one
+sequence of N tokens, runs them through the model once with the mask (each document sees only itself) and
+captures every layer's post-RoPE q/k/v; then per layer, forward + backward with the calls queued back to back as
+training queues them:
+
+- the peer: FlashAttention-4's varlen kernel over the documents, called directly (on a machine without FA4, the
+  dense path's own backend, `mtrain.ops.varlen.varlen_backend`; the row says which);
+- mtrain's dense kind (`dense_attention(documents=)`: the same kernel through mtrain);
+- mtrain's sparse kind as a training step calls it (`_per_document`: every long enough document estimated and run
+  sparse on its own, the others and those the choice sends dense in one varlen call), at every step and in the
+  steady state of its dense holds;
+
+and the whole model's perplexity over the same tokens with the documents masked: dense, and with every layer as
+training runs it (the model in training mode under no_grad, so each document's choice is priced forward +
+backward). Mixes: `long` = four documents of 41 / 31 / 19 / 9% of N (two books, a code repository, a third book:
+lengths like ProLong's long books and repositories), `short` = sixteen documents of N / 16. With `--causal-too`,
+the same q/k/v as ONE causal sequence beside it (FA4 dense against mtrain without documents).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from mtrain.atomic import write_json_atomic
+from mtrain.bench.timing import timed
+
+MIXES = ("long", "short")
+LONG_SHARES = (0.41, 0.31, 0.19, 0.09)
+"""The long mix's document lengths as shares of the sequence (the last one takes what is left)."""
+SHORT_DOCS = 16
+
+
+def document_texts():
+    """Long real texts in a fixed order that alternates books and code (`mtrain.data.longdocs`)."""
+    from mtrain.data.longdocs import books, code_repos
+
+    book, code = list(books(min_doc_chars=200_000)), code_repos(min_doc_chars=400_000)
+    out = []
+    for i, (name, text) in enumerate(book):
+        out.append((name, text))
+        if i == 0:
+            out.append(next(code))
+    out.extend(code)
+    return out
+
+
+def packed_mix(tokenizer, seq_len: int, mix: str) -> tuple[list[int], list[int], list[str]]:
+    """(token ids, document lengths, document names) of one packed sequence of `seq_len` tokens in mix `mix`
+    (MIXES). Each document is the start of one text (`document_texts`), as many tokens as its share."""
+    if mix not in MIXES:
+        raise ValueError(f"--documents must be one of {', '.join(MIXES)}; got {mix!r}")
+    if mix == "long":
+        lengths = [int(seq_len * share) for share in LONG_SHARES[:-1]]
+    else:
+        lengths = [seq_len // SHORT_DOCS] * (SHORT_DOCS - 1)
+    lengths.append(seq_len - sum(lengths))
+    texts = document_texts()
+    if len(texts) < len(lengths) and mix == "long":
+        raise ValueError(f"the long mix needs {len(lengths)} long texts; this Python has {len(texts)}")
+    ids, names = [], []
+    for i, n in enumerate(lengths):
+        name, text = texts[i % len(texts)]
+        if mix == "short":  # sixteen pieces, one after another, of the texts in turn
+            text = text[(i // len(texts)) * n * 8:]
+        tokens = tokenizer(text[: n * 8], add_special_tokens=False)["input_ids"][:n]
+        if len(tokens) < n:
+            raise ValueError(f"text {name} holds {len(tokens)} tokens, the mix wants {n}")
+        ids.extend(tokens)
+        names.append(name)
+    return ids, lengths, names
+
+
+def _fwd_bwd(fn, q, k, v, dout):
+    def run():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        torch.autograd.backward(fn(qq, kk, vv), dout)
+    return run
+
+
+def _peer(documents, scale):
+    """(label, fn) of the dense peer: FA4's varlen kernel called directly where FA4 runs, else the backend the dense
+    path picks."""
+    from mtrain.ops.varlen import varlen_attention, varlen_backend
+
+    def fn(q, k, v):
+        B, S = q.shape[:2]
+        flat = [t.reshape(B * S, *t.shape[2:]) for t in (q, k, v)]
+        backend = varlen_backend(q)
+        if backend == "fa4":
+            from flash_attn.cute import flash_attn_varlen_func
+
+            seg = documents.segments
+            out, _ = flash_attn_varlen_func(*flat, cu_seqlens_q=seg.cu_q, cu_seqlens_k=seg.cu_k,
+                                            max_seqlen_q=seg.max_q, max_seqlen_k=seg.max_k, softmax_scale=scale,
+                                            causal=True)
+            return out.view(B, S, *out.shape[1:])
+        return varlen_attention(*flat, documents.segments, scale, backend).view(q.shape)
+
+    return fn
+
+
+def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, policy: str, hold: int, engine: str,
+                  max_error, documents) -> dict:
+    """One layer's timings and records over packed documents (`documents`: the batch's `Documents`, or None for
+    the whole sequence causal)."""
+    import functools
+
+    from mtrain.models.attention import mtrain_attention
+    from mtrain.models.context import CONTEXT
+    from mtrain.ops import dense_attention
+    from mtrain.ops.varlen import varlen_backend
+
+    dout = torch.randn_like(q)
+    if documents is not None:
+        peer = _peer(documents, scale)
+        peer_label = ("fa4 varlen, direct" if varlen_backend(q) == "fa4" else f"{varlen_backend(q)} varlen")
+    else:
+        peer = functools.partial(dense_attention, causal=True, softmax_scale=scale)
+        peer_label = "dense (mtrain.ops.dense_attention)"
+    peer_ms = timed(_fwd_bwd(peer, q, k, v, dout), iters, warmup=3, back_to_back=True)
+    dense = functools.partial(dense_attention, causal=True, softmax_scale=scale, documents=documents)
+    dense_ms = timed(_fwd_bwd(dense, q, k, v, dout), iters, warmup=3, back_to_back=True)
+
+    class _Layer:
+        layer_idx = layer
+        training = True
+
+    def as_trained(qq, kk, vv):
+        out, _ = mtrain_attention(_Layer, qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), None,
+                                  scaling=scale, settings=settings, policy=policy, engine=engine, max_error=max_error)
+        return out
+
+    mark = len(CONTEXT.layers)
+    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until, CONTEXT.step
+    try:
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = 0, {}, {}, {}
+        CONTEXT.sample_recall, CONTEXT.recall_rows = True, 256  # one untimed call measures the true recall
+        _fwd_bwd(as_trained, q, k, v, dout)()
+        CONTEXT.sample_recall = False
+        first = CONTEXT.layers[mark:]
+        mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters, warmup=2, back_to_back=True)
+        CONTEXT.dense_hold = hold
+        step_fn = _fwd_bwd(as_trained, q, k, v, dout)
+
+        def steps():
+            for step in range(hold + 1):
+                CONTEXT.step = step
+                step_fn()
+
+        steady_ms = timed(steps, 1, warmup=0, back_to_back=True) / (hold + 1)
+    finally:
+        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until, CONTEXT.step = saved
+        CONTEXT.sample_recall = False
+    records = [r.as_floats() for r in first]
+    del CONTEXT.layers[mark:], CONTEXT.densities[:]
+    sparse = [r for r in records if r["path"] == "sparse"]
+    return {"layer": layer, "peer": peer_label, "peer_ms": peer_ms, "dense_ms": dense_ms, "mtrain_ms": mtrain_ms,
+            "steady_ms": steady_ms, "estimated": len([r for r in records if r["density"] is not None]),
+            "sparse": len(sparse), "density": [r["density"] for r in sparse],
+            "true_recall": [r["true_recall"] for r in sparse]}
+
+
+def perplexity_trained(net, ids, fn) -> float:
+    """Perplexity over `ids` with the bench's attention pointed at `fn`, the model in training mode under no_grad
+    (each layer's choice priced as a training step prices it)."""
+    from mtrain.bench.model import perplexity, register_bench_attention
+    from mtrain.models.context import CONTEXT, clear_records
+
+    was = net.training
+    net.train(fn is not None)
+    CONTEXT.choice_stats.clear()
+    register_bench_attention(fn)
+    try:
+        return perplexity(net, ids)
+    finally:
+        register_bench_attention(None)
+        net.train(was)
+        clear_records()
+
+
+def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", yarn="auto", iters: int = 5,
+        hold: int = 16, engine: str = "auto", layers=None, out_dir=None, log=print, max_error=None,
+        causal_too: bool = False) -> dict:
+    """Benchmark one model at one length on packed documents of mix `mix`; writes out_dir/real_docs_<S>_<mix>.json."""
+    import functools
+
+    from transformers import AutoTokenizer
+
+    from mtrain.bench.model import capture_qkv, load_model, resolve_model
+    from mtrain.models.attention import mtrain_attention
+    from mtrain.models.context import CONTEXT, set_documents
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    path = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokens, lengths, names = packed_mix(tokenizer, seq_len, mix)
+    ids = torch.tensor([tokens], device=device)
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    net, factor = load_model(path, seq_len, yarn, device, dtype)
+    cfg = net.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    scale = head_dim ** -0.5
+    log(f"model {path.name}: S={seq_len}, YaRN {factor:g}, {dtype}; {mix} mix: {len(lengths)} documents "
+        f"{lengths} ({', '.join(dict.fromkeys(names))}); policy {policy}, engine {engine}, settings {settings}")
+    CONTEXT.choice_stats.clear()
+    set_documents(doc_ids, device)
+    try:
+        qkv = capture_qkv(net, ids)  # one forward with the documents masked
+        picked = layers if layers is not None else list(range(len(qkv)))
+        rows = []
+        for i in picked:
+            row = measure_layer(i, *qkv[i], settings, scale, iters, policy, hold, engine, max_error,
+                                CONTEXT.documents)
+            rows.append(row)
+            log(f"layer {i:3d}: {row['sparse']}/{row['estimated']} documents sparse, density "
+                f"{[round(d, 3) for d in row['density']]} true recall "
+                f"{[round(r, 3) for r in row['true_recall'] if r is not None]} | peer {row['peer_ms']:7.2f} ms, "
+                f"dense {row['dense_ms']:7.2f}, mtrain {row['mtrain_ms']:7.2f} "
+                f"({row['peer_ms'] / row['mtrain_ms']:.2f}x), steady {row['steady_ms']:7.2f} "
+                f"({row['peer_ms'] / row['steady_ms']:.2f}x)")
+        fn = functools.partial(mtrain_attention, settings=settings, policy=policy, engine=engine,
+                               max_error=max_error)
+        ppl_dense, ppl_trained = perplexity_trained(net, ids, None), perplexity_trained(net, ids, fn)
+    finally:
+        set_documents(None)
+    summary = {"model": str(path), "seq_len": seq_len, "mix": mix, "document_lengths": lengths,
+               "documents": names, "yarn_factor": factor, "dtype": str(dtype),
+               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "torch": torch.__version__,
+               "policy": policy, "engine": engine, "dense_hold_steps": hold, "max_output_error": max_error,
+               "settings": {k: getattr(settings, k) for k in settings.__dataclass_fields__}, "layers": rows,
+               "peer": rows[0]["peer"] if rows else None}
+    for key in ("peer_ms", "dense_ms", "mtrain_ms", "steady_ms"):
+        summary[key] = sum(r[key] for r in rows)
+    summary["speedup_vs_peer"] = summary["peer_ms"] / summary["mtrain_ms"]
+    summary["steady_speedup_vs_peer"] = summary["peer_ms"] / summary["steady_ms"]
+    summary["dense_vs_peer"] = summary["peer_ms"] / summary["dense_ms"]
+    densities = [d for r in rows for d in r["density"]]
+    summary["mean_sparse_density"] = statistics.mean(densities) if densities else None
+    summary.update(ppl_dense=ppl_dense, ppl_as_trained=ppl_trained, ppl_rise=ppl_trained / ppl_dense - 1)
+    log(f"whole model ({len(rows)} layers), {mix} mix at {seq_len}: peer ({summary['peer']}) "
+        f"{summary['peer_ms']:.1f} ms, mtrain dense {summary['dense_ms']:.1f} ms ({summary['dense_vs_peer']:.2f}x), "
+        f"mtrain sparse as trained {summary['mtrain_ms']:.1f} ms ({summary['speedup_vs_peer']:.2f}x), steady "
+        f"{summary['steady_ms']:.1f} ms ({summary['steady_speedup_vs_peer']:.2f}x); perplexity dense "
+        f"{ppl_dense:.3f}, as trained {ppl_trained:.3f} ({100 * summary['ppl_rise']:+.2f}%)")
+    if causal_too:  # the same q/k/v as one causal sequence: FA4 dense against mtrain without documents
+        causal = [measure_layer(i, *qkv[i], settings, scale, iters, policy, hold, engine, max_error, None)
+                  for i in picked]
+        summary["causal"] = {"layers": causal, **{key: sum(r[key] for r in causal)
+                                                    for key in ("peer_ms", "mtrain_ms", "steady_ms")}}
+        c = summary["causal"]
+        log(f"the same pack as one causal sequence: dense {c['peer_ms']:.1f} ms, mtrain {c['mtrain_ms']:.1f} ms "
+            f"({c['peer_ms'] / c['mtrain_ms']:.2f}x), steady {c['steady_ms']:.1f} ms "
+            f"({c['peer_ms'] / c['steady_ms']:.2f}x)")
+    del qkv
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        write_json_atomic(Path(out_dir) / f"real_docs_{seq_len}_{mix}.json", summary, indent=1)
+    return summary

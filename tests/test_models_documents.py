@@ -1,0 +1,183 @@
+"""Sparse attention within packed documents on one device (`mtrain.models.attention._per_document`): each long
+enough document estimated and run as a causal sequence of its own, the rest in one dense varlen call."""
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mtrain.models.attention import document_key, mtrain_attention
+from mtrain.models.context import CONTEXT, set_documents
+from mtrain.models.policy import load_policy_state, policy_state
+from mtrain.ops import cost
+from mtrain.parallel import SparseSettings
+
+BS, HQ, HKV, D = 64, 4, 2, 16
+# three long documents (two of one length class) around two short ones (under two blocks: always dense)
+LENGTHS = (300, 70, 520, 40, 400)
+LOCAL = SparseSettings(recall=0.6, block_size=BS, max_vertical=3, max_slash=3, min_vertical=0, min_slash=0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_context():
+    from mtrain.models.context import AttentionContext
+
+    saved = dict(vars(CONTEXT))
+    vars(CONTEXT).update(vars(AttentionContext()))
+    yield
+    vars(CONTEXT).clear()
+    vars(CONTEXT).update(saved)
+
+
+def inputs(lengths=LENGTHS, seed=0, dtype=torch.float32):
+    """Per document: rotary-like features (attention peaks near the diagonal) plus noise, from each document's own
+    start, so every document has a local pattern the estimate keeps only part of."""
+    g = torch.Generator().manual_seed(seed)
+    S = sum(lengths)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    freq = 0.5 ** torch.arange(D // 2)
+    feat = torch.cat([(pos[:, None] * freq).cos(), (pos[:, None] * freq).sin()], -1)[None, :, None, :]
+    q = 2.0 * feat.expand(1, S, HQ, D) + 0.3 * torch.randn(1, S, HQ, D, generator=g)
+    k = feat.expand(1, S, HKV, D) + 0.3 * torch.randn(1, S, HKV, D, generator=g)
+    v = torch.randn(1, S, HKV, D, generator=g)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    return [t.to(dtype) for t in (q, k, v)], ids
+
+
+def call(q, k, v, settings, policy="always", training=True, layer=0):
+    module = SimpleNamespace(training=training, layer_idx=layer)
+    out, _ = mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                              settings=settings, policy=policy, max_error=None)
+    return out
+
+
+def reference(q, k, v, lengths):
+    """float64 attention with the written-out mask: causal within each document."""
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    S = ids.numel()
+    allowed = (ids[:, None] == ids[None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
+    rep = HQ // HKV
+    qd, kd, vd = q.double()[0], k.double()[0].repeat_interleave(rep, 1), v.double()[0].repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", qd, kd) * D ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vd)[None]
+
+
+def test_each_document_runs_as_its_own_sequence():
+    """A packed call's rows of each document equal the same call on that document alone (the same estimate from the
+    same rows, nothing read across a boundary); the documents under two blocks equal dense attention."""
+    (q, k, v), ids = inputs()
+    set_documents(ids)
+    packed = call(q, k, v, LOCAL)
+    records = list(CONTEXT.layers)
+    assert [r.path for r in records] == ["sparse"] * 3  # the three long documents, each estimated
+    assert [r.layer for r in records] == [0, 0, 0]  # recorded under the layer: one letter per layer in the logs
+    assert [document_key(0, n) for n in (300, 520, 400)] == ["00@512", "00@1K", "00@512"]  # the policy's keys
+    set_documents(None)
+    start = 0
+    for n in LENGTHS:
+        alone = call(*(t[:, start:start + n] for t in (q, k, v)), LOCAL if n >= 2 * BS else None)
+        torch.testing.assert_close(packed[:, start:start + n], alone, rtol=0, atol=1e-6)
+        start += n
+    # sparse: the long documents differ from dense attention within documents (the pattern drops pairs) ...
+    dense = reference(q, k, v, LENGTHS)
+    assert (packed[:, :300].double() - dense[:, :300]).abs().max() > 1e-3
+    # ... the short ones do not
+    torch.testing.assert_close(packed[:, 300:370].double(), dense[:, 300:370], rtol=0, atol=1e-5)
+
+
+def test_full_recall_equals_dense_within_documents_forward_and_backward():
+    """At recall 1 with caps that hold every line the pattern is the whole causal triangle of each document: the
+    per-document path equals float64 attention within documents (fwd 1e-5, grads 1e-4, fp32)."""
+    flat = SparseSettings(recall=1.0, block_size=BS, max_vertical=1024, max_slash=1024)
+    (q, k, v), ids = inputs(seed=1)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    set_documents(ids)
+    out = call(q, k, v, flat)
+    assert {r.path for r in CONTEXT.layers} == {"sparse"}
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(qr, kr, vr, LENGTHS)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    grad = torch.randn_like(ref)
+    out.backward(grad.float())
+    ref.backward(grad)
+    for got, want in ((q, qr), (k, kr), (v, vr)):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=0, atol=1e-4)
+
+
+def test_short_documents_and_never_run_one_dense_call():
+    """Documents all under two blocks, or the policy "never": dense within documents, as the dense kind."""
+    (q, k, v), ids = inputs(lengths=(100, 90, 120), seed=2)
+    set_documents(ids)
+    short = call(q, k, v, LOCAL)
+    assert [(r.layer, r.path, r.density) for r in CONTEXT.layers] == [(0, "dense", None)]
+    CONTEXT.layers.clear()
+    (q2, k2, v2), ids2 = inputs(seed=2)
+    set_documents(ids2)
+    never = call(q2, k2, v2, LOCAL, policy="never")
+    assert CONTEXT.layers == []
+    torch.testing.assert_close(never.double(), reference(q2, k2, v2, LENGTHS), rtol=0, atol=1e-5)
+    set_documents(ids)
+    torch.testing.assert_close(short.double(), reference(q, k, v, (100, 90, 120)), rtol=0, atol=1e-5)
+
+
+def test_auto_sends_short_documents_dense_without_estimating(monkeypatch):
+    """Under "auto" the cost model's floor decides from which length a document is estimated at all: with an
+    estimate that costs far more than dense at these lengths, no document is estimated."""
+    monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(1e6, 0.0)))
+    (q, k, v), ids = inputs()
+    set_documents(ids)
+    out = call(q, k, v, LOCAL, policy="auto")
+    assert [(r.layer, r.path, r.density) for r in CONTEXT.layers] == [(0, "dense", None)]
+    torch.testing.assert_close(out.double(), reference(q, k, v, LENGTHS), rtol=0, atol=1e-5)
+
+
+def test_recomputation_replays_each_documents_own_choice():
+    """Gradient checkpointing's recomputation (CONTEXT.recomputing) rebuilds each document's index from the lines
+    its first forward chose (two documents of one length class included): the same output, no new estimate."""
+    (q, k, v), ids = inputs()
+    set_documents(ids)
+    first = call(q, k, v, LOCAL)
+    estimated = len(CONTEXT.layers)
+    assert len(CONTEXT.memo) == 3
+    CONTEXT.recomputing = True
+    try:
+        again = call(q, k, v, LOCAL)
+    finally:
+        CONTEXT.recomputing = False
+    assert len(CONTEXT.layers) == estimated
+    assert torch.equal(first, again)
+
+
+def test_policy_state_with_document_keys_round_trips_through_json():
+    """Holds under per-document keys are saved with checkpoints beside the layer indices and load back."""
+    CONTEXT.dense_until = {3: 9, document_key(3, 40000): 12, document_key(11, 5000): 7}
+    CONTEXT.hold_streak = {document_key(3, 40000): 2, 1: 1}
+    state = json.loads(json.dumps(policy_state()))
+    before = (dict(CONTEXT.dense_until), dict(CONTEXT.hold_streak))
+    load_policy_state(state)
+    assert (CONTEXT.dense_until, CONTEXT.hold_streak) == before
+    assert [key for key, _ in state["dense_until"]] == [3, "03@64K", "11@8K"]
+
+
+def test_holds_live_per_layer_and_length_class(monkeypatch):
+    """Under "auto" in training with dense holds, documents whose estimate did not pay hold their layer's length
+    class dense (`document_key`), not the layer as a whole."""
+    monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
+    CONTEXT.dense_hold = 4
+    (q, k, v), ids = inputs()
+    q, k = q * 0.01, k * 0.01  # flat attention: the recall target needs most of each document, dense is cheaper
+    set_documents(ids)
+    call(q, k, v, SparseSettings(recall=1.0, block_size=BS), policy="auto")
+    assert {r.path for r in CONTEXT.layers} == {"dense"}
+    estimated = sum(r.density is not None for r in CONTEXT.layers)
+    held = set(CONTEXT.dense_until)
+    assert "00@1K" in held and held <= {"00@512", "00@1K"}  # the classes of the documents estimated, not layer 0
+    CONTEXT.layers.clear()
+    CONTEXT.step += 1
+    call(q, k, v, SparseSettings(recall=1.0, block_size=BS), policy="auto")
+    # held without an estimate: the documents estimated before (those long enough to be, all in those classes)
+    assert sum(r.held for r in CONTEXT.layers) == estimated >= 1
+    assert not any(r.density is not None for r in CONTEXT.layers)
