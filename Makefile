@@ -204,11 +204,12 @@ data-long: $(REAL_STAMP) data/longdocs/manifest.json
 gpu-e2e4-prepare: $(REAL_STAMP)
 	PY=$(PY) scripts/gpu_e2e4.sh prepare
 
+# --durations: the slowest tests, printed after every run (what to mark slow next)
 test: $(STAMP) $(REAL_STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q --durations=10 -m "not slow" tests
 
 clean:
 	rm -rf runs data/packed data/synthetic
