@@ -151,6 +151,19 @@ class AttentionConfig:
     xattn_threshold: float = 0.9
     """kind xattention: each query block keeps the fewest key blocks (diagonal and first block always) whose
     normalised antidiagonal scores reach this fraction, in (0, 1]."""
+    graph_estimate: bool = True
+    """Sparse kinds on one CUDA device: replay the online estimate (and the plans the engine derives from the index)
+    from a CUDA graph once a shape has been seen twice (`mtrain.ops.graphed`): its ~280 small launches per call cost
+    about what its GPU work does at 32K. false = the eager estimate every call (the same index)."""
+    lagged_choice: bool = True
+    """Under sparse_policy auto on one device: a layer decides from the work counts and estimated recall of its
+    previous estimate of the same shape (one step old in training), copied to the host without waiting, instead of
+    waiting for its own (`mtrain.models.policy`); a layer's first estimate is read directly. false = every layer
+    decides from its own estimate (a host wait per layer; the choice can differ by one call)."""
+    cost_table: Optional[str] = None
+    """A JSON file of cost-model figures measured on this machine (`mtrain bench cost --fit ROWS --write-table FILE`)
+    that replace the built-in ones they cover in the sparse / dense choice (`mtrain.ops.cost.table_for`). null = the
+    built-in figures, or the file the environment variable MTRAIN_COST_TABLE names (this key wins over it)."""
 
     def __post_init__(self) -> None:
         # The default escalation needs the check and a recall below it: a recipe that turns the check off, or asks
@@ -180,6 +193,36 @@ class ParallelConfig:
     the group's K/V and runs its rows in one varlen call, with FlashAttention-4's varlen kernel where it runs: needs the
     contiguous or zigzag layout), ring (the ring's steps, any layout), or auto
     (gather where the layout allows, else the ring)."""
+    graph_ring_estimate: bool = False
+    """On CUDA, replay each rank's context-parallel estimate (the Triton scorer, its collectives and the rank's index
+    rows) from a CUDA graph once a shape has been seen twice (`mtrain.parallel.graphed`); the ranks agree on every
+    capture. false (default) = eager. The 256K figure of README (4.60x the dense ring) ran with it and
+    schedule gather."""
+    list_free_columns: bool = True
+    """A CP rank whose block and column lists as wide as the lines allow would pass static_width_mib holds no column
+    lists: the ring reads the columns from each head's sorted verticals (`mtrain.ops.columns.RingColumns`; ~1 GiB
+    less per layer at 128K tokens per GPU, 16 heads, 16,384-line caps). false = the lists. Same results."""
+    static_width_mib: int = 64
+    """A CP rank's index lists that take at most this many MiB at the widths the lines allow are built at those
+    widths, with no host read (and can be held in the estimate's CUDA graph); larger ones read their widths back
+    once per layer (`mtrain.parallel.estimate.rank_list_widths`). Same results."""
+    fused_merge: bool = True
+    """On the GPU, the ring's LSE merge of full-row parts and the owners' dK/dV sum run as one Triton pass each
+    (`mtrain.parallel.merge`); false = torch (the same arithmetic; `mtrain bench check --engines merge` compares)."""
+    gather_backward: Literal["auto", "fa4", "triton"] = "auto"
+    """schedule gather, fa4 engine: the gathered step's backward. fa4 = FlashAttention-4's block-sparse backward plus
+    our column backward; triton = our deterministic backward from FA4's out / lse; auto = fa4 in groups of up to 4
+    ranks, triton in larger ones (each the faster there: `mtrain.parallel.ring_gather`)."""
+    gather_sink: Literal["replicas", "columns"] = "replicas"
+    """schedule gather under FA4's backward: how the plan holds the sink block. replicas = copies read by a few
+    query blocks each; columns = its tokens as columns of every query block, as on the ring."""
+    hierarchy: Literal["auto", "flat", "hierarchical"] = "auto"
+    """The ring over a CP group that spans nodes: hierarchical = an inner ring within each node and an outer one
+    across nodes (`mtrain.parallel.ring_hierarchical`); flat = one ring over the group; auto = hierarchical where
+    the node size (node_size) splits the group into several nodes, else flat. The trainer logs which one runs."""
+    node_size: Optional[int] = None
+    """Ranks per node of the hierarchical ring; null = LOCAL_WORLD_SIZE as the launcher (torchrun, accelerate) sets
+    it (the GPUs per node), flat where it is unset."""
 
 
 @dataclass
@@ -293,7 +336,7 @@ class RecipeConfig:
 
 # (section, key) of the recipe fields that name local files or folders
 LOCAL_PATH_KEYS = (("model", "path"), ("model", "config"), ("model", "tokenizer"), ("data", "path"),
-                   ("train", "output_dir"), ("train", "deepspeed"))
+                   ("train", "output_dir"), ("train", "deepspeed"), ("attention", "cost_table"))
 
 
 def _suggest(name: str, options) -> str:
@@ -498,12 +541,46 @@ def _check(recipe: RecipeConfig) -> None:
         if kind == "yarn" and not isinstance(rs.get("original_max_position_embeddings"), int):
             raise ConfigError("model.rope_scaling.original_max_position_embeddings: required for yarn (the pre-extension context length)")
     _check_baselines(recipe)
+    _check_switches(recipe)
     if p.layout not in ("contiguous", "zigzag", "stripe", "block-stripe"):
         raise ConfigError(f"parallel.layout: '{p.layout}' is not one of contiguous, zigzag, stripe, block-stripe{_suggest(p.layout, ('contiguous', 'zigzag', 'stripe', 'block-stripe'))}")
     if p.dense_schedule == "gather" and p.cp_size > 1 and p.layout in ("stripe", "block-stripe"):
         raise ConfigError(f"parallel.dense_schedule: gather needs shards of a few runs of consecutive positions, and "
                           f"a {p.layout} shard has one run per stripe; use parallel.layout zigzag (or contiguous), or "
                           "dense_schedule auto (the ring for this layout)")
+
+
+def _check_switches(recipe: RecipeConfig) -> None:
+    """The keys of the switches read deep in the attention stack (`mtrain.ops.switches`): the static widths' size,
+    the hierarchical ring's node size against the CP group, the cost table's file."""
+    a, p = recipe.attention, recipe.parallel
+    if p.static_width_mib < 0:
+        raise ConfigError(f"parallel.static_width_mib: must be an integer >= 0 (MiB of a rank's index lists built at "
+                          f"static widths), got {p.static_width_mib}; the default is 64")
+    if p.hierarchy == "hierarchical" and p.cp_size == 1:
+        raise ConfigError("parallel.hierarchy: hierarchical needs a CP group (parallel.cp_size > 1) to split into "
+                          "nodes; use hierarchy auto")
+    if p.node_size is not None:
+        if p.node_size < 1:
+            raise ConfigError(f"parallel.node_size: must be a positive number of ranks per node or null (= the "
+                              f"launcher's LOCAL_WORLD_SIZE), got {p.node_size}")
+        if p.hierarchy != "flat" and p.node_size < p.cp_size and p.cp_size % p.node_size:
+            raise ConfigError(f"parallel.node_size: {p.node_size} ranks per node do not split parallel.cp_size "
+                              f"{p.cp_size} into whole nodes; use a divisor of it, or parallel.hierarchy: flat")
+        if p.hierarchy == "hierarchical" and p.node_size >= p.cp_size:
+            raise ConfigError(f"parallel.hierarchy: hierarchical needs nodes smaller than the CP group, and "
+                              f"parallel.node_size {p.node_size} holds all {p.cp_size} ranks; use hierarchy auto or "
+                              "flat, or a smaller node_size")
+    if a.cost_table is not None:
+        if not Path(a.cost_table).is_file():
+            raise ConfigError(f"attention.cost_table: '{a.cost_table}' is not a file; write one with `mtrain bench "
+                              "cost --fit ROWS --write-table FILE`, or set null for the built-in figures")
+        from mtrain.ops.cost import read_override
+
+        problem = read_override(a.cost_table)
+        if problem is not None:
+            raise ConfigError(f"attention.cost_table: '{a.cost_table}' is not a cost-table override ({problem}); "
+                              "write one with `mtrain bench cost --fit ROWS --write-table FILE`")
 
 
 def _check_baselines(recipe: RecipeConfig) -> None:

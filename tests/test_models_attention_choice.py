@@ -558,10 +558,10 @@ def test_auto_engine_is_resolved_and_logged_once(caplog):
 
 
 def test_auto_decides_from_the_layers_previous_estimate():
-    """LAGGED_CHOICE: a layer's first call decides from its own estimate; later calls of the same layer and shape
-    from the estimate before theirs (read without waiting for the GPU), so a pattern that changes moves the choice
-    one call later; another layer, or LAGGED_CHOICE off, decides from its own estimate."""
-    import mtrain.models.policy as policy
+    """attention.lagged_choice: a layer's first call decides from its own estimate; later calls of the same layer and
+    shape from the estimate before theirs (read without waiting for the GPU), so a pattern that changes moves the
+    choice one call later; another layer, or lagged_choice off, decides from its own estimate."""
+    from mtrain.ops import switches
 
     local, flat = inputs("local"), inputs("flat")
     call(*local, LOCAL, "auto", training=False)
@@ -571,12 +571,9 @@ def test_auto_decides_from_the_layers_previous_estimate():
     paths = [r.path for r in CONTEXT.layers]
     assert paths == ["sparse", "sparse", "dense", "dense"]
     CONTEXT.layers.clear()
-    policy.LAGGED_CHOICE = False
-    try:
+    with switches.use(lagged_choice=False):
         call(*local, LOCAL, "auto", training=False, layer=2)
         call(*flat, LOCAL, "auto", training=False, layer=2)
-    finally:
-        policy.LAGGED_CHOICE = True
     assert [r.path for r in CONTEXT.layers] == ["sparse", "dense"]
 
 

@@ -1,7 +1,8 @@
 """The ring's off-ring columns read list-free (`mtrain.ops.columns.RingColumns`, issue #27): a rank index built
 without column lists (`rows_from_lines(columns=False)`, what `estimate_rank_index` builds where the cap-wide lists
-would pass `STATIC_WIDTH_BYTES`) gives plans whose columns are, entry for entry, the lists the list-built plans hold,
-for every layout, rank, schedule and short last block; and the ring on it (CP 2 and 4, gloo, our Triton kernels in
+would pass the static width limit, `parallel.static_width_mib`) gives plans whose columns are, entry for entry, the
+lists the list-built plans hold, for every layout, rank, schedule and short last block; and the ring on it (CP 2
+and 4, gloo, our Triton kernels in
 the interpreter and the torch path) computes the attention of a float64 reference and the gradients of the list
 path."""
 
@@ -187,16 +188,12 @@ def _worker(rank, world, init_file, out_dir):
         for schedule, limit in (("ring", -1), ("gather", -1), ("gather", 100 * rows_per_rank)):
             runs = {}
             for list_free in (False, True):
-                import mtrain.parallel.estimate as estimate
+                from mtrain.ops import switches
 
-                saved = estimate.STATIC_WIDTH_BYTES
-                estimate.STATIC_WIDTH_BYTES = limit  # over the limit: the list-free columns' regime
-                estimate.LIST_FREE_COLUMNS = list_free
-                try:
+                # over the limit: the list-free columns' regime
+                with switches.use(static_width_bytes=limit, list_free_columns=list_free):
                     index = rank_index_from_lines((vertical, slash, torch.ones(1, HQ), None), pos, pos, SEQ, settings,
                                                   None, rows=rank_rows(pos, BLOCK), schedule=schedule)
-                finally:
-                    estimate.STATIC_WIDTH_BYTES, estimate.LIST_FREE_COLUMNS = saved, True
                 shards = [layout.shard(t.float(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
                 out = ring_attention(*shards[:3], group=None, layout=layout, index=index, schedule=schedule,
                                      engine="triton")
@@ -253,10 +250,11 @@ def test_checkpointed_cp_model_on_list_free_columns_matches_one_rank(tmp_path, w
 
 def test_widening_limit_counts_what_a_rank_index_holds(monkeypatch):
     """`mtrain.models.policy.list_bytes` (attention.widen_max_list_mib): a CP rank's lists at caps whose column lists
-    would pass `STATIC_WIDTH_BYTES` are list-free, so the limit counts its block lists and each head's verticals
-    (with their blocks); below that, and with LIST_FREE_COLUMNS off, the block and column lists."""
-    import mtrain.parallel.estimate as estimate
+    would pass the static width limit (`parallel.static_width_mib`) are list-free, so the limit counts its block lists
+    and each head's verticals (with their blocks); below that, and with parallel.list_free_columns off, the block and
+    column lists."""
     from mtrain.models.policy import list_bytes
+    from mtrain.ops.switches import SWITCHES
 
     vertical, slash = _lines(512, 6, 4, 0)
     index = rows_from_lines(vertical, slash, 512, 16, torch.arange(0, 32, 4))
@@ -264,5 +262,5 @@ def test_widening_limit_counts_what_a_rank_index_holds(monkeypatch):
     assert list_bytes(index, 8, 4) == b * h * r * (2 * 4 + 2 + 8) * 4
     wide = 1 << 21  # column lists of 8 rows x 2 heads past 64 MiB
     assert list_bytes(index, wide, 4) == b * h * r * (2 * 4 + 2) * 4 + b * h * wide * 8
-    monkeypatch.setattr(estimate, "LIST_FREE_COLUMNS", False)
+    monkeypatch.setattr(SWITCHES, "list_free_columns", False)
     assert list_bytes(index, wide, 4) == b * h * r * (2 * 4 + 2 + wide) * 4

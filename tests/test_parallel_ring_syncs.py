@@ -70,16 +70,16 @@ def _worker(rank, world, init_file, out_file):
                              schedule=schedule)
         out.square().sum().backward()
 
-    from mtrain.parallel import estimate
+    from mtrain.ops.switches import SWITCHES
 
     results = {}
     # small caps: the rank's lists as wide as the lines allow (no host read); then lists sized from one host read;
     # then the gathered schedule where the column lists would pass the limit but the block lists fit (2 heads x 16
     # rows x 18 block slots x 4 bytes = 2,304 bytes; with the 32 column slots 6,400): list-free columns, no read
-    cases = (("static", estimate.STATIC_WIDTH_BYTES, "ring"), ("read", 0, "ring"), ("read-gather", 0, "gather"),
+    cases = (("static", SWITCHES.static_width_bytes, "ring"), ("read", 0, "ring"), ("read-gather", 0, "gather"),
              ("list-free-gather", 3000, "gather"))
     for case, static_bytes, schedule in cases:
-        estimate.STATIC_WIDTH_BYTES = static_bytes
+        SWITCHES.static_width_bytes = static_bytes
         call(schedule)  # first call: cached layout tables, Triton compilation
         mode = CountSyncs()
         reads.clear()
@@ -98,8 +98,8 @@ def _worker(rank, world, init_file, out_file):
 
 def test_estimated_sparse_ring_reads_back_at_most_once_per_call(tmp_path):
     """No syncing op in the estimated sparse ring's per-layer path; no host read at all where the lines' caps are
-    small (`STATIC_WIDTH_BYTES`), or under the gathered schedule where the block lists alone are (list-free columns),
-    else exactly one (the lists' widths, in rows_from_lines)."""
+    small (`parallel.static_width_mib`), or under the gathered schedule where the block lists alone are (list-free
+    columns), else exactly one (the lists' widths, in rows_from_lines)."""
     from ranks import run_ranks
 
     # the ranks run the scorer and steps' Triton kernels: forked from the interpreter's server

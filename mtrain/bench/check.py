@@ -285,6 +285,8 @@ def merge_case(device, dtype, tag) -> list[str]:
     fp32 in between, the last merged into the output dtype) over four parts, fused Triton merge and torch merge,
     each against a float64 reference; parts in [B, S, H, D] and in [B, H, S, D] memory (as attention kernels may
     return them), some rows without keys in a part (lse -inf, out 0)."""
+    from mtrain.ops import switches
+    from mtrain.ops.switches import SWITCHES
     from mtrain.parallel import merge as merge_mod
 
     gen = torch.Generator(device=device).manual_seed(5)
@@ -303,27 +305,25 @@ def merge_case(device, dtype, tag) -> list[str]:
             parts.append((o, lse))
         lse64 = torch.logsumexp(torch.stack([l.double() for _, l in parts]), 0)  # [B, H, S]
         want = sum(o.double() * torch.exp(l.double() - lse64).transpose(1, 2)[..., None] for o, l in parts)
-        saved = merge_mod.FUSED
+        saved = SWITCHES.fused_merge
         for fused in (True, False):
-            merge_mod.FUSED = fused
-            try:
+            with switches.use(fused_merge=fused):
                 acc = merge_mod.PartialAccumulator(parts[0][0])
                 for i, (o, l) in enumerate(parts):
                     acc.add(o.clone(), l.clone(), final=i == len(parts) - 1)
                 out, lse = acc.result(dtype)
                 torch.cuda.synchronize(device) if device.type == "cuda" else None
-            finally:
-                merge_mod.FUSED = saved
             err = rel(out, want)
             lse_err = float((lse.double() - lse64).abs().max())
             bad = err > TOL[dtype][0] or lse_err > 1e-4 or not math.isfinite(err)
-            # the fused merge fails the gate only while the ring uses it (merge.FUSED); off, its result is reported
+            # the fused merge fails the gate only while the ring uses it (parallel.fused_merge); off, its result is
+            # reported
             used = not fused or saved
             label = "fused" if saved else "fused (off: not used by the ring)"
             status = ("FAIL" if used else "bad ") if bad else "ok  "
             lines.append(f"{status} {'merge':13s} {tag} {label if fused else 'torch'} {layout}: out {err:.1e} "
                          f"lse {lse_err:.1e}")
-    # the owners' sum of the gathered schedule's dK/dV parts (`RankParts.sum`, one Triton pass while merge.FUSED) must
+    # the owners' sum of the gathered schedule's dK/dV parts (`RankParts.sum`, one Triton pass under fused_merge) must
     # equal the sum in rank order (rank 0's part widened, the others added in fp32, rounded once) bit for bit
     for world in (2, 4, 8):
         for rank in sorted({0, world - 1}):
@@ -339,7 +339,8 @@ def merge_case(device, dtype, tag) -> list[str]:
             same = torch.equal(got, want.to(dtype))
             exact = sum(g.double() for g in grads)
             lines.append(f"{'ok  ' if same else 'FAIL'} {'merge':13s} {tag} sum-parts W={world} rank {rank} "
-                         f"{'fused' if merge_mod.FUSED and device.type == 'cuda' else 'torch'}: == rank-order sum {same}, "
+                         f"{'fused' if SWITCHES.fused_merge and device.type == 'cuda' else 'torch'}: "
+                         f"== rank-order sum {same}, "
                          f"out {rel(got, exact):.1e}")
     return lines
 

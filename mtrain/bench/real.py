@@ -362,7 +362,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
 
     from mtrain.models.context import CONTEXT
 
-    CONTEXT.choice_stats.clear()  # a fresh run: no layer's choice reads an estimate from before it (LAGGED_CHOICE)
+    CONTEXT.choice_stats.clear()  # a fresh run: no layer's choice reads an estimate from before it (lagged_choice)
     CONTEXT.escalate_recall, CONTEXT.layer_recall = escalate_recall, {}  # every layer starts at the settings' recall
     t0 = time.perf_counter()
     qkv = capture_qkv(net, ids)

@@ -5,7 +5,6 @@ against CP=1 at equal tokens per GPU, PyTorch's context_parallel in the same run
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
@@ -28,7 +27,9 @@ from mtrain.bench.synthetic import window_slash_lines  # noqa: E402
 from mtrain.data.texts import TEXT_KINDS  # noqa: E402
 from mtrain.ops import SparseIndex  # noqa: E402
 from mtrain.ops.columns import list_free_bytes  # noqa: E402
+from mtrain.ops import switches  # noqa: E402
 from mtrain.ops.index import list_bytes, used_list_bytes  # noqa: E402
+from mtrain.ops.switches import SWITCHES  # noqa: E402
 from mtrain.ops.attention import resolve_impl, vertical_slash_attention  # noqa: E402
 from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
@@ -196,9 +197,10 @@ def line_differences(one_lines, ring_lines) -> dict:
 
 
 def _list_free_limit(args, seq_len: int, world: int, heads: int) -> int:
-    """A `STATIC_WIDTH_BYTES` under which a rank's estimated index at the script's budgets holds no column lists
-    while its block lists fit: the list-free columns of the recipes' caps, with one host read under the ring
-    schedule and static widths under the gathered one (`mtrain.parallel.estimate.rank_list_widths`)."""
+    """A `SWITCHES.static_width_bytes` (parallel.static_width_mib) under which a rank's estimated index at the
+    script's budgets holds no column lists while its block lists fit: the list-free columns of the recipes' caps,
+    with one host read under the ring schedule and static widths under the gathered one
+    (`mtrain.parallel.estimate.rank_list_widths`)."""
     from mtrain.ops.estimate import line_caps
 
     s = _settings(args)
@@ -206,24 +208,10 @@ def _list_free_limit(args, seq_len: int, world: int, heads: int) -> int:
     return estimate_module.lists_bytes(1, heads, seq_len // s.block_size // world, cap_s, 0)
 
 
-@contextlib.contextmanager
-def module_settings(module, **values):
-    """Within the block, the module-level settings `values` of `module` (e.g. `STATIC_WIDTH_BYTES` of
-    mtrain.parallel.estimate); what they were is put back after it."""
-    saved = {name: getattr(module, name) for name in values}
-    try:
-        for name, value in values.items():
-            setattr(module, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
-
-
 def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse):
     if "-lf" not in name:
         return _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse)
-    with module_settings(estimate_module, STATIC_WIDTH_BYTES=_list_free_limit(args, seq_len, world, hq)):
+    with switches.use(static_width_bytes=_list_free_limit(args, seq_len, world, hq)):
         return _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse)
 
 
@@ -416,10 +404,9 @@ def bench_tokens(tokens, rank, world, args, device, report):
             # eager estimate unless this variant replays it from a CUDA graph; --list-free-columns: the estimated rank
             # index without column lists, as at the recipes' caps
             width = (_list_free_limit(args, seq, world, h) if args.list_free_columns
-                     else estimate_module.STATIC_WIDTH_BYTES)
-            with module_settings(graphed, GRAPH_RING_ESTIMATE=graph), \
-                    module_settings(ring_gather, FA4_GATHER_BACKWARD=backward or ring_gather.FA4_GATHER_BACKWARD), \
-                    module_settings(estimate_module, STATIC_WIDTH_BYTES=width):
+                     else SWITCHES.static_width_bytes)
+            with switches.use(graph_ring_estimate=graph, gather_backward=backward or SWITCHES.gather_backward,
+                              static_width_bytes=width):
                 return timed_variant()
 
         def timed_variant():
@@ -440,7 +427,7 @@ def bench_tokens(tokens, rank, world, args, device, report):
                     shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank), **est),
                     args.iters, args.warmup)  # eager
                 if args.graph_estimate:
-                    with module_settings(graphed, GRAPH_RING_ESTIMATE=True):
+                    with switches.use(graph_ring_estimate=True):
                         row["estimate_ring_graphed_ms"] = timed(lambda: estimate_rank_index_graphed(
                             shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank),
                             **est), args.iters, max(args.warmup, 2))  # the first call warms, the second captures
@@ -483,7 +470,7 @@ def bench_tokens(tokens, rank, world, args, device, report):
             attempt("ring_sparse_estimated_graphed_ms", ring_sparse(True, graph=True))
         if "gather" in args.schedules:
             attempt("ring_sparse_estimated_gather_graphed_ms", ring_sparse(True, "gather", graph=True))
-            if impl == "fa4":  # the gathered step's other backward under the fa4 engine (ring_gather.FA4_GATHER_BACKWARD)
+            if impl == "fa4":  # the gathered step's other backward under the fa4 engine (parallel.gather_backward)
                 row["gather_backward"] = ring_gather.gathered_backward(impl, world)
                 other = "triton" if row["gather_backward"] == "fa4" else "fa4"
                 attempt(f"ring_sparse_estimated_gather_graphed_{'tritonbwd' if other == 'triton' else 'fa4bwd'}_ms",
@@ -597,7 +584,7 @@ def bench_model(rank, world, args, device, report) -> None:
             graph_ms, graph_gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args, graph=True)
         lists_ms = lists_gather_ms = None
         if args.compare_columns:  # the same calls with the rank index's column lists
-            with module_settings(estimate_module, LIST_FREE_COLUMNS=False):
+            with switches.use(list_free_columns=False):
                 lists_ms, lists_gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args)
         if dense_ms is None and not args.skip_dense:
             # zigzag, the dense ring's best layout; its time does not depend on the values, so this layer's
@@ -699,7 +686,7 @@ def _time_model_ring(shard, dout, layout, settings, scale, args, graph: bool = F
         run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
                                                        softmax_scale=scale, engine=args.engine, schedule=schedule),
                          shard, dout)
-        with module_settings(graphed, GRAPH_RING_ESTIMATE=graph):
+        with switches.use(graph_ring_estimate=graph):
             times.append(timed(run, args.iters, max(args.warmup, 2) if graph else args.warmup))
     return tuple(times)
 
@@ -971,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=0, help="--model: only the first N layers (0: all)")
     parser.add_argument("--compare-columns", action="store_true",
                         help="--model: also time each layer's ring with the rank index's column lists "
-                             "(mtrain.parallel.estimate.LIST_FREE_COLUMNS off) beside the list-free columns")
+                             "(parallel.list_free_columns off) beside the list-free columns")
     parser.add_argument("--bytes-cp", type=int, nargs="*", default=[],
                         help="--model: also count, per layer, the index bytes of rank 0 of a block-stripe ring of "
                              "each of these CP sizes over the same sequence (from the same lines, no ring run): "
@@ -987,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graph-estimate", action="store_true",
                         help="also time the estimated variants and the estimate itself with the context-parallel "
                              "estimate replayed from a CUDA graph (mtrain.parallel.graphed, as "
-                             "MTRAIN_GRAPH_RING_ESTIMATE=1 does in training), beside the eager ones")
+                             "parallel.graph_ring_estimate does in training), beside the eager ones")
     parser.add_argument("--emulate-cp", type=int, default=0, metavar="N",
                         help="one process, one device, no torchrun: time rank --emulate-rank of a CP=N group alone, "
                              "every transfer replaced by a local fill (mtrain.bench.emulate: the rank's compute at "
@@ -1072,9 +1059,7 @@ def _write_json(path: str | None, report: list[dict]) -> None:
 def _use_torch_merge(args) -> None:
     """--torch-merge: the ring's partial results merged by the torch merge instead of the fused Triton one."""
     if args.torch_merge:
-        from mtrain.parallel import merge
-
-        merge.FUSED = False
+        SWITCHES.fused_merge = False
 
 
 def _main_emulated(args) -> int:

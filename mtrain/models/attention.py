@@ -85,9 +85,9 @@ def prepare_spec(q, k, engine: str, doc_ids):
 def _graphed(q, prepare) -> bool:
     """Whether this layer's estimate runs from a CUDA graph that also builds the engine's plans (prepare: the layer's
     `prepare_spec`; what the cost model then charges the estimate: CostTable.graphed)."""
-    from mtrain.ops import graphed
+    from mtrain.ops.switches import SWITCHES
 
-    return graphed.GRAPH_ESTIMATE and q.is_cuda and prepare is not None
+    return SWITCHES.graph_estimate and q.is_cuda and prepare is not None
 
 
 def _decide(q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, engine, max_error, prepare,
@@ -294,7 +294,7 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
         positions = rank_positions(CONTEXT.layout, seq_len, rank, q.device)  # cached: no copy to the device per layer
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         rows = rank_blocks(CONTEXT.layout, seq_len, rank, settings.block_size, q.device)
-        # replayed from a CUDA graph with MTRAIN_GRAPH_RING_ESTIMATE=1 (mtrain.parallel.graphed), else eager
+        # replayed from a CUDA graph under parallel.graph_ring_estimate (mtrain.parallel.graphed), else eager
         key_blocks = shard_key_blocks(CONTEXT.layout, seq_len, rank, settings.block_size, q.device)
 
         def estimate(s):

@@ -99,7 +99,7 @@ class AttentionContext:
     that layer's caps are (1 when absent; doubled by `widen` up to MAX_CAP_SCALE)."""
     choice_stats: dict = field(default_factory=dict)
     """(layer index, q shape) -> (host tensor, event or None): the work counts and mean estimated recall of that
-    layer's last estimate, copied to the host without waiting (see LAGGED_CHOICE)."""
+    layer's last estimate, copied to the host without waiting (see attention.lagged_choice)."""
     sample_imbalance: bool = True
     """Whether the next layer that runs sparse measures the imbalance (the trainer sets it on the steps it logs; that
     layer clears it, so one layer a step measures, whichever layers `auto` holds dense): each CP rank counts its own

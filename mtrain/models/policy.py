@@ -14,6 +14,7 @@ import torch
 
 from mtrain.models.context import CONTEXT, LayerRecord, own
 from mtrain.ops.lists import MAX_LIST_ENTRIES
+from mtrain.ops.switches import SWITCHES
 
 SPARSE_POLICIES = ("auto", "always", "never")
 """How a sparse kind picks its path per layer: the cost model (`mtrain.ops.cost`), sparse everywhere, or dense."""
@@ -31,10 +32,9 @@ RECALL_SLACK = 0.04
 # estimate (same shapes; one step old in training), copied to the host without waiting, instead of its own: reading
 # its own makes the host wait for the GPU to finish the estimate before it can queue the attention kernels, and at
 # short lengths the host's work after that wait (the kernels' launches) costs about as much as the estimate itself.
-# A layer's first estimate (per shape) is read directly. The
-# pattern, and so the choice, moves slowly in training (the premise of dense_hold as well). False: read each
-# estimate itself.
-LAGGED_CHOICE = True
+# A layer's first estimate (per shape) is read directly. The pattern, and so the choice, moves slowly in training (the
+# premise of dense_hold as well). Under attention.lagged_choice (SWITCHES.lagged_choice, on by default); off: each
+# layer reads its own estimate.
 
 # The lagged statistics kept per layer: one per (shape, parts) the layer was called with, the least recently used
 # going first beyond this many (a training run needs one or two: with and without the quality check's error).
@@ -44,7 +44,7 @@ CHOICE_STATS_PER_LAYER = 4
 def _choice_stats(index, q, target, layer_idx) -> list:
     """[listed block entries, listed column entries(, mean est_recall)(, output error)] that `choose_path` decides
     from (the recall when `target` is given and the index has one; the output error when the quality check put one in
-    `index._cache["output_error"]`): this estimate's, or with LAGGED_CHOICE and a layer index the previous estimate's
+    `index._cache["output_error"]`): this estimate's, or with lagged_choice and a layer index the previous estimate's
     of this layer and shape (this one's copy starts now, without waiting, for the next call)."""
     est = index._cache.get("est_recall")
     error = index._cache.get("output_error")
@@ -58,7 +58,7 @@ def _choice_stats(index, q, target, layer_idx) -> list:
     if error is not None:
         parts.append(error.double().amax().view(1).to(parts[0].device))  # the worst sequence of the batch
     now = torch.cat(parts)
-    if not LAGGED_CHOICE or layer_idx is None:
+    if not SWITCHES.lagged_choice or layer_idx is None:
         return now.tolist()  # one device-to-host read
     key = (layer_idx, tuple(q.shape), len(parts))
     before = CONTEXT.choice_stats.get(key)
@@ -118,7 +118,7 @@ def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_id
     kernels. rows: the query rows the estimate scored (the Prediction then carries its predicted cost). engine: the
     block engine that would run the sparse path (its measured rates, where the cost table has them). graphed: the
     estimate ran from a CUDA graph that also built the engine's plans (`cost.predict`). layer_idx: given on one
-    device, the counts come from this layer's previous estimate (LAGGED_CHOICE).
+    device, the counts come from this layer's previous estimate (attention.lagged_choice).
     """
     if policy == "always":
         return "sparse", None
@@ -245,7 +245,7 @@ def list_bytes(index, cap_v: int, cap_s: int) -> int:
     block offsets allow: per query block and head, two block entries per slash offset (a slash line crosses at most
     two key blocks), the sink and diagonal blocks, and one column entry per vertical
     (`mtrain.parallel.estimate.lists_bytes`, what a rank's index sizes its lists by). A CP rank whose lists at those
-    caps would pass `STATIC_WIDTH_BYTES` holds no column lists (`LIST_FREE_COLUMNS`): its block lists, and each head's
+    caps would pass `static_width_mib` holds no column lists (`list_free_columns`): its block lists, and each head's
     verticals with their key blocks (`mtrain.ops.columns.RingColumns`), instead."""
     from mtrain.parallel import estimate
 
@@ -265,7 +265,7 @@ def column_list_entries(index, cap_v: int, cap_s: int) -> int:
 
 def _lists_at(index, cap_v: int, cap_s: int) -> tuple[int, int, int, bool]:
     """(batch, heads, query blocks) of `index`'s lists, and whether it would hold its columns list-free at these caps
-    (a CP rank's RowIndex past `STATIC_WIDTH_BYTES`, `mtrain.parallel.estimate.columns_list_free`)."""
+    (a CP rank's RowIndex past `static_width_mib`, `mtrain.parallel.estimate.columns_list_free`)."""
     from mtrain.ops.index import RowIndex
     from mtrain.parallel import estimate
 
@@ -286,7 +286,7 @@ def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> boo
     entries our kernels can address (`mtrain.ops.lists.MAX_LIST_ENTRIES`), or for any other choice. `s`: the
     settings the layer estimated with (`layer_settings`); `seq_len`: the whole sequence (every rank of a CP group passes the same). Decided from the est_recall / output error the choice read,
     which every rank of a CP group shares, so every rank widens alike. The layer's lagged choice statistics
-    (LAGGED_CHOICE) are dropped: its next choice reads the estimate at the new caps, not the last one at the old."""
+    (lagged_choice) are dropped: its next choice reads the estimate at the new caps, not the last one at the old."""
     overruled = index._cache.get("overruled")
     if policy != "auto" or not training or not CONTEXT.widen_caps or layer_idx is None or overruled is None:
         return False
@@ -369,7 +369,7 @@ def policy_state() -> dict:
     """What sparse_policy "auto" carries from one training step to the next, as plain JSON data: each layer's dense
     hold and its back-off streak, its quality check's cadence, its cap scale (`widen`), its escalated recall
     (`escalate`) and the lagged choice's last
-    statistics (LAGGED_CHOICE). Saved with every
+    statistics (lagged_choice). Saved with every
     checkpoint and given back to `load_policy_state`, so that a resumed run takes the paths the uninterrupted one
     would have taken. (Per-step fields, `memo` and the logging lists, start afresh each step.)"""
     stats = []

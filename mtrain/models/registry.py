@@ -39,7 +39,9 @@ def recipe_attention(a) -> tuple[str, dict]:
     if a.kind in baselines.BASELINE_KINDS:  # they take the recipe's baseline keys and ignore the rest
         shared = {f.name for f in dataclasses.fields(a)} - {"kind", "sparse_policy", "dense_hold_steps", "engine",
                                                              "max_output_error", "widen_caps",
-                                                             "widen_max_list_mib", "escalate_recall"}
+                                                             "widen_max_list_mib", "escalate_recall",
+                                                             # switches: the trainer sets them (mtrain.ops.switches)
+                                                             "graph_estimate", "lagged_choice", "cost_table"}
     settings = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name in shared}
     if a.kind not in baselines.BASELINE_KINDS:
         settings["max_output_error"] = a.max_output_error

@@ -14,6 +14,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from mtrain.ops.switches import SWITCHES
+
 # A layer runs sparse only when sparse is predicted at most this fraction of dense: the fits below are off by up
 # to about this much on small sparse calls, and a wrong "sparse" costs more than a wrong "dense" (a dense layer is
 # exact and at worst as slow as dense). How well the fits predict index shapes they never saw, and how often the
@@ -103,13 +105,16 @@ CPU = CostTable(
 def table_for(device) -> CostTable:
     """The cost table of a device (a torch.device or its type string): CUDA -> H200, anything else -> CPU.
     Other GPUs use the H200 figures: the choice depends on the ratio of sparse to dense, which moves less
-    between GPUs than either time. The environment variable MTRAIN_COST_TABLE names a JSON file of figures
-    measured on this machine (`mtrain bench cost --fit ROWS --write-table FILE`) that replace the built-in
-    ones they cover."""
+    between GPUs than either time. A JSON file of figures measured on this machine (`mtrain bench cost --fit ROWS
+    --write-table FILE`) replaces the built-in ones it covers: the recipe's attention.cost_table (SWITCHES), else
+    the file the environment variable MTRAIN_COST_TABLE names."""
     kind = device if isinstance(device, str) else device.type
-    path = os.environ.get("MTRAIN_COST_TABLE")
+    path, source = SWITCHES.cost_table, "attention.cost_table"
+    if not path:
+        path, source = os.environ.get("MTRAIN_COST_TABLE"), "MTRAIN_COST_TABLE"
     if path:
-        return _with_override(kind == "cuda", path, os.path.getmtime(path) if os.path.exists(path) else None)
+        mtime = os.path.getmtime(path) if os.path.exists(path) else None
+        return _with_override(kind == "cuda", path, mtime, source)
     return H200 if kind == "cuda" else CPU
 
 
@@ -147,36 +152,59 @@ def _modes(value, count: int, where: str) -> dict:
     return out
 
 
+def _override_changes(base: CostTable, path: str) -> dict:
+    """The CostTable fields the override file at `path` sets, over `base`; OSError or ValueError (naming the entry)
+    where it is not one."""
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict):
+        raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+    changes = {}
+    for name in _FIELDS:
+        if name not in doc:
+            continue
+        value = doc[name]
+        if name == "sparse":
+            value = {**base.sparse, **{tuple(int(x) for x in key.split(",")): _modes(v, 4, f"sparse.{key}")
+                                       for key, v in value.items()}}
+        elif name == "dense":
+            value = {**base.dense, **{int(key): _modes(v, 2, f"dense.{key}") for key, v in value.items()}}
+        else:
+            value = tuple(float(x) for x in value)
+            if len(value) != len(getattr(base, name)):
+                raise ValueError(f"{name} needs {len(getattr(base, name))} numbers, got {len(value)}")
+        changes[name] = value
+    unknown = set(doc) - set(_FIELDS) - {"source"}
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
+    changes["source"] = doc.get("source", path)
+    return changes
+
+
+def read_override(path: str) -> str | None:
+    """What is wrong with the cost-table override file at `path` (one line), or None where it is one (the recipe's
+    load checks attention.cost_table with it)."""
+    try:
+        _override_changes(CPU, path)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        return str(exc)
+    return None
+
+
 @functools.lru_cache(maxsize=8)
-def _with_override(cuda: bool, path: str, mtime) -> CostTable:
+def _with_override(cuda: bool, path: str, mtime, source: str = "MTRAIN_COST_TABLE") -> CostTable:
     from mtrain.errors import MtrainError
 
     base = H200 if cuda else CPU
     try:
-        doc = json.load(open(path))
-        changes = {}
-        for name in _FIELDS:
-            if name not in doc:
-                continue
-            value = doc[name]
-            if name == "sparse":
-                value = {**base.sparse, **{tuple(int(x) for x in key.split(",")): _modes(v, 4, f"sparse.{key}")
-                                           for key, v in value.items()}}
-            elif name == "dense":
-                value = {**base.dense, **{int(key): _modes(v, 2, f"dense.{key}") for key, v in value.items()}}
-            else:
-                value = tuple(float(x) for x in value)
-                if len(value) != len(getattr(base, name)):
-                    raise ValueError(f"{name} needs {len(getattr(base, name))} numbers, got {len(value)}")
-            changes[name] = value
-        unknown = set(doc) - set(_FIELDS) - {"source"}
-        if unknown:
-            raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
+        changes = _override_changes(base, path)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
-        raise MtrainError(f"MTRAIN_COST_TABLE={path}: not a cost-table override ({exc}); write one with "
-                          "mtrain bench cost --fit ROWS --write-table FILE, or unset the variable") from exc
+        fix = "unset the variable" if source == "MTRAIN_COST_TABLE" else f"set {source}: null"
+        raise MtrainError(f"{source}={path}: not a cost-table override ({exc}); write one with "
+                          f"mtrain bench cost --fit ROWS --write-table FILE, or {fix}") from exc
+    origin = changes.pop("source")
     return dataclasses.replace(base, name=f"{base.name} + {os.path.basename(path)}",
-                               source=f"{base.source}; overridden by {doc.get('source', path)}", **changes)
+                               source=f"{base.source}; overridden by {origin}", **changes)
 
 
 def _nearest(keys, want):

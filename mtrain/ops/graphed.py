@@ -17,11 +17,9 @@ import torch
 from mtrain.ops.partial_autograd import join_tensors, split_tensors
 from mtrain.ops.estimate import estimate_rows, estimate_vertical_slash
 from mtrain.ops.index import SparseIndex
+from mtrain.ops.switches import SWITCHES
 
 log = logging.getLogger(__name__)
-
-# Set False to always run the estimate eagerly (the graph is also skipped off CUDA).
-GRAPH_ESTIMATE = True
 
 # Captured graphs kept at once (each holds its own memory pool: ~0.1-0.3 GB at 128K); the least recently used
 # goes first. A training run needs one; an eval over many lengths would otherwise keep one per length.
@@ -222,8 +220,9 @@ def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor 
     The first call with given shapes and settings runs eagerly (it compiles the kernels); the second captures
     the graph, replays it once and compares the result with an eager run on the same inputs: the graph serves
     the later calls only if the two indices are equal (else, or if capture fails, that key stays eager, with a
-    warning). Off CUDA, or with GRAPH_ESTIMATE False, this is the eager estimate."""
-    if not (GRAPH_ESTIMATE and q.is_cuda) or torch.cuda.is_current_stream_capturing():
+    warning). Off CUDA, or with attention.graph_estimate off (SWITCHES.graph_estimate), this is the eager
+    estimate."""
+    if not (SWITCHES.graph_estimate and q.is_cuda) or torch.cuda.is_current_stream_capturing():
         return estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, doc_ids is None,
            None if doc_ids is None else tuple(doc_ids.shape), tuple(sorted(kwargs.items())), prepare)

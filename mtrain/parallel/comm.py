@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain.errors import MtrainError
+from mtrain.ops.switches import SWITCHES
 
 # Separate tags keep the KV stream and the gradient stream apart when both are in flight between the
 # same pair of ranks (gloo matches on tag; NCCL matches in issue order, which is the same on both ends).
@@ -74,6 +75,24 @@ def local_world_size_from_env() -> int | None:
     return int(value) if value else None
 
 
+def ring_node_size(world: int) -> int | None:
+    """Ranks per node of the hierarchical ring over a CP group of `world` ranks, or None for the flat ring, as
+    parallel.hierarchy and parallel.node_size say (SWITCHES): flat -> None; auto -> the node size (node_size, else the
+    launcher's LOCAL_WORLD_SIZE) where it splits the group into several whole nodes, else None; hierarchical -> that
+    node size, refused where it does not split the group."""
+    if SWITCHES.hierarchy == "flat":
+        return None
+    local = SWITCHES.node_size or local_world_size_from_env()
+    if local is not None and 1 < local < world and world % local == 0:
+        return local
+    if SWITCHES.hierarchy == "hierarchical":
+        source = "parallel.node_size" if SWITCHES.node_size else "LOCAL_WORLD_SIZE (the launcher's GPUs per node)"
+        raise MtrainError(f"parallel.hierarchy: hierarchical needs nodes that split the CP group of {world} ranks "
+                          f"into several, and the node size is {local} ({source}); set parallel.node_size to the "
+                          "ranks per node, or parallel.hierarchy: auto")
+    return None
+
+
 def hierarchical_groups(
     group: dist.ProcessGroup | None, local_world_size: int
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -89,7 +108,8 @@ def hierarchical_groups(
     if local_world_size < 1 or size % local_world_size:
         raise MtrainError(
             f"hierarchical ring: CP group of {size} ranks cannot be split into nodes of "
-            f"{local_world_size} (LOCAL_WORLD_SIZE); use a CP size that is a multiple of the GPUs per node"
+            f"{local_world_size} (parallel.node_size, else LOCAL_WORLD_SIZE); use a CP size that is a multiple of the "
+            "GPUs per node"
         )
     my_ranks = tuple(dist.get_process_group_ranks(group))
     key = (my_ranks, local_world_size)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain.errors import MtrainError
+from mtrain.ops.switches import SWITCHES
 
 
 @dataclass(frozen=True)
@@ -416,9 +417,9 @@ def _covered_rows(lists, rows, probs, pooled, k_pos) -> torch.Tensor:
 
 
 # Lists as wide as the lines allow (every slash and vertical slot, `rows_from_lines(bound_widths="static")`) are
-# used without reading the chosen widths back when a rank's lists then take at most this many bytes: the host
-# read drains the GPU's queue, and the host's index and plan work then runs with the GPU idle.
-STATIC_WIDTH_BYTES = 64 * 2**20
+# used without reading the chosen widths back when a rank's lists then take at most SWITCHES.static_width_bytes
+# (parallel.static_width_mib; 64 MiB): the host read drains the GPU's queue, and the host's index and plan work then
+# runs with the GPU idle.
 
 
 def lists_bytes(b: int, h: int, n_rows: int, n_slash: int, n_vertical: int) -> int:
@@ -434,33 +435,34 @@ def static_list_bytes(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) 
     return lists_bytes(b, h, n_rows, slash.shape[-1], vertical.shape[-1])
 
 
-# Where a rank's lists as wide as the lines allow would pass STATIC_WIDTH_BYTES (the recipes' caps), its rows hold no
-# column lists: the ring reads the columns list-free (`mtrain.ops.columns.RingColumns`: each head's sorted verticals
-# and block offsets), so a layer's index takes B x H x (rows x block offsets + verticals) ints instead of
-# B x H x rows x the vertical cap (~1 GiB per layer at 128K tokens per GPU, 16 heads and 16,384-vertical caps); their
-# widths then come from one host read, or under the gathered schedule are static (`rank_list_widths`). False: lists
-# as before, widths from the read.
-LIST_FREE_COLUMNS = True
+# Where a rank's lists as wide as the lines allow would pass the static width limit (the recipes' caps), its rows
+# hold no column lists (parallel.list_free_columns, on by default): the ring reads the columns list-free
+# (`mtrain.ops.columns.RingColumns`: each head's sorted verticals and block offsets), so a layer's index takes
+# B x H x (rows x block offsets + verticals) ints instead of B x H x rows x the vertical cap (~1 GiB per layer at
+# 128K tokens per GPU, 16 heads and 16,384-vertical caps); their widths then come from one host read, or under the
+# gathered schedule are static (`rank_list_widths`). Off: lists as before, widths from the read.
 
 
 def columns_list_free(b: int, h: int, n_rows: int, n_slash: int, n_vertical: int) -> bool:
     """Whether a rank's rows of lines this wide hold their columns list-free: where lists as wide as they allow
-    (`lists_bytes`) would pass STATIC_WIDTH_BYTES, under LIST_FREE_COLUMNS."""
-    return LIST_FREE_COLUMNS and lists_bytes(b, h, n_rows, n_slash, n_vertical) > STATIC_WIDTH_BYTES
+    (`lists_bytes`) would pass `SWITCHES.static_width_bytes`, under `parallel.list_free_columns`."""
+    return SWITCHES.list_free_columns and lists_bytes(b, h, n_rows, n_slash, n_vertical) > \
+        SWITCHES.static_width_bytes
 
 
 def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int, *, schedule: str = "ring") -> bool | str:
     """`rows_from_lines`' bound_widths for a rank's rows of these lines: "static" (no host read) where those lists
-    take at most `STATIC_WIDTH_BYTES`, else True (one host read). Under the gathered schedule (`schedule` "gather")
-    the rows hold no column lists where they would be wide (`LIST_FREE_COLUMNS`), so "static" too where the block
-    lists alone fit: the column union is then as wide as the verticals' slots, for which the gathered K/V buffers
-    already keep room (`mtrain.parallel.ring_gather.spare_bound`); the ring schedule keeps the read, which sizes the
-    columns' all-gather. Recomputation (gradient checkpointing) asks the same, so a layer's replay builds the lists
+    take at most `SWITCHES.static_width_bytes` (parallel.static_width_mib), else True (one host read). Under the
+    gathered schedule (`schedule` "gather") the rows hold no column lists where they would be wide
+    (`parallel.list_free_columns`), so "static" too where the block lists alone fit: the column union is then as
+    wide as the verticals' slots, for which the gathered K/V buffers already keep room
+    (`mtrain.parallel.ring_gather.spare_bound`); the ring schedule keeps the read, which sizes the columns' all-gather.
+    Recomputation (gradient checkpointing) asks the same, so a layer's replay builds the lists
     its first forward did."""
-    if static_list_bytes(vertical, slash, n_rows) <= STATIC_WIDTH_BYTES:
+    if static_list_bytes(vertical, slash, n_rows) <= SWITCHES.static_width_bytes:
         return "static"
-    if LIST_FREE_COLUMNS and schedule == "gather" and static_list_bytes(vertical[..., :0], slash, n_rows) \
-            <= STATIC_WIDTH_BYTES:  # (list-free: the lists with their columns did not fit)
+    if SWITCHES.list_free_columns and schedule == "gather" and static_list_bytes(vertical[..., :0], slash, n_rows) \
+            <= SWITCHES.static_width_bytes:  # (list-free: the lists with their columns did not fit)
         return "static"
     return True
 
@@ -469,8 +471,9 @@ def rank_index_of_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: in
                         rows: torch.Tensor, *, read_also: tuple = (), schedule: str = "ring"):
     """This rank's RowIndex of the lines for its query blocks `rows`, as `estimate_rank_index` builds it and gradient
     checkpointing's recomputation rebuilds it (the same widths and form, from the shapes alone): widths from
-    `rank_list_widths`, and no column lists where lists as wide as the lines allow would pass `STATIC_WIDTH_BYTES`
-    (`LIST_FREE_COLUMNS`: the ring reads the columns list-free from the lines, kept as `_cache["lines"]`)."""
+    `rank_list_widths`, and no column lists where lists as wide as the lines allow would pass
+    `SWITCHES.static_width_bytes` (`parallel.list_free_columns`: the ring reads the columns list-free from the lines,
+    kept as `_cache["lines"]`)."""
     from mtrain.ops.index import rows_from_lines
 
     widths = rank_list_widths(vertical, slash, rows.numel(), schedule=schedule)
@@ -491,9 +494,10 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
     rows: `rank_rows(q_pos, block_size)` made once by the caller (`mtrain.parallel.plan.rank_blocks` caches them
     per layout), else computed here. scorer, key_blocks: as `estimate_lines`. The lists' widths are bounds, so the
     ring plan built from the index reads nothing back: where lists as wide as the lines allow take at most
-    `STATIC_WIDTH_BYTES` (small caps), those widths, with no host read at all (`rows_from_lines(bound_widths=
-    "static")`); else no column lists (`LIST_FREE_COLUMNS`) and bounds from one host read (`bound_widths=True`), or,
-    for the gathered schedule (`schedule` "gather"), static widths again (`rank_list_widths`)."""
+    `SWITCHES.static_width_bytes` (small caps), those widths, with no host read at all (`rows_from_lines(bound_widths=
+    "static")`); else no column lists (`parallel.list_free_columns`) and bounds from one host read
+    (`bound_widths=True`), or, for the gathered schedule (`schedule` "gather"), static widths again
+    (`rank_list_widths`)."""
     lines = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks)
     return rank_index_from_lines(lines, q_pos, k_pos, seq_len, settings, group, rows=rows, schedule=schedule)
 

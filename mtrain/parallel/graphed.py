@@ -1,13 +1,13 @@
-"""The context-parallel estimate replayed from a CUDA graph, opt-in: `MTRAIN_GRAPH_RING_ESTIMATE=1` (or
-GRAPH_RING_ESTIMATE = True). `mtrain.parallel.estimate.estimate_rank_index` makes no host synchronisation where the
-rank's lists are sized from the lines' shapes (`rank_list_widths` "static"), but it issues several hundred small
-kernels and five collectives per layer from Python, and on the GPU the host, not the GPU, sets the estimated ring's
-pace. Its shapes depend only on the input shapes, the settings and the layout, so one capture per key serves every
-layer and step, as the one-device estimate's graph does (`mtrain.ops.graphed`): q and k are copied into the graph's
-buffers, the graph (the Triton scorer, the collectives, the rank's index rows) is replayed, and the index is copied
-out. Where the index reads its lists' widths back (caps whose cap-wide lists would pass
-`mtrain.parallel.estimate.STATIC_WIDTH_BYTES`, as the recipes' 16,384-line caps do, under the ring schedule), the
-graph holds the lines alone and the index is built from them eagerly after each replay; under the gathered schedule
+"""The context-parallel estimate replayed from a CUDA graph, opt-in: `parallel.graph_ring_estimate: true` (the
+recipe key; SWITCHES.graph_ring_estimate). `mtrain.parallel.estimate.estimate_rank_index` makes no host
+synchronisation where the rank's lists are sized from the lines' shapes (`rank_list_widths` "static"), but it issues
+several hundred small kernels and five collectives per layer from Python, and on the GPU the host, not the GPU, sets
+the estimated ring's pace. Its shapes depend only on the input shapes, the settings and the layout, so one capture per
+key serves every layer and step, as the one-device estimate's graph does (`mtrain.ops.graphed`): q and k are copied
+into the graph's buffers, the graph (the Triton scorer, the collectives, the rank's index rows) is replayed, and the
+index is copied out. Where the index reads its lists' widths back (caps whose cap-wide lists would pass
+`parallel.static_width_mib`, as the recipes' 16,384-line caps do, under the ring schedule), the graph holds the
+lines alone and the index is built from them eagerly after each replay; under the gathered schedule
 such an index holds its columns list-free with static widths (`rank_list_widths`), and the graph holds it too.
 
 Every rank of the group must make the same calls in the same order (they do: the same layers with the same shapes).
@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from mtrain.ops.graphed import GraphCache, PackedTree, capture, same_tree
+from mtrain.ops.switches import SWITCHES
 
 log = logging.getLogger(__name__)
 
-GRAPH_RING_ESTIMATE = os.environ.get("MTRAIN_GRAPH_RING_ESTIMATE") == "1"
 MAX_GRAPHS = 4
 # key -> "warm", "eager" (capture failed or did not match on some rank) or a _RankGraph
 _GRAPHS = GraphCache()
@@ -80,11 +79,11 @@ class _RankGraph:
 def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: float, group, *, doc_ids=None,
                                 rows, key_blocks=None, layout_key=None, schedule: str = "ring"):
     """`mtrain.parallel.estimate.estimate_rank_index(q, k, positions, positions, ...)` for this rank's shard, replayed
-    from a CUDA graph where GRAPH_RING_ESTIMATE is on and the tensors are on CUDA (see the module's docstring); else
-    the eager call. rows / key_blocks: the rank's cached query-block rows and key blocks (`mtrain.parallel.plan`);
-    layout_key: what identifies the layout and rank (part of the graph's key). Where the index of these lines reads
-    the lists' widths back (`rank_list_widths`: large caps), the graph holds the lines alone and the index is built
-    from them eagerly after each replay."""
+    from a CUDA graph where parallel.graph_ring_estimate is on (SWITCHES) and the tensors are on CUDA (see the
+    module's docstring); else the eager call. rows / key_blocks: the rank's cached query-block rows and key blocks
+    (`mtrain.parallel.plan`); layout_key: what identifies the layout and rank (part of the graph's key). Where the
+    index of these lines reads the lists' widths back (`rank_list_widths`: large caps), the graph holds the lines
+    alone and the index is built from them eagerly after each replay."""
     from mtrain.parallel.estimate import (estimate_rank_index, estimate_rank_lines, rank_index_from_lines,
                                           rank_list_widths, use_triton_scorer)
 
@@ -100,7 +99,7 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
         return rank_index_from_lines(found, positions, positions, seq_len, settings, group, rows=rows,
                                      schedule=schedule)
 
-    if not (GRAPH_RING_ESTIMATE and q.is_cuda) or torch.cuda.is_current_stream_capturing():
+    if not (SWITCHES.graph_ring_estimate and q.is_cuda) or torch.cuda.is_current_stream_capturing():
         return call(q, k, doc_ids)
     if key_blocks is None or not use_triton_scorer("auto", q, settings.block_size, key_blocks):
         return call(q, k, doc_ids)  # the torch scorer reads back (torch.unique): never captured

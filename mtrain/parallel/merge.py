@@ -8,6 +8,7 @@ import dataclasses
 import torch
 
 from mtrain.ops.partial import lse_weights
+from mtrain.ops.switches import SWITCHES
 
 
 def accum_dtype(x: torch.Tensor) -> torch.dtype:
@@ -15,11 +16,10 @@ def accum_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-# The one-pass Triton merge of full-row parts on the GPU (`PartialAccumulator._fused`). Its first version stored the
-# merged lse in place while other warps could still load the same rows, and gave wrong results on the GPU; the kernel
-# now loads everything before it stores (a barrier between), and mtrain/bench/check.py's "merge" case (fused and torch
-# against float64) passes. Set False to merge with torch.
-FUSED = True
+# The one-pass Triton merge of full-row parts on the GPU (`PartialAccumulator._fused`), under parallel.fused_merge
+# (SWITCHES.fused_merge, on by default). Its first version stored the merged lse in place while other warps could
+# still load the same rows, and gave wrong results on the GPU; the kernel now loads everything before it stores (a
+# barrier between), and mtrain/bench/check.py's "merge" case (fused and torch against float64) passes. Off: torch.
 
 
 def _covers(rows: slice, n: int) -> bool:
@@ -69,9 +69,9 @@ class PartialAccumulator:
         """On the GPU, a part covering every row merges in one Triton pass (`mtrain.ops._triton_merge`): into the
         fp32 running result in place, or into a new tensor (fp32 while more parts follow, the part's dtype for the
         last). The same arithmetic as the torch merge: fp32 weights and products, one rounding on the store."""
-        if not (FUSED and part_out.is_cuda and self.dtype == torch.float32 and _covers(rows, self.shape[1])
-                and part_lse.dtype == torch.float32 and part_lse.is_contiguous() and self.lse.is_contiguous()
-                and part_out.stride(-1) == 1 and self.out.stride(-1) == 1):
+        if not (SWITCHES.fused_merge and part_out.is_cuda and self.dtype == torch.float32
+                and _covers(rows, self.shape[1]) and part_lse.dtype == torch.float32 and part_lse.is_contiguous()
+                and self.lse.is_contiguous() and part_out.stride(-1) == 1 and self.out.stride(-1) == 1):
             return False
         from mtrain.ops._triton_merge import merge
 
@@ -136,7 +136,7 @@ class RankParts:
         run. On the GPU in one Triton pass (`mtrain.ops._triton_merge.sum_parts`), else a widening copy of rank 0's
         part and one add per other rank."""
         acc = accum_dtype(self.own)
-        if FUSED and self.own.is_cuda and acc == torch.float32 and self.own.is_contiguous():
+        if SWITCHES.fused_merge and self.own.is_cuda and acc == torch.float32 and self.own.is_contiguous():
             from mtrain.ops._triton_merge import sum_parts
 
             out = torch.empty(self.own.shape, dtype=dtype, device=self.own.device)

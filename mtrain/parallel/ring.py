@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from mtrain.errors import MtrainError
 from mtrain.ops.varlen import Documents
-from mtrain.parallel.comm import hierarchical_groups, local_world_size_from_env
+from mtrain.parallel.comm import hierarchical_groups, ring_node_size
 from mtrain.parallel.dense_gather import gather_runs, gathered_dense_attention
 from mtrain.parallel import ring_flat, ring_gather, ring_hierarchical
 from mtrain.parallel.estimate import SparseSettings, estimate_rank_index
@@ -81,11 +81,8 @@ def _pick_groups(group, inner_group, outer_group):
         raise MtrainError("pass both inner_group and outer_group for a hierarchical ring, or neither")
     if inner_group is not None:
         return inner_group, outer_group
-    local = local_world_size_from_env()
-    world = dist.get_world_size(group)
-    if local is not None and 1 < local < world and world % local == 0:
-        return hierarchical_groups(group, local)
-    return None
+    local = ring_node_size(dist.get_world_size(group))
+    return None if local is None else hierarchical_groups(group, local)
 
 
 def _warn_unbalanced(layout: Layout, inner_group) -> None:
@@ -129,9 +126,9 @@ def _start_gather(q, k, v, group, world: int, seq_len: int, index, sparse, sched
 def _estimate(q, k, layout: Layout, seq_len: int, rank: int, sparse: SparseSettings, scale: float, group, doc_ids,
               scorer: str, schedule: str):
     """This rank's rows of the index estimated online across the group with `sparse` (a RowIndex): with scorer
-    "auto" replayed from a CUDA graph under MTRAIN_GRAPH_RING_ESTIMATE=1 (else eager), with another scorer eager."""
+    "auto" replayed from a CUDA graph under parallel.graph_ring_estimate (else eager), with another scorer eager."""
     positions = rank_positions(layout, seq_len, rank, q.device)  # cached on the device: no copy per call
-    if scorer == "auto":  # replayed from a CUDA graph with MTRAIN_GRAPH_RING_ESTIMATE=1, else eager
+    if scorer == "auto":  # replayed from a CUDA graph under parallel.graph_ring_estimate, else eager
         return estimate_rank_index_graphed(
             q, k, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
             rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
@@ -201,8 +198,9 @@ def ring_attention(
     first ring steps run (their gradients reduce-scattered back the same way).
     inner_group/outer_group: a hierarchical ring (inner = one node's consecutive CP ranks; outer = a second
     communicator over the CP ranks, see `comm.hierarchical_groups`, or the ranks with equal node-local
-    index, in which case the CP group carries the outer ring); when not given they are derived from
-    LOCAL_WORLD_SIZE if it splits the group into several nodes (collective on first use), else flat. Its
+    index, in which case the CP group carries the outer ring); when not given they are derived from the node
+    size parallel.hierarchy / node_size choose (`comm.ring_node_size`: by default LOCAL_WORLD_SIZE where it splits
+    the group into several nodes; collective on first use), else flat. Its
     steps are balanced when the layout is built with local_world_size = the inner group's size.
     doc_ids: integer tensor [B, S] of GLOBAL document ids of the whole sequence (packed samples; equal id =
     same document), identical on every rank of the group: a query then attends only to keys of its own

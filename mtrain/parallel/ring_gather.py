@@ -14,7 +14,7 @@ The gathered K/V are laid out in the ring's step order (this rank's shard first,
 r - 2, ...), so step s's local key block j is block s * nLB + j of the gathered keys, and the local step's diagonal
 block keeps its place (FA4's causal mask block). The plan maps each listed global block there directly
 (`mtrain.parallel.plan.gathered_sparse_plan`; the sink block is a listed block there, as on one device, or under
-FA4's backward copies of it, `FA4_GATHER_SINK`), or, for layouts whose global blocks span ranks, merges the ring
+FA4's backward copies of it, parallel.gather_sink), or, for layouts whose global blocks span ranks, merges the ring
 plan's steps (`gathered_plan`; the sink's tokens are columns there, as on the ring). The off-ring columns are copied
 from the gathered rows into slots after them: no column gather of their own, and their gradients fold back into
 their rows before dK/dV go back to the owners.
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from mtrain.errors import MtrainError
 from mtrain.ops import partial
+from mtrain.ops.switches import SWITCHES
 from mtrain.parallel import fa4_steps
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV
 from mtrain.parallel.merge import RankParts, accum_dtype
@@ -38,44 +39,45 @@ from mtrain.parallel.steps import step_kwargs
 
 SCHEDULES = ("ring", "gather")
 
-# The backward of the gathered step under the fa4 engine: "fa4", FA4's block-sparse backward (atomic dQ) plus our
-# column backward, or "triton", our deterministic backward over the step's blocks and columns at once from FA4's
-# merged out / lse (what the one-device fa4 engine runs by default), or "auto": FA4's in groups of up to
+# The backward of the gathered step under the fa4 engine (parallel.gather_backward, SWITCHES.gather_backward): "fa4",
+# FA4's block-sparse backward (atomic dQ) plus our column backward, or "triton", our deterministic backward over the
+# step's blocks and columns at once from FA4's merged out / lse (what the one-device fa4 engine runs by default), or
+# "auto" (the default): FA4's in groups of up to
 # FA4_GATHER_MAX_WORLD ranks, ours in larger ones. One rank of a CP group at 128K tokens per GPU timed alone on one
 # H200 (BENCHMARKS.md, "Ring attention on several GPUs"): FA4's backward is 1-13% faster at CP 2 and 4, ours 14%
 # faster at CP=8, where the gathered keys hold 8 shards and FA4's backward, which runs each key block's query blocks
 # in turn, walks 8 times the key blocks (and the sink's copies) for the same pairs. The ring schedule's steps always
 # run FA4's backward.
-FA4_GATHER_BACKWARD = "auto"
 FA4_GATHER_MAX_WORLD = 4
 GATHER_BACKWARDS = ("auto", "fa4", "triton")
 
 
 def gathered_backward(engine: str, world: int) -> str:
     """The backward the gathered step of a `world`-rank group runs when its forward runs on `engine`."""
-    if FA4_GATHER_BACKWARD not in GATHER_BACKWARDS:
-        raise MtrainError(f"ring_gather.FA4_GATHER_BACKWARD must be one of {GATHER_BACKWARDS}; "
-                          f"got {FA4_GATHER_BACKWARD!r}")
+    chosen = SWITCHES.gather_backward
+    if chosen not in GATHER_BACKWARDS:
+        raise MtrainError(f"parallel.gather_backward must be one of {GATHER_BACKWARDS}; got {chosen!r}")
     if engine != "fa4":
         return "triton"
-    if FA4_GATHER_BACKWARD == "auto":
+    if chosen == "auto":
         return "fa4" if world <= FA4_GATHER_MAX_WORLD else "triton"
-    return FA4_GATHER_BACKWARD
+    return chosen
 
 
 # How the gathered plan holds the sink block (`mtrain.parallel.plan.SINK_FORMS`) under FA4's backward, which runs each
 # key block's query blocks in turn: "replicas" (copies read by a few query blocks each), or "columns" (its tokens as
-# columns of every query block, as on the ring); under every other backward it is a listed block.
-FA4_GATHER_SINK = "replicas"
+# columns of every query block, as on the ring); under every other backward it is a listed block. Chosen by
+# parallel.gather_sink (SWITCHES.gather_sink; "replicas" by default).
 
 
 def gathered_sink_form(engine: str, world: int) -> str:
     """The sink form of the gathered plan for a step of a `world`-rank group run by `engine` ("fa4" or "triton")."""
     if gathered_backward(engine, world) != "fa4":
         return "listed"
-    if FA4_GATHER_SINK not in ("replicas", "columns"):  # a listed sink overflows FA4's bounded backward lists
-        raise MtrainError(f"ring_gather.FA4_GATHER_SINK must be 'replicas' or 'columns'; got {FA4_GATHER_SINK!r}")
-    return FA4_GATHER_SINK
+    sink = SWITCHES.gather_sink
+    if sink not in ("replicas", "columns"):  # a listed sink overflows FA4's bounded backward lists
+        raise MtrainError(f"parallel.gather_sink must be 'replicas' or 'columns'; got {sink!r}")
+    return sink
 
 
 class KVGather:

@@ -1,8 +1,9 @@
 """The data-parallel x context-parallel mesh: which ranks share a sequence, and their process groups.
 
 Ranks [d*cp, (d+1)*cp) form context-parallel group d and all read DP shard d of the data. With several
-nodes (LOCAL_WORLD_SIZE < cp) each CP group is split into inner (one node) and outer (across nodes)
-rings. Group creation is collective, so every rank creates every group in the same order.
+nodes (a node size below cp: parallel.node_size, else LOCAL_WORLD_SIZE, under parallel.hierarchy auto or
+hierarchical; `mtrain.parallel.comm.ring_node_size`) each CP group is split into inner (one node) and outer (across
+nodes) rings. Group creation is collective, so every rank creates every group in the same order.
 """
 
 from __future__ import annotations

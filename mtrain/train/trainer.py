@@ -380,21 +380,27 @@ class Trainer:
         return 6 * n_params + attn
 
     def _setup_parallel(self, accelerator):
-        """The DP x CP mesh, the sequence layout and the attention context of this rank."""
+        """The DP x CP mesh, the sequence layout and the attention context of this rank; the recipe's switches
+        (`mtrain.ops.switches`) in place for the attention stack."""
         from mtrain.models.context import CONTEXT
         from mtrain.models.registry import KINDS, layout_name
+        from mtrain.ops.switches import configure
         from mtrain.parallel import Layout
+        from mtrain.parallel.comm import ring_node_size
         from mtrain.train.mesh import build_mesh
 
         r = self.recipe
         if r.parallel.cp_size > 1 and r.attention.kind not in KINDS:
             raise MtrainError(f"parallel.cp_size={r.parallel.cp_size} needs a context-parallel attention.kind "
                               f"({', '.join(KINDS)}); '{r.attention.kind}' runs on one rank per sequence")
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        mesh = build_mesh(accelerator.num_processes, accelerator.process_index, r.parallel.cp_size,
-                          int(local) if local else None)
-        # with a hierarchical ring the layout must know the node size to keep every ring step balanced
-        node = int(local) if local and mesh.inner_group is not None else None
+        configure(r.attention, r.parallel)
+        # the hierarchical ring's node size (parallel.hierarchy / node_size), or None for the flat ring; with it the
+        # layout must know the node size to keep every ring step balanced
+        node = ring_node_size(r.parallel.cp_size) if r.parallel.cp_size > 1 else None
+        if r.parallel.cp_size > 1:
+            log.info("context parallelism: %s over %d ranks (parallel.hierarchy=%s)", "the flat ring" if node is None
+                     else f"the hierarchical ring, nodes of {node}", r.parallel.cp_size, r.parallel.hierarchy)
+        mesh = build_mesh(accelerator.num_processes, accelerator.process_index, r.parallel.cp_size, node)
         layout = Layout.create(layout_name(r), world_size=mesh.cp_size, granularity=r.parallel.granularity,
                                local_world_size=node)
         layout.check(r.data.seq_len)

@@ -1,6 +1,7 @@
 """torchrun worker: one training step of the tiny Qwen2 model with MTraining attention under gradient checkpointing,
 context-parallel over all ranks, with the rank indexes built without column lists (the ring reads its columns
-list-free, as at the recipes' caps: `mtrain.parallel.estimate.STATIC_WIDTH_BYTES` set below every index here), and
+list-free, as at the recipes' caps: `SWITCHES.static_width_bytes` (parallel.static_width_mib) set below every index
+here), and
 compared with the same step on one rank. The recomputation for the backward rebuilds each layer's rank index from
 the remembered lines (`mtrain.parallel.estimate.rank_index_of_lines`); the worker records how many of those it built
 and how many held no column lists.
@@ -21,6 +22,7 @@ from cp_step import batch, compare, configs, finish, packed_folder
 from mtrain.config import load_recipe
 from mtrain.models.policy import checkpoint_contexts
 from mtrain.models.registry import layout_name, register_attention
+from mtrain.ops.switches import SWITCHES
 from mtrain.parallel import Layout
 from mtrain.train.loss import ChunkedLossLM
 
@@ -39,7 +41,7 @@ def main(out_path: str) -> None:
         return index
 
     estimate.rank_index_of_lines = counting
-    estimate.STATIC_WIDTH_BYTES = -1  # every rank index takes its widths from the host read: no column lists
+    SWITCHES.static_width_bytes = -1  # every rank index takes its widths from the host read: no column lists
     recipe = load_recipe(None, ["attention.kind=mtraining", "attention.block_size=32", "attention.last_q=32",
                                 "attention.recall=0.6", "attention.max_vertical=16", "attention.max_slash=16",
                                 "attention.sparse_policy=always", f"parallel.cp_size={world}",
