@@ -127,6 +127,11 @@ class AttentionConfig:
     """Under sparse_policy auto, in training: a layer the choice sent dense runs dense without estimating its
     pattern for this many further steps, then estimates again (the estimate is paid before the choice; a
     layer's density moves slowly). 0 = estimate every step."""
+    per_document: bool = True
+    """Sparse kinds on one device with packed documents (data.document_masking): true = each document at least as
+    long as the cost model's break-even is estimated and run sparse as a sequence of its own, the rest in one dense
+    varlen call (`mtrain.models.attention._per_document`); false = one estimate over the whole sequence with the
+    documents masked in the kernels, as a context-parallel group runs (which ignores this key)."""
     widen_caps: bool = True
     """Under sparse_policy auto, in training: a layer that the estimate's recall (more than 0.04 short of `recall`) or
     the quality check (`max_output_error`) sends dense where the cost model said sparse, and whose caps bind (its
@@ -507,6 +512,8 @@ def _check(recipe: RecipeConfig) -> None:
                           f"got {a.sample_rows!r}")
     if not isinstance(a.widen_caps, bool):
         raise ConfigError(f"attention.widen_caps: expected true or false, got {a.widen_caps!r}")
+    if not isinstance(a.per_document, bool):
+        raise ConfigError(f"attention.per_document: expected true or false, got {a.per_document!r}")
     if isinstance(a.widen_max_list_mib, bool) or not isinstance(a.widen_max_list_mib, int) or a.widen_max_list_mib < 0:
         raise ConfigError(f"attention.widen_max_list_mib: must be an integer >= 0 (MiB of a rank's index lists at the "
                           f"widened caps; 0 = no limit), got {a.widen_max_list_mib!r}")

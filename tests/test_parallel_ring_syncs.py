@@ -99,7 +99,7 @@ def _worker(rank, world, init_file, out_file):
 def test_estimated_sparse_ring_reads_back_at_most_once_per_call(tmp_path):
     """No syncing op in the estimated sparse ring's per-layer path; no host read at all where the lines' caps are
     small (`parallel.static_width_mib`), or under the gathered schedule where the block lists alone are (list-free
-    columns), else exactly one (the lists' widths, in rows_from_lines)."""
+    columns), else exactly one (the lists' widths, read by rows_from_lines' `_bounded_widths`)."""
     from ranks import run_ranks
 
     # the ranks run the scorer and steps' Triton kernels: forked from the interpreter's server
@@ -113,4 +113,4 @@ def test_estimated_sparse_ring_reads_back_at_most_once_per_call(tmp_path):
             assert got[case]["tolist"] == [], (case, got[case]["tolist"])
         for case in ("read", "read-gather"):
             read = got[case]["tolist"]
-            assert len(read) == 1 and "rows_from_lines" in read[0], (case, read)
+            assert len(read) == 1 and "_bounded_widths" in read[0], (case, read)

@@ -91,11 +91,12 @@ def _graphed(q, prepare) -> bool:
 
 
 def _decide(q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, engine, max_error, prepare,
-            graphed):
+            graphed, doc_ids=None):
     """("sparse", index) or ("dense", None) for one device's call over q [B, S, Hq, D] under SparseSettings `s`:
     the replayed choice while gradient checkpointing recomputes (`memo_key`), else the estimate, the quality check
     (and escalation), the choice and its holds and widening, whose state lives under `key` (the layer index, or on
-    packed documents the layer's documents of one length class: `document_key`); the records carry `layer_idx`."""
+    packed documents the layer's documents of one length class: `document_key`); the records carry `layer_idx`.
+    doc_ids: the documents masked within this one estimate and index (per_document off), else None."""
     from mtrain.ops.graphed import estimate_graphed
     from mtrain.ops.index import SparseIndex
 
@@ -105,43 +106,45 @@ def _decide(q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, 
         if path == "sparse":
             return "sparse", SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
         return "dense", None
-    if policy == "never" or skip_estimate(q, s, key, policy=policy, training=training, engine=engine,
-                                          graphed=graphed, layer=layer_idx):
+    if policy == "never" or skip_estimate(q, s, key, policy=policy, training=training, doc_ids=doc_ids,
+                                          engine=engine, graphed=graphed, layer=layer_idx):
         remember_choice(memo_key, "dense", None, training)
         return "dense", None
     # every SparseSettings field is an estimate_vertical_slash keyword of the same name
     fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
     # on CUDA replayed from a graph once the shapes have been seen twice (its ~280 launches are the cost at 32K),
     # with what the engine derives from the index (another ~100 launches) built in the same graph
-    index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, prepare=prepare)
+    index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids,
+                             prepare=prepare)
     checked = check_wanted(max_error, policy) and check_due(key, training)
     if checked:  # the quality check (attention.max_output_error), once per hold period in training
-        index._cache["output_error"] = quality_error(q, k, v, index, s, scaling)
+        index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
         if escalate(key, index, max_error):  # over the limit: estimate again at the escalated recall
             s = dataclasses.replace(s, recall=CONTEXT.layer_recall[key])
             index = estimate_graphed(q.detach(), k.detach(), **{**fields, "recall": s.recall},
-                                     softmax_scale=scaling, prepare=prepare)
-            index._cache["output_error"] = quality_error(q, k, v, index, s, scaling)
-    path, prediction = choose_path(index, q, policy=policy, training=training, target=s.recall,
+                                     softmax_scale=scaling, doc_ids=doc_ids, prepare=prepare)
+            index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
+    path, prediction = choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids, target=s.recall,
                                    rows=scored_rows(s, q.shape[1]), engine=engine,
                                    graphed=graphed, layer_idx=key, max_error=max_error)
     # wider caps next call where they bind, else the dense hold
     cap_scale, widened = widen_or_hold(key, index, s, q.shape[1], prediction, policy, training)
     if checked:
         passed_check(key, path, training)
-    record_layer(key, path, index, prediction, q, k, scaling, cap_scale=cap_scale, widened=widened,
+    record_layer(key, path, index, prediction, q, k, scaling, doc_ids, cap_scale=cap_scale, widened=widened,
                  layer=layer_idx)
     remember_choice(memo_key, path, index, training)
     return path, (index if path == "sparse" else None)
 
 
 def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None,
-                     engine="auto", max_error=None):
+                     engine="auto", max_error=None, per_document=True):
     """One rank holds the whole sequence: dense causal, or online vertical-slash sparse attention with
     SparseSettings `s` on block engine `engine` (ENGINES), run sparse or dense per `policy` (see `choose_path`;
     under "auto" with `max_error`, also dense where the layer's output error on the scored rows exceeds it).
     Packed documents (doc_ids) run per document (`_per_document`): each long enough document sparse on its own,
-    the rest in one dense varlen call."""
+    the rest in one dense varlen call; with per_document False, one estimate over the whole sequence with the
+    documents masked in the kernels (what a CP group runs)."""
     from mtrain.ops import dense_attention, vertical_slash_attention
 
     documents = current_documents(doc_ids)  # the batch's boundaries, read from the host once per batch
@@ -149,17 +152,17 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
         return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=documents)
     # the concrete engine (auto resolved): what runs, what the cost model prices, what is logged
     engine = say_engine(engine, q, s.block_size)
-    if documents is not None:
+    if documents is not None and per_document:
         return _per_document(q, k, v, scaling, s, documents, policy=policy, training=training,
                              layer_idx=layer_idx, engine=engine, max_error=max_error)
-    prepare = prepare_spec(q, k, engine, None)
+    prepare = prepare_spec(q, k, engine, doc_ids)
     path, index = _decide(q, k, v, scaling, s, policy=policy, training=training, layer_idx=layer_idx,
                           key=layer_idx, memo_key=layer_idx, engine=engine, max_error=max_error, prepare=prepare,
-                          graphed=_graphed(q, prepare))
+                          graphed=_graphed(q, prepare), doc_ids=doc_ids)
     if path == "sparse":
-        return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, impl=engine,
+        return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
                                         deterministic=_deterministic_backward(engine))
-    return dense_attention(q, k, v, causal=True, softmax_scale=scaling)
+    return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=documents)
 
 
 def document_key(layer_idx, length: int):
@@ -361,7 +364,7 @@ def _ring_quality_error(q, k, v, positions, index, seq_len, settings, scale, ran
 
 
 def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, settings=False,
-                     policy=None, engine=None, max_error=False, **kwargs):
+                     policy=None, engine=None, max_error=False, per_document=True, **kwargs):
     """HF attention function: query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE
     (with a KV cache, key/value hold the cached positions too: then see `_cached_attention`).
     settings: SparseSettings (sparse), None (dense); left out = the last registered kind's (CONTEXT).
@@ -372,6 +375,8 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     max_error: under "auto", a layer whose output error on the scored rows exceeds it runs dense (the quality check,
     `mtrain.models.policy.quality_error`; in a CP group `mtrain.parallel.quality.gathered_output_error`); None = no
     check; left out = CONTEXT.max_output_error.
+    per_document: one device with packed documents: each long enough document sparse on its own
+    (`_per_document`); False = one estimate over the whole sequence, documents masked (attention.per_document).
 
     Returns (out [B, S_local, Hq, D], None).
     """
@@ -389,7 +394,8 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     with profile_range(layer_idx):
         if CONTEXT.group is None:
             out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids, policy=policy, training=training,
-                                   layer_idx=layer_idx, engine=engine, max_error=max_error)
+                                   layer_idx=layer_idx, engine=engine, max_error=max_error,
+                                   per_document=per_document)
         else:
             out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training, engine=engine,
                         max_error=max_error)
@@ -412,7 +418,7 @@ def profile_range(layer_idx):
 
 def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
              max_output_error: float | None = None, widen_caps: bool = True, widen_max_list_mib: int = 0,
-             escalate_recall: float | None = None, **sparse_settings) -> str:
+             escalate_recall: float | None = None, per_document: bool = True, **sparse_settings) -> str:
     """The plugin's registration (`mtrain.models.registry.register_kind` calls it for the kinds of KINDS): register
     `kind` as `mtrain-<kind>`; sparse kinds take `mtrain.parallel.SparseSettings` fields as keywords, and
     `sparse_policy` (SPARSE_POLICIES), `engine` (ENGINES: the block kernels of the sparse path on one device),
@@ -420,7 +426,8 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
     `widen_caps` (under "auto", in training: widen the caps of a layer whose caps bind instead of holding it dense;
     `mtrain.models.policy.widen`) and `widen_max_list_mib` (widen only while the rank's index lists at the wider caps
     take at most this many MiB; 0 = no limit), `escalate_recall` (with `max_output_error`: the recall a layer that
-    fails the check estimates at from then on, `mtrain.models.policy.escalate`; None = none).
+    fails the check estimates at from then on, `mtrain.models.policy.escalate`; None = none), `per_document` (one
+    device with packed documents: each long enough document on its own; `mtrain_attention`).
     Returns the `attn_implementation` name. Each name carries its own settings; registering a name again replaces
     them for every model using it."""
     from transformers import AttentionInterface
@@ -459,6 +466,6 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
     # The function carries its own settings: models loaded under other mtrain names keep theirs.
     AttentionInterface.register(name, functools.partial(mtrain_attention, settings=CONTEXT.settings,
                                                         policy=sparse_policy, engine=engine,
-                                                        max_error=max_output_error))
+                                                        max_error=max_output_error, per_document=per_document))
     AttentionMaskInterface.register(name, no_mask)
     return name

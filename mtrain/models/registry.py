@@ -39,7 +39,7 @@ def recipe_attention(a) -> tuple[str, dict]:
     if a.kind in baselines.BASELINE_KINDS:  # they take the recipe's baseline keys and ignore the rest
         shared = {f.name for f in dataclasses.fields(a)} - {"kind", "sparse_policy", "dense_hold_steps", "engine",
                                                              "max_output_error", "widen_caps",
-                                                             "widen_max_list_mib", "escalate_recall",
+                                                             "widen_max_list_mib", "escalate_recall", "per_document",
                                                              # switches: the trainer sets them (mtrain.ops.switches)
                                                              "graph_estimate", "lagged_choice", "cost_table"}
     settings = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name in shared}
@@ -48,6 +48,7 @@ def recipe_attention(a) -> tuple[str, dict]:
         settings["widen_caps"] = a.widen_caps
         settings["widen_max_list_mib"] = a.widen_max_list_mib
         settings["escalate_recall"] = a.escalate_recall
+        settings["per_document"] = a.per_document
     return a.kind, {"sparse_policy": a.sparse_policy, "dense_hold": a.dense_hold_steps, "engine": a.engine, **settings}
 
 

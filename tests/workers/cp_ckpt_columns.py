@@ -45,6 +45,8 @@ def main(out_path: str) -> None:
     recipe = load_recipe(None, ["attention.kind=mtraining", "attention.block_size=32", "attention.last_q=32",
                                 "attention.recall=0.6", "attention.max_vertical=16", "attention.max_slash=16",
                                 "attention.sparse_policy=always", f"parallel.cp_size={world}",
+                                # one rank's reference estimates the whole sequence with the documents masked, as CP does
+                                "attention.per_document=false",
                                 # the quality check and escalation (the defaults): the check's figure kept on the index
                                 # must not reach the backward, or the recomputation saves fewer tensors
                                 "attention.max_output_error=0.025", "attention.escalate_recall=0.995",

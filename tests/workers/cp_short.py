@@ -54,6 +54,8 @@ def main(out_path: str) -> None:
         recipe = load_recipe(None, [f"attention.kind={kind}", f"attention.block_size={BLOCK}", "attention.last_q=16",
                                     "attention.recall=0.6", "attention.max_vertical=4", "attention.max_slash=64",
                                     f"attention.sparse_policy={policy}", f"parallel.cp_size={world}",
+                                    # one rank's reference: the whole sequence, documents masked, as CP runs it
+                                    "attention.per_document=false",
                                     f"parallel.granularity={granularity}", f"data.seq_len={seq_len}",
                                     "model.config=mtrain/assets/tiny-qwen2/config.json",
                                     "model.tokenizer=mtrain/assets/tiny-tokenizer", f"data.path={packed}"])

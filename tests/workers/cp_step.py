@@ -101,6 +101,8 @@ def main(out_path: str) -> None:
             recipe = load_recipe(None, [f"attention.kind={kind}", "attention.block_size=32", "attention.last_q=32",
                                         "attention.recall=0.6", "attention.max_vertical=16", "attention.max_slash=16",
                                         "attention.sparse_policy=always",
+                                        # one rank's reference: the whole sequence, documents masked, as CP runs it
+                                        "attention.per_document=false",
                                         f"parallel.cp_size={world}", "parallel.granularity=32",
                                         "model.config=mtrain/assets/tiny-qwen2/config.json",
                                         "model.tokenizer=mtrain/assets/tiny-tokenizer", f"data.path={packed}"])
