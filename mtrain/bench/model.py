@@ -117,3 +117,30 @@ def perplexity(model, ids: torch.Tensor, chunk: int = 4096) -> float:
             nll += float(torch.nn.functional.cross_entropy(logits, ids[0, start + 1 : stop + 1], reduction="sum"))
             count += stop - start
     return math.exp(nll / count)
+
+
+def fwd_bwd(fn, q, k, v, dout):
+    """A call of fn(q, k, v) with fresh leaf copies of q, k, v and its backward from `dout` (what one training
+    step's attention costs), for `mtrain.bench.timing.timed`."""
+    def run():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        torch.autograd.backward(fn(qq, kk, vv), dout)
+    return run
+
+
+def as_trained(layer: int, scale: float, **options):
+    """fn(q, k, v) [B, S, H, D] -> out: mtrain's attention exactly as a model layer in training mode calls it (HF's
+    [B, H, S, D] layout in, `layer_idx` = layer); options: `mtrain_attention`'s keywords (settings, policy, engine,
+    max_error, ...)."""
+    from mtrain.models.attention import mtrain_attention
+
+    class _Layer:
+        layer_idx = layer
+        training = True
+
+    def call(qq, kk, vv):
+        out, _ = mtrain_attention(_Layer, qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), None,
+                                  scaling=scale, **options)
+        return out
+
+    return call

@@ -19,7 +19,6 @@ at small lengths (slow; for smoke tests).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import time
@@ -29,8 +28,9 @@ from pathlib import Path
 import torch
 
 from mtrain.atomic import write_json_atomic
-from mtrain.bench.model import (BENCH_NAME, capture_qkv, load_model, perplexity,  # noqa: F401 (re-exported)
-                                register_bench_attention, resolve_model, yarn_factor)
+from mtrain.bench.model import as_trained as model_layer
+from mtrain.bench.model import (BENCH_NAME, capture_qkv, fwd_bwd, load_model,  # noqa: F401 (re-exported)
+                                perplexity, register_bench_attention, resolve_model, yarn_factor)
 from mtrain.bench.timing import timed
 from mtrain.errors import MtrainError
 
@@ -43,14 +43,6 @@ PPL_LABELS = {
     "all_sparse": "every layer sparse",
 }
 """The perplexity rows `run` reports (summary["perplexity"]), by key."""
-
-
-def _fwd_bwd(fn, q, k, v, dout):
-    def run():
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = fn(qq, kk, vv)
-        torch.autograd.backward(out, dout)
-    return run
 
 
 # ----------------------------------------------------------------------------- per layer
@@ -93,7 +85,6 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     engine (`vertical_slash_attention`'s impl); max_error: the policy's quality check (attention.max_output_error)."""
     import functools
 
-    from mtrain.models.attention import mtrain_attention
     from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
     from mtrain.ops.columns import list_free_bytes, with_list_free_columns
     from mtrain.ops.index import list_bytes, used_list_bytes
@@ -108,17 +99,10 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     index = estimate()
     dout = torch.randn_like(q)
     dense = functools.partial(dense_attention, causal=True, softmax_scale=scale)
-    dense_ms = timed(_fwd_bwd(dense, q, k, v, dout), iters, warmup=3, back_to_back=True)
+    dense_ms = timed(fwd_bwd(dense, q, k, v, dout), iters, warmup=3, back_to_back=True)
 
     # mtrain's attention function exactly as a model layer calls it (HF layout in, [B, S, H, D] out)
-    class _Layer:
-        layer_idx = layer
-        training = True
-
-    def as_trained(qq, kk, vv):
-        out, _ = mtrain_attention(_Layer, qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), None,
-                                  scaling=scale, settings=settings, policy=policy, engine=engine, max_error=max_error)
-        return out
+    as_trained = model_layer(layer, scale, settings=settings, policy=policy, engine=engine, max_error=max_error)
 
     from mtrain.models.context import CONTEXT
 
@@ -129,8 +113,8 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         # the caps this layer's training settles on (attention.widen_caps), kept in CONTEXT.cap_scale for the
         # perplexity pass at this length, which then runs the layer as it was timed
         CONTEXT.cap_scale.pop(layer, None)
-        _settle_caps(_fwd_bwd(as_trained, q, k, v, dout), marks[1])
-        mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters, warmup=3, back_to_back=True)  # graph captured first
+        _settle_caps(fwd_bwd(as_trained, q, k, v, dout), marks[1])
+        mtrain_ms = timed(fwd_bwd(as_trained, q, k, v, dout), iters, warmup=3, back_to_back=True)  # graph captured first
         path = _last_path(marks[1], policy)
         last = CONTEXT.layers[-1] if len(CONTEXT.layers) > marks[1] else None
         output_err = None if last is None or last.output_error is None else float(last.output_error.float().max())
@@ -138,7 +122,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         # estimate did not pay (else every step estimates); later holds double (HOLD_BACKOFF_MAX), so this is
         # the costliest stretch of a held layer. Queued back to back, as training steps are.
         CONTEXT.dense_hold = hold
-        step_fn = _fwd_bwd(as_trained, q, k, v, dout)
+        step_fn = fwd_bwd(as_trained, q, k, v, dout)
 
         def steps(first: int, count: int):
             def run():
@@ -166,7 +150,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     def all_in(qq, kk, vv):
         return vertical_slash_attention(qq, kk, vv, estimate(), softmax_scale=scale, impl=engine)
 
-    total_ms = timed(_fwd_bwd(all_in, q, k, v, dout), iters)
+    total_ms = timed(fwd_bwd(all_in, q, k, v, dout), iters)
     fwd_ms = timed(lambda: vertical_slash_attention(q, k, v, index, softmax_scale=scale, impl=engine), iters)
     bwd = {}
     for deterministic in (True, False):
@@ -183,7 +167,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         if idx is None:  # an index without its lines has no list-free form
             continue
         for deterministic in (True, False):
-            kernels_ms[f"{form}_{'deterministic' if deterministic else 'atomic'}_ms"] = timed(_fwd_bwd(
+            kernels_ms[f"{form}_{'deterministic' if deterministic else 'atomic'}_ms"] = timed(fwd_bwd(
                 lambda qq, kk, vv, idx=idx, det=deterministic: vertical_slash_attention(
                     qq, kk, vv, idx, softmax_scale=scale, deterministic=det, impl=engine), q, k, v, dout), iters)
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 from mtrain.atomic import write_json_atomic
+from mtrain.bench.model import as_trained as model_layer
+from mtrain.bench.model import fwd_bwd
 from mtrain.bench.timing import timed
 
 MIXES = ("long", "short")
@@ -77,13 +79,6 @@ def packed_mix(tokenizer, seq_len: int, mix: str) -> tuple[list[int], list[int],
     return ids, lengths, names
 
 
-def _fwd_bwd(fn, q, k, v, dout):
-    def run():
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        torch.autograd.backward(fn(qq, kk, vv), dout)
-    return run
-
-
 def _peer(documents, scale):
     """(label, fn) of the dense peer: FA4's varlen kernel called directly where FA4 runs, else the backend the dense
     path picks."""
@@ -112,7 +107,6 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, polic
     the whole sequence causal)."""
     import functools
 
-    from mtrain.models.attention import mtrain_attention
     from mtrain.models.context import CONTEXT
     from mtrain.ops import dense_attention
     from mtrain.ops.varlen import varlen_backend
@@ -124,30 +118,23 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, polic
     else:
         peer = functools.partial(dense_attention, causal=True, softmax_scale=scale)
         peer_label = "dense (mtrain.ops.dense_attention)"
-    peer_ms = timed(_fwd_bwd(peer, q, k, v, dout), iters, warmup=3, back_to_back=True)
+    peer_ms = timed(fwd_bwd(peer, q, k, v, dout), iters, warmup=3, back_to_back=True)
     dense = functools.partial(dense_attention, causal=True, softmax_scale=scale, documents=documents)
-    dense_ms = timed(_fwd_bwd(dense, q, k, v, dout), iters, warmup=3, back_to_back=True)
+    dense_ms = timed(fwd_bwd(dense, q, k, v, dout), iters, warmup=3, back_to_back=True)
 
-    class _Layer:
-        layer_idx = layer
-        training = True
-
-    def as_trained(qq, kk, vv):
-        out, _ = mtrain_attention(_Layer, qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), None,
-                                  scaling=scale, settings=settings, policy=policy, engine=engine, max_error=max_error)
-        return out
+    as_trained = model_layer(layer, scale, settings=settings, policy=policy, engine=engine, max_error=max_error)
 
     mark = len(CONTEXT.layers)
     saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until, CONTEXT.step
     try:
         CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = 0, {}, {}, {}
         CONTEXT.sample_recall, CONTEXT.recall_rows = True, 256  # one untimed call measures the true recall
-        _fwd_bwd(as_trained, q, k, v, dout)()
+        fwd_bwd(as_trained, q, k, v, dout)()
         CONTEXT.sample_recall = False
         first = CONTEXT.layers[mark:]
-        mtrain_ms = timed(_fwd_bwd(as_trained, q, k, v, dout), iters, warmup=2, back_to_back=True)
+        mtrain_ms = timed(fwd_bwd(as_trained, q, k, v, dout), iters, warmup=2, back_to_back=True)
         CONTEXT.dense_hold = hold
-        step_fn = _fwd_bwd(as_trained, q, k, v, dout)
+        step_fn = fwd_bwd(as_trained, q, k, v, dout)
 
         def steps():
             for step in range(hold + 1):
