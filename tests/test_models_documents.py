@@ -181,3 +181,24 @@ def test_holds_live_per_layer_and_length_class(monkeypatch):
     # held without an estimate: the documents estimated before (those long enough to be, all in those classes)
     assert sum(r.held for r in CONTEXT.layers) == estimated >= 1
     assert not any(r.density is not None for r in CONTEXT.layers)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_break_even_is_the_shortest_length_the_floor_pays_at(training):
+    """`_shortest_sparse` under "auto": the cost model's floor pays at the length it returns and not one block
+    shorter (the bisection lands on the boundary); under "always" two blocks."""
+    from mtrain.models.attention import _shortest_sparse
+    from mtrain.models.policy import scored_rows
+
+    s = SparseSettings(block_size=128)
+    device = torch.device("cuda")  # the H200 table: priced, nothing runs
+
+    def pays(length):
+        return cost.worth_estimating(seq_len=length, heads=9, head_dim=64, block_size=128, rows=scored_rows(s, length),
+                                     backward=training, device=device, engine="fa4",
+                                     dense_engine="fa4").path == "sparse"
+
+    shortest = _shortest_sparse("auto", 9, 64, 128, s, training, device, "fa4", "fa4")
+    assert shortest % 128 == 0 and pays(shortest) and not pays(shortest - 128)
+    assert 16384 < shortest < 131072  # between the lengths where estimating clearly cannot and clearly does pay
+    assert _shortest_sparse("always", 9, 64, 128, s, training, device, "fa4", "fa4") == 256
