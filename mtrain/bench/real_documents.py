@@ -80,8 +80,8 @@ def packed_mix(tokenizer, seq_len: int, mix: str) -> tuple[list[int], list[int],
 
 
 def _peer(documents, scale):
-    """(label, fn) of the dense peer: FA4's varlen kernel called directly where FA4 runs, else the backend the dense
-    path picks."""
+    """fn(q, k, v) of the dense peer: FA4's varlen kernel called directly where FA4 runs (no mtrain code between, so
+    the dense kind's row measures mtrain's path against it), else the backend the dense path picks."""
     from mtrain.ops.varlen import varlen_attention, varlen_backend
 
     def fn(q, k, v):
