@@ -10,24 +10,6 @@ from mtrain.tiny import MODEL_CONFIG as CONFIG
 from mtrain.tiny import TOKENIZER_DIR as TOKENIZER
 
 
-@pytest.fixture()
-def recipe_file(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "packed").mkdir()
-    (tmp_path / "packed" / "index.json").write_text('{"shards": []}')
-    (tmp_path / "cfg.json").write_text('{"model_type": "qwen2"}')
-    (tmp_path / "tok").mkdir()
-    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
-    recipe = {
-        "model": {"config": "cfg.json", "tokenizer": "tok"},
-        "data": {"path": "packed", "seq_len": 256},
-        "train": {"output_dir": "out", "max_steps": 5},
-    }
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
 def test_loads_and_applies_overrides(recipe_file):
     r = load_recipe(recipe_file, ["train.max_steps=7", "optim.lr=2e-4", "train.deterministic=true",
                                   "model.rope_scaling.rope_type=yarn", "model.rope_scaling.factor=4",
@@ -78,6 +60,16 @@ def test_unknown_key_named_with_suggestion(recipe_file):
         ("attention.widen_max_list_mib=lots", r"attention\.widen_max_list_mib: expected an integer, got 'lots'"),
         ("attention.escalate_recall=0.99", r"attention\.escalate_recall: must be a number above attention\.recall"),
         ("attention.escalate_recall=1.5", r"attention\.escalate_recall: must be a number above attention\.recall"),
+        # the switches (mtrain.ops.switches) and attention.per_document
+        ("parallel.graph_ring_estimate=1", r"parallel\.graph_ring_estimate: expected true or false"),
+        ("attention.lagged_choice=yes please", r"attention\.lagged_choice: expected true or false"),
+        ("parallel.gather_backward=atomic", r"parallel\.gather_backward: 'atomic' is not one of"),
+        ("parallel.gather_sink=listed", r"parallel\.gather_sink: 'listed' is not one of"),
+        ("parallel.hierarchy=tree", r"parallel\.hierarchy: 'tree' is not one of"),
+        ("parallel.static_width_mib=-1", r"parallel\.static_width_mib: must be an integer >= 0"),
+        ("parallel.node_size=0", r"parallel\.node_size: must be a positive number"),
+        ("attention.cost_table=missing.json", r"attention\.cost_table: 'missing.json' is not a file"),
+        ("attention.per_document=sometimes", r"attention\.per_document: expected true or false"),
     ],
 )
 def test_bad_values_name_the_key(recipe_file, override, message):
