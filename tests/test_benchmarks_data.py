@@ -137,3 +137,11 @@ def test_render_refuses_a_row_no_section_takes():
     assert "| `gate.seconds` | 172 s |" in render_markdown([GOOD], sections)
     with pytest.raises(Exception, match="no section"):
         render_markdown([GOOD, {**GOOD, "measure": "other.figure"}], sections)
+
+
+def test_retired_measures_leave_the_reference_and_are_named_once():
+    sections = {"title": "t", "preface": "p", "retired": {"old.": "superseded by gate"},
+                "sections": [{"title": "Gate", "prefixes": ["gate."], "intro": "i"}]}
+    text = render_markdown([GOOD, {**GOOD, "measure": "old.figure", "value": 999}], sections)
+    assert "| `gate.seconds` | 172 s |" in text and "999" not in text
+    assert "Retired (still in the rows): `old.*` (superseded by gate)." in text
