@@ -20,9 +20,10 @@
 #
 # `run` converts the GGUF (once), packs STEPS sequences per length (skipped when packed), trains dense then
 # mtraining at each length (a finished run is skipped; a run stopped by its time box checkpoints and the next call
-# resumes it), and writes compare-MIX-LEN.txt (`mtrain compare`: tokens/s median after warm-up, peak memory, loss)
-# and each run's metrics.jsonl into OUT. Each launch is wrapped in `timeout -s TERM` of the seconds left before
-# DEADLINE (seconds since the call began), shared among the runs still to go.
+# resumes it), and writes into OUT compare-MIX-LEN.txt (`mtrain compare`: tokens/s median after warm-up, peak
+# memory, loss), each run's metrics.jsonl, and rows.jsonl (the figures as result rows, `tools/train_rows.py`; COMMIT
+# names the commit). Each launch is wrapped in `timeout -s TERM` of the seconds left before DEADLINE (seconds since
+# the call began), shared among the runs still to go.
 #
 # Environment (defaults): LENGTHS ("65536 131072"), MIX (long), STEPS (22: 2 warm-up + 20 measured), KINDS ("dense
 # mtraining"), DEADLINE (540), MODEL_DIR (/root/smollm2), PACKAGES (torch,transformers: installed packages whose
@@ -102,6 +103,12 @@ case "${1:-}" in
       if [ -f "$a/metrics.jsonl" ] && [ -f "$b/metrics.jsonl" ]; then
         $PY -m mtrain compare "$a" "$b" --plot "$RESULTS/loss-$MIX-$k.png" --throughput-plot "$RESULTS/speed-$MIX-$k.png" \
           | tee "$RESULTS/compare-$MIX-$k.txt"
+        # the figures as result rows (benchmarks/results.jsonl's format): copy them there with the run's date
+        $PY -m tools.train_rows --measure train_docs.smollm2 --label "$k.$MIX" --mtraining "$a/metrics.jsonl" \
+          --dense "$b/metrics.jsonl" --gpu "${GPU_LABEL:-1x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)}" \
+          --versions "$($PY -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")')" \
+          --commit "${COMMIT:-}" --command "MIX=$MIX LENGTHS=$seq scripts/gpu_train_docs.sh run" \
+          --note "SmolLM2-135M, $STEPS steps of $k tokens ($MIX mix), mtraining vs the dense kind" --out "$RESULTS/rows.jsonl"
       fi
     done ;;
   *)

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     rows = []
     for name, (value, unit, peer, digits, signed) in figures(read_steps(args.mtraining), read_steps(args.dense),
                                                              args.warmup).items():
-        row = {"date": args.date, "commit": args.commit, "gpu": args.gpu, "versions": args.versions,
+        row = {"date": args.date, "commit": args.commit or None, "gpu": args.gpu, "versions": args.versions,
                "command": args.command, "measure": f"{args.measure}.{args.label}.{name}", "value": round(value, 6),
                "unit": unit, "peer": peer, "note": args.note, "digits": digits}
         if signed:
