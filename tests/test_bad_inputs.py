@@ -1287,8 +1287,9 @@ def test_wandb_offline_resolves_no_server_name(world, tmp_path):
     trace = tmp_path / "connect.trace"
     env = _env(WANDB_SILENT="true")
     env.pop("WANDB_ERROR_REPORTING", None)
-    proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmmsg", "-o", str(trace),
-                           sys.executable, "-m", "mtrain", "train", str(world / "recipe.yaml"), "--set",
+    # --seccomp-bpf: the kernel stops only the traced calls (not every system call) for strace to see
+    proc = subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-e", "trace=connect,sendto,sendmmsg", "-o",
+                           str(trace), sys.executable, "-m", "mtrain", "train", str(world / "recipe.yaml"), "--set",
                            f"train.output_dir={run}", "--set", "train.max_steps=1", "--set", "logging.wandb=offline",
                            "--set", "train.export=false"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)

@@ -183,7 +183,7 @@ def test_line_differences_count_the_lines_each_side_alone_chose():
         "slashes_only_ring": 1, "heads_differing": 2}
 
 
-@pytest.mark.slow  # two gloo ranks, the Triton interpreter, SmolLM2's first two layers at 1024 tokens (~1 min)
+@pytest.mark.slow  # two gloo ranks, the Triton interpreter, SmolLM2's first two layers at 512 tokens
 def test_ring_on_real_attention_lists_one_devices_lines():
     """`mtrain bench ring --model` on SmolLM2's captured q/k/v, CP=2 block-stripe: the ring's online estimate gives one
     device's lines on every layer (no line only one side chose), with the true recall near the target."""
@@ -191,8 +191,8 @@ def test_ring_on_real_attention_lists_one_devices_lines():
 
     model = require_real_model()
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "mtrain.bench.ring", "--cpu", "--model", str(model), "--tokens-per-gpu", "512",
-                          "--block-size", "64", "--layers", "2", "--iters", "1", "--warmup", "0", "--skip-dense",
+                          "-m", "mtrain.bench.ring", "--cpu", "--model", str(model), "--tokens-per-gpu", "256",
+                          "--block-size", "32", "--layers", "2", "--iters", "1", "--warmup", "0", "--skip-dense",
                           "--schedules", "ring", "--recall-rows", "16", "--compare-columns", "--bytes-cp", "4"],
                          cwd=REPO, capture_output=True, text=True, timeout=900,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -206,10 +206,10 @@ def test_ring_on_real_attention_lists_one_devices_lines():
         assert r["index_bytes_list_free"] > 0, r  # the rank's rows with list-free columns, reported beside the lists
         assert r["ring_sparse_lists_ms"] > 0, r  # --compare-columns: the same ring with the rank's column lists
         assert 0 < r["estimate_ring_ms"], r  # the estimate alone, timed apart
-        (b,) = r["rank_bytes"]  # rank 0 of CP=4 over the same 1024 tokens: 4 of its 16 query blocks
+        (b,) = r["rank_bytes"]  # rank 0 of CP=4 over the same 512 tokens: 4 of its 16 query blocks
         assert b["cp"] == 4 and b["rows"] == 4 and 0 < b["list_free"] < b["cap_wide"] and b["lists"] <= b["cap_wide"], b
     assert "lines equal one device's on every layer and rank: True" in run.stdout
-    assert "1024 tokens of prose, CP=2" in run.stdout  # --text: prose by default
+    assert "512 tokens of prose, CP=2" in run.stdout  # --text: prose by default
     assert "with list-free columns, as the ring reads them at large caps" in run.stdout
     assert "with the column lists instead: ring" in run.stdout and "rank 0 of CP=4" in run.stdout
 

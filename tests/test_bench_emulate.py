@@ -100,18 +100,36 @@ def test_hierarchical_ring_of_one_emulated_rank_against_zero_peers():
         assert float((shards[0].grad.double() - ref_dq).abs().max()) < 1e-4, rank
 
 
+def _bench_ring(*args: str) -> subprocess.Popen:
+    """`python -m mtrain.bench.ring --cpu ARGS` in Triton's interpreter, started (its output piped)."""
+    return subprocess.Popen([sys.executable, "-m", "mtrain.bench.ring", "--cpu", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+
+
+@pytest.mark.slow  # two scripts in the interpreter, ~40 s on 2 cores; the emulated ring runs quick above
 def test_bench_ring_emulated_reports_a_bound(tmp_path):
     """`--emulate-cp 2` on the CPU (Triton interpreter, tiny sizes): one process, no torchrun; the given index's
     cases (both schedules) match one device with the other rank's keys zero, every asked variant runs and the headline
-    reads as a bound."""
-    out = tmp_path / "emu.json"
-    run = subprocess.run([sys.executable, "-m", "mtrain.bench.ring", "--cpu", "--emulate-cp", "2", "--tokens-per-gpu",
-                          "128", "--heads", "2", "--kv-heads", "1", "--dim", "16", "--block-size", "32", "--window",
-                          "32", "--far-slashes", "2", "--verticals", "4", "--iters", "1", "--warmup", "0",
-                          "--schedules", "gather", "--skip-phases", "--check-len", "128", "--json", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    reads as a bound. The flat run and the hierarchical one (below) run at once, one process a core."""
+    out, out_h = tmp_path / "emu.json", tmp_path / "emu-h.json"
+    flat = _bench_ring("--emulate-cp", "2", "--tokens-per-gpu", "128", "--heads", "2", "--kv-heads", "1", "--dim", "16",
+                       "--block-size", "32", "--window", "32", "--far-slashes", "2", "--verticals", "4", "--iters", "1",
+                       "--warmup", "0", "--schedules", "gather", "--skip-phases", "--check-len", "128", "--json",
+                       str(out))
+    # the hierarchical ring over emulated nodes: checked against zero peers, then timed beside the flat ring
+    hier_run = _bench_ring("--emulate-cp", "4", "--node-size", "2", "--tokens-per-gpu", "64", "--heads", "2",
+                           "--kv-heads", "1", "--dim", "16", "--block-size", "16", "--window", "16", "--far-slashes",
+                           "2", "--verticals", "4", "--iters", "1", "--warmup", "0", "--schedules", "ring",
+                           "--skip-phases", "--check-len", "256", "--json", str(out_h))
+    try:
+        (stdout, stderr), (stdout_h, stderr_h) = flat.communicate(timeout=600), hier_run.communicate(timeout=600)
+    finally:
+        for proc in (flat, hier_run):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert flat.returncode == 0, stdout[-2000:] + stderr[-4000:]
     rows = json.loads(out.read_text())
     checks = [r for r in rows if "check" in r]
     # the given index under the ring's and the gathered schedule, then the estimated index under the engine (here our
@@ -124,25 +142,22 @@ def test_bench_ring_emulated_reports_a_bound(tmp_path):
     assert row["emulated"] and row["cp"] == 2
     for key in ("cp1_sparse_ms", "ring_sparse_gather_ms", "cp1_sparse_estimated_ms", "ring_sparse_estimated_gather_ms"):
         assert row[key] > 0, (key, row.get(key + "_error"))
-    assert "EMULATED rank 0 of CP=2" in run.stdout
-    assert "BOUND (rank alone, transfers as local fills: --emulate-cp) sparse CP=2" in run.stdout
-    # the hierarchical ring over emulated nodes: checked against zero peers, then timed beside the flat ring
-    out = tmp_path / "emu-h.json"
-    run = subprocess.run([sys.executable, "-m", "mtrain.bench.ring", "--cpu", "--emulate-cp", "4", "--node-size", "2",
-                          "--tokens-per-gpu", "64", "--heads", "2", "--kv-heads", "1", "--dim", "16", "--block-size",
-                          "16", "--window", "16", "--far-slashes", "2", "--verticals", "4", "--iters", "1", "--warmup",
-                          "0", "--schedules", "ring", "--skip-phases", "--check-len", "256", "--json", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    rows = json.loads(out.read_text())
+    assert "EMULATED rank 0 of CP=2" in stdout
+    assert "BOUND (rank alone, transfers as local fills: --emulate-cp) sparse CP=2" in stdout
+    assert hier_run.returncode == 0, stdout_h[-2000:] + stderr_h[-4000:]
+    rows = json.loads(out_h.read_text())
     (hier,) = [r for r in rows if r.get("check") == "sparse-h"]
     assert "error" not in hier and hier["max_err_out"] < 1e-4 and hier["max_err_dq"] < 1e-4, hier
     (row,) = [r for r in rows if "tokens_per_gpu" in r]
     assert row["ring_sparse_hierarchical_ms"] > 0 and row["ring_sparse_ms"] > 0, row
-    bad = subprocess.run([sys.executable, "-m", "mtrain.bench.ring", "--cpu", "--emulate-cp", "1"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "at least 2 ranks" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "mtrain.bench.ring", "--cpu", "--emulate-cp", "2", "--emulate-rank", "2"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--emulate-rank must be in 0..1" in bad.stderr
+
+
+def test_bench_ring_emulation_refuses_a_bad_group(capsys):
+    """`--emulate-cp 1` and an `--emulate-rank` outside the group stop the script before it starts (in this process:
+    the script checks them before it imports or sets up anything more)."""
+    from mtrain.bench.ring import main
+
+    with pytest.raises(SystemExit, match="at least 2 ranks"):
+        main(["--cpu", "--emulate-cp", "1"])
+    with pytest.raises(SystemExit, match="--emulate-rank must be in 0..1"):
+        main(["--cpu", "--emulate-cp", "2", "--emulate-rank", "2"])

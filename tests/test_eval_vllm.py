@@ -166,6 +166,7 @@ def test_suite_through_vllm_gives_hf_predictions_and_perplexities(vllm, hf, tmp_
     assert set(results["vllm"]["tasks"]["pg19"]) == {str(n) for n in (512, 2048, LIMIT)}  # up to the limit
 
 
+@pytest.mark.slow  # a vLLM worker of its own (~20 s to start); the backend's other tests share one, quick
 def test_cli_auto_picks_vllm_passes_set_options_and_shuts_the_worker_down(checkpoint, tmp_path, monkeypatch, capsys):
     from mtrain.cli import main
     from mtrain.eval.backends import vllm as vllm_module

@@ -2,10 +2,6 @@
 transposed index and the column plan that the deterministic backward reads; the GPU builder (Triton, run in
 the CPU interpreter here) against the reference builder."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -13,10 +9,8 @@ from mtrain.ops import SparseIndex
 from mtrain.ops import index as index_module
 from mtrain.ops.index import ColumnPlan, column_plan, compact, kernel_column_chunk, pad_groups, transpose_blocks_csr
 
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(
-    not IN_INTERPRETER, reason="Triton builder test: run by test_triton_builder_tests_in_interpreter_process"
-)
+# the Triton builder tests run in the interpreter's processes of tests/test_ops_interpreter.py
+from test_ops_interpreter import IN_INTERPRETER, needs_interpreter
 
 
 def loop_mask(vertical, slash, S, bs):
@@ -373,7 +367,7 @@ def test_triton_built_index_drives_the_kernels_like_the_reference():
     from mtrain.ops import vertical_slash_attention
 
     gen = torch.Generator().manual_seed(3)
-    B, S, Hq, Hkv, D, bs = 1, 150, 4, 2, 16, 16
+    B, S, Hq, Hkv, D, bs = 1, 150, 2, 1, 16, 16  # GQA; 10 query blocks, the last one short
     vertical = torch.randint(-1, S, (B, Hq, 7), generator=gen)
     slash = torch.randint(0, 2 * bs, (B, Hq, 3), generator=gen)  # local: later blocks keep columns
     q, k, v = (torch.randn(B, S, h, D, generator=gen) for h in (Hq, Hkv, Hkv))
@@ -493,21 +487,6 @@ def test_triton_column_add_matches_indexed_adds():
     column_add(low_k, low_v, dkc, dvc, slots, group)
     for got, want in zip((low_k, low_v), want_low):
         torch.testing.assert_close(got, want.to(torch.bfloat16), atol=0, rtol=2 ** -7)
-
-
-@pytest.mark.skipif(IN_INTERPRETER, reason="this process already runs the Triton builder tests")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is for CPU machines")
-def test_triton_builder_tests_in_interpreter_process():
-    """triton.jit reads TRITON_INTERPRET at import: the Triton builder tests run in a fresh process."""
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
-         "-k", "triton and not interpreter_process and not on_gpu"],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    last = run.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "skipped" not in last, run.stdout[-2000:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -110,6 +110,8 @@ def _run(tmp_path, world, layouts):
             assert r.get("rows_same", True), f"CP={world} rank {rank} {case}: rank rows differ"
 
 
+@pytest.mark.slow  # ~20 s on 2 cores: 15 estimates of 2 ranks in the interpreter (the scorer alone: quick, in
+# tests/test_ops_interpreter.py; the distributed estimate's lines against one device's: tests/test_parallel_ring.py)
 def test_triton_cp_estimate_gives_one_devices_lines_cp2(tmp_path):
     _run(tmp_path, 2, ("block-stripe", "zigzag", "contiguous", "stripe"))
 

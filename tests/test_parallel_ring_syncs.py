@@ -52,7 +52,7 @@ def _worker(rank, world, init_file, out_file):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    seq, bs = 2048, 64
+    seq, bs = 1024, 64  # 8 query blocks a rank; the lines keep 86% of the blocks and ~350 columns (at 512: all)
     layout = Layout.create("block-stripe", world_size=world, granularity=bs)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, seq, h, 16, generator=gen) for h in (2, 1, 1))
@@ -74,13 +74,16 @@ def _worker(rank, world, init_file, out_file):
 
     results = {}
     # small caps: the rank's lists as wide as the lines allow (no host read); then lists sized from one host read;
-    # then the gathered schedule where the column lists would pass the limit but the block lists fit (2 heads x 16
-    # rows x 18 block slots x 4 bytes = 2,304 bytes; with the 32 column slots 6,400): list-free columns, no read
+    # then the gathered schedule where the column lists would pass the limit but the block lists fit (2 heads x 8
+    # rows x 18 block slots x 4 bytes = 1,152 bytes; with the 32 column slots 3,200): list-free columns, no read
     cases = (("static", SWITCHES.static_width_bytes, "ring"), ("read", 0, "ring"), ("read-gather", 0, "gather"),
-             ("list-free-gather", 3000, "gather"))
+             ("list-free-gather", 2000, "gather"))
+    warm = set()
     for case, static_bytes, schedule in cases:
         SWITCHES.static_width_bytes = static_bytes
-        call(schedule)  # first call: cached layout tables, Triton compilation
+        if schedule not in warm:  # a schedule's first call: its cached layout tables (Triton compiles nothing here)
+            call(schedule)
+            warm.add(schedule)
         mode = CountSyncs()
         reads.clear()
         torch.Tensor.tolist = counted
@@ -96,6 +99,7 @@ def _worker(rank, world, init_file, out_file):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: 6 fwd+bwd of the estimated sparse ring, its kernels in the interpreter
 def test_estimated_sparse_ring_reads_back_at_most_once_per_call(tmp_path):
     """No syncing op in the estimated sparse ring's per-layer path; no host read at all where the lines' caps are
     small (`parallel.static_width_mib`), or under the gathered schedule where the block lists alone are (list-free
