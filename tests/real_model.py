@@ -35,13 +35,20 @@ def prose_ids(n_tokens: int) -> tuple[int, ...]:
     return tuple(prose_tokens(tokenizer, n_tokens))
 
 
-def load_real_model(attn_implementation: str, **config_overrides):
-    """The real model in fp32 on the CPU under `attn_implementation`, eval mode, no KV cache."""
+def load_real_model(attention, **config_overrides):
+    """The real model in fp32 on the CPU, eval mode, no KV cache, under `attention`: an attn_implementation name, or
+    an mtrain attention runtime (`mtrain.models.registry.attention_runtime`), loaded under its name and attached."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from mtrain.models.runtime import AttentionRuntime, attach_runtime
+
+    runtime = attention if isinstance(attention, AttentionRuntime) else None
+    name = attention if runtime is None else runtime.name
     model = AutoModelForCausalLM.from_pretrained(
-        str(require_real_model()), dtype=torch.float32, attn_implementation=attn_implementation, **config_overrides
+        str(require_real_model()), dtype=torch.float32, attn_implementation=name, **config_overrides
     )
+    if runtime is not None:
+        attach_runtime(model, runtime)
     model.config.use_cache = False
     return model.eval()

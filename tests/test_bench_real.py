@@ -196,19 +196,14 @@ def test_bench_real_escalates_a_layer_over_the_limit(tmp_path):
     the escalated recall from then on, and the summary names it (policy always: at 256 tokens auto skips the estimate);
     without the check the flag is refused up front."""
     from mtrain.bench import real as bench_real
-    from mtrain.models.context import CONTEXT
     from mtrain.parallel import SparseSettings
 
     settings = SparseSettings(block_size=64, last_q=32, recall=0.9)
     with pytest.raises(SystemExit, match="needs --max-output-error"):
         bench_real.run("no-such-model", 256, settings=settings, escalate_recall=0.99)
-    saved = CONTEXT.escalate_recall, CONTEXT.layer_recall
-    try:
-        summary = bench_real.run(str(require_real_model()), 256, settings=settings, layers=[1], iters=1, hold=2,
-                                 recall_rows=32, out_dir=str(tmp_path), log=lambda _: None, max_error=1e-9, policy="always",
-                                 escalate_recall=0.99)
-    finally:
-        CONTEXT.escalate_recall, CONTEXT.layer_recall = saved
+    summary = bench_real.run(str(require_real_model()), 256, settings=settings, layers=[1], iters=1, hold=2,
+                             recall_rows=32, out_dir=str(tmp_path), log=lambda _: None, max_error=1e-9, policy="always",
+                             escalate_recall=0.99)
     # the timed layer, and those of the perplexity passes (which run every layer under the same check)
     assert summary["escalate_recall"] == 0.99 and 1 in summary["escalated_layers"]
 
@@ -219,6 +214,7 @@ def test_packed_mixes_hold_the_sequence_in_their_documents():
     from transformers import AutoTokenizer
 
     from mtrain.bench.real_documents import packed_mix
+    from mtrain.errors import MtrainError
     from mtrain.tiny import TOKENIZER_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
@@ -227,7 +223,7 @@ def test_packed_mixes_hold_the_sequence_in_their_documents():
     assert len(set(names)) == 4 and "python-reference" in names
     ids, lengths, names = packed_mix(tokenizer, 4096, "short")
     assert len(ids) == 4096 and lengths == [256] * 16
-    with pytest.raises(ValueError, match="--documents"):
+    with pytest.raises(MtrainError, match="mix must be one of long, short"):
         packed_mix(tokenizer, 4096, "medium")
 
 

@@ -15,9 +15,9 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.attention import mtrain_attention
-from mtrain.models.context import CONTEXT
-from mtrain.models.policy import MAX_CAP_SCALE, RECALL_SLACK, load_policy_state, policy_state, scaled_settings
-from mtrain.models.registry import register_kind
+from mtrain.models.policy import MAX_CAP_SCALE, RECALL_SLACK, scaled_settings
+from mtrain.models.registry import attention_runtime, register_kind
+from mtrain.models.runtime import AttentionRuntime, PolicyState, Records
 from mtrain.ops import cost
 from mtrain.parallel import SparseSettings
 from mtrain.train.metrics import attention_stats
@@ -34,19 +34,19 @@ COVERING = dataclasses.replace(SHORT, recall=0.4, max_vertical=SEQ, max_slash=SE
 """Caps that cover the whole sequence: doubling them lists nothing more."""
 
 
+RT = AttentionRuntime()
+"""The attention runtime of the layer `call` runs (`mtrain.models.runtime`): fresh for every test."""
+
+
 @pytest.fixture(autouse=True)
 def fresh_context(monkeypatch):
-    """A fresh attention context (one device, no holds, widening on, hold 4 steps) and the kernels' costs only (the
-    online estimate's own cost changes with every estimator version); the context is left as it was found."""
-    from mtrain.models.context import AttentionContext
-
+    """A fresh attention runtime (one device, no holds, widening on, hold 4 steps) and the kernels' costs only (the
+    online estimate's own cost changes with every estimator version)."""
+    global RT
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
-    saved = dict(vars(CONTEXT))
-    vars(CONTEXT).update(vars(AttentionContext()))
-    CONTEXT.dense_hold = 4
+    RT = AttentionRuntime()
+    RT.settings.dense_hold = 4
     yield
-    vars(CONTEXT).clear()
-    vars(CONTEXT).update(saved)
 
 
 @pytest.fixture
@@ -69,11 +69,11 @@ def estimates(monkeypatch):
 def call(settings, step, *, layer=5, max_error=False, qkv=None):
     """One training call of layer `layer` at optimizer step `step`; returns (output, its LayerRecord)."""
     q, k, v = qkv or inputs("local")
-    CONTEXT.step = step
-    module = SimpleNamespace(training=True, layer_idx=layer)
+    RT.inputs.step = step
+    module = SimpleNamespace(training=True, layer_idx=layer, mtrain_runtime=RT)
     out, _ = mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                               settings=settings, policy="auto", max_error=max_error)
-    return out, CONTEXT.layers[-1]
+    return out, RT.records.layers[-1]
 
 
 def test_a_recall_short_layer_with_binding_caps_estimates_again_with_doubled_caps(estimates):
@@ -92,14 +92,14 @@ def test_a_recall_short_layer_with_binding_caps_estimates_again_with_doubled_cap
     assert [(r.path, r.held, r.cap_scale, r.widened) for r in records] == [
         ("dense", False, 1, True), ("dense", False, 2, True), ("dense", False, 4, True), ("sparse", False, 8, False)]
     assert all(r.sparse_ms < r.dense_ms for r in records)  # the cost model said sparse every time
-    assert CONTEXT.cap_scale == {5: 8} and 5 not in CONTEXT.dense_until and 5 not in CONTEXT.hold_streak
+    assert RT.policy.cap_scale == {5: 8} and 5 not in RT.policy.dense_until and 5 not in RT.policy.hold_streak
     stats = attention_stats(records[:2])
     assert stats["attn_cap_scale/L05"] == 1.5 and stats["attention_widened_layers"] == 1
     assert stats["attention_widened_calls"] == 2
     assert attention_stats(records[3:])["attention_widened_calls"] == 0
     # another layer keeps the recipe's caps (its own settings, its own graph key on a GPU)
     call(SHORT, 4, layer=2)
-    assert estimates[-1][0]["max_vertical"] == 16 and CONTEXT.cap_scale == {5: 8, 2: 2}
+    assert estimates[-1][0]["max_vertical"] == 16 and RT.policy.cap_scale == {5: 8, 2: 2}
 
 
 def test_the_quality_check_widens_caps_that_keep_the_estimate_short(estimates):
@@ -114,7 +114,7 @@ def test_the_quality_check_widens_caps_that_keep_the_estimate_short(estimates):
     assert [(r.path, r.held, r.cap_scale, r.widened) for r in records] == [
         ("dense", False, 1, True), ("dense", False, 2, True), ("dense", False, 4, True), ("dense", False, 8, False)]
     assert [kw["max_vertical"] for kw, _ in estimates] == [16, 32, 64, 128]
-    assert CONTEXT.cap_scale == {5: 8} and CONTEXT.dense_until[5] == 3 + 1 + CONTEXT.dense_hold
+    assert RT.policy.cap_scale == {5: 8} and RT.policy.dense_until[5] == 3 + 1 + RT.settings.dense_hold
 
 
 def test_the_quality_check_holds_a_layer_whose_estimate_met_its_recall(estimates):
@@ -123,8 +123,8 @@ def test_the_quality_check_holds_a_layer_whose_estimate_met_its_recall(estimates
     met = dataclasses.replace(SHORT, recall=0.38)
     _, record = call(met, 0, max_error=1e-6)
     assert float(record.est_recall.mean()) >= met.recall and float(record.output_error.max()) > 1e-6
-    assert (record.path, record.widened, CONTEXT.cap_scale) == ("dense", False, {})
-    assert CONTEXT.dense_until[5] == 0 + 1 + CONTEXT.dense_hold
+    assert (record.path, record.widened, RT.policy.cap_scale) == ("dense", False, {})
+    assert RT.policy.dense_until[5] == 0 + 1 + RT.settings.dense_hold
 
 
 @pytest.mark.parametrize("case", ["recall", "error"])
@@ -136,24 +136,23 @@ def test_caps_that_cover_the_sequence_hold_dense_as_before(estimates, case):
                            else (COVERING, 1e-6))
 
     def run(widen):
-        vars(CONTEXT).update(dense_until={}, hold_streak={}, checked_until={}, choice_stats={}, cap_scale={},
-                             layers=[], densities=[], widen_caps=widen)
+        RT.policy, RT.records, RT.settings.widen_caps = PolicyState(), Records(), widen
         estimates.clear()
         outs = [call(settings, step, max_error=max_error)[0] for step in range(3)]
-        records = [(r.path, r.held, r.cap_scale, r.widened) for r in CONTEXT.layers]
-        return outs, records, dict(CONTEXT.dense_until), dict(CONTEXT.hold_streak), len(estimates)
+        records = [(r.path, r.held, r.cap_scale, r.widened) for r in RT.records.layers]
+        return outs, records, dict(RT.policy.dense_until), dict(RT.policy.hold_streak), len(estimates)
 
     on, off = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(on[0], off[0]))
     assert on[1:] == off[1:]
-    first = CONTEXT.layers[0]  # sent dense by the recall or the check, where the cost model said sparse
+    first = RT.records.layers[0]  # sent dense by the recall or the check, where the cost model said sparse
     assert first.sparse_ms < first.dense_ms
     if case == "recall":
         assert float(first.est_recall.mean()) < settings.recall - RECALL_SLACK
     else:
         assert float(first.output_error.max()) > max_error
     assert on[1] == [("dense", False, 1, False), ("dense", True, 1, False), ("dense", True, 1, False)]
-    assert on[2] == {5: 0 + 1 + CONTEXT.dense_hold} and on[4] == 1 and CONTEXT.cap_scale == {}
+    assert on[2] == {5: 0 + 1 + RT.settings.dense_hold} and on[4] == 1 and RT.policy.cap_scale == {}
 
 
 def test_caps_that_do_not_bind_change_nothing(estimates):
@@ -163,18 +162,17 @@ def test_caps_that_do_not_bind_change_nothing(estimates):
     flat = inputs("flat")
 
     def run(widen):
-        vars(CONTEXT).update(dense_until={}, hold_streak={}, checked_until={}, choice_stats={}, cap_scale={},
-                             layers=[], densities=[], widen_caps=widen)
+        RT.policy, RT.records, RT.settings.widen_caps = PolicyState(), Records(), widen
         outs = []
         for step in range(3):
             outs.append(call(dataclasses.replace(SHORT, recall=0.35), step, layer=1)[0])
             outs.append(call(SparseSettings(recall=1.0, block_size=BS), step, layer=3, qkv=flat)[0])
-        return outs, [(r.layer, r.path, r.held) for r in CONTEXT.layers], dict(CONTEXT.dense_until)
+        return outs, [(r.layer, r.path, r.held) for r in RT.records.layers], dict(RT.policy.dense_until)
 
     on, off = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(on[0], off[0])) and on[1:] == off[1:]
-    assert ("sparse" in [p for _, p, _ in on[1]]) and on[2] == {3: 1 + CONTEXT.dense_hold}
-    assert CONTEXT.cap_scale == {}
+    assert ("sparse" in [p for _, p, _ in on[1]]) and on[2] == {3: 1 + RT.settings.dense_hold}
+    assert RT.policy.cap_scale == {}
 
 
 def test_at_the_bound_the_layer_is_held_dense(estimates):
@@ -187,19 +185,19 @@ def test_at_the_bound_the_layer_is_held_dense(estimates):
     assert paths[:4] == [("dense", False, 1, True), ("dense", False, 2, True), ("dense", False, 4, True),
                          ("dense", False, 8, False)]
     assert paths[4:] == [("dense", True, 8, False)] * 2
-    assert CONTEXT.cap_scale == {5: MAX_CAP_SCALE} and CONTEXT.dense_until[5] == 3 + 1 + CONTEXT.dense_hold
+    assert RT.policy.cap_scale == {5: MAX_CAP_SCALE} and RT.policy.dense_until[5] == 3 + 1 + RT.settings.dense_hold
     assert [kw["max_vertical"] for kw, _ in estimates] == [4, 8, 16, 32]
-    call(TINY, CONTEXT.dense_until[5])
+    call(TINY, RT.policy.dense_until[5])
     assert estimates[-1][0]["max_vertical"] == 4 * MAX_CAP_SCALE
 
 
 def test_widening_is_training_only_and_scales_cap_fraction(estimates):
     """Eval calls never widen (they estimate with the layer's scale); cap_fraction doubles with the caps, up to 1."""
     q, k, v = inputs("local")
-    module = SimpleNamespace(training=False, layer_idx=5)
+    module = SimpleNamespace(training=False, layer_idx=5, mtrain_runtime=RT)
     mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, settings=SHORT,
                      policy="auto")
-    assert CONTEXT.cap_scale == {} and not CONTEXT.layers[-1].widened
+    assert RT.policy.cap_scale == {} and not RT.records.layers[-1].widened
     fraction = dataclasses.replace(SHORT, max_vertical=SEQ, max_slash=SEQ, cap_fraction=0.004)  # 9 verticals
     for step in range(3):
         call(fraction, step)
@@ -210,28 +208,27 @@ def test_widening_is_training_only_and_scales_cap_fraction(estimates):
 
 
 def test_policy_state_keeps_the_cap_scales_and_old_states_load():
-    """policy_state carries each layer's scale through JSON; register_kind starts a run at the recipe's caps; a state
-    saved before widening (no "cap_scale") loads as every layer at 1."""
-    register_kind("mtraining", sparse_policy="auto", dense_hold=4, block_size=BS)
+    """The runtime's state_dict carries each layer's scale through JSON; a fresh runtime starts a run at the recipe's
+    caps; a state saved before widening (no "cap_scale") loads as every layer at 1."""
+    global RT
+    RT = attention_runtime("mtraining", sparse_policy="auto", dense_hold=4, block_size=BS)
     for step in range(2):
         call(SHORT, step)
-    assert CONTEXT.cap_scale == {5: 4}
-    saved = json.loads(json.dumps(policy_state()))
+    assert RT.policy.cap_scale == {5: 4}
+    saved = json.loads(json.dumps(RT.state_dict()))
     assert saved["cap_scale"] == [[5, 4]]
-    register_kind("mtraining", sparse_policy="auto", dense_hold=4, block_size=BS)
-    assert CONTEXT.cap_scale == {}
-    load_policy_state(saved)
-    assert CONTEXT.cap_scale == {5: 4} and json.loads(json.dumps(policy_state())) == saved
+    RT = attention_runtime("mtraining", sparse_policy="auto", dense_hold=4, block_size=BS)
+    assert RT.policy.cap_scale == {}
+    RT.load_state_dict(saved)
+    assert RT.policy.cap_scale == {5: 4} and json.loads(json.dumps(RT.state_dict())) == saved
     old = {key: value for key, value in saved.items() if key != "cap_scale"}
-    load_policy_state(old)
-    assert CONTEXT.cap_scale == {}
+    RT.load_state_dict(old)
+    assert RT.policy.cap_scale == {}
 
 
 def test_widen_caps_is_validated_and_reaches_the_context():
-    register_kind("mtraining", sparse_policy="auto", widen_caps=False)
-    assert CONTEXT.widen_caps is False
-    register_kind("mtraining", sparse_policy="auto")
-    assert CONTEXT.widen_caps is True
+    assert attention_runtime("mtraining", sparse_policy="auto", widen_caps=False).settings.widen_caps is False
+    assert attention_runtime("mtraining", sparse_policy="auto").settings.widen_caps is True
     with pytest.raises(MtrainError, match="widen_caps must be true or false"):
         register_kind("mtraining", sparse_policy="auto", widen_caps="yes")
 
@@ -265,20 +262,19 @@ def test_widening_stops_where_the_wider_lists_would_exceed_the_limit(estimates):
     b, h, rows = index.block_ids.shape[:3]
     cap_v, cap_s = short_caps(8)
     assert list_bytes(index, cap_v, cap_s) == b * h * rows * (2 * cap_s + 2 + cap_v) * 4
-    CONTEXT.widen_max_list_bytes = (list_bytes(index, *short_caps(4)) + list_bytes(index, *short_caps(8))) // 2
+    RT.settings.widen_max_list_bytes = (list_bytes(index, *short_caps(4)) + list_bytes(index, *short_caps(8))) // 2
     assert widening_paths(first) == [("dense", 1, True), ("dense", 2, True), ("dense", 4, False)]
-    assert CONTEXT.cap_scale == {5: 4} and CONTEXT.dense_until[5] == 2 + 1 + CONTEXT.dense_hold
-    CONTEXT.widen_max_list_bytes = 0  # no limit: the next estimate widens on to 8x and reaches the recall
-    CONTEXT.dense_until.clear()
+    assert RT.policy.cap_scale == {5: 4} and RT.policy.dense_until[5] == 2 + 1 + RT.settings.dense_hold
+    RT.settings.widen_max_list_bytes = 0  # no limit: the next estimate widens on to 8x and reaches the recall
+    RT.policy.dense_until.clear()
     _, record = call(SHORT, 3)
-    assert (record.path, record.widened) == ("dense", True) and CONTEXT.cap_scale == {5: 8}
+    assert (record.path, record.widened) == ("dense", True) and RT.policy.cap_scale == {5: 8}
 
 
 def test_widen_max_list_mib_is_validated_and_reaches_the_context():
-    register_kind("mtraining", sparse_policy="auto", widen_max_list_mib=512)
-    assert CONTEXT.widen_max_list_bytes == 512 * 2**20
-    register_kind("mtraining", sparse_policy="auto")
-    assert CONTEXT.widen_max_list_bytes == 0
+    settings = attention_runtime("mtraining", sparse_policy="auto", widen_max_list_mib=512).settings
+    assert settings.widen_max_list_bytes == 512 * 2**20
+    assert attention_runtime("mtraining", sparse_policy="auto").settings.widen_max_list_bytes == 0
     for bad in (-1, 1.5, True):
         with pytest.raises(MtrainError, match="widen_max_list_mib must be an integer >= 0"):
             register_kind("mtraining", sparse_policy="auto", widen_max_list_mib=bad)
@@ -313,18 +309,18 @@ def test_cp2_ranks_widen_alike(tmp_path):
 
 def test_the_real_model_benchmark_settles_a_layers_caps_before_it_decides():
     """`mtrain.bench.real.training_choice` runs a recall-short layer until widening stops (scales 2, 4, 8), so the
-    path it reports is the one training settles on, and it leaves the settled scale in CONTEXT.cap_scale for the
+    path it reports is the one training settles on, and it leaves the settled scale in RT.policy.cap_scale for the
     perplexity pass at that length; a layer that does not bind is decided in one call at the recipe's caps."""
     from mtrain.bench.real import training_choice
 
     q, k, v = inputs("local")  # [1, S, H, D], as the benchmark captures them
     scale = q.shape[-1] ** -0.5
-    assert training_choice(5, q, k, v, SHORT, scale) == "sparse"
-    assert CONTEXT.cap_scale[5] == 8  # short at 1x, 2x and 4x (this module's docstring), sparse at 8x
-    assert not CONTEXT.dense_until and not CONTEXT.layers  # holds and records left as they were found
-    assert training_choice(7, q, k, v, TINY, scale) == "dense"  # still short at 8x: dense, as training holds it
-    assert CONTEXT.cap_scale[7] == 8
-    assert training_choice(6, q, k, v, COVERING, scale) == "sparse" and CONTEXT.cap_scale.get(6, 1) == 1
+    assert training_choice(5, q, k, v, SHORT, scale, rt=RT) == "sparse"
+    assert RT.policy.cap_scale[5] == 8  # short at 1x, 2x and 4x (this module's docstring), sparse at 8x
+    assert not RT.policy.dense_until and not RT.records.layers  # holds and records left as they were found
+    assert training_choice(7, q, k, v, TINY, scale, rt=RT) == "dense"  # still short at 8x: dense, as training holds it
+    assert RT.policy.cap_scale[7] == 8
+    assert training_choice(6, q, k, v, COVERING, scale, rt=RT) == "sparse" and RT.policy.cap_scale.get(6, 1) == 1
 
 
 def test_widening_stops_before_lists_the_kernels_cannot_address(estimates, monkeypatch):

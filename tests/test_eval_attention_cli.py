@@ -124,23 +124,20 @@ def test_sparse_evaluation_runs_the_quality_check_and_escalates(tmp_path):
     """The settings reach the evaluation's attention: with the check at a limit every layer exceeds (1e-9), each
     layer of a one-chunk prefill escalates to the given recall, as in training; with no limit none does."""
     from mtrain.eval.backends.hf import HFBackend
-    from mtrain.models.context import CONTEXT
+    from mtrain.models.runtime import runtime_of
 
     ids = list(range(1, 511))
     settings = {"sparse_policy": "always", "block_size": 64, "last_q": 32, "recall": 0.9}
-    saved = CONTEXT.escalate_recall, CONTEXT.layer_recall, CONTEXT.max_output_error
-    try:
-        plain = HFBackend(tiny_checkpoint(), attn_implementation="mtrain-mtraining", prefill_chunk=1024,
-                          sparse=settings, dtype="float32")
-        plain.loglikelihood(ids)
-        assert CONTEXT.layer_recall == {}
-        checked = HFBackend(tiny_checkpoint(), attn_implementation="mtrain-mtraining", prefill_chunk=1024,
-                            sparse={**settings, "max_output_error": 1e-9, "escalate_recall": 0.99}, dtype="float32")
-        checked.loglikelihood(ids)
-        layers = checked.model.config.num_hidden_layers
-        assert CONTEXT.layer_recall == {layer: 0.99 for layer in range(layers)}
-    finally:
-        CONTEXT.escalate_recall, CONTEXT.layer_recall, CONTEXT.max_output_error = saved
+    plain = HFBackend(tiny_checkpoint(), attn_implementation="mtrain-mtraining", prefill_chunk=1024,
+                      sparse=settings, dtype="float32")
+    plain.loglikelihood(ids)
+    assert runtime_of(plain.model).policy.layer_recall == {}
+    checked = HFBackend(tiny_checkpoint(), attn_implementation="mtrain-mtraining", prefill_chunk=1024,
+                        sparse={**settings, "max_output_error": 1e-9, "escalate_recall": 0.99}, dtype="float32")
+    checked.loglikelihood(ids)
+    layers = checked.model.config.num_hidden_layers
+    assert runtime_of(checked.model).policy.layer_recall == {layer: 0.99 for layer in range(layers)}
+    assert runtime_of(plain.model).policy.layer_recall == {}  # each model keeps its own
 
 
 @pytest.mark.parametrize("lengths", [1, 2, 4])

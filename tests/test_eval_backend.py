@@ -127,15 +127,16 @@ def test_sparse_prefill_keeping_every_pair_matches_sdpa(backend):
 def test_sparse_calls_leave_no_records_behind():
     # mtrain attention records every call for the trainer's log, which clears them each step; an evaluation's
     # samples would otherwise pile them up (on a GPU each held a replayed index's whole buffer: out of memory)
-    from mtrain.models.context import CONTEXT
+    from mtrain.models.runtime import runtime_of
 
     ours = HFBackend(tiny_checkpoint(max_positions=512), prefill_chunk=512, attn_implementation="mtrain-mtraining",
                      sparse={"block_size": 16, "sparse_policy": "always"})
     ids = _prompt(300)
+    rt = runtime_of(ours.model)
     ours.loglikelihood(ids)
-    assert CONTEXT.layers == [] and CONTEXT.densities == []
+    assert rt.records.layers == [] and rt.records.densities == []
     ours.generate(ids, 2, [])
-    assert CONTEXT.layers == [] and CONTEXT.densities == []
+    assert rt.records.layers == [] and rt.records.densities == []
 
 
 def test_bad_backend_attention_settings_are_clear_errors():

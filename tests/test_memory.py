@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from mtrain.config import check_mlp_chunk
 from mtrain.errors import ConfigError
 from mtrain.models.memory import OffloadActivations, chunk_mlp
-from mtrain.models.policy import checkpoint_contexts
+from mtrain.models.runtime import AttentionRuntime, attach_runtime
 from mtrain.tiny import tiny_config
 from mtrain.train.loss import ChunkedLossLM
 
@@ -37,8 +37,9 @@ def _model(family: str, checkpointing: bool):
     cfg._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     if checkpointing:
+        rt = attach_runtime(model, AttentionRuntime()).mtrain_runtime  # as the trainer's loader attaches one
         model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": rt.checkpoint_contexts})
     model.config.use_cache = False
     model.train()
     return model
@@ -270,8 +271,7 @@ def test_checkpointed_model_holds_no_replayed_index_after_its_layers_forward(mon
     import weakref
 
     import mtrain.ops.graphed as graphed
-    from mtrain.models.context import CONTEXT, clear_records
-    from mtrain.models.registry import register_kind
+    from mtrain.models.registry import attention_runtime
     from mtrain.ops.partial_autograd import split_tensors
 
     real = graphed.estimate_graphed
@@ -285,27 +285,24 @@ def test_checkpointed_model_holds_no_replayed_index_after_its_layers_forward(mon
         views.extend(weakref.ref(t) for t in tensors)
         return tree
 
-    name = register_kind("mtraining", sparse_policy="always", block_size=16, recall=0.9)
     results = []
     for packed in (False, True):
         monkeypatch.setattr(graphed, "estimate_graphed", replayed if packed else real)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32, attn_implementation=name)
+        rt = attention_runtime("mtraining", sparse_policy="always", block_size=16, recall=0.9)
+        model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32, attn_implementation=rt.name)
+        attach_runtime(model, rt)
         model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": rt.checkpoint_contexts})
         model.config.use_cache = False
         model.train()
         ids, pos, labels = _batch()
-        clear_records()
-        CONTEXT.memo.clear()
         loss, _ = ChunkedLossLM(model, chunk=40)(ids, pos, labels)
         if packed:
             gc.collect()
-            assert len(CONTEXT.layers) == model.config.num_hidden_layers
-            assert all(r.path == "sparse" for r in CONTEXT.layers)
+            assert len(rt.records.layers) == model.config.num_hidden_layers
+            assert all(r.path == "sparse" for r in rt.records.layers)
             assert views and not [ref for ref in views if ref() is not None]
         loss.backward()
         results.append((loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}))
-        clear_records()
-        CONTEXT.memo.clear()
     _assert_same(results[1], results[0])

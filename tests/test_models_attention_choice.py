@@ -12,8 +12,8 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.attention import mtrain_attention
-from mtrain.models.context import CONTEXT
-from mtrain.models.registry import register_kind
+from mtrain.models.registry import attention_runtime, register_kind
+from mtrain.models.runtime import AttentionRuntime
 from mtrain.ops import cost, estimate_vertical_slash, vertical_slash_attention
 from mtrain.parallel import SparseSettings
 from mtrain.train.metrics import attention_stats
@@ -33,21 +33,20 @@ def kernels_only_cpu_costs(monkeypatch):
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
 
 
+RT = AttentionRuntime()
+"""The attention runtime of the layer `call` runs (`mtrain.models.runtime`): fresh for every test."""
+
+
 @pytest.fixture(autouse=True)
 def single_device():
-    """Every test starts from a fresh attention context (one device, no holds, no memo), whatever an earlier test in
-    the process (a training run) left in the module's CONTEXT, and leaves it as it found it."""
-    from mtrain.models.context import AttentionContext
-
-    saved = dict(vars(CONTEXT))
-    vars(CONTEXT).update(vars(AttentionContext()))
+    """Every test starts from a fresh attention runtime (one device, no holds, no memo)."""
+    global RT
+    RT = AttentionRuntime()
     yield
-    vars(CONTEXT).clear()
-    vars(CONTEXT).update(saved)
 
 
 def call(q, k, v, settings, policy, training=True, layer=0):
-    module = SimpleNamespace(training=training, layer_idx=layer)
+    module = SimpleNamespace(training=training, layer_idx=layer, mtrain_runtime=RT)
     out, _ = mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                               settings=settings, policy=policy)
     return out
@@ -65,34 +64,34 @@ def test_auto_runs_dense_where_the_caps_keep_the_estimate_short_of_its_recall():
     q, k, v = inputs("local")
     short = dataclasses.replace(LOCAL, recall=0.5)
     out = call(q, k, v, short, "auto")
-    (record,) = CONTEXT.layers
+    (record,) = RT.records.layers
     assert float(record.est_recall.mean()) < 0.5 - RECALL_SLACK
     assert record.path == "dense" and record.sparse_ms < record.dense_ms  # it would have paid
     assert torch.equal(out, dense_kind(q, k, v))
-    CONTEXT.layers.clear()
+    RT.records.layers.clear()
     call(q, k, v, short, "always")
-    assert CONTEXT.layers[0].path == "sparse"
+    assert RT.records.layers[0].path == "sparse"
 
 
 @pytest.mark.parametrize("documents", [False, True])
 def test_auto_runs_dense_where_sparse_would_not_pay_and_equals_the_dense_kind(documents):
     q, k, v = inputs("flat")
     if documents:
-        CONTEXT.doc_ids = (torch.arange(q.shape[1]) >= 700).long()[None]
+        RT.inputs.doc_ids = (torch.arange(q.shape[1]) >= 700).long()[None]
     out = call(q, k, v, FLAT, "auto")
     # with documents each one is estimated on its own (`_per_document`): one record per document
-    assert len(CONTEXT.layers) == (2 if documents else 1)
-    for record in CONTEXT.layers:
+    assert len(RT.records.layers) == (2 if documents else 1)
+    for record in RT.records.layers:
         assert record.path == "dense" and record.density > 0.8
         assert record.sparse_ms > record.dense_ms
     assert torch.equal(out, dense_kind(q, k, v))
-    assert CONTEXT.densities == [record.density for record in CONTEXT.layers]
+    assert RT.records.densities == [record.density for record in RT.records.layers]
 
 
 def test_auto_runs_sparse_where_it_pays():
     q, k, v = inputs("local")
     out = call(q, k, v, LOCAL, "auto")
-    (record,) = CONTEXT.layers
+    (record,) = RT.records.layers
     assert record.path == "sparse" and record.density < 0.3 and record.sparse_ms < record.dense_ms
     index = estimate_vertical_slash(q, k, recall=LOCAL.recall, block_size=BS, max_vertical=4, max_slash=4,
                                     min_vertical=0, min_slash=0)
@@ -103,9 +102,9 @@ def test_auto_runs_sparse_where_it_pays():
 def test_always_runs_sparse_even_where_dense_is_cheaper():
     q, k, v = (t[:, :512] for t in inputs("local"))
     call(q, k, v, LOCAL, "auto")
-    assert CONTEXT.layers[-1].path == "dense"  # 512 tokens: the sparse fixed costs do not pay
+    assert RT.records.layers[-1].path == "dense"  # 512 tokens: the sparse fixed costs do not pay
     out = call(q, k, v, LOCAL, "always")
-    assert CONTEXT.layers[-1].path == "sparse"
+    assert RT.records.layers[-1].path == "sparse"
     index = estimate_vertical_slash(q, k, recall=LOCAL.recall, block_size=BS, max_vertical=4, max_slash=4,
                                     min_vertical=0, min_slash=0)
     assert torch.equal(out, vertical_slash_attention(q, k, v, index))
@@ -115,7 +114,7 @@ def test_always_runs_sparse_even_where_dense_is_cheaper():
 def test_never_runs_dense_without_estimating():
     q, k, v = inputs("local")
     out = call(q, k, v, LOCAL, "never")
-    assert CONTEXT.layers == [] and CONTEXT.densities == []
+    assert RT.records.layers == [] and RT.records.densities == []
     assert torch.equal(out, dense_kind(q, k, v))
 
 
@@ -123,12 +122,12 @@ def test_eval_uses_the_forward_only_costs():
     q, k, v = inputs("local")
     call(q, k, v, LOCAL, "auto", training=True)
     call(q, k, v, LOCAL, "auto", training=False)
-    train, infer = CONTEXT.layers
+    train, infer = RT.records.layers
     assert infer.dense_ms < train.dense_ms and infer.sparse_ms < train.sparse_ms
 
 
 def test_a_dense_choice_holds_for_dense_hold_steps_in_training(monkeypatch):
-    """With CONTEXT.dense_hold = 2 a layer that auto sent dense at step 0 runs dense without estimating at
+    """With RT.settings.dense_hold = 2 a layer that auto sent dense at step 0 runs dense without estimating at
     steps 0 (again: recomputation, micro-batches) to 2 and estimates again at step 3; eval calls never hold;
     a sparse choice sets no hold."""
     import mtrain.ops
@@ -139,33 +138,33 @@ def test_a_dense_choice_holds_for_dense_hold_steps_in_training(monkeypatch):
     # the model layer estimates through mtrain.ops.graphed (a CUDA graph on GPUs, eager here)
     monkeypatch.setattr("mtrain.ops.graphed.estimate_vertical_slash",
                         lambda *a, **kw: estimates.append(1) or real(*a, **kw))
-    monkeypatch.setattr(CONTEXT, "dense_hold", 2)
-    monkeypatch.setattr(CONTEXT, "dense_until", {})
-    monkeypatch.setattr(CONTEXT, "hold_streak", {})
+    monkeypatch.setattr(RT.settings, "dense_hold", 2)
+    monkeypatch.setattr(RT.policy, "dense_until", {})
+    monkeypatch.setattr(RT.policy, "hold_streak", {})
     want = dense_kind(q, k, v)
     paths = []
     for step in range(5):
-        monkeypatch.setattr(CONTEXT, "step", step)
-        CONTEXT.layers.clear()
+        monkeypatch.setattr(RT.inputs, "step", step)
+        RT.records.layers.clear()
         out = call(q, k, v, FLAT, "auto", layer=3)
-        (record,) = CONTEXT.layers
+        (record,) = RT.records.layers
         paths.append((record.path, record.held))
         assert torch.equal(out, want)
     assert paths == [("dense", False), ("dense", True), ("dense", True), ("dense", False), ("dense", True)]
     assert len(estimates) == 2
-    assert attention_stats(CONTEXT.layers)["attention_held_layers"] == 1.0
-    assert CONTEXT.dense_until[3] == 3 + 1 + 2 * 2  # the second estimate in a row that did not pay: twice the hold
+    assert attention_stats(RT.records.layers)["attention_held_layers"] == 1.0
+    assert RT.policy.dense_until[3] == 3 + 1 + 2 * 2  # the second estimate in a row that did not pay: twice the hold
     for step, want_until in ((8, 8 + 1 + 2 * 4), (17, 17 + 1 + 2 * 8), (34, 34 + 1 + 2 * 8)):  # doubling, capped
-        monkeypatch.setattr(CONTEXT, "step", step)
+        monkeypatch.setattr(RT.inputs, "step", step)
         call(q, k, v, FLAT, "auto", layer=3)
-        assert not CONTEXT.layers[-1].held and CONTEXT.dense_until[3] == want_until
+        assert not RT.records.layers[-1].held and RT.policy.dense_until[3] == want_until
     assert len(estimates) == 5
     call(q, k, v, FLAT, "auto", layer=3, training=False)  # eval: estimated whatever the hold
-    assert len(estimates) == 6 and not CONTEXT.layers[-1].held
-    CONTEXT.dense_until.clear()
+    assert len(estimates) == 6 and not RT.records.layers[-1].held
+    RT.policy.dense_until.clear()
     call(*inputs("local"), LOCAL, "auto", layer=4)  # sparse pays: no hold
-    r = CONTEXT.layers[-1]
-    assert r.path == "sparse" and 4 not in CONTEXT.dense_until, (r.sparse_ms, r.dense_ms, r.est_recall)
+    r = RT.records.layers[-1]
+    assert r.path == "sparse" and 4 not in RT.policy.dense_until, (r.sparse_ms, r.dense_ms, r.est_recall)
 
 
 def test_a_sparse_choice_whose_estimate_does_not_pay_holds_too(monkeypatch):
@@ -173,13 +172,13 @@ def test_a_sparse_choice_whose_estimate_does_not_pay_holds_too(monkeypatch):
     margin of dense: the call runs sparse (the estimate is paid) and the layer then holds dense; with a free
     estimate the same call sets no hold."""
     q, k, v = inputs("local")
-    monkeypatch.setattr(CONTEXT, "dense_hold", 4)
-    monkeypatch.setattr(CONTEXT, "dense_until", {})
-    monkeypatch.setattr(CONTEXT, "hold_streak", {})
-    monkeypatch.setattr(CONTEXT, "step", 0)
+    monkeypatch.setattr(RT.settings, "dense_hold", 4)
+    monkeypatch.setattr(RT.policy, "dense_until", {})
+    monkeypatch.setattr(RT.policy, "hold_streak", {})
+    monkeypatch.setattr(RT.inputs, "step", 0)
     call(q, k, v, LOCAL, "auto", layer=6)
-    free = CONTEXT.layers[-1]
-    assert free.path == "sparse" and 6 not in CONTEXT.dense_until
+    free = RT.records.layers[-1]
+    assert free.path == "sparse" and 6 not in RT.policy.dense_until
     rows = min(q.shape[1], LOCAL.last_q + LOCAL.sample_blocks * LOCAL.block_size)
     fixed = cost.worth_estimating(seq_len=q.shape[1], heads=q.shape[2], head_dim=q.shape[3], block_size=BS,
                                   rows=rows, device="cpu").sparse_ms
@@ -188,62 +187,59 @@ def test_a_sparse_choice_whose_estimate_does_not_pay_holds_too(monkeypatch):
     assert est > 0
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(est, 0.0)))
     out = call(q, k, v, LOCAL, "auto", layer=6)
-    record = CONTEXT.layers[-1]
-    assert record.path == "sparse" and CONTEXT.dense_until[6] == 5
+    record = RT.records.layers[-1]
+    assert record.path == "sparse" and RT.policy.dense_until[6] == 5
     index = estimate_vertical_slash(q, k, recall=LOCAL.recall, block_size=BS, max_vertical=4, max_slash=4,
                                     min_vertical=0, min_slash=0)
     assert torch.equal(out, vertical_slash_attention(q, k, v, index))
-    monkeypatch.setattr(CONTEXT, "step", 1)
+    monkeypatch.setattr(RT.inputs, "step", 1)
     call(q, k, v, LOCAL, "auto", layer=6)
-    assert CONTEXT.layers[-1].path == "dense" and CONTEXT.layers[-1].held
+    assert RT.records.layers[-1].path == "dense" and RT.records.layers[-1].held
 
 
 def test_policy_state_saved_under_auto_resumes_the_same_holds_and_choices():
-    """What the trainer saves with a checkpoint under sparse_policy auto (`policy_state`, written as JSON) and gives
-    back on resume (`load_policy_state`, after a fresh `register_kind`) is the same dense holds, back-off streaks
+    """What the trainer saves with a checkpoint under sparse_policy auto (`runtime.state_dict()`, written as JSON) and gives
+    back on resume (`load_state_dict`, in a fresh runtime) is the same dense holds, back-off streaks
     and lagged choice statistics, and the resumed calls take the uninterrupted ones' paths; resumed without the holds
     or without the statistics, they do not (a held layer estimates again; a lagged choice decides on its own counts)."""
     import json
-
-    from mtrain.models.context import AttentionContext
-    from mtrain.models.policy import load_policy_state, policy_state
 
     local, flat = inputs("local"), inputs("flat")
     # per step: (layer 3: the flat pattern, always dense), (layer 1: local, local, then flat)
     plan = [[(3, flat, FLAT), (1, local, LOCAL)]] * 2 + [[(3, flat, FLAT), (1, flat, LOCAL)]] * 3
 
-    def fresh_run():  # a new process: a fresh context, the kind registered as the trainer does
-        vars(CONTEXT).update(vars(AttentionContext()))
-        register_kind("mtraining", sparse_policy="auto", dense_hold=2, block_size=BS)
+    def fresh_run():  # a new process: a fresh runtime of the kind, made as the trainer makes it
+        global RT
+        RT = attention_runtime("mtraining", sparse_policy="auto", dense_hold=2, block_size=BS)
 
     def run(steps):
         paths = []
         for step in steps:
-            CONTEXT.step = step
+            RT.inputs.step = step
             for layer, qkv, settings in plan[step]:
-                CONTEXT.layers.clear()
+                RT.records.layers.clear()
                 call(*qkv, settings, "auto", layer=layer)
-                (record,) = CONTEXT.layers
+                (record,) = RT.records.layers
                 paths.append((step, layer, record.path, record.held))
         return paths
 
     fresh_run()
     run([0, 1])
-    saved = json.loads(json.dumps(policy_state()))  # the checkpoint after step 1
-    holds = (dict(CONTEXT.dense_until), dict(CONTEXT.hold_streak))
-    assert holds[0] and CONTEXT.choice_stats
+    saved = json.loads(json.dumps(RT.state_dict()))  # the checkpoint after step 1
+    holds = (dict(RT.policy.dense_until), dict(RT.policy.hold_streak))
+    assert holds[0] and RT.policy.choice_stats
     ref = run([2, 3, 4])
     assert any(held for *_, held in ref) and any(path == "sparse" for _, _, path, _ in ref), ref
 
     fresh_run()
-    load_policy_state(saved)
-    assert (CONTEXT.dense_until, CONTEXT.hold_streak) == holds
-    assert json.loads(json.dumps(policy_state())) == saved
+    RT.load_state_dict(saved)
+    assert (RT.policy.dense_until, RT.policy.hold_streak) == holds
+    assert json.loads(json.dumps(RT.state_dict())) == saved
     assert run([2, 3, 4]) == ref
 
     for lost in ({"dense_until": [], "hold_streak": []}, {"choice_stats": []}):  # resumed without the holds, the stats
         fresh_run()
-        load_policy_state({**saved, **lost})
+        RT.load_state_dict({**saved, **lost})
         assert run([2, 3, 4]) != ref, lost
 
 
@@ -259,20 +255,20 @@ def test_skips_the_estimate_where_sparse_cannot_pay(monkeypatch):
     calls = []
     monkeypatch.setattr("mtrain.ops.graphed.estimate_vertical_slash", lambda *a, **kw: calls.append(1))
     out = call(q, k, v, LOCAL, "auto", layer=5)
-    (record,) = CONTEXT.layers
-    assert calls == [] and CONTEXT.densities == []  # never estimated
+    (record,) = RT.records.layers
+    assert calls == [] and RT.records.densities == []  # never estimated
     assert record.path == "dense" and record.density is None and record.layer == 5
     assert record.sparse_ms >= 1e6 > record.dense_ms
     assert torch.equal(out, dense_kind(q, k, v))
-    stats = attention_stats(CONTEXT.layers)
+    stats = attention_stats(RT.records.layers)
     assert stats["attention_paths"] == "d" and "attn_density/L05" not in stats and stats["attention_work"] == 1.0
 
 
 def test_sampled_true_recall_matches_a_float64_reference():
     q, k, v = inputs("local")
-    CONTEXT.sample_recall, CONTEXT.recall_rows = True, 16
+    RT.inputs.sample_recall, RT.inputs.recall_rows = True, 16
     call(q, k, v, LOCAL, "always", layer=7)
-    (record,) = CONTEXT.layers
+    (record,) = RT.records.layers
     S = q.shape[1]
     rows = torch.arange(16) * (S // 16) + (S // 16 - 1)
     assert rows[-1] == S - 1
@@ -289,7 +285,7 @@ def test_sampled_true_recall_matches_a_float64_reference():
     assert record.true_recall.shape == expected.shape
     torch.testing.assert_close(record.true_recall.double(), expected, atol=1e-5, rtol=0)
     assert float(expected.min()) < 0.999  # the sparse pattern really drops mass here
-    stats = attention_stats(CONTEXT.layers)
+    stats = attention_stats(RT.records.layers)
     assert stats["attn_true_recall/L07"] == pytest.approx(float(expected.mean()), abs=1e-5)
     assert stats["attention_true_recall_min"] == stats["attention_true_recall"]
     # the index's size on this rank: its block and column lists as held (one call: the largest of the step)
@@ -300,9 +296,9 @@ def test_sampled_true_recall_matches_a_float64_reference():
 
 def test_dense_layers_measure_no_true_recall():
     q, k, v = inputs("flat")
-    CONTEXT.sample_recall = True
+    RT.inputs.sample_recall = True
     call(q, k, v, FLAT, "auto")
-    assert CONTEXT.layers[0].path == "dense" and CONTEXT.layers[0].true_recall is None
+    assert RT.records.layers[0].path == "dense" and RT.records.layers[0].true_recall is None
 
 
 def test_attention_stats_per_layer():
@@ -333,13 +329,15 @@ def test_model_forward_records_every_layer():
 
     ids = torch.randint(0, 500, (1, 256), generator=torch.Generator().manual_seed(0))
     layers = tiny_config().num_hidden_layers
+    from mtrain.models.runtime import attach_runtime
+
     for policy in ("auto", "always"):
-        CONTEXT.layers = []
-        name = register_kind("mtraining", sparse_policy=policy, block_size=32, recall=0.9)
-        model = AutoModelForCausalLM.from_config(tiny_config(), attn_implementation=name).eval()
+        rt = attention_runtime("mtraining", sparse_policy=policy, block_size=32, recall=0.9)
+        model = AutoModelForCausalLM.from_config(tiny_config(), attn_implementation=rt.name).eval()
+        attach_runtime(model, rt)
         with torch.no_grad():
             model(ids)
-        stats = attention_stats(CONTEXT.layers)
+        stats = attention_stats(rt.records.layers)
         assert len(stats["attention_paths"]) == layers
         if policy == "auto":  # 256 tokens: dense everywhere, with the predictions logged
             assert stats["attention_paths"] == "d" * layers and "attention_pred_ms" in stats
@@ -349,11 +347,11 @@ def test_model_forward_records_every_layer():
 
 
 def _hold_state(monkeypatch, hold=4):
-    monkeypatch.setattr(CONTEXT, "dense_hold", hold)
-    monkeypatch.setattr(CONTEXT, "dense_until", {})
-    monkeypatch.setattr(CONTEXT, "hold_streak", {})
-    monkeypatch.setattr(CONTEXT, "memo", {})
-    monkeypatch.setattr(CONTEXT, "step", 0)
+    monkeypatch.setattr(RT.settings, "dense_hold", hold)
+    monkeypatch.setattr(RT.policy, "dense_until", {})
+    monkeypatch.setattr(RT.policy, "hold_streak", {})
+    monkeypatch.setattr(RT.policy, "memo", {})
+    monkeypatch.setattr(RT.inputs, "step", 0)
 
 
 def test_checkpointing_replays_the_first_forwards_choice(monkeypatch):
@@ -365,12 +363,10 @@ def test_checkpointing_replays_the_first_forwards_choice(monkeypatch):
     import mtrain.ops
     from torch.utils.checkpoint import checkpoint
 
-    from mtrain.models.policy import checkpoint_contexts
-
     q, k, v = inputs("local")
     _hold_state(monkeypatch)
     call(q, k, v, LOCAL, "auto", layer=6)
-    free = CONTEXT.layers[-1]
+    free = RT.records.layers[-1]
     rows = min(q.shape[1], LOCAL.last_q + LOCAL.sample_blocks * LOCAL.block_size)
     fixed = cost.worth_estimating(seq_len=q.shape[1], heads=q.shape[2], head_dim=q.shape[3], block_size=BS,
                                   rows=rows, device="cpu").sparse_ms
@@ -386,16 +382,16 @@ def test_checkpointing_replays_the_first_forwards_choice(monkeypatch):
 
     def grads(checkpointed: bool):
         _hold_state(monkeypatch)
-        CONTEXT.layers.clear()
+        RT.records.layers.clear()
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
         fn = functools.partial(call, settings=LOCAL, policy="auto", layer=6)
         if checkpointed:
-            out = checkpoint(fn, qq, kk, vv, use_reentrant=False, context_fn=checkpoint_contexts)
+            out = checkpoint(fn, qq, kk, vv, use_reentrant=False, context_fn=RT.checkpoint_contexts)
         else:
             out = fn(qq, kk, vv)
-        assert [r.path for r in CONTEXT.layers] == ["sparse"] and CONTEXT.dense_until[6] == 5  # sparse, then held
+        assert [r.path for r in RT.records.layers] == ["sparse"] and RT.policy.dense_until[6] == 5  # sparse, then held
         out.backward(dout)
-        assert len(CONTEXT.layers) == 1 and not CONTEXT.recomputing
+        assert len(RT.records.layers) == 1 and not RT.inputs.recomputing
         return out.detach(), qq.grad, kk.grad, vv.grad
 
     want = grads(False)
@@ -415,8 +411,6 @@ def test_checkpointing_frees_the_index_between_forward_and_backward():
 
     from torch.utils.checkpoint import checkpoint
 
-    from mtrain.models.policy import checkpoint_contexts
-
     q, k, v = inputs("local")
     index = estimate_vertical_slash(q, k, recall=LOCAL.recall, block_size=BS, max_vertical=4, max_slash=4,
                                     min_vertical=0, min_slash=0)
@@ -432,7 +426,7 @@ def test_checkpointing_frees_the_index_between_forward_and_backward():
             return vertical_slash_attention(a, b, c, idx)
 
         if checkpointed:
-            out = checkpoint(layer, qq, kk, vv, use_reentrant=False, context_fn=checkpoint_contexts)
+            out = checkpoint(layer, qq, kk, vv, use_reentrant=False, context_fn=RT.checkpoint_contexts)
         else:
             out = layer(qq, kk, vv)
         gc.collect()
@@ -470,15 +464,11 @@ def test_the_engine_reaches_the_sparse_kernels(monkeypatch, given, registered, s
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
 
     monkeypatch.setattr(mtrain.ops, "vertical_slash_attention", spy)
-    saved = CONTEXT.engine
-    try:
-        register_kind("mtraining", engine=registered, **dataclasses.asdict(LOCAL))
-        q, k, v = inputs("local")
-        module = SimpleNamespace(training=True, layer_idx=0)
-        mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, settings=LOCAL,
-                         policy="always", engine=given)
-    finally:
-        CONTEXT.engine = saved
+    rt = attention_runtime("mtraining", engine=registered, **dataclasses.asdict(LOCAL))
+    q, k, v = inputs("local")
+    module = SimpleNamespace(training=True, layer_idx=0, mtrain_runtime=rt)
+    mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, settings=LOCAL,
+                     policy="always", engine=given)
     engine = given or registered
     assert seen == [(engine, engine != "fa4" or strict)]
 
@@ -568,13 +558,13 @@ def test_auto_decides_from_the_layers_previous_estimate():
     call(*flat, LOCAL, "auto", training=False)  # the flat pattern, decided on the local one's counts
     call(*flat, LOCAL, "auto", training=False)  # now on the flat one's own
     call(*flat, LOCAL, "auto", training=False, layer=1)  # a layer's first call: its own counts
-    paths = [r.path for r in CONTEXT.layers]
+    paths = [r.path for r in RT.records.layers]
     assert paths == ["sparse", "sparse", "dense", "dense"]
-    CONTEXT.layers.clear()
+    RT.records.layers.clear()
     with switches.use(lagged_choice=False):
         call(*local, LOCAL, "auto", training=False, layer=2)
         call(*flat, LOCAL, "auto", training=False, layer=2)
-    assert [r.path for r in CONTEXT.layers] == ["sparse", "dense"]
+    assert [r.path for r in RT.records.layers] == ["sparse", "dense"]
 
 
 def test_lagged_statistics_keep_a_few_shapes_per_layer():
@@ -586,5 +576,5 @@ def test_lagged_statistics_keep_a_few_shapes_per_layer():
     lengths = [q.shape[1] - i * BS for i in range(policy.CHOICE_STATS_PER_LAYER + 3)]
     for S in lengths:
         call(q[:, :S], k[:, :S], v[:, :S], LOCAL, "auto", training=False, layer=3)
-    kept = [key[1][1] for key in CONTEXT.choice_stats if key[0] == 3]
+    kept = [key[1][1] for key in RT.policy.choice_stats if key[0] == 3]
     assert kept == lengths[-policy.CHOICE_STATS_PER_LAYER:]

@@ -1,4 +1,4 @@
-"""The baseline kinds inside the HF model (the trainer's path: register_attention + CONTEXT): one step with CP=2/4
+"""The baseline kinds inside the HF model (the trainer's path: recipe_runtime + attach_runtime): one step with CP=2/4
 gives the one-rank loss and gradients (fp32, relative 1e-5), moba and xattention really sparse."""
 
 import json

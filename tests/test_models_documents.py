@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from mtrain.models.attention import document_key, mtrain_attention
-from mtrain.models.context import CONTEXT, set_documents
-from mtrain.models.policy import load_policy_state, policy_state
+from mtrain.models.runtime import AttentionRuntime
 from mtrain.ops import cost
 from mtrain.parallel import SparseSettings
 
@@ -20,15 +19,15 @@ LENGTHS = (300, 70, 520, 40, 400)
 LOCAL = SparseSettings(recall=0.6, block_size=BS, max_vertical=3, max_slash=3, min_vertical=0, min_slash=0)
 
 
+RT = AttentionRuntime()
+"""The attention runtime of the layer `call` runs (`mtrain.models.runtime`): fresh for every test."""
+
+
 @pytest.fixture(autouse=True)
 def fresh_context():
-    from mtrain.models.context import AttentionContext
-
-    saved = dict(vars(CONTEXT))
-    vars(CONTEXT).update(vars(AttentionContext()))
+    global RT
+    RT = AttentionRuntime()
     yield
-    vars(CONTEXT).clear()
-    vars(CONTEXT).update(saved)
 
 
 def inputs(lengths=LENGTHS, seed=0, dtype=torch.float32):
@@ -47,7 +46,7 @@ def inputs(lengths=LENGTHS, seed=0, dtype=torch.float32):
 
 
 def call(q, k, v, settings, policy="always", training=True, layer=0):
-    module = SimpleNamespace(training=training, layer_idx=layer)
+    module = SimpleNamespace(training=training, layer_idx=layer, mtrain_runtime=RT)
     out, _ = mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                               settings=settings, policy=policy, max_error=None)
     return out
@@ -69,13 +68,13 @@ def test_each_document_runs_as_its_own_sequence():
     """A packed call's rows of each document equal the same call on that document alone (the same estimate from the
     same rows, nothing read across a boundary); the documents under two blocks equal dense attention."""
     (q, k, v), ids = inputs()
-    set_documents(ids)
+    RT.set_documents(ids)
     packed = call(q, k, v, LOCAL)
-    records = list(CONTEXT.layers)
+    records = list(RT.records.layers)
     assert [r.path for r in records] == ["sparse"] * 3  # the three long documents, each estimated
     assert [r.layer for r in records] == [0, 0, 0]  # recorded under the layer: one letter per layer in the logs
     assert [document_key(0, n) for n in (300, 520, 400)] == ["00@512", "00@1K", "00@512"]  # the policy's keys
-    set_documents(None)
+    RT.set_documents(None)
     start = 0
     for n in LENGTHS:
         alone = call(*(t[:, start:start + n] for t in (q, k, v)), LOCAL if n >= 2 * BS else None)
@@ -94,9 +93,9 @@ def test_full_recall_equals_dense_within_documents_forward_and_backward():
     flat = SparseSettings(recall=1.0, block_size=BS, max_vertical=1024, max_slash=1024)
     (q, k, v), ids = inputs(seed=1)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    set_documents(ids)
+    RT.set_documents(ids)
     out = call(q, k, v, flat)
-    assert {r.path for r in CONTEXT.layers} == {"sparse"}
+    assert {r.path for r in RT.records.layers} == {"sparse"}
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference(qr, kr, vr, LENGTHS)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
@@ -110,16 +109,16 @@ def test_full_recall_equals_dense_within_documents_forward_and_backward():
 def test_short_documents_and_never_run_one_dense_call():
     """Documents all under two blocks, or the policy "never": dense within documents, as the dense kind."""
     (q, k, v), ids = inputs(lengths=(100, 90, 120), seed=2)
-    set_documents(ids)
+    RT.set_documents(ids)
     short = call(q, k, v, LOCAL)
-    assert [(r.layer, r.path, r.density) for r in CONTEXT.layers] == [(0, "dense", None)]
-    CONTEXT.layers.clear()
+    assert [(r.layer, r.path, r.density) for r in RT.records.layers] == [(0, "dense", None)]
+    RT.records.layers.clear()
     (q2, k2, v2), ids2 = inputs(seed=2)
-    set_documents(ids2)
+    RT.set_documents(ids2)
     never = call(q2, k2, v2, LOCAL, policy="never")
-    assert CONTEXT.layers == []
+    assert RT.records.layers == []
     torch.testing.assert_close(never.double(), reference(q2, k2, v2, LENGTHS), rtol=0, atol=1e-5)
-    set_documents(ids)
+    RT.set_documents(ids)
     torch.testing.assert_close(short.double(), reference(q, k, v, (100, 90, 120)), rtol=0, atol=1e-5)
 
 
@@ -128,37 +127,37 @@ def test_auto_sends_short_documents_dense_without_estimating(monkeypatch):
     estimate that costs far more than dense at these lengths, no document is estimated."""
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(1e6, 0.0)))
     (q, k, v), ids = inputs()
-    set_documents(ids)
+    RT.set_documents(ids)
     out = call(q, k, v, LOCAL, policy="auto")
-    assert [(r.layer, r.path, r.density) for r in CONTEXT.layers] == [(0, "dense", None)]
+    assert [(r.layer, r.path, r.density) for r in RT.records.layers] == [(0, "dense", None)]
     torch.testing.assert_close(out.double(), reference(q, k, v, LENGTHS), rtol=0, atol=1e-5)
 
 
 def test_recomputation_replays_each_documents_own_choice():
-    """Gradient checkpointing's recomputation (CONTEXT.recomputing) rebuilds each document's index from the lines
+    """Gradient checkpointing's recomputation (RT.inputs.recomputing) rebuilds each document's index from the lines
     its first forward chose (two documents of one length class included): the same output, no new estimate."""
     (q, k, v), ids = inputs()
-    set_documents(ids)
+    RT.set_documents(ids)
     first = call(q, k, v, LOCAL)
-    estimated = len(CONTEXT.layers)
-    assert len(CONTEXT.memo) == 3
-    CONTEXT.recomputing = True
+    estimated = len(RT.records.layers)
+    assert len(RT.policy.memo) == 3
+    RT.inputs.recomputing = True
     try:
         again = call(q, k, v, LOCAL)
     finally:
-        CONTEXT.recomputing = False
-    assert len(CONTEXT.layers) == estimated
+        RT.inputs.recomputing = False
+    assert len(RT.records.layers) == estimated
     assert torch.equal(first, again)
 
 
 def test_policy_state_with_document_keys_round_trips_through_json():
     """Holds under per-document keys are saved with checkpoints beside the layer indices and load back."""
-    CONTEXT.dense_until = {3: 9, document_key(3, 40000): 12, document_key(11, 5000): 7}
-    CONTEXT.hold_streak = {document_key(3, 40000): 2, 1: 1}
-    state = json.loads(json.dumps(policy_state()))
-    before = (dict(CONTEXT.dense_until), dict(CONTEXT.hold_streak))
-    load_policy_state(state)
-    assert (CONTEXT.dense_until, CONTEXT.hold_streak) == before
+    RT.policy.dense_until = {3: 9, document_key(3, 40000): 12, document_key(11, 5000): 7}
+    RT.policy.hold_streak = {document_key(3, 40000): 2, 1: 1}
+    state = json.loads(json.dumps(RT.state_dict()))
+    before = (dict(RT.policy.dense_until), dict(RT.policy.hold_streak))
+    RT.load_state_dict(state)
+    assert (RT.policy.dense_until, RT.policy.hold_streak) == before
     assert [key for key, _ in state["dense_until"]] == [3, "03@64K", "11@8K"]
 
 
@@ -166,21 +165,21 @@ def test_holds_live_per_layer_and_length_class(monkeypatch):
     """Under "auto" in training with dense holds, documents whose estimate did not pay hold their layer's length
     class dense (`document_key`), not the layer as a whole."""
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
-    CONTEXT.dense_hold = 4
+    RT.settings.dense_hold = 4
     (q, k, v), ids = inputs()
     q, k = q * 0.01, k * 0.01  # flat attention: the recall target needs most of each document, dense is cheaper
-    set_documents(ids)
+    RT.set_documents(ids)
     call(q, k, v, SparseSettings(recall=1.0, block_size=BS), policy="auto")
-    assert {r.path for r in CONTEXT.layers} == {"dense"}
-    estimated = sum(r.density is not None for r in CONTEXT.layers)
-    held = set(CONTEXT.dense_until)
+    assert {r.path for r in RT.records.layers} == {"dense"}
+    estimated = sum(r.density is not None for r in RT.records.layers)
+    held = set(RT.policy.dense_until)
     assert "00@1K" in held and held <= {"00@512", "00@1K"}  # the classes of the documents estimated, not layer 0
-    CONTEXT.layers.clear()
-    CONTEXT.step += 1
+    RT.records.layers.clear()
+    RT.inputs.step += 1
     call(q, k, v, SparseSettings(recall=1.0, block_size=BS), policy="auto")
     # held without an estimate: the documents estimated before (those long enough to be, all in those classes)
-    assert sum(r.held for r in CONTEXT.layers) == estimated >= 1
-    assert not any(r.density is not None for r in CONTEXT.layers)
+    assert sum(r.held for r in RT.records.layers) == estimated >= 1
+    assert not any(r.density is not None for r in RT.records.layers)
 
 
 @pytest.mark.parametrize("training", [True, False])

@@ -88,26 +88,26 @@ def test_what_a_layer_keeps_of_a_replayed_index_owns_its_memory():
     # A replayed index's tensors are views into one flat buffer (as `PackedTree.unpack` returns them): the record
     # the layer logs (its estimated recall) and the lines it keeps for the recomputation must not be those views,
     # or every layer's whole buffer (lists and plans) stays alive until the step ends (an evaluation: forever).
-    from mtrain.models.context import CONTEXT, clear_records
     from mtrain.models.policy import record_layer, remember_choice
+    from mtrain.models.runtime import AttentionRuntime
 
     index, rows = _rank_index()
     replayed = PackedTree(index, keep=(rows,)).unpack()
     flat_bytes = replayed.col_ids.untyped_storage().nbytes()
     assert flat_bytes > replayed.col_ids.numel() * 4  # the setting: a view into a larger buffer
-    clear_records()
+    RT = AttentionRuntime()
     try:
-        record_layer(3, "sparse", replayed, None)
+        record_layer(RT, 3, "sparse", replayed, None)
         with torch.enable_grad():
-            remember_choice(3, "sparse", replayed, training=True)
-        recall = CONTEXT.layers[-1].est_recall
+            remember_choice(RT, 3, "sparse", replayed, training=True)
+        recall = RT.records.layers[-1].est_recall
         assert torch.equal(recall, replayed._cache["est_recall"])
         assert recall.untyped_storage().nbytes() == recall.numel() * recall.element_size()
-        path, lines = CONTEXT.memo[3]
+        path, lines = RT.policy.memo[3]
         assert path == "sparse" and all(torch.equal(a, b) for a, b in zip(lines, replayed._cache["lines"]))
         for t in lines[:2]:
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
         assert lines[2] is rows  # a tensor with memory of its own is kept as it is (plans test the rows by identity)
     finally:
-        clear_records()
-        CONTEXT.memo.pop(3, None)
+        RT.drain()
+        RT.policy.memo.pop(3, None)

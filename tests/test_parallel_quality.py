@@ -81,7 +81,7 @@ def _layer_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     from mtrain.models.attention import mtrain_attention
-    from mtrain.models.context import CONTEXT
+    from mtrain.models.runtime import AttentionRuntime
     from mtrain.ops import SparseIndex, cost
     from mtrain.ops.estimate import row_plan
     from mtrain.ops.recall import block_output_error
@@ -92,8 +92,9 @@ def _layer_worker(rank, world, init_file, out_dir):
     q, k, v = inputs("local")
     settings = SparseSettings(recall=0.4, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)
     layout = Layout.create("block-stripe", world_size=world, granularity=BS)
-    CONTEXT.group, CONTEXT.layout, CONTEXT.doc_ids, CONTEXT.schedule = dist.group.WORLD, layout, None, "ring"
-    CONTEXT.local_world_size, CONTEXT.inner_group, CONTEXT.outer_group, CONTEXT.dense_hold = None, None, None, 0
+    RT = AttentionRuntime()  # the layer's attention runtime: the group, its holds and records
+    RT.topology.group, RT.topology.layout, RT.inputs.doc_ids, RT.topology.schedule = dist.group.WORLD, layout, None, "ring"
+    RT.topology.local_world_size, RT.topology.inner_group, RT.topology.outer_group, RT.settings.dense_hold = None, None, None, 0
     positions = layout.indices(N, rank)
     shard = [t[:, positions] for t in (q, k, v)]
     vertical, slash = estimate_lines(*shard[:2], positions, positions, N, settings, q.shape[-1] ** -0.5, None)
@@ -101,11 +102,11 @@ def _layer_worker(rank, world, init_file, out_dir):
     one_device = float(block_output_error(q, k, v, SparseIndex.from_lines(vertical, slash, N, BS), rows)[0])
     record = {"one_device": one_device}
     for name, limit in (("none", None), ("above", one_device * 1.01), ("below", one_device * 0.99)):
-        CONTEXT.layers.clear()
-        module = SimpleNamespace(training=True, layer_idx=None)
+        RT.records.layers.clear()
+        module = SimpleNamespace(training=True, layer_idx=None, mtrain_runtime=RT)
         mtrain_attention(module, *(t.transpose(1, 2) for t in shard), None, settings=settings, policy="auto",
                          max_error=limit)
-        (layer,) = CONTEXT.layers
+        (layer,) = RT.records.layers
         record[name] = {"path": layer.path,
                         "error": None if layer.output_error is None else float(layer.output_error[0])}
     # attention.escalate_recall across the group: caps with room, a limit between one device's errors at recall 0.4
@@ -116,11 +117,11 @@ def _layer_worker(rank, world, init_file, out_dir):
         s = dataclasses.replace(wide, recall=recall)
         lines = estimate_lines(*shard[:2], positions, positions, N, s, q.shape[-1] ** -0.5, None)
         errors[recall] = float(block_output_error(q, k, v, SparseIndex.from_lines(*lines, N, BS), rows)[0])
-    CONTEXT.layers.clear()
-    CONTEXT.escalate_recall, CONTEXT.layer_recall, CONTEXT.choice_stats = 0.46, {}, {}
-    mtrain_attention(SimpleNamespace(training=True, layer_idx=0), *(t.transpose(1, 2) for t in shard), None,
+    RT.records.layers.clear()
+    RT.settings.escalate_recall, RT.policy.layer_recall, RT.policy.choice_stats = 0.46, {}, {}
+    mtrain_attention(SimpleNamespace(training=True, layer_idx=0, mtrain_runtime=RT), *(t.transpose(1, 2) for t in shard), None,
                      settings=wide, policy="auto", max_error=(errors[0.4] + errors[0.46]) / 2)
-    (layer,) = CONTEXT.layers
+    (layer,) = RT.records.layers
     record["escalated"] = {"path": layer.path, "recall": layer.escalated_recall, "error": float(layer.output_error[0]),
                            "one_device": errors}
     with open(os.path.join(out_dir, f"layer{rank}.json"), "w") as f:

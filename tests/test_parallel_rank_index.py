@@ -87,6 +87,7 @@ def test_bounded_rows_read_the_choice_statistics_with_their_widths():
     """The one host read of bound_widths also carries the whole index's work and the values asked for: what a
     layer's dense/sparse choice reads (`_choice_stats`), so a CP layer reads back once."""
     from mtrain.models.policy import _choice_stats
+    from mtrain.models.runtime import AttentionRuntime
 
     vertical, slash = _lines(256, 12, 5, 3)
     rows = torch.arange(1, 16, 2)
@@ -97,8 +98,9 @@ def test_bounded_rows_read_the_choice_statistics_with_their_widths():
     plain = rows_from_lines(vertical, slash, 256, 16, rows)
     plain._cache["est_recall"] = est
     q = torch.zeros(1, 8, vertical.shape[1], 4)
-    assert _choice_stats(index, q, 0.99, None) == _choice_stats(plain, q, 0.99, None)
-    assert _choice_stats(index, q, None, None) == _choice_stats(plain, q, None, None)
+    rt = AttentionRuntime()
+    assert _choice_stats(rt, index, q, 0.99, None) == _choice_stats(rt, plain, q, 0.99, None)
+    assert _choice_stats(rt, index, q, None, None) == _choice_stats(rt, plain, q, None, None)
 
 
 def test_rows_from_lines_rejects_bad_rows():

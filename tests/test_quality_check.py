@@ -11,7 +11,7 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.attention import mtrain_attention
-from mtrain.models.context import CONTEXT
+from mtrain.models.runtime import AttentionRuntime
 from mtrain.ops import cost, dense_attention, estimate_vertical_slash, vertical_slash_attention
 from mtrain.ops.estimate import estimate_rows
 from mtrain.ops.recall import block_output_error, output_error
@@ -145,22 +145,22 @@ def test_output_error_is_zero_for_the_dense_pattern():
     assert float(output_error(q, k, v, index, torch.arange(0, q.shape[1], 97))[0]) < 1e-5
 
 
+RT = AttentionRuntime()
+"""The attention runtime of the layer `call` runs (`mtrain.models.runtime`): fresh for every test."""
+
+
 @pytest.fixture(autouse=True)
 def fresh_context(monkeypatch):
-    """A fresh attention context (one device), and the cost model without the estimate's own cost (its figure moves
+    """A fresh attention runtime (one device), and the cost model without the estimate's own cost (its figure moves
     with every estimator version: the layers here pay for sparse by their kernels alone)."""
-    from mtrain.models.context import AttentionContext
-
+    global RT
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
-    saved = dict(vars(CONTEXT))
-    vars(CONTEXT).update(vars(AttentionContext()))
+    RT = AttentionRuntime()
     yield
-    vars(CONTEXT).clear()
-    vars(CONTEXT).update(saved)
 
 
 def call(q, k, v, settings, policy="auto", max_error=False, layer=0):
-    module = SimpleNamespace(training=True, layer_idx=layer)
+    module = SimpleNamespace(training=True, layer_idx=layer, mtrain_runtime=RT)
     out, _ = mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                               settings=settings, policy=policy, max_error=max_error)
     return out
@@ -179,14 +179,14 @@ def test_auto_runs_dense_above_the_output_error_limit_and_sparse_below(layer):
 
     sparse_out = vertical_slash_attention(q, k, v, index)
     out = call(q, k, v, LOCAL, max_error=None, layer=layer)
-    (record,) = CONTEXT.layers
+    (record,) = RT.records.layers
     assert record.path == "sparse" and record.output_error is None and torch.equal(out, sparse_out)
 
     for limit, path in ((error * 1.01, "sparse"), (error * 0.99, "dense")):
-        CONTEXT.layers.clear()
-        CONTEXT.choice_stats.clear()  # each limit's call decides from its own estimate
+        RT.records.layers.clear()
+        RT.policy.choice_stats.clear()  # each limit's call decides from its own estimate
         out = call(q, k, v, LOCAL, max_error=limit, layer=layer)
-        (record,) = CONTEXT.layers
+        (record,) = RT.records.layers
         assert record.path == path, (limit, error)
         assert float(record.output_error[0]) == pytest.approx(error, rel=1e-4)
         want = sparse_out if path == "sparse" else dense_attention(q, k, v, causal=True)
@@ -199,17 +199,16 @@ def test_auto_runs_dense_above_the_output_error_limit_and_sparse_below(layer):
 
 
 def test_the_limit_applies_under_auto_only_and_comes_from_the_registration():
-    from mtrain.models.registry import register_kind
+    from mtrain.models.registry import attention_runtime, register_kind
 
     q, k, v = inputs("local")
     call(q, k, v, LOCAL, policy="always", max_error=1e-6)  # "always" stays sparse, measuring nothing
-    assert CONTEXT.layers[-1].path == "sparse" and CONTEXT.layers[-1].output_error is None
-    register_kind("mtraining", sparse_policy="auto", max_output_error=1e-6, **dataclasses.asdict(LOCAL))
-    assert CONTEXT.max_output_error == 1e-6
-    CONTEXT.layers.clear()
-    module = SimpleNamespace(training=True, layer_idx=None)
-    mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)  # CONTEXT's limit
-    assert CONTEXT.layers[-1].path == "dense" and CONTEXT.layers[-1].output_error is not None
+    assert RT.records.layers[-1].path == "sparse" and RT.records.layers[-1].output_error is None
+    rt = attention_runtime("mtraining", sparse_policy="auto", max_output_error=1e-6, **dataclasses.asdict(LOCAL))
+    assert rt.settings.max_output_error == 1e-6
+    module = SimpleNamespace(training=True, layer_idx=None, mtrain_runtime=rt)
+    mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)  # the runtime's limit
+    assert rt.records.layers[-1].path == "dense" and rt.records.layers[-1].output_error is not None
     with pytest.raises(MtrainError, match="max_output_error must be a finite number > 0"):
         register_kind("mtraining", sparse_policy="auto", max_output_error=0.0)
 
@@ -218,41 +217,39 @@ def test_a_layer_that_passed_the_check_is_measured_again_after_the_hold_and_resu
     """In training with dense_hold 4: a layer that passes the check (limit above its error) runs sparse and is not
     measured on the next 4 steps, then again on the 5th; a checkpoint's policy state carries that cadence (a resumed
     run skips the same steps). A layer over the limit is sent dense and held (measured again when the hold ends)."""
-    from mtrain.models.policy import load_policy_state, policy_state
-
     q, k, v = inputs("local")
     index = estimate_vertical_slash(q, k, **dataclasses.asdict(LOCAL))
     error = float(reference_error(q, k, v, index, estimate_rows(q.shape[1], **dataclasses.asdict(LOCAL)))[1])
-    CONTEXT.dense_hold = 4
+    RT.settings.dense_hold = 4
     measured = []
     for step in range(7):
-        CONTEXT.step = step
-        CONTEXT.layers.clear()
+        RT.inputs.step = step
+        RT.records.layers.clear()
         call(q, k, v, LOCAL, max_error=error * 1.01, layer=0)
-        (record,) = CONTEXT.layers
+        (record,) = RT.records.layers
         assert record.path == "sparse"
         measured.append(record.output_error is not None)
         if step == 2:
-            saved = policy_state()
+            saved = RT.state_dict()
     assert measured == [True, False, False, False, False, True, False]
     assert dict(saved["checked_until"]) == {0: 5}
-    CONTEXT.checked_until = {}
-    load_policy_state(saved)
-    CONTEXT.step = 3
-    CONTEXT.layers.clear()
+    RT.policy.checked_until = {}
+    RT.load_state_dict(saved)
+    RT.inputs.step = 3
+    RT.records.layers.clear()
     call(q, k, v, LOCAL, max_error=error * 1.01, layer=0)
-    assert CONTEXT.layers[0].output_error is None  # the resumed run skips step 3's check, as the first one did
+    assert RT.records.layers[0].output_error is None  # the resumed run skips step 3's check, as the first one did
 
     # over the limit: dense now, held dense for the hold (no estimate, no check), measured when it ends (LOCAL's
     # 4-line caps keep its estimate short of 0.4: with attention.widen_caps the layer would estimate again with wider
     # caps instead, tests/test_cap_widening.py)
-    CONTEXT.checked_until, CONTEXT.dense_until, CONTEXT.choice_stats, CONTEXT.widen_caps = {}, {}, {}, False
+    RT.policy.checked_until, RT.policy.dense_until, RT.policy.choice_stats, RT.settings.widen_caps = {}, {}, {}, False
     paths = []
     for step in range(10, 16):
-        CONTEXT.step = step
-        CONTEXT.layers.clear()
+        RT.inputs.step = step
+        RT.records.layers.clear()
         call(q, k, v, LOCAL, max_error=error * 0.99, layer=1)
-        (record,) = CONTEXT.layers
+        (record,) = RT.records.layers
         paths.append((record.path, record.output_error is not None))
     assert paths[0] == ("dense", True) and all(p == ("dense", False) for p in paths[1:5]), paths
     assert paths[5] == ("dense", True), paths
@@ -263,11 +260,11 @@ WIDE = dataclasses.replace(LOCAL, max_vertical=64, max_slash=64)  # caps with ro
 
 def test_a_layer_over_the_limit_escalates_its_recall_and_keeps_it():
     """attention.escalate_recall: a layer whose output error at its recall exceeds the limit estimates again at the
-    escalated recall in the same call, and keeps it (CONTEXT.layer_recall, the policy state, the logged record).
+    escalated recall in the same call, and keeps it (RT.policy.layer_recall, the policy state, the logged record).
     Under auto, with a limit between the two indexes' errors, it runs sparse on the escalated index (without
     escalation the check sends it dense); under always it stays sparse. Both outputs equal the sparse kernels on the
     index estimated directly at the escalated recall, and the recorded error is that index's own."""
-    from mtrain.models.policy import load_policy_state, policy_state, quality_error
+    from mtrain.models.policy import quality_error
     from mtrain.train.metrics import attention_stats
 
     q, k, v = inputs("local")
@@ -280,28 +277,28 @@ def test_a_layer_over_the_limit_escalates_its_recall_and_keeps_it():
     limit = (low_err + high_err) / 2
     want = vertical_slash_attention(q, k, v, high_index)
 
-    CONTEXT.layers.clear()
+    RT.records.layers.clear()
     call(q, k, v, WIDE, max_error=limit, layer=0)  # no escalation configured: the check sends it dense
-    assert CONTEXT.layers[-1].path == "dense" and CONTEXT.layer_recall == {}
+    assert RT.records.layers[-1].path == "dense" and RT.policy.layer_recall == {}
 
     for policy, layer in (("auto", 1), ("always", 2)):
-        CONTEXT.escalate_recall, CONTEXT.layers, CONTEXT.choice_stats = 0.46, [], {}
+        RT.settings.escalate_recall, RT.records.layers, RT.policy.choice_stats = 0.46, [], {}
         out = call(q, k, v, WIDE, policy=policy, max_error=limit, layer=layer)
-        (record,) = CONTEXT.layers
+        (record,) = RT.records.layers
         assert record.path == "sparse" and record.escalated_recall == 0.46, policy
-        assert CONTEXT.layer_recall[layer] == 0.46
+        assert RT.policy.layer_recall[layer] == 0.46
         assert float(record.output_error.amax()) == pytest.approx(high_err, rel=1e-5)
         assert torch.equal(out, want), policy
         assert attention_stats([record])[f"attn_layer_recall/L{layer:02d}"] == 0.46
-    saved = policy_state()
+    saved = RT.state_dict()
     assert dict(saved["layer_recall"]) == {1: 0.46, 2: 0.46}
-    CONTEXT.layer_recall = {}
-    load_policy_state(saved)
-    assert CONTEXT.layer_recall == {1: 0.46, 2: 0.46}
+    RT.policy.layer_recall = {}
+    RT.load_state_dict(saved)
+    assert RT.policy.layer_recall == {1: 0.46, 2: 0.46}
     # the next call of an escalated layer estimates at its recall from the start (no check needed to get there)
-    CONTEXT.layers.clear()
+    RT.records.layers.clear()
     out = call(q, k, v, WIDE, policy="always", max_error=None, layer=2)
-    assert torch.equal(out, want) and CONTEXT.layers[-1].escalated_recall == 0.46
+    assert torch.equal(out, want) and RT.records.layers[-1].escalated_recall == 0.46
 
 
 def test_escalation_is_validated_at_registration():

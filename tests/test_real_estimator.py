@@ -90,8 +90,8 @@ def test_true_and_estimated_recall_on_real_attention(model_and_tokenizer):
 @pytest.mark.timeout(1500)  # ~5 min on 2 busy cores: a dense and a sparse 4K forward of 30 layers
 def test_sparse_perplexity_within_one_percent_of_dense_at_4k(model_and_tokenizer):
     """The must-show of issue #12: every layer sparse (no dense fallback), default settings, fp32, 4K tokens."""
-    from mtrain.models.context import CONTEXT
-    from mtrain.models.registry import register_kind
+    from mtrain.models.registry import attention_runtime
+    from mtrain.models.runtime import attach_runtime
 
     model, tok = model_and_tokenizer
     ids = prose_ids(tok, 4096)
@@ -100,12 +100,15 @@ def test_sparse_perplexity_within_one_percent_of_dense_at_4k(model_and_tokenizer
         with torch.no_grad():
             return math.exp(float(model(ids, labels=ids, use_cache=False).loss))
 
-    model.set_attn_implementation(register_kind("dense"))
+    rt = attention_runtime("dense")
+    model.set_attn_implementation(rt.name)
+    attach_runtime(model, rt)
     dense = ppl()
-    model.set_attn_implementation(register_kind("mtraining", sparse_policy="always"))
-    CONTEXT.densities.clear()
+    rt = attention_runtime("mtraining", sparse_policy="always")
+    model.set_attn_implementation(rt.name)
+    attach_runtime(model, rt)
     sparse = ppl()
-    densities = list(CONTEXT.densities)
+    densities = list(rt.records.densities)
     assert len(densities) == model.config.num_hidden_layers, "some layer did not run the sparse path"
     mean_density = sum(densities) / len(densities)
     assert sparse / dense - 1 < 0.01, f"sparse ppl {sparse:.4f} vs dense {dense:.4f} (density {mean_density:.3f})"

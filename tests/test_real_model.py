@@ -4,8 +4,7 @@
 import pytest
 import torch
 
-from mtrain.models.context import CONTEXT
-from mtrain.models.registry import register_kind
+from mtrain.models.registry import attention_runtime
 from ranks import run_cli
 from real_model import REAL_MODEL, load_real_model, prose_ids, require_real_model
 
@@ -41,7 +40,7 @@ def test_converted_checkpoint_is_plain_hf():
 
 def test_dense_kind_reproduces_sdpa_logits(reference):
     ids, want = reference
-    got = _logits(load_real_model(register_kind("dense")), ids)
+    got = _logits(load_real_model(attention_runtime("dense")), ids)
     assert _rel(got, want) < 1e-4
     # the model predicts real text far better than chance (a broken conversion would not)
     loss = torch.nn.functional.cross_entropy(got[:-1].float(), torch.tensor(ids[1:]))
@@ -50,12 +49,11 @@ def test_dense_kind_reproduces_sdpa_logits(reference):
 
 def test_mtraining_at_recall_one_reproduces_dense(reference):
     ids, want = reference
-    name = register_kind("mtraining", recall=1.0, block_size=64)
-    CONTEXT.densities.clear()
-    got = _logits(load_real_model(name), ids)
+    rt = attention_runtime("mtraining", recall=1.0, block_size=64)
+    got = _logits(load_real_model(rt), ids)
     # the sparse path ran on every layer and, at recall 1.0, kept every causal pair
-    assert len(CONTEXT.densities) == 30
-    assert min(CONTEXT.densities) > 0.999
+    assert len(rt.records.densities) == 30
+    assert min(rt.records.densities) > 0.999
     assert _rel(got, want) < 1e-4
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from mtrain.models.policy import checkpoint_contexts
+from mtrain.models.runtime import AttentionRuntime
 from mtrain.ops.index import SparseIndex
 from mtrain.parallel import Layout, ring_attention
 
@@ -54,7 +54,7 @@ def test_checkpointed_ring_layer_frees_its_plan_between_forward_and_backward(sin
             return out
 
         if checkpointed:
-            out = checkpoint(layer, qq, kk, vv, use_reentrant=False, context_fn=checkpoint_contexts)
+            out = checkpoint(layer, qq, kk, vv, use_reentrant=False, context_fn=AttentionRuntime().checkpoint_contexts)
         else:
             out = layer(qq, kk, vv)
         gc.collect()

@@ -126,12 +126,11 @@ def test_train_resume_export(tmp_path, packed):
             assert torch.equal(tensor, trained[name]), name
     # ... and gives the trained model's logits: plain transformers (sdpa) vs mtrain's own attention.
     from mtrain.config import load_recipe
-    from mtrain.models.context import CONTEXT
-    from mtrain.models.registry import register_attention
+    from mtrain.models.registry import recipe_runtime
+    from mtrain.models.runtime import attach_runtime
 
-    name = register_attention(load_recipe(recipe, ["parallel.cp_size=1"]))
-    ours = AutoModelForCausalLM.from_pretrained(final, attn_implementation=name)
-    CONTEXT.group, CONTEXT.doc_ids = None, None
+    rt = recipe_runtime(load_recipe(recipe, ["parallel.cp_size=1"]))  # one device, no documents
+    ours = attach_runtime(AutoModelForCausalLM.from_pretrained(final, attn_implementation=rt.name), rt)
     ids = torch.randint(0, 700, (1, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         plain, trained_logits = model(ids).logits, ours(ids).logits

@@ -27,10 +27,10 @@ def planted(lengths, hq, hkv, d, device, dtype, seed=0):
     return [t.to(device=device, dtype=dtype) for t in (q, k, v)], ids
 
 
-def call(q, k, v, settings, policy, engine):
+def call(rt, q, k, v, settings, policy, engine):
     from mtrain.models.attention import mtrain_attention
 
-    module = SimpleNamespace(training=True, layer_idx=0)
+    module = SimpleNamespace(training=True, layer_idx=0, mtrain_runtime=rt)
     out, _ = mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                               settings=settings, policy=policy, engine=engine, max_error=None)
     return out
@@ -38,7 +38,7 @@ def call(q, k, v, settings, policy, engine):
 
 def main(argv=None) -> int:
     from mtrain.bench.timing import timed
-    from mtrain.models.context import CONTEXT, set_documents
+    from mtrain.models.runtime import AttentionRuntime
     from mtrain.ops import dense_attention
     from mtrain.parallel import SparseSettings
 
@@ -53,14 +53,15 @@ def main(argv=None) -> int:
     failures = 0
     full = SparseSettings(recall=1.0, block_size=bs, max_vertical=S, max_slash=S)
     (q, k, v), ids = planted(lengths, 9, 3, 64, dev, dt)
-    set_documents(ids, dev)
-    dense = dense_attention(q, k, v, causal=True, documents=CONTEXT.documents)
+    RT = AttentionRuntime()  # the layer's attention runtime: the documents, its policy state and records
+    RT.set_documents(ids, dev)
+    dense = dense_attention(q, k, v, causal=True, documents=RT.inputs.documents)
     dout = torch.randn_like(dense)
     ref = [t.detach().requires_grad_() for t in (q, k, v)]
-    torch.autograd.backward(dense_attention(*ref, causal=True, documents=CONTEXT.documents), dout)
+    torch.autograd.backward(dense_attention(*ref, causal=True, documents=RT.inputs.documents), dout)
     for engine in ("triton", "fa4") if bs == 128 else ("triton",):
         got = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = call(*got, full, "always", engine)
+        out = call(RT, *got, full, "always", engine)
         torch.autograd.backward(out, dout)
         errs = [float((out.float() - dense.float()).abs().max())] + [
             float((a.grad.float() - b.grad.float()).abs().max()) for a, b in zip(got, ref)]
@@ -70,21 +71,21 @@ def main(argv=None) -> int:
               f"{'ok' if ok else 'FAIL'}", flush=True)
     local = SparseSettings(block_size=bs)
     for policy in ("always", "auto"):
-        CONTEXT.layers.clear()
+        RT.records.layers.clear()
 
         def step():
             got = [t.detach().requires_grad_() for t in (q, k, v)]
-            torch.autograd.backward(call(*got, local, policy, "auto"), dout)
+            torch.autograd.backward(call(RT, *got, local, policy, "auto"), dout)
 
         def dense_step():
             got = [t.detach().requires_grad_() for t in (q, k, v)]
-            torch.autograd.backward(dense_attention(*got, causal=True, documents=CONTEXT.documents), dout)
+            torch.autograd.backward(dense_attention(*got, causal=True, documents=RT.inputs.documents), dout)
 
         ms, dense_ms = timed(step, 5, warmup=3, back_to_back=True), timed(dense_step, 5, warmup=3, back_to_back=True)
-        paths = [(r.path, None if r.density is None else round(float(r.density), 3)) for r in CONTEXT.layers[-5:]]
+        paths = [(r.path, None if r.density is None else round(float(r.density), 3)) for r in RT.records.layers[-5:]]
         print(f"local pattern, policy {policy}: per-document {ms:.2f} ms, dense varlen {dense_ms:.2f} ms "
               f"({dense_ms / ms:.2f}x); last records {paths}", flush=True)
-    set_documents(None)
+    RT.set_documents(None)
     print("failures:", failures)
     return 1 if failures else 0
 

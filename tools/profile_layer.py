@@ -36,7 +36,7 @@ def main() -> int:
     from mtrain.bench import real as bench_real
     from mtrain.data.prose import prose_tokens
     from mtrain.models.attention import mtrain_attention
-    from mtrain.models.context import CONTEXT
+    from mtrain.models.runtime import AttentionRuntime
     from mtrain.parallel import SparseSettings
 
     import yaml
@@ -53,9 +53,12 @@ def main() -> int:
     scale = q.shape[-1] ** -0.5
     dout = torch.randn_like(q)
 
+    RT = AttentionRuntime()  # the layer's attention runtime: its policy state and records
+
     class _Layer:
         layer_idx = args.layer
         training = True
+        mtrain_runtime = RT
 
     def call():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
@@ -63,7 +66,7 @@ def main() -> int:
                                   scaling=scale, settings=settings, policy=args.policy, engine=args.engine)
         torch.autograd.backward(out, dout)
 
-    CONTEXT.dense_hold = 0
+    RT.settings.dense_hold = 0
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -80,7 +83,7 @@ def main() -> int:
         b.record()
         torch.cuda.synchronize()
         print(f"{mode}: {a.elapsed_time(b) / args.calls:.2f} ms per call on the GPU clock, host {host * 1e3 / args.calls:.2f}"
-              f" ms per call; path {CONTEXT.layers[-1].path if CONTEXT.layers else '?'}", flush=True)
+              f" ms per call; path {RT.records.layers[-1].path if RT.records.layers else '?'}", flush=True)
     found = collections.Counter()
     torch.cuda.set_sync_debug_mode("warn")
     with warnings.catch_warnings(record=True) as caught:

@@ -65,8 +65,6 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mtrain.models.registry import register_kind
-
     fields = {f.name: f for f in dataclasses.fields(SparseSettings)}
     settings = {}
     for item in args.set:
@@ -100,11 +98,16 @@ def main() -> int:
               f"  worst layer true {min(tru):.4f}")
         del layers
     if args.ppl:
-        model.set_attn_implementation(register_kind("dense"))
-        dense = perplexity(model, ids)
-        model.set_attn_implementation(register_kind("mtraining", **settings))
+        from mtrain.models.registry import attention_runtime
+        from mtrain.models.runtime import attach_runtime
+
+        dense_rt = attention_runtime("dense")
+        model.set_attn_implementation(dense_rt.name)
+        dense = perplexity(attach_runtime(model, dense_rt), ids)
+        rt = attention_runtime("mtraining", **settings)  # the model's attention runtime from here on
+        model.set_attn_implementation(rt.name)
+        attach_runtime(model, rt)
         import mtrain.ops
-        from mtrain.models.context import CONTEXT
 
         # mtrain.models.attention passes a fixed subset of the settings to the estimator: hand it all of them.
         plain = mtrain.ops.estimate_vertical_slash
@@ -114,10 +117,10 @@ def main() -> int:
 
         mtrain.ops.estimate_vertical_slash = every_setting
 
-        CONTEXT.densities.clear()
+        rt.drain()
         t0 = time.time()
         sparse = perplexity(model, ids)
-        mean_density = sum(CONTEXT.densities) / max(1, len(CONTEXT.densities))
+        mean_density = sum(rt.records.densities) / max(1, len(rt.records.densities))
         print(f"ppl dense {dense:.4f} sparse {sparse:.4f} delta {100 * (sparse / dense - 1):+.2f}% "
               f"mean density {mean_density:.3f} ({time.time() - t0:.0f} s sparse forward)")
     return 0

@@ -100,10 +100,11 @@ def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9, paths: d
     from mtrain.bench import real as bench_real
     from mtrain.models import attention
     from mtrain.models.attention import mtrain_attention
-    from mtrain.models.context import CONTEXT
+    from mtrain.models.runtime import runtime_of
 
-    marks = len(CONTEXT.densities), len(CONTEXT.layers)
-    saved = CONTEXT.sample_recall, CONTEXT.recall_rows
+    rt = runtime_of(net)  # the model's attention runtime: its records, recall sampling and policy state
+    marks = len(rt.records.densities), len(rt.records.layers)
+    saved = rt.inputs.sample_recall, rt.inputs.recall_rows
     plain_record = attention.record_layer
     per_row, measures, values = [], [], {}
     inner = (functools.partial(mtrain_attention, settings=settings, policy="always") if paths is None
@@ -113,21 +114,21 @@ def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9, paths: d
         values[module.layer_idx] = value.transpose(1, 2)
         return inner(module, query, key, value, *args, **kwargs)
 
-    def record(layer_idx, path, index, prediction, q=None, k=None, scaling=None, *args, **kwargs):
-        plain_record(layer_idx, path, index, prediction, q, k, scaling, *args, **kwargs)
+    def record(rt, layer_idx, path, index, prediction, q=None, k=None, scaling=None, *args, **kwargs):
+        plain_record(rt, layer_idx, path, index, prediction, q, k, scaling, *args, **kwargs)
         if path == "sparse" and q is not None:
             with torch.no_grad():
                 per_row.append(row_recalls(q.detach(), k.detach(), index, scaling, recall_rows))
                 measures.append({"layer": layer_idx, **layer_measures(q, k, values[layer_idx], index, settings,
                                                                       scaling, recall_rows)})
 
-    CONTEXT.choice_stats.clear()
-    CONTEXT.sample_recall, CONTEXT.recall_rows = True, recall_rows
+    rt.policy.choice_stats.clear()
+    rt.inputs.sample_recall, rt.inputs.recall_rows = True, recall_rows
     attention.record_layer = record  # module global, looked up at each call
     bench_real.register_bench_attention(attend)
     try:
         ppl = bench_real.perplexity(net, ids)
-        records = CONTEXT.layers[marks[1]:]
+        records = rt.records.layers[marks[1]:]
         want = None if paths is None else sum(p == "sparse" for p in paths.values())
         if (not records or any(r.path != "sparse" for r in records) or len(per_row) != len(records)
                 or (want is not None and len(records) != want)):
@@ -142,8 +143,8 @@ def sparse_pass(net, ids, settings, recall_rows: int, low: float = 0.9, paths: d
     finally:
         attention.record_layer = plain_record
         bench_real.register_bench_attention(None)
-        CONTEXT.sample_recall, CONTEXT.recall_rows = saved
-        del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
+        rt.inputs.sample_recall, rt.inputs.recall_rows = saved
+        del rt.records.densities[marks[0]:], rt.records.layers[marks[1]:]
     mean = lambda key: sum(m[key] for m in measures) / len(measures)  # noqa: E731
     return {"ppl": ppl, "density": sum(density) / len(density), "true_recall_mean": sum(layer_recall) / len(layer_recall),
             "true_recall_worst_layer": min(layer_recall), "true_recall_worst_head": head_min,
@@ -217,19 +218,18 @@ def quality_paths(per_layer: list[dict], n_layers: int, max_error: float, key: s
 
 
 @contextlib.contextmanager
-def escalation(limit: float, recall: float):
+def escalation(rt, limit: float, recall: float):
     """The quality check at `limit` with recall escalation to `recall` (`mtrain.models.policy.escalate`) for the passes
-    inside: every layer starts at the setting's recall. Yields a list that holds the layers it escalated on exit."""
-    from mtrain.models.context import CONTEXT
-
-    saved = CONTEXT.max_output_error, CONTEXT.escalate_recall, CONTEXT.layer_recall
-    CONTEXT.max_output_error, CONTEXT.escalate_recall, CONTEXT.layer_recall = limit, recall, {}
+    inside, in attention runtime `rt` (the model's): every layer starts at the setting's recall. Yields a list that
+    holds the layers it escalated on exit."""
+    saved = rt.settings.max_output_error, rt.settings.escalate_recall, rt.policy.layer_recall
+    rt.settings.max_output_error, rt.settings.escalate_recall, rt.policy.layer_recall = limit, recall, {}
     escalated: list[int] = []
     try:
         yield escalated
-        escalated.extend(sorted(CONTEXT.layer_recall))
+        escalated.extend(sorted(rt.policy.layer_recall))
     finally:
-        CONTEXT.max_output_error, CONTEXT.escalate_recall, CONTEXT.layer_recall = saved
+        rt.settings.max_output_error, rt.settings.escalate_recall, rt.policy.layer_recall = saved
 
 
 HEADER = ("| S | text | setting | ppl dense | ppl sparse | rise | density | true recall mean | worst layer | "
@@ -311,6 +311,7 @@ def main() -> int:
 
     from mtrain.bench import real as bench_real
     from mtrain.data.texts import text_tokens
+    from mtrain.models.runtime import runtime_of
     from mtrain.parallel import SparseSettings
 
     names = args.settings or ["default"]
@@ -368,7 +369,7 @@ def main() -> int:
             for spec in args.escalate:
                 t0 = time.perf_counter()
                 limit, recall = (float(x) for x in spec.split(":"))
-                with escalation(limit, recall) as escalated:
+                with escalation(runtime_of(net), limit, recall) as escalated:
                     extra = sparse_pass(net, ids, settings, args.recall_rows)
                 extra.update(seq_len=seq_len, text=text, setting=f"{name} escalate {limit}:{recall}",
                              ppl_dense=ppl_dense, rise=extra["ppl"] / ppl_dense - 1,

@@ -59,9 +59,14 @@ def load_model(path: Path, seq_len: int, yarn: str | float, device, dtype):
         config.rope_parameters = {"rope_type": "yarn", "factor": factor, "rope_theta": theta,
                                   "original_max_position_embeddings": original}
         config.max_position_embeddings = int(original * factor)
+    from mtrain.models.runtime import AttentionRuntime, attach_runtime
+
     register_bench_attention(None)
     model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
                                                  attn_implementation=BENCH_NAME)
+    # the model's own attention runtime (dense settings; the bench's calls pass theirs): the bench's layer calls
+    # (`as_trained`) share it, so the caps and escalations they settle on are those the perplexity passes run with
+    attach_runtime(model, AttentionRuntime())
     model.config.use_cache = False
     return model.to(device).eval(), factor
 
@@ -85,16 +90,18 @@ def register_bench_attention(fn) -> None:
 
 def capture_qkv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Post-RoPE (q, k, v) of every layer, [1, S, H, D] each, from one dense forward over `ids` [1, S] (with the
-    documents of `set_documents` masked where there are some)."""
-    from mtrain.models.context import CONTEXT
+    documents of the model's runtime masked where there are some: `AttentionRuntime.set_documents`)."""
+    from mtrain.models.runtime import runtime_of
     from mtrain.ops import dense_attention
+
+    documents = runtime_of(model).inputs.documents
 
     captured = {}
 
     def grab(module, query, key, value, attention_mask, scaling=None, **kwargs):
         q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
         captured[module.layer_idx] = (q, k, v)
-        return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=CONTEXT.documents), None
+        return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=documents), None
 
     register_bench_attention(grab)
     try:
@@ -128,15 +135,16 @@ def fwd_bwd(fn, q, k, v, dout):
     return run
 
 
-def as_trained(layer: int, scale: float, **options):
+def as_trained(layer: int, scale: float, rt, **options):
     """fn(q, k, v) [B, S, H, D] -> out: mtrain's attention exactly as a model layer in training mode calls it (HF's
-    [B, H, S, D] layout in, `layer_idx` = layer); options: `mtrain_attention`'s keywords (settings, policy, engine,
-    max_error, ...)."""
+    [B, H, S, D] layout in, `layer_idx` = layer, the model's attention runtime `rt`: `mtrain.models.runtime`); options:
+    `mtrain_attention`'s keywords (settings, policy, engine, max_error, ...)."""
     from mtrain.models.attention import mtrain_attention
 
     class _Layer:
         layer_idx = layer
         training = True
+        mtrain_runtime = rt
 
     def call(qq, kk, vv):
         out, _ = mtrain_attention(_Layer, qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), None,

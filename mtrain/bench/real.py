@@ -80,9 +80,11 @@ def _settings_kwargs(settings) -> dict:
 
 
 def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recall_rows: int | None,
-                  policy: str = "auto", hold: int = 16, engine: str = "auto", max_error=None) -> LayerResult:
+                  policy: str = "auto", hold: int = 16, engine: str = "auto", max_error=None, *,
+                  rt) -> LayerResult:
     """All measures of one layer's captured q/k/v (see the module docstring); engine: the sparse path's block
-    engine (`vertical_slash_attention`'s impl); max_error: the policy's quality check (attention.max_output_error)."""
+    engine (`vertical_slash_attention`'s impl); max_error: the policy's quality check (attention.max_output_error);
+    rt: the model's attention runtime (`mtrain.models.runtime`), whose policy state the calls use."""
     import functools
 
     from mtrain.ops import dense_attention, estimate_vertical_slash, vertical_slash_attention
@@ -102,37 +104,36 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     dense_ms = timed(fwd_bwd(dense, q, k, v, dout), iters, warmup=3, back_to_back=True)
 
     # mtrain's attention function exactly as a model layer calls it (HF layout in, [B, S, H, D] out)
-    as_trained = model_layer(layer, scale, settings=settings, policy=policy, engine=engine, max_error=max_error)
+    as_trained = model_layer(layer, scale, rt, settings=settings, policy=policy, engine=engine, max_error=max_error)
 
-    from mtrain.models.context import CONTEXT
-
-    marks = len(CONTEXT.densities), len(CONTEXT.layers)
-    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until, CONTEXT.step
+    marks = len(rt.records.densities), len(rt.records.layers)
+    saved = (rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until,
+             rt.inputs.step)
     try:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = 0, {}, {}, {}
-        # the caps this layer's training settles on (attention.widen_caps), kept in CONTEXT.cap_scale for the
+        rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = 0, {}, {}, {}
+        # the caps this layer's training settles on (attention.widen_caps), kept in rt.policy.cap_scale for the
         # perplexity pass at this length, which then runs the layer as it was timed
-        CONTEXT.cap_scale.pop(layer, None)
-        _settle_caps(fwd_bwd(as_trained, q, k, v, dout), marks[1])
+        rt.policy.cap_scale.pop(layer, None)
+        _settle_caps(rt, fwd_bwd(as_trained, q, k, v, dout), marks[1])
         mtrain_ms = timed(fwd_bwd(as_trained, q, k, v, dout), iters, warmup=3, back_to_back=True)  # graph captured first
-        path = _last_path(marks[1], policy)
-        last = CONTEXT.layers[-1] if len(CONTEXT.layers) > marks[1] else None
+        path = _last_path(rt, marks[1], policy)
+        last = rt.records.layers[-1] if len(rt.records.layers) > marks[1] else None
         output_err = None if last is None or last.output_error is None else float(last.output_error.float().max())
         # steady state in training: hold + 1 steps in a row, one estimate then `hold` held-dense steps when the
         # estimate did not pay (else every step estimates); later holds double (HOLD_BACKOFF_MAX), so this is
         # the costliest stretch of a held layer. Queued back to back, as training steps are.
-        CONTEXT.dense_hold = hold
+        rt.settings.dense_hold = hold
         step_fn = fwd_bwd(as_trained, q, k, v, dout)
 
         def steps(first: int, count: int):
             def run():
                 for step in range(first, first + count):
-                    CONTEXT.step = step
+                    rt.inputs.step = step
                     step_fn()
             return run
 
         steady_ms = timed(steps(0, hold + 1), 1, warmup=0, back_to_back=True) / (hold + 1)
-        held = bool(CONTEXT.dense_until)
+        held = bool(rt.policy.dense_until)
         long_run_ms = steady_ms
         if held and hold > 0:  # the held steps again (still inside the hold), apart from the estimating one
             from mtrain.models.policy import HOLD_BACKOFF_MAX
@@ -142,8 +143,9 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
             period = hold * HOLD_BACKOFF_MAX
             long_run_ms = (estimating_ms + period * held_ms) / (period + 1)
     finally:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until, CONTEXT.step = saved
-    del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
+        (rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until,
+         rt.inputs.step) = saved
+    del rt.records.densities[marks[0]:], rt.records.layers[marks[1]:]
 
     # forced-sparse breakdown: all in (fresh index each time), then kernels on a prebuilt index; the backward
     # training runs (deterministic), and the fused atomic one beside it
@@ -204,59 +206,56 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     )
 
 
-def _settle_caps(step, mark: int) -> None:
+def _settle_caps(rt, step, mark: int) -> None:
     """Run the layer's training call until cap widening (`mtrain.models.policy.widen`) stops widening it, as the
     first steps of a run do, so that the timed calls all run at the caps training settles on (at most
     log2(MAX_CAP_SCALE) + 1 calls; none beyond the first where the layer is not widened)."""
-    from mtrain.models.context import CONTEXT
     from mtrain.models.policy import MAX_CAP_SCALE
 
     for _ in range(MAX_CAP_SCALE.bit_length()):
-        before = len(CONTEXT.layers)
+        before = len(rt.records.layers)
         step()
-        if not any(record.widened for record in CONTEXT.layers[max(before, mark):]):
+        if not any(record.widened for record in rt.records.layers[max(before, mark):]):
             return
 
 
-def _last_path(mark: int, policy: str) -> str:
-    """The path of the last mtrain attention call since CONTEXT.layers had `mark` records (policy "never" records
+def _last_path(rt, mark: int, policy: str) -> str:
+    """The path of the last mtrain attention call since rt.records.layers had `mark` records (policy "never" records
     nothing: dense)."""
-    from mtrain.models.context import CONTEXT
-
-    if len(CONTEXT.layers) > mark:
-        return CONTEXT.layers[-1].path
+    if len(rt.records.layers) > mark:
+        return rt.records.layers[-1].path
     return "dense" if policy == "never" else "sparse"
 
 
 def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "auto", engine: str = "auto",
-                    max_error=None) -> str:
+                    max_error=None, *, rt) -> str:
     """The path ("sparse" / "dense") mtrain's attention takes for this layer's captured q/k/v [1, S, H, D] when a
     training step calls it (module in training mode: the cost model prices forward + backward), from one untimed
     call; for the layers `measure_layer` does not time. Leaves the policy state as it found it, but for the caps the
-    layer settles on under cap widening (CONTEXT.cap_scale, which the perplexity pass then runs it at)."""
+    layer settles on under cap widening (rt.policy.cap_scale, which the perplexity pass then runs it at)."""
     from mtrain.models.attention import mtrain_attention
-    from mtrain.models.context import CONTEXT
 
     class _Layer:
         layer_idx = layer
         training = True
+        mtrain_runtime = rt
 
-    marks = len(CONTEXT.densities), len(CONTEXT.layers)
-    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until
+    marks = len(rt.records.densities), len(rt.records.layers)
+    saved = rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until
     try:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = 0, {}, {}, {}
-        CONTEXT.cap_scale.pop(layer, None)
+        rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = 0, {}, {}, {}
+        rt.policy.cap_scale.pop(layer, None)
 
         def call():
             with torch.no_grad():
                 mtrain_attention(_Layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                                  scaling=scale, settings=settings, policy=policy, engine=engine, max_error=max_error)
 
-        _settle_caps(call, marks[1])  # the caps training settles on stay in CONTEXT.cap_scale, as measure_layer's
-        return _last_path(marks[1], policy)
+        _settle_caps(rt, call, marks[1])  # the caps training settles on stay in rt.policy.cap_scale, as measure_layer's
+        return _last_path(rt, marks[1], policy)
     finally:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = saved
-        del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
+        rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = saved
+        del rt.records.densities[marks[0]:], rt.records.layers[marks[1]:]
 
 
 def forced_paths_attention(paths: dict, settings, engine: str = "auto"):
@@ -276,19 +275,20 @@ def forced_paths_attention(paths: dict, settings, engine: str = "auto"):
 
 def perplexity_as_run(model, ids: torch.Tensor, fn) -> tuple[float, list[int]]:
     """(perplexity, the layers that ran sparse) of `model` over `ids` with the bench's attention name pointed at
-    `fn` (None: dense); what ran is read from the records mtrain's attention leaves (CONTEXT.layers). Each pass is
+    `fn` (None: dense); what ran is read from the records mtrain's attention leaves (rt.records.layers). Each pass is
     one forward: the lagged choice's statistics are cleared first, so every layer choosing reads its own estimate."""
-    from mtrain.models.context import CONTEXT
+    from mtrain.models.runtime import runtime_of
 
-    marks = len(CONTEXT.densities), len(CONTEXT.layers)
-    CONTEXT.choice_stats.clear()
+    rt = runtime_of(model)
+    marks = len(rt.records.densities), len(rt.records.layers)
+    rt.policy.choice_stats.clear()
     register_bench_attention(fn)
     try:
         value = perplexity(model, ids)
-        ran = {r.layer: r.path for r in CONTEXT.layers[marks[1]:]}
+        ran = {r.layer: r.path for r in rt.records.layers[marks[1]:]}
     finally:
         register_bench_attention(None)
-        del CONTEXT.densities[marks[0]:], CONTEXT.layers[marks[1]:]
+        del rt.records.densities[marks[0]:], rt.records.layers[marks[1]:]
     return value, sorted(layer for layer, path in ran.items() if path == "sparse")
 
 
@@ -344,10 +344,11 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         f"{'' if max_error is None else f'; max_output_error {max_error}'}"
         f"{'' if escalate_recall is None else f'; escalate_recall {escalate_recall}'}")
 
-    from mtrain.models.context import CONTEXT
+    from mtrain.models.runtime import runtime_of
 
-    CONTEXT.choice_stats.clear()  # a fresh run: no layer's choice reads an estimate from before it (lagged_choice)
-    CONTEXT.escalate_recall, CONTEXT.layer_recall = escalate_recall, {}  # every layer starts at the settings' recall
+    rt = runtime_of(net)  # the bench's layer calls share the model's runtime: its caps, escalations and records
+    rt.policy.choice_stats.clear()  # a fresh run: no layer's choice reads an estimate from before it (lagged_choice)
+    rt.settings.escalate_recall, rt.policy.layer_recall = escalate_recall, {}  # every layer at the settings' recall
     t0 = time.perf_counter()
     qkv = capture_qkv(net, ids)
     log(f"captured q/k/v of {len(qkv)} layers in {time.perf_counter() - t0:.1f} s")
@@ -355,7 +356,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     results = []
     for i in picked:
         q, k, v = qkv[i]
-        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows, policy, hold, engine, max_error)
+        r = measure_layer(i, q, k, v, settings, scale, iters, recall_rows, policy, hold, engine, max_error, rt=rt)
         results.append(r)
         log(f"layer {i:3d}: density {r.density:.3f} est {r.est_recall if r.est_recall is None else round(r.est_recall, 3)} "
             f"true {r.true_recall:.3f} (min head {r.min_head_recall:.3f})"
@@ -371,7 +372,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
     training_paths = {r.layer: r.path for r in results}
     for i, (q, k, v) in enumerate(qkv):
         if i not in training_paths:
-            training_paths[i] = training_choice(i, q, k, v, settings, scale, policy, engine, max_error)
+            training_paths[i] = training_choice(i, q, k, v, settings, scale, policy, engine, max_error, rt=rt)
     training_paths = [training_paths[i] for i in range(len(qkv))]
     del qkv
 
@@ -427,7 +428,7 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
         "held_layers": [r.layer for r in results if r.held], "dense_hold_steps": hold,
         "sparse_layers": sum(r.path == "sparse" for r in results),
         "policy": policy, "engine": engine, "max_output_error": max_error, "ppl_dense": ppl_dense,
-        "escalate_recall": escalate_recall, "escalated_layers": sorted(CONTEXT.layer_recall),
+        "escalate_recall": escalate_recall, "escalated_layers": sorted(rt.policy.layer_recall),
         # the perplexity rows (see the module docstring): which choice each is, and the layers that ran sparse in it
         "training_paths": training_paths,
         "training_paths_timed": [r.layer for r in results],

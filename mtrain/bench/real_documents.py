@@ -16,7 +16,8 @@ training queues them:
 and the whole model's perplexity over the same tokens with the documents masked: dense, and with every layer as
 training runs it (the model in training mode under no_grad, so each document's choice is priced forward +
 backward). Mixes: `long` = four documents of 41 / 31 / 19 / 9% of N (two books, a code repository, a third book:
-lengths like ProLong's long books and repositories), `short` = sixteen documents of N / 16. With `--causal-too`,
+lengths like ProLong's long books and repositories), `short` = sixteen documents of N / 16
+(`mtrain.data.docmix`, which also writes such sequences for training). With `--causal-too`,
 the same q/k/v as ONE causal sequence beside it (FA4 dense against mtrain without documents).
 """
 
@@ -32,51 +33,7 @@ from mtrain.atomic import write_json_atomic
 from mtrain.bench.model import as_trained as model_layer
 from mtrain.bench.model import fwd_bwd
 from mtrain.bench.timing import timed
-
-MIXES = ("long", "short")
-LONG_SHARES = (0.41, 0.31, 0.19, 0.09)
-"""The long mix's document lengths as shares of the sequence (the last one takes what is left)."""
-SHORT_DOCS = 16
-
-
-def document_texts():
-    """Long real texts in a fixed order that alternates books and code (`mtrain.data.longdocs`)."""
-    from mtrain.data.longdocs import books, code_repos
-
-    book, code = list(books(min_doc_chars=200_000)), code_repos(min_doc_chars=400_000)
-    out = []
-    for i, (name, text) in enumerate(book):
-        out.append((name, text))
-        if i == 0:
-            out.append(next(code))
-    out.extend(code)
-    return out
-
-
-def packed_mix(tokenizer, seq_len: int, mix: str) -> tuple[list[int], list[int], list[str]]:
-    """(token ids, document lengths, document names) of one packed sequence of `seq_len` tokens in mix `mix`
-    (MIXES). Each document is the start of one text (`document_texts`), as many tokens as its share."""
-    if mix not in MIXES:
-        raise ValueError(f"--documents must be one of {', '.join(MIXES)}; got {mix!r}")
-    if mix == "long":
-        lengths = [int(seq_len * share) for share in LONG_SHARES[:-1]]
-    else:
-        lengths = [seq_len // SHORT_DOCS] * (SHORT_DOCS - 1)
-    lengths.append(seq_len - sum(lengths))
-    texts = document_texts()
-    if len(texts) < len(lengths) and mix == "long":
-        raise ValueError(f"the long mix needs {len(lengths)} long texts; this Python has {len(texts)}")
-    ids, names = [], []
-    for i, n in enumerate(lengths):
-        name, text = texts[i % len(texts)]
-        if mix == "short":  # sixteen pieces, one after another, of the texts in turn
-            text = text[(i // len(texts)) * n * 8:]
-        tokens = tokenizer(text[: n * 8], add_special_tokens=False)["input_ids"][:n]
-        if len(tokens) < n:
-            raise ValueError(f"text {name} holds {len(tokens)} tokens, the mix wants {n}")
-        ids.extend(tokens)
-        names.append(name)
-    return ids, lengths, names
+from mtrain.data.docmix import packed_mix
 
 
 def _peer(documents, scale):
@@ -102,12 +59,12 @@ def _peer(documents, scale):
 
 
 def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, policy: str, hold: int, engine: str,
-                  max_error, documents) -> dict:
+                  max_error, documents, *, rt) -> dict:
     """One layer's timings and records over packed documents (`documents`: the batch's `Documents`, or None for
-    the whole sequence causal)."""
+    the whole sequence causal); rt: the model's attention runtime (`mtrain.models.runtime`), whose documents and
+    policy state the layer calls use."""
     import functools
 
-    from mtrain.models.context import CONTEXT
     from mtrain.ops import dense_attention
     from mtrain.ops.varlen import varlen_backend
 
@@ -122,31 +79,33 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, polic
     dense = functools.partial(dense_attention, causal=True, softmax_scale=scale, documents=documents)
     dense_ms = timed(fwd_bwd(dense, q, k, v, dout), iters, warmup=3, back_to_back=True)
 
-    as_trained = model_layer(layer, scale, settings=settings, policy=policy, engine=engine, max_error=max_error)
+    as_trained = model_layer(layer, scale, rt, settings=settings, policy=policy, engine=engine, max_error=max_error)
 
-    mark = len(CONTEXT.layers)
-    saved = CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until, CONTEXT.step
+    mark = len(rt.records.layers)
+    saved = (rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until,
+             rt.inputs.step)
     try:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until = 0, {}, {}, {}
-        CONTEXT.sample_recall, CONTEXT.recall_rows = True, 256  # one untimed call measures the true recall
+        rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = 0, {}, {}, {}
+        rt.inputs.sample_recall, rt.inputs.recall_rows = True, 256  # one untimed call measures the true recall
         fwd_bwd(as_trained, q, k, v, dout)()
-        CONTEXT.sample_recall = False
-        first = CONTEXT.layers[mark:]
+        rt.inputs.sample_recall = False
+        first = rt.records.layers[mark:]
         mtrain_ms = timed(fwd_bwd(as_trained, q, k, v, dout), iters, warmup=2, back_to_back=True)
-        CONTEXT.dense_hold = hold
+        rt.settings.dense_hold = hold
         step_fn = fwd_bwd(as_trained, q, k, v, dout)
 
         def steps():
             for step in range(hold + 1):
-                CONTEXT.step = step
+                rt.inputs.step = step
                 step_fn()
 
         steady_ms = timed(steps, 1, warmup=0, back_to_back=True) / (hold + 1)
     finally:
-        CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak, CONTEXT.checked_until, CONTEXT.step = saved
-        CONTEXT.sample_recall = False
+        (rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until,
+         rt.inputs.step) = saved
+        rt.inputs.sample_recall = False
     records = [r.as_floats() for r in first]
-    del CONTEXT.layers[mark:], CONTEXT.densities[:]
+    del rt.records.layers[mark:], rt.records.densities[:]
     sparse = [r for r in records if r["path"] == "sparse"]
     return {"layer": layer, "peer": peer_label, "peer_ms": peer_ms, "dense_ms": dense_ms, "mtrain_ms": mtrain_ms,
             "steady_ms": steady_ms, "estimated": len([r for r in records if r["density"] is not None]),
@@ -158,18 +117,19 @@ def perplexity_trained(net, ids, fn) -> float:
     """Perplexity over `ids` with the bench's attention pointed at `fn`, the model in training mode under no_grad
     (each layer's choice priced as a training step prices it)."""
     from mtrain.bench.model import perplexity, register_bench_attention
-    from mtrain.models.context import CONTEXT, clear_records
+    from mtrain.models.runtime import runtime_of
 
+    rt = runtime_of(net)
     was = net.training
     net.train(fn is not None)
-    CONTEXT.choice_stats.clear()
+    rt.policy.choice_stats.clear()
     register_bench_attention(fn)
     try:
         return perplexity(net, ids)
     finally:
         register_bench_attention(None)
         net.train(was)
-        clear_records()
+        rt.drain()
 
 
 def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", yarn="auto", iters: int = 5,
@@ -182,7 +142,7 @@ def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", y
 
     from mtrain.bench.model import capture_qkv, load_model, resolve_model
     from mtrain.models.attention import mtrain_attention
-    from mtrain.models.context import CONTEXT, set_documents
+    from mtrain.models.runtime import runtime_of
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -197,15 +157,16 @@ def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", y
     scale = head_dim ** -0.5
     log(f"model {path.name}: S={seq_len}, YaRN {factor:g}, {dtype}; {mix} mix: {len(lengths)} documents "
         f"{lengths} ({', '.join(dict.fromkeys(names))}); policy {policy}, engine {engine}, settings {settings}")
-    CONTEXT.choice_stats.clear()
-    set_documents(doc_ids, device)
+    rt = runtime_of(net)  # the bench's layer calls share the model's runtime (its documents, caps and records)
+    rt.policy.choice_stats.clear()
+    rt.set_documents(doc_ids, device)
     try:
         qkv = capture_qkv(net, ids)  # one forward with the documents masked
         picked = layers if layers is not None else list(range(len(qkv)))
         rows = []
         for i in picked:
             row = measure_layer(i, *qkv[i], settings, scale, iters, policy, hold, engine, max_error,
-                                CONTEXT.documents)
+                                rt.inputs.documents, rt=rt)
             rows.append(row)
             log(f"layer {i:3d}: {row['sparse']}/{row['estimated']} documents sparse, density "
                 f"{[round(d, 3) for d in row['density']]} true recall "
@@ -217,7 +178,7 @@ def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", y
                                max_error=max_error)
         ppl_dense, ppl_trained = perplexity_trained(net, ids, None), perplexity_trained(net, ids, fn)
     finally:
-        set_documents(None)
+        rt.set_documents(None)
     summary = {"model": str(path), "seq_len": seq_len, "mix": mix, "document_lengths": lengths,
                "documents": names, "yarn_factor": factor, "dtype": str(dtype),
                "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "torch": torch.__version__,
@@ -238,7 +199,7 @@ def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", y
         f"{summary['steady_ms']:.1f} ms ({summary['steady_speedup_vs_peer']:.2f}x); perplexity dense "
         f"{ppl_dense:.3f}, as trained {ppl_trained:.3f} ({100 * summary['ppl_rise']:+.2f}%)")
     if causal_too:  # the same q/k/v as one causal sequence: FA4 dense against mtrain without documents
-        causal = [measure_layer(i, *qkv[i], settings, scale, iters, policy, hold, engine, max_error, None)
+        causal = [measure_layer(i, *qkv[i], settings, scale, iters, policy, hold, engine, max_error, None, rt=rt)
                   for i in picked]
         summary["causal"] = {"layers": causal, **{key: sum(r[key] for r in causal)
                                                     for key in ("peer_ms", "mtrain_ms", "steady_ms")}}

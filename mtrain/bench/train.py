@@ -53,16 +53,16 @@ def bench_recipe(kind: str, recall: float, max_lines: int, extra: list[str] = ()
 def build(shape: str, kind: str, seq_len: int, recall: float, max_lines: int, device: str = DEVICE):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from mtrain.models.context import CONTEXT
-    from mtrain.models.registry import register_attention
+    from mtrain.models.registry import recipe_runtime
+    from mtrain.models.runtime import attach_runtime
     from mtrain.train.loss import ChunkedLossLM
 
-    name = register_attention(bench_recipe(kind, recall, max_lines))
-    CONTEXT.group, CONTEXT.doc_ids = None, None
+    rt = recipe_runtime(bench_recipe(kind, recall, max_lines))  # one device, no documents
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=max(seq_len, 32768), rope_theta=1e6)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name, dtype=torch.bfloat16)
+        model = attach_runtime(AutoModelForCausalLM.from_config(cfg, attn_implementation=rt.name,
+                                                                dtype=torch.bfloat16), rt)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return ChunkedLossLM(model, chunk=8192), cfg
@@ -74,9 +74,10 @@ def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
 
 
 def run(shape: str, kind: str, seq_len: int, steps: int, recall: float, max_lines: int) -> dict:
-    from mtrain.models.context import CONTEXT
+    from mtrain.models.runtime import runtime_of
 
     model, cfg = build(shape, kind, seq_len, recall, max_lines)
+    rt = runtime_of(model)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=DEVICE == "cuda")
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len), device=DEVICE)
@@ -89,7 +90,7 @@ def run(shape: str, kind: str, seq_len: int, steps: int, recall: float, max_line
     times, losses = [], []
     try:
         for i in range(steps + 1):  # step 0 compiles / autotunes
-            CONTEXT.densities = []
+            rt.drain()
             sync()
             t0 = time.perf_counter()
             loss_sum, n = model(ids, pos, labels)
@@ -110,7 +111,8 @@ def run(shape: str, kind: str, seq_len: int, steps: int, recall: float, max_line
             torch.cuda.empty_cache()
     step_s = sorted(times)[len(times) // 2]
     return {"kind": kind, "seq_len": seq_len, "step_s": step_s, "tokens_per_s": seq_len / step_s, "peak_gb": peak,
-            "loss": losses[-1], "density": (sum(CONTEXT.densities) / len(CONTEXT.densities)) if CONTEXT.densities else 1.0,
+            "loss": losses[-1],
+            "density": (sum(rt.records.densities) / len(rt.records.densities)) if rt.records.densities else 1.0,
             "tflops": flops_per_token(cfg, n_params, seq_len) * seq_len / step_s / 1e12}
 
 
@@ -170,7 +172,7 @@ def find_max(args) -> None:
     The model, DeepSpeed engine and offloaded optimizer are built once and reused for every length (the
     weights do not depend on the sequence length), through the trainer's own Accelerator + DeepSpeedPlugin.
     """
-    from mtrain.models.context import CONTEXT
+    from mtrain.models.runtime import runtime_of
     from mtrain.train.trainer import Trainer
 
     t_start = time.perf_counter()
@@ -184,6 +186,7 @@ def find_max(args) -> None:
     device = accelerator.device
     model, cfg = build(args.shape, args.kind, lengths[-1], args.recall, args.max_lines, device=str(device))
     n_params = sum(p.numel() for p in model.parameters())
+    rt = runtime_of(model)
     model, optimizer = accelerator.prepare(model, trainer._optimizer(model))
     on_gpu = device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
@@ -223,7 +226,7 @@ def find_max(args) -> None:
         labels[:, -1] = -100
         pos = torch.arange(seq, device=device)[None]
         times, loss, status = [], float("nan"), "ok"
-        CONTEXT.densities = []
+        rt.drain()
         try:
             for _ in range(args.steps):
                 sync()
@@ -241,7 +244,7 @@ def find_max(args) -> None:
             status = f"OOM after {len(times)} steps"
         peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
         host, host_peak = _host_gb()
-        density = sum(CONTEXT.densities) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
+        density = sum(rt.records.densities) / len(rt.records.densities) if rt.records.densities else 1.0
         if status != "ok":
             del ids, labels, pos
             gc.collect()

@@ -1,21 +1,24 @@
 """The mtraining kinds (dense, mtraining, zigzag-dense, zigzag-sparse) as HF attention functions: one device
 (`_local_attention`: dense, or the vertical-slash estimate and the sparse engine) and a context-parallel group
-(`_ring`). A plugin of `mtrain.models.registry`: `KINDS` and `register` are what the registry reads."""
+(`_ring`). A plugin of `mtrain.models.registry`: `KINDS`, `settings_of` and `register` are what the registry reads.
+Every call reads the runtime of the model it runs in (`mtrain.models.runtime.runtime_of(module)`) and nothing else:
+its settings, CP topology, step inputs, per-layer policy state and records."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 
 import torch
 
 from mtrain.errors import MtrainError
-from mtrain.models.context import CONTEXT, LayerRecord, current_documents, hf_inputs, no_mask
+from mtrain.models.context import LayerRecord, hf_inputs, no_mask
 from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, check_wanted, choose_path, escalate,
                                   layer_settings, passed_check, quality_error, record_layer, remember_choice,
                                   replay_choice, scored_rows, skip_estimate, widen_or_hold)
+from mtrain.models.runtime import AttentionSettings, runtime_of
+from mtrain.ops.switches import applied
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ def _graphed(q, prepare) -> bool:
     return SWITCHES.graph_estimate and q.is_cuda and prepare is not None
 
 
-def _decide(q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, engine, max_error, prepare,
+def _decide(rt, q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, engine, max_error, prepare,
             graphed, doc_ids=None):
     """("sparse", index) or ("dense", None) for one device's call over q [B, S, Hq, D] under SparseSettings `s`:
     the replayed choice while gradient checkpointing recomputes (`memo_key`), else the estimate, the quality check
@@ -100,15 +103,15 @@ def _decide(q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, 
     from mtrain.ops.graphed import estimate_graphed
     from mtrain.ops.index import SparseIndex
 
-    replay = replay_choice(memo_key)
+    replay = replay_choice(rt, memo_key)
     if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and index
         path, lines = replay
         if path == "sparse":
             return "sparse", SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
         return "dense", None
-    if policy == "never" or skip_estimate(q, s, key, policy=policy, training=training, doc_ids=doc_ids,
+    if policy == "never" or skip_estimate(rt, q, s, key, policy=policy, training=training, doc_ids=doc_ids,
                                           engine=engine, graphed=graphed, layer=layer_idx):
-        remember_choice(memo_key, "dense", None, training)
+        remember_choice(rt, memo_key, "dense", None, training)
         return "dense", None
     # every SparseSettings field is an estimate_vertical_slash keyword of the same name
     fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
@@ -116,28 +119,28 @@ def _decide(q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, 
     # with what the engine derives from the index (another ~100 launches) built in the same graph
     index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids,
                              prepare=prepare)
-    checked = check_wanted(max_error, policy) and check_due(key, training)
+    checked = check_wanted(rt, max_error, policy) and check_due(rt, key, training)
     if checked:  # the quality check (attention.max_output_error), once per hold period in training
         index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
-        if escalate(key, index, max_error):  # over the limit: estimate again at the escalated recall
-            s = dataclasses.replace(s, recall=CONTEXT.layer_recall[key])
+        if escalate(rt, key, index, max_error):  # over the limit: estimate again at the escalated recall
+            s = dataclasses.replace(s, recall=rt.policy.layer_recall[key])
             index = estimate_graphed(q.detach(), k.detach(), **{**fields, "recall": s.recall},
                                      softmax_scale=scaling, doc_ids=doc_ids, prepare=prepare)
             index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
-    path, prediction = choose_path(index, q, policy=policy, training=training, doc_ids=doc_ids, target=s.recall,
+    path, prediction = choose_path(rt, index, q, policy=policy, training=training, doc_ids=doc_ids, target=s.recall,
                                    rows=scored_rows(s, q.shape[1]), engine=engine,
                                    graphed=graphed, layer_idx=key, max_error=max_error)
     # wider caps next call where they bind, else the dense hold
-    cap_scale, widened = widen_or_hold(key, index, s, q.shape[1], prediction, policy, training)
+    cap_scale, widened = widen_or_hold(rt, key, index, s, q.shape[1], prediction, policy, training)
     if checked:
-        passed_check(key, path, training)
-    record_layer(key, path, index, prediction, q, k, scaling, doc_ids, cap_scale=cap_scale, widened=widened,
+        passed_check(rt, key, path, training)
+    record_layer(rt, key, path, index, prediction, q, k, scaling, doc_ids, cap_scale=cap_scale, widened=widened,
                  layer=layer_idx)
-    remember_choice(memo_key, path, index, training)
+    remember_choice(rt, memo_key, path, index, training)
     return path, (index if path == "sparse" else None)
 
 
-def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None,
+def _local_attention(rt, q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None,
                      engine="auto", max_error=None, per_document=True):
     """One rank holds the whole sequence: dense causal, or online vertical-slash sparse attention with
     SparseSettings `s` on block engine `engine` (ENGINES), run sparse or dense per `policy` (see `choose_path`;
@@ -147,16 +150,16 @@ def _local_attention(q, k, v, scaling, s=None, doc_ids=None, *, policy="always",
     documents masked in the kernels (what a CP group runs)."""
     from mtrain.ops import dense_attention, vertical_slash_attention
 
-    documents = current_documents(doc_ids)  # the batch's boundaries, read from the host once per batch
+    documents = rt.current_documents(doc_ids)  # the batch's boundaries, read from the host once per batch
     if s is None:
         return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=documents)
     # the concrete engine (auto resolved): what runs, what the cost model prices, what is logged
     engine = say_engine(engine, q, s.block_size)
     if documents is not None and per_document:
-        return _per_document(q, k, v, scaling, s, documents, policy=policy, training=training,
+        return _per_document(rt, q, k, v, scaling, s, documents, policy=policy, training=training,
                              layer_idx=layer_idx, engine=engine, max_error=max_error)
     prepare = prepare_spec(q, k, engine, doc_ids)
-    path, index = _decide(q, k, v, scaling, s, policy=policy, training=training, layer_idx=layer_idx,
+    path, index = _decide(rt, q, k, v, scaling, s, policy=policy, training=training, layer_idx=layer_idx,
                           key=layer_idx, memo_key=layer_idx, engine=engine, max_error=max_error, prepare=prepare,
                           graphed=_graphed(q, prepare), doc_ids=doc_ids)
     if path == "sparse":
@@ -217,7 +220,7 @@ def _shortest_sparse(policy: str, heads: int, head_dim: int, block_size: int, s,
     return _SHORTEST[key][1]
 
 
-def _per_document(q, k, v, scaling, s, documents, *, policy, training, layer_idx, engine, max_error):
+def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer_idx, engine, max_error):
     """Sparse attention within packed documents on one device: every document at least `_shortest_sparse` long is
     a causal sequence of its own (its own estimate from its own rows, index and choice, no block across a boundary,
     nothing the documents mask computed); the documents the choice sends dense and the short ones (where dense is
@@ -239,7 +242,7 @@ def _per_document(q, k, v, scaling, s, documents, *, policy, training, layer_idx
             key = document_key(layer_idx, n)
             qd, kd, vd = (t[b:b + 1, start:start + n] for t in (q, k, v))
             # priced with an eager estimate (see `_shortest_sparse`), though a length seen twice replays a graph
-            path, index = _decide(qd, kd, vd, scaling, layer_settings(s, key), policy=policy,
+            path, index = _decide(rt, qd, kd, vd, scaling, layer_settings(rt, s, key), policy=policy,
                                   training=training, layer_idx=layer_idx, key=key,
                                   memo_key=None if key is None else (key, slot), engine=engine,
                                   max_error=max_error, prepare=prepare_spec(qd, kd, engine, None), graphed=False)
@@ -250,7 +253,7 @@ def _per_document(q, k, v, scaling, s, documents, *, policy, training, layer_idx
             else:
                 dense.append((b, start, n))
     if slot == 0 and policy != "never":  # no document long enough to estimate: the layer ran dense as a whole
-        CONTEXT.layers.append(LayerRecord(layer_idx, "dense", None))
+        rt.records.layers.append(LayerRecord(layer_idx, "dense", None))
     if len(dense) == sum(len(row) for row in documents.lengths):  # every document dense: the batch's one call
         from mtrain.ops import dense_attention
 
@@ -264,17 +267,18 @@ def _per_document(q, k, v, scaling, s, documents, *, policy, training, layer_idx
     return torch.stack(rows)
 
 
-def _start_gather(q, k, v, world: int, settings):
+def _start_gather(rt, q, k, v, world: int, settings):
     """Under parallel.schedule gather, the group's K/V all-gather started before a sparse layer's estimate (a
     layer the choice then sends dense drops it), else None."""
-    if CONTEXT.schedule != "gather" or world == 1:
+    if rt.topology.schedule != "gather" or world == 1:
         return None
     from mtrain.parallel.ring_gather import KVGather, spare_bound
 
-    return KVGather(k, v, CONTEXT.group, spare=spare_bound(settings, q.shape[0] * q.shape[2], q.shape[1] * world))
+    spare = spare_bound(settings, q.shape[0] * q.shape[2], q.shape[1] * world)
+    return KVGather(k, v, rt.topology.group, spare=spare)
 
 
-def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True, engine="auto",
+def _ring(rt, q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True, engine="auto",
           max_error=None):
     """This rank's shard of a context-parallel group: dense ring, or sparse with SparseSettings `settings`, run
     sparse or dense per `policy` (the same path on every rank: see `choose_path`); the sparse steps' block kernels
@@ -287,130 +291,141 @@ def _ring(q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", t
     from mtrain.parallel.graphed import estimate_rank_index_graphed
     from mtrain.parallel.plan import rank_blocks, rank_positions, shard_key_blocks
 
-    index = None
-    world = dist.get_world_size(CONTEXT.group)
-    replay = replay_choice(layer_idx) if settings is not None else None
+    index, topo = None, rt.topology
+    world = dist.get_world_size(topo.group)
+    replay = replay_choice(rt, layer_idx) if settings is not None else None
     gather = None
     if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and rows
         path, lines = replay
         if path == "sparse":
-            gather = _start_gather(q, k, v, world, settings)
+            gather = _start_gather(rt, q, k, v, world, settings)
             vertical, slash, rows = lines
             index = rank_index_of_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows,
-                                        schedule=CONTEXT.schedule)
-    elif settings is not None and policy != "never" and not skip_estimate(q, settings, layer_idx, policy=policy,
+                                        schedule=topo.schedule)
+    elif settings is not None and policy != "never" and not skip_estimate(rt, q, settings, layer_idx, policy=policy,
                                                                           training=training, world=world):
         # Estimated across the group (no rank does it for the others; the lines are identical on every rank);
         # each rank builds only its own rows of the index, whose whole work and density come from the lines.
-        gather = _start_gather(q, k, v, world, settings)  # the gathered schedule's K/V travel while the estimate runs
-        rank = dist.get_rank(CONTEXT.group)
+        gather = _start_gather(rt, q, k, v, world, settings)  # the gathered schedule's K/V travel during the estimate
+        rank = dist.get_rank(topo.group)
         seq_len = q.shape[1] * world
-        positions = rank_positions(CONTEXT.layout, seq_len, rank, q.device)  # cached: no copy to the device per layer
+        positions = rank_positions(topo.layout, seq_len, rank, q.device)  # cached: no copy to the device per layer
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        rows = rank_blocks(CONTEXT.layout, seq_len, rank, settings.block_size, q.device)
+        rows = rank_blocks(topo.layout, seq_len, rank, settings.block_size, q.device)
         # replayed from a CUDA graph under parallel.graph_ring_estimate (mtrain.parallel.graphed), else eager
-        key_blocks = shard_key_blocks(CONTEXT.layout, seq_len, rank, settings.block_size, q.device)
+        key_blocks = shard_key_blocks(topo.layout, seq_len, rank, settings.block_size, q.device)
 
         def estimate(s):
-            return estimate_rank_index_graphed(q.detach(), k.detach(), positions, seq_len, s, scale, CONTEXT.group,
-                                               doc_ids=CONTEXT.doc_ids, rows=rows, key_blocks=key_blocks,
-                                               layout_key=(CONTEXT.layout.spec, rank), schedule=CONTEXT.schedule)
+            return estimate_rank_index_graphed(q.detach(), k.detach(), positions, seq_len, s, scale, topo.group,
+                                               doc_ids=rt.inputs.doc_ids, rows=rows, key_blocks=key_blocks,
+                                               layout_key=(topo.layout.spec, rank), schedule=topo.schedule)
 
         index = estimate(settings)
-        checked = check_wanted(max_error, policy) and check_due(layer_idx, training)
+        checked = check_wanted(rt, max_error, policy) and check_due(rt, layer_idx, training)
         if checked:  # the quality check across the group: the same figure on every rank, hence the same path
-            index._cache["output_error"] = _ring_quality_error(q, k, v, positions, index, seq_len, settings, scale,
-                                                               rank)
-            if escalate(layer_idx, index, max_error):  # over the limit on every rank: again at the escalated recall
-                settings = dataclasses.replace(settings, recall=CONTEXT.layer_recall[layer_idx])
+            index._cache["output_error"] = _ring_quality_error(rt, q, k, v, positions, index, seq_len, settings,
+                                                               scale, rank)
+            if escalate(rt, layer_idx, index, max_error):  # over the limit on every rank: again at the escalated recall
+                settings = dataclasses.replace(settings, recall=rt.policy.layer_recall[layer_idx])
                 index = estimate(settings)
-                index._cache["output_error"] = _ring_quality_error(q, k, v, positions, index, seq_len, settings,
+                index._cache["output_error"] = _ring_quality_error(rt, q, k, v, positions, index, seq_len, settings,
                                                                    scale, rank)
-        path, prediction = choose_path(index, q, policy=policy, training=training, world=world,
+        path, prediction = choose_path(rt, index, q, policy=policy, training=training, world=world,
                                        target=settings.recall, rows=scored_rows(settings, seq_len),
                                        max_error=max_error)
         # the prediction and est_recall / output error, hence the widening and the hold, are the same on every rank
-        cap_scale, widened = widen_or_hold(layer_idx, index, settings, seq_len, prediction, policy, training)
+        cap_scale, widened = widen_or_hold(rt, layer_idx, index, settings, seq_len, prediction, policy, training)
         if checked:
-            passed_check(layer_idx, path, training)
+            passed_check(rt, layer_idx, path, training)
         recall = None
-        if CONTEXT.sample_recall and path == "sparse":  # the same decision on every rank: a collective
+        if rt.inputs.sample_recall and path == "sparse":  # the same decision on every rank: a collective
             from mtrain.ops.recall import gathered_true_recall
 
             with torch.no_grad():
                 recall = gathered_true_recall(q.detach(), k.detach(), positions, index._cache["lines"], seq_len,
-                                              settings.block_size, CONTEXT.group, softmax_scale=scale,
-                                              doc_ids=CONTEXT.doc_ids, n_rows=CONTEXT.recall_rows)
-        record_layer(layer_idx, path, index, prediction, true_recall=recall, cap_scale=cap_scale, widened=widened)
-        remember_choice(layer_idx, path, index, training)
-        if path == "sparse" and CONTEXT.sample_imbalance:  # the first sparse layer of a logged step watches the
+                                              settings.block_size, topo.group, softmax_scale=scale,
+                                              doc_ids=rt.inputs.doc_ids, n_rows=rt.inputs.recall_rows)
+        record_layer(rt, layer_idx, path, index, prediction, true_recall=recall, cap_scale=cap_scale, widened=widened)
+        remember_choice(rt, layer_idx, path, index, training)
+        if path == "sparse" and rt.inputs.sample_imbalance:  # the first sparse layer of a logged step watches the
             # balance (every rank of the group takes the same path, so all of them join the collective); once a step
             from mtrain.parallel.imbalance import gathered_imbalance
 
-            CONTEXT.sample_imbalance = False
-            measured = gathered_imbalance(index, CONTEXT.layout, rank, CONTEXT.group,
-                                          local_world_size=CONTEXT.local_world_size)
-            CONTEXT.imbalances.append((measured["worker"], measured["step"], measured["ranks"]))
+            rt.inputs.sample_imbalance = False
+            measured = gathered_imbalance(index, topo.layout, rank, topo.group,
+                                          local_world_size=topo.local_world_size)
+            rt.records.imbalances.append((measured["worker"], measured["step"], measured["ranks"]))
         if path == "dense":
             index = None
     elif settings is not None:
-        remember_choice(layer_idx, "dense", None, training)
-    return ring_attention(q, k, v, group=CONTEXT.group, layout=CONTEXT.layout, index=index, softmax_scale=scaling,
-                          inner_group=CONTEXT.inner_group, outer_group=CONTEXT.outer_group, doc_ids=CONTEXT.doc_ids,
+        remember_choice(rt, layer_idx, "dense", None, training)
+    return ring_attention(q, k, v, group=topo.group, layout=topo.layout, index=index, softmax_scale=scaling,
+                          inner_group=topo.inner_group, outer_group=topo.outer_group, doc_ids=rt.inputs.doc_ids,
                           engine=engine if engine in ("auto", "triton", "fa4") else "triton",
-                          schedule=CONTEXT.schedule, kv_gather=gather, dense_schedule=CONTEXT.dense_schedule,
-                          documents=current_documents(CONTEXT.doc_ids))
+                          schedule=topo.schedule, kv_gather=gather, dense_schedule=topo.dense_schedule,
+                          documents=rt.current_documents(rt.inputs.doc_ids))
 
 
-def _ring_quality_error(q, k, v, positions, index, seq_len, settings, scale, rank):
+def _ring_quality_error(rt, q, k, v, positions, index, seq_len, settings, scale, rank):
     """The quality check's figure for this layer in the CP group (the estimate's scored rows)."""
     from mtrain.parallel.quality import gathered_output_error
 
     vertical, slash, _ = index._cache["lines"]
     with torch.no_grad():
         return gathered_output_error(q.detach(), k.detach(), v.detach(), positions, (vertical, slash), seq_len,
-                                     settings.block_size, CONTEXT.layout, rank, CONTEXT.group,
+                                     settings.block_size, rt.topology.layout, rank, rt.topology.group,
                                      rows=check_rows(settings, seq_len), softmax_scale=scale,
-                                     doc_ids=CONTEXT.doc_ids)
+                                     doc_ids=rt.inputs.doc_ids)
 
 
 def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, settings=False,
-                     policy=None, engine=None, max_error=False, per_document=True, **kwargs):
-    """HF attention function: query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE
-    (with a KV cache, key/value hold the cached positions too: then see `_cached_attention`).
-    settings: SparseSettings (sparse), None (dense); left out = the last registered kind's (CONTEXT).
-    policy: one of SPARSE_POLICIES for sparse settings; None = CONTEXT.sparse_policy. Under "auto" the cost
+                     policy=None, engine=None, max_error=False, per_document=None, **kwargs):
+    """HF attention function of the mtraining kinds: query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after
+    RoPE (with a KV cache, key/value hold the cached positions too: then see `_cached_attention`). Everything it reads
+    and writes besides its inputs is the runtime of the model `module` belongs to (`runtime_of(module)`,
+    `mtrain.models.runtime`): its settings, topology, step inputs, policy state and records; the call runs under the
+    runtime's switches (`mtrain.ops.switches.applied`). The keywords override the runtime's settings for this call:
+    settings: SparseSettings (sparse), None (dense); left out = the runtime's (settings.sparse).
+    policy: one of SPARSE_POLICIES for sparse settings; None = the runtime's sparse_policy. Under "auto" the cost
     model is that of a training call (forward + backward) when the module is in training mode, else forward only.
-    engine: one of ENGINES for the sparse path on one device; None = CONTEXT.engine (a CP ring runs its own
+    engine: one of ENGINES for the sparse path on one device; None = the runtime's (a CP ring runs its own
     partial-step kernels).
     max_error: under "auto", a layer whose output error on the scored rows exceeds it runs dense (the quality check,
     `mtrain.models.policy.quality_error`; in a CP group `mtrain.parallel.quality.gathered_output_error`); None = no
-    check; left out = CONTEXT.max_output_error.
+    check; left out = the runtime's max_output_error.
     per_document: one device with packed documents: each long enough document sparse on its own
-    (`_per_document`); False = one estimate over the whole sequence, documents masked (attention.per_document).
+    (`_per_document`); False = one estimate over the whole sequence, documents masked; None = the runtime's.
 
     Returns (out [B, S_local, Hq, D], None).
     """
-    if settings is False:
-        settings = CONTEXT.settings if CONTEXT.sparse else None
-    policy = policy or CONTEXT.sparse_policy
-    engine = engine or CONTEXT.engine
-    max_error = CONTEXT.max_output_error if max_error is False else max_error
+    rt = runtime_of(module)
+    with applied(rt.settings.switches):
+        return _attention(rt, module, query, key, value, scaling, dropout, settings=settings, policy=policy,
+                          engine=engine, max_error=max_error, per_document=per_document), None
+
+
+def _attention(rt, module, query, key, value, scaling, dropout, *, settings, policy, engine, max_error,
+               per_document):
+    """`mtrain_attention`'s work, under the runtime's switches: the call's out [B, S_local, Hq, D]."""
+    own = rt.settings
+    settings = own.sparse if settings is False else settings
+    policy = policy or own.sparse_policy
+    engine = engine or own.engine
+    max_error = own.max_output_error if max_error is False else max_error
+    per_document = own.per_document if per_document is None else per_document
     training = bool(getattr(module, "training", True))
     layer_idx = getattr(module, "layer_idx", None)
-    settings = layer_settings(settings, layer_idx)  # the layer's caps, widened where `widen` widened them
+    settings = layer_settings(rt, settings, layer_idx)  # the layer's caps, widened where `widen` widened them
     q, k, v, cached = hf_inputs(module, query, key, value, scaling, dropout)
     if cached is not None:
-        return cached, None
+        return cached
     with profile_range(layer_idx):
-        if CONTEXT.group is None:
-            out = _local_attention(q, k, v, scaling, settings, CONTEXT.doc_ids, policy=policy, training=training,
-                                   layer_idx=layer_idx, engine=engine, max_error=max_error,
-                                   per_document=per_document)
-        else:
-            out = _ring(q, k, v, scaling, settings, layer_idx, policy=policy, training=training, engine=engine,
-                        max_error=max_error)
-    return out, None
+        if rt.topology.group is None:
+            return _local_attention(rt, q, k, v, scaling, settings, rt.inputs.doc_ids, policy=policy,
+                                    training=training, layer_idx=layer_idx, engine=engine, max_error=max_error,
+                                    per_document=per_document)
+        return _ring(rt, q, k, v, scaling, settings, layer_idx, policy=policy, training=training, engine=engine,
+                     max_error=max_error)
 
 
 PROFILE_LABEL = "mtrain.attention"
@@ -427,30 +442,13 @@ def profile_range(layer_idx):
     return torch.profiler.record_function(f"{PROFILE_LABEL} {layer}")
 
 
-def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
-             max_output_error: float | None = None, widen_caps: bool = True, widen_max_list_mib: int = 0,
-             escalate_recall: float | None = None, per_document: bool = True, **sparse_settings) -> str:
-    """The plugin's registration (`mtrain.models.registry.register_kind` calls it for the kinds of KINDS): register
-    `kind` as `mtrain-<kind>`; sparse kinds take `mtrain.parallel.SparseSettings` fields as keywords, and
-    `sparse_policy` (SPARSE_POLICIES), `engine` (ENGINES: the block kernels of the sparse path on one device),
-    `max_output_error` (under "auto": the quality check's limit, None = none; see `mtrain_attention`) and
-    `widen_caps` (under "auto", in training: widen the caps of a layer whose caps bind instead of holding it dense;
-    `mtrain.models.policy.widen`) and `widen_max_list_mib` (widen only while the rank's index lists at the wider caps
-    take at most this many MiB; 0 = no limit), `escalate_recall` (with `max_output_error`: the recall a layer that
-    fails the check estimates at from then on, `mtrain.models.policy.escalate`; None = none), `per_document` (one
-    device with packed documents: each long enough document on its own; `mtrain_attention`).
-    Returns the `attn_implementation` name. Each name carries its own settings; registering a name again replaces
-    them for every model using it."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    from mtrain.parallel import SparseSettings
-
+def check_options(*, sparse_policy: str, dense_hold: int, engine: str, max_output_error, widen_caps,
+                  widen_max_list_mib, escalate_recall, recall: float) -> None:
+    """MtrainError for a bad registration keyword of the mtraining kinds (see `settings_of`)."""
     if sparse_policy not in SPARSE_POLICIES:
         raise MtrainError(f"sparse_policy '{sparse_policy}' is not one of {', '.join(SPARSE_POLICIES)}")
     if engine not in ENGINES:
         raise MtrainError(f"engine '{engine}' is not one of {', '.join(ENGINES)}")
-    sparse, _ = KINDS[kind]
     check_max_output_error(max_output_error)
     if not isinstance(dense_hold, int) or dense_hold < 0:
         raise MtrainError(f"dense_hold must be an integer >= 0 (steps; 0 = estimate every step), got {dense_hold!r}")
@@ -458,25 +456,48 @@ def register(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, e
         raise MtrainError(f"widen_caps must be true or false, got {widen_caps!r}")
     if isinstance(widen_max_list_mib, bool) or not isinstance(widen_max_list_mib, int) or widen_max_list_mib < 0:
         raise MtrainError(f"widen_max_list_mib must be an integer >= 0 (0 = no limit), got {widen_max_list_mib!r}")
-    check_escalate_recall(escalate_recall, sparse_settings.get("recall", SparseSettings.recall), max_output_error)
-    CONTEXT.kind, CONTEXT.sparse, CONTEXT.sparse_policy, CONTEXT.engine = kind, sparse, sparse_policy, engine
-    CONTEXT.max_output_error = max_output_error
-    CONTEXT.dense_hold, CONTEXT.dense_until, CONTEXT.hold_streak = dense_hold, {}, {}
-    CONTEXT.checked_until, CONTEXT.widen_caps, CONTEXT.cap_scale = {}, widen_caps, {}
-    CONTEXT.widen_max_list_bytes = widen_max_list_mib * 2**20
-    CONTEXT.escalate_recall, CONTEXT.layer_recall = escalate_recall, {}
-    if sparse:
+    check_escalate_recall(escalate_recall, recall, max_output_error)
+
+
+def settings_of(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
+                max_output_error: float | None = None, widen_caps: bool = True, widen_max_list_mib: int = 0,
+                escalate_recall: float | None = None, per_document: bool = True,
+                **sparse_settings) -> AttentionSettings:
+    """The plugin's settings (`mtrain.models.registry.attention_runtime` calls it for the kinds of KINDS), checked:
+    sparse kinds take `mtrain.parallel.SparseSettings` fields as keywords, and `sparse_policy` (SPARSE_POLICIES),
+    `engine` (ENGINES: the block kernels of the sparse path on one device), `max_output_error` (under "auto": the
+    quality check's limit, None = none; see `mtrain_attention`) and `widen_caps` (under "auto", in training: widen
+    the caps of a layer whose caps bind instead of holding it dense; `mtrain.models.policy.widen`) and
+    `widen_max_list_mib` (widen only while the rank's index lists at the wider caps take at most this many MiB; 0 = no
+    limit), `escalate_recall` (with `max_output_error`: the recall a layer that fails the check estimates at from
+    then on, `mtrain.models.policy.escalate`; None = none), `per_document` (one device with packed documents: each
+    long enough document on its own; `mtrain_attention`)."""
+    from mtrain.parallel import SparseSettings
+
+    check_options(sparse_policy=sparse_policy, dense_hold=dense_hold, engine=engine, max_output_error=max_output_error,
+                  widen_caps=widen_caps, widen_max_list_mib=widen_max_list_mib, escalate_recall=escalate_recall,
+                  recall=sparse_settings.get("recall", SparseSettings.recall))
+    sparse = None
+    if KINDS[kind][0]:
         try:
-            CONTEXT.settings = SparseSettings(**sparse_settings)
+            sparse = SparseSettings(**sparse_settings)
         except TypeError as err:
             fields = ", ".join(SparseSettings.__dataclass_fields__)
             raise MtrainError(f"bad sparse attention setting ({err}); valid settings: {fields}") from None
-    else:
-        CONTEXT.settings = None
+    return AttentionSettings(kind=kind, sparse=sparse, sparse_policy=sparse_policy, engine=engine,
+                             max_output_error=max_output_error, dense_hold=dense_hold, widen_caps=widen_caps,
+                             widen_max_list_bytes=widen_max_list_mib * 2**20, escalate_recall=escalate_recall,
+                             per_document=per_document)
+
+
+def register(kind: str) -> str:
+    """The plugin's registration with transformers (`mtrain.models.registry.attention_runtime` calls it): `kind` as
+    `mtrain-<kind>`, whose function (`mtrain_attention`) carries no settings (they travel in the runtime of the model
+    it runs in), with a mask function that builds no mask. Registering again changes nothing. Returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     name = f"mtrain-{kind}"
-    # The function carries its own settings: models loaded under other mtrain names keep theirs.
-    AttentionInterface.register(name, functools.partial(mtrain_attention, settings=CONTEXT.settings,
-                                                        policy=sparse_policy, engine=engine,
-                                                        max_error=max_output_error, per_document=per_document))
+    AttentionInterface.register(name, mtrain_attention)
     AttentionMaskInterface.register(name, no_mask)
     return name

@@ -1,141 +1,18 @@
-"""The per-call context every mtrain attention kind reads, the record each sparse-kind call leaves, and what every
-kind does first with a call (HF's inputs, a KV-cache call, the mask function).
+"""The record each sparse-kind call leaves (`LayerRecord`), and what every mtrain attention kind does first with a
+call (HF's inputs, a KV-cache call, the mask function).
 
-Per-batch facts the attention needs (the CP group, layout, and the document spans of the packed sample) live in
-one `AttentionContext`, `CONTEXT`, that the trainer sets per micro-batch; the dense/sparse policy
-(`mtrain.models.policy`) keeps its per-layer state there too.
+What the attention reads and writes besides its inputs (settings, the CP group and layout, the packed documents, the
+dense/sparse policy's per-layer state, the records) lives in the runtime the model owns
+(`mtrain.models.runtime.AttentionRuntime`), found on the module HF calls the attention with (`runtime_of`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from mtrain.errors import MtrainError
-
-
-@dataclass
-class AttentionContext:
-    """What the registered attention functions read; set by the trainer before each forward."""
-
-    kind: str = "dense"
-    sparse: bool = False
-    settings: object = None
-    """mtrain.parallel.SparseSettings for sparse kinds."""
-    sparse_policy: str = "always"
-    """One of SPARSE_POLICIES: per layer, "auto" runs dense where the cost model predicts sparse would not pay."""
-    engine: str = "auto"
-    """One of ENGINES: which kernels run a one-device sparse layer (`vertical_slash_attention`'s impl)."""
-    max_output_error: object = None
-    """Under sparse_policy auto: a layer whose output error on the scored rows exceeds this runs dense
-    (`mtrain.models.policy.quality_error`; in a CP group `mtrain.parallel.quality.gathered_output_error`); None = no
-    quality check. Set from attention.max_output_error."""
-    group: object = None
-    """The CP process group (None when cp_size == 1)."""
-    layout: object = None
-    """mtrain.parallel.Layout of the CP group."""
-    inner_group: object = None
-    outer_group: object = None
-    """Hierarchical ring groups (inner = one node, outer = across nodes), or None for a flat ring."""
-    local_world_size: object = None
-    """Ranks per node of a hierarchical ring (None: flat)."""
-    schedule: str = "ring"
-    """parallel.schedule: how sparse layers of a CP group share K/V ("ring" or "gather", `ring_attention`'s)."""
-    dense_schedule: str = "auto"
-    """parallel.dense_schedule: how dense layers of a CP group run ("auto", "ring" or "gather", `ring_attention`'s)."""
-    doc_ids: object = None
-    """LongTensor [B, S] of document ids over the WHOLE (global) sequence, or None for one document per row."""
-    documents: object = None
-    """`mtrain.ops.varlen.Documents` of doc_ids (their boundaries, read from the host once per batch: `set_documents`),
-    or None; dense attention with documents runs one varlen call from it."""
-    densities: list = field(default_factory=list)
-    """Fraction of causal pairs in the estimated pattern, per sparse-kind call (whichever path ran), for
-    logging; reset by the trainer each step. `layers` says which path each call took."""
-    layers: list = field(default_factory=list)
-    """One `LayerRecord` per sparse-kind call (reset by the trainer each step)."""
-    sample_recall: bool = False
-    """Set by the trainer on the steps that log a sampled true recall: sparse layers then measure it."""
-    recall_rows: int = 64
-    """Query rows (spread over the sequence) the sampled true recall averages over."""
-
-    imbalances: list = field(default_factory=list)
-    """(worker, step, per-rank work / mean work) imbalance of the first layer's sparse index under the layout, per
-    measured forward (logging)."""
-    step: int = 0
-    """The optimizer step the trainer is on (for dense_hold)."""
-    dense_hold: int = 0
-    """Under sparse_policy auto, in training: a layer that the choice sent dense runs dense without estimating
-    for this many further steps (0 = estimate every call). Set from attention.dense_hold_steps."""
-    dense_until: dict = field(default_factory=dict)
-    """layer index -> the first step at which that layer estimates again (see dense_hold)."""
-    hold_streak: dict = field(default_factory=dict)
-    """layer index -> how many estimates in a row did not pay for themselves (each doubles the next hold, up to
-    HOLD_BACKOFF_MAX x dense_hold)."""
-    checked_until: dict = field(default_factory=dict)
-    """layer index -> the first step at which the quality check (max_output_error) measures that layer again: a
-    layer that passed it is looked at again after dense_hold steps, as a held-dense layer is (see `check_due`)."""
-    recomputing: bool = False
-    """True while non-reentrant gradient checkpointing recomputes a layer's forward for its backward (set through
-    `checkpoint_contexts`): the sparse kinds then replay what that layer's first forward chose (`memo`) instead of
-    estimating again, so the recomputation runs the same path on the same index and logs nothing twice."""
-    memo: dict = field(default_factory=dict)
-    """layer index -> (path, lines) of the layer's last forward in training: "sparse" or "dense", and the lines
-    its index was built from (`index._cache["lines"]`; small next to the lists, which are rebuilt from them)."""
-    widen_caps: bool = True
-    """Under sparse_policy auto, in training: a layer the estimate's recall or the quality check sends dense (where the
-    cost model said sparse) while its caps bind gets its caps doubled for its next estimate instead of a dense hold
-    (`mtrain.models.policy.widen`). Set from attention.widen_caps."""
-    widen_max_list_bytes: int = 0
-    """`widen` doubles a layer's caps only while the rank's index lists at the doubled caps take at most this many
-    bytes (`mtrain.models.policy.list_bytes`); 0 = no limit. Set from attention.widen_max_list_mib."""
-    escalate_recall: object = None
-    """With max_output_error: the recall a layer whose output error exceeds it estimates at from then on
-    (`mtrain.models.policy.escalate`); None = no escalation. Set from attention.escalate_recall."""
-    layer_recall: dict = field(default_factory=dict)
-    """layer index -> the recall that layer estimates at where `escalate` raised it (absent: the settings' recall)."""
-    cap_scale: dict = field(default_factory=dict)
-    """layer index -> how many times wider than the recipe's max_vertical / max_slash (and cap_fraction, at most 1)
-    that layer's caps are (1 when absent; doubled by `widen` up to MAX_CAP_SCALE)."""
-    choice_stats: dict = field(default_factory=dict)
-    """(layer index, q shape) -> (host tensor, event or None): the work counts and mean estimated recall of that
-    layer's last estimate, copied to the host without waiting (see attention.lagged_choice)."""
-    sample_imbalance: bool = True
-    """Whether the next layer that runs sparse measures the imbalance (the trainer sets it on the steps it logs; that
-    layer clears it, so one layer a step measures, whichever layers `auto` holds dense): each CP rank counts its own
-    rows' work where its lists are (`mtrain.parallel.imbalance.rank_work`) and one small all-gather combines them."""
-
-
-CONTEXT = AttentionContext()
-
-
-def set_documents(doc_ids, device=None) -> None:
-    """Set this batch's documents: doc_ids [B, S] (the CPU copy where there is one: its boundaries are read there,
-    once per batch) on `device`, or None for one document per row."""
-    from mtrain.ops.varlen import Documents
-
-    CONTEXT.documents = None if doc_ids is None else Documents.from_doc_ids(doc_ids, device)
-    CONTEXT.doc_ids = None if doc_ids is None else CONTEXT.documents.doc_ids
-
-
-def current_documents(doc_ids):
-    """The `Documents` of doc_ids: the batch's (`set_documents`) when they are of these ids, else read from them here
-    (a host read per call: callers in a training step set the batch's once); None for None."""
-    if doc_ids is None:
-        return None
-    docs = CONTEXT.documents
-    if docs is not None and docs.doc_ids is doc_ids:
-        return docs
-    from mtrain.ops.varlen import Documents
-
-    return Documents.from_doc_ids(doc_ids)
-
-
-def clear_records() -> None:
-    """Forget the per-call logging lists (densities, imbalances, layer records). The trainer does this at every
-    step; a caller that runs the model outside training (an evaluation's samples) does it after each sample, or
-    the lists grow with every call."""
-    CONTEXT.densities, CONTEXT.imbalances, CONTEXT.layers = [], [], []
 
 
 def own(value):
@@ -182,11 +59,11 @@ class LayerRecord:
     """True when the layer ran dense without estimating because an earlier step's choice holds (dense_hold)."""
 
     cap_scale: int = 1
-    """The layer's cap multiplier this call ran with (CONTEXT.cap_scale; 1 = the recipe's caps)."""
+    """The layer's cap multiplier this call ran with (the runtime's policy.cap_scale; 1 = the recipe's caps)."""
     widened: bool = False
     """True when this call's choice doubled the layer's caps for its next estimate (`mtrain.models.policy.widen`)."""
     escalated_recall: float | None = None
-    """The recall this call's layer estimates at where `escalate` raised it (CONTEXT.layer_recall), else None."""
+    """The recall this call's layer estimates at where `escalate` raised it (the runtime's policy.layer_recall), else None."""
     index_bytes: int = 0
     """Bytes of this call's index lists on this rank (`mtrain.ops.index.list_bytes`: its rows under CP), 0 where no
     index was estimated."""
@@ -216,9 +93,13 @@ def hf_inputs(module, query, key, value, scaling, dropout):
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if k.shape[1] == q.shape[1]:
         return q, k, v, None
-    if CONTEXT.group is not None or CONTEXT.doc_ids is not None:
-        raise MtrainError("a KV cache runs on one device over one document: clear the context-parallel "
-                          "group and doc_ids (mtrain.models.context.CONTEXT) before generating")
+    from mtrain.models.runtime import runtime_of
+
+    rt = runtime_of(module)
+    if rt.topology.group is not None or rt.inputs.doc_ids is not None:
+        raise MtrainError("a KV cache runs on one device over one document: clear the context-parallel group and "
+                          "the documents of the model's runtime (runtime.topology.group, runtime.set_documents(None)) "
+                          "before generating")
     return q, k, v, _cached_attention(q, k, v, scaling)
 
 

@@ -78,8 +78,10 @@ def check_weight_files(folder: str | os.PathLike, key: str, fix: str) -> None:
             raise MtrainError(f"{key}: {path} is truncated or damaged ({reason}); {fix}") from None
 
 
-def load_model(model_cfg, attn_implementation: str):
-    """The model the recipe names: a checkpoint (`model.path`) or a fresh init from `model.config`."""
+def load_model(model_cfg, attn_implementation: str, runtime=None):
+    """The model the recipe names: a checkpoint (`model.path`) or a fresh init from `model.config`, with
+    `attn_implementation`; `runtime` (an `mtrain.models.runtime.AttentionRuntime`, needed for an mtrain kind: its
+    `name` is the attn_implementation) attached to it, the model's own from then on."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -112,12 +114,15 @@ def load_model(model_cfg, attn_implementation: str):
     else:
         config._attn_implementation = attn_implementation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    if model_cfg.gradient_checkpointing:
-        from mtrain.models.policy import checkpoint_contexts
+    if runtime is not None:
+        from mtrain.models.runtime import attach_runtime
 
-        # the recomputation replays each layer's sparse-or-dense choice and index (CONTEXT.recomputing)
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
+        attach_runtime(model, runtime)
+    if model_cfg.gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if runtime is not None:  # the recomputation replays each layer's sparse-or-dense choice and index
+            kwargs["context_fn"] = runtime.checkpoint_contexts
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if model_cfg.mlp_chunk:
         from mtrain.models.memory import chunk_mlp
 

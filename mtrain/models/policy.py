@@ -1,18 +1,22 @@
 """The dense/sparse policy of the sparse kinds, per layer and call: the choice (`choose_path`, on the cost model
 `mtrain.ops.cost` and the estimate's recall), skipping an estimate that cannot pay (`skip_estimate`), the dense holds
-(`hold`), the quality check's cadence (`check_due` / `passed_check`) and their state across a checkpoint (`policy_state` / `load_policy_state`, saved by the trainer),
-the widening of the caps of a layer whose caps bind (`layer_settings`, `widen`, `widen_or_hold`), the replay of a layer's choice under
-gradient checkpointing (`checkpoint_contexts`, `replay_choice`, `remember_choice`) and the record of each call
-(`record_layer`). Its state lives in `CONTEXT`."""
+(`hold`), the quality check's cadence (`check_due` / `passed_check`), the widening of the caps of a layer whose caps
+bind (`layer_settings`, `widen`, `widen_or_hold`), the replay of a layer's choice under gradient checkpointing
+(`replay_choice`, `remember_choice`; the recomputation flag is set by `AttentionRuntime.checkpoint_contexts`) and the
+record of each call (`record_layer`).
+
+Every function that reads or writes state takes the model's runtime first (`rt`, a
+`mtrain.models.runtime.AttentionRuntime`): its settings, its step inputs, its per-layer policy state (`rt.policy`,
+which the trainer saves with each checkpoint through `rt.state_dict()`) and its records; nothing here is shared
+between models."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
 
-from mtrain.models.context import CONTEXT, LayerRecord, own
+from mtrain.models.context import LayerRecord, own
 from mtrain.ops.lists import MAX_LIST_ENTRIES
 from mtrain.ops.switches import SWITCHES
 
@@ -41,7 +45,7 @@ RECALL_SLACK = 0.04
 CHOICE_STATS_PER_LAYER = 4
 
 
-def _choice_stats(index, q, target, layer_idx) -> list:
+def _choice_stats(rt, index, q, target, layer_idx) -> list:
     """[listed block entries, listed column entries(, mean est_recall)(, output error)] that `choose_path` decides
     from (the recall when `target` is given and the index has one; the output error when the quality check put one in
     `index._cache["output_error"]`): this estimate's, or with lagged_choice and a layer index the previous estimate's
@@ -61,7 +65,7 @@ def _choice_stats(index, q, target, layer_idx) -> list:
     if not SWITCHES.lagged_choice or layer_idx is None:
         return now.tolist()  # one device-to-host read
     key = (layer_idx, tuple(q.shape), len(parts))
-    before = CONTEXT.choice_stats.get(key)
+    before = rt.policy.choice_stats.get(key)
     if now.is_cuda:
         host = torch.empty(now.shape, dtype=now.dtype, pin_memory=True)
         host.copy_(now, non_blocking=True)
@@ -69,11 +73,11 @@ def _choice_stats(index, q, target, layer_idx) -> list:
         event.record()
     else:
         host, event = now.clone(), None
-    CONTEXT.choice_stats.pop(key, None)
-    CONTEXT.choice_stats[key] = (host, event)  # now the layer's most recent
-    mine = [k for k in CONTEXT.choice_stats if k[0] == layer_idx]
+    rt.policy.choice_stats.pop(key, None)
+    rt.policy.choice_stats[key] = (host, event)  # now the layer's most recent
+    mine = [k for k in rt.policy.choice_stats if k[0] == layer_idx]
     for old in mine[:-CHOICE_STATS_PER_LAYER]:  # an evaluation meets a new shape with every prompt: keep a few
-        del CONTEXT.choice_stats[old]
+        del rt.policy.choice_stats[old]
     host, event = before if before is not None else (host, event)
     if event is not None:
         event.synchronize()  # the previous estimate's copy finished long ago: no wait in practice
@@ -102,7 +106,7 @@ def check_rows(s, seq_len: int) -> torch.Tensor:
                     s.sample_rows)[0]
 
 
-def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0,
+def choose_path(rt, index, q, *, policy: str, training: bool, world: int = 1, doc_ids=None, target=None, rows=0,
                  engine: str = "auto", graphed: bool = False, layer_idx=None, max_error=None):
     """("sparse" | "dense", Prediction or None) for one call with the estimated `index` under `policy`.
 
@@ -127,11 +131,11 @@ def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_id
     from mtrain.ops import cost
     from mtrain.ops.dense import dense_backend
 
-    read = _choice_stats(index, q, target, layer_idx)
+    read = _choice_stats(rt, index, q, target, layer_idx)
     blocks, columns = int(read[0]), int(read[1])
     B, _, Hq, D = q.shape
     # one device with packed documents: the dense path runs them in one varlen call (or one call per document)
-    doc_lengths = None if doc_ids is None else document_lengths(doc_ids)
+    doc_lengths = None if doc_ids is None else document_lengths(rt, doc_ids)
     prediction = cost.predict(blocks, columns, seq_len=index.seq_len, heads=Hq, head_dim=D,
                               block_size=index.block_size, batch=B, backward=training, device=q.device,
                               world=world, doc_lengths=doc_lengths, estimate_rows=rows, engine=engine,
@@ -151,7 +155,7 @@ def choose_path(index, q, *, policy: str, training: bool, world: int = 1, doc_id
     return prediction.path, prediction
 
 
-def skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 1, doc_ids=None,
+def skip_estimate(rt, q, s, layer_idx, *, policy: str, training: bool, world: int = 1, doc_ids=None,
                    engine: str = "auto", graphed: bool = False, layer=False) -> bool:
     """Under "auto": True when sparse cannot pay even with no work listed (the estimate and the fixed costs
     alone exceed dense; `mtrain.ops.cost.worth_estimating`). The call then runs dense without estimating and
@@ -161,24 +165,24 @@ def skip_estimate(q, s, layer_idx, *, policy: str, training: bool, world: int = 
     layer = layer_idx if layer is False else layer
     if policy != "auto":
         return False
-    if training and layer_idx is not None and CONTEXT.step < CONTEXT.dense_until.get(layer_idx, -1):
-        CONTEXT.layers.append(LayerRecord(layer, "dense", None, held=True,  # held dense: see dense_hold
-                                          cap_scale=CONTEXT.cap_scale.get(layer_idx, 1)))
+    if training and layer_idx is not None and rt.inputs.step < rt.policy.dense_until.get(layer_idx, -1):
+        rt.records.layers.append(LayerRecord(layer, "dense", None, held=True,  # held dense: see dense_hold
+                                             cap_scale=rt.policy.cap_scale.get(layer_idx, 1)))
         return True
     from mtrain.ops import cost
     from mtrain.ops.dense import dense_backend
 
     B, S_local, Hq, D = q.shape
     S = S_local * world
-    doc_lengths = None if doc_ids is None or world > 1 else document_lengths(doc_ids)
+    doc_lengths = None if doc_ids is None or world > 1 else document_lengths(rt, doc_ids)
     floor = cost.worth_estimating(seq_len=S, heads=Hq, head_dim=D, block_size=s.block_size,
                                   rows=scored_rows(s, S), batch=B, backward=training,
                                   device=q.device, world=world, doc_lengths=doc_lengths, engine=engine,
                                   graphed=graphed, dense_engine=dense_backend(q))
     if floor.path == "sparse":
         return False
-    CONTEXT.layers.append(LayerRecord(layer, "dense", None, floor.dense_ms, floor.sparse_ms,
-                                      cap_scale=CONTEXT.cap_scale.get(layer_idx, 1)))
+    rt.records.layers.append(LayerRecord(layer, "dense", None, floor.dense_ms, floor.sparse_ms,
+                                         cap_scale=rt.policy.cap_scale.get(layer_idx, 1)))
     return True
 
 
@@ -195,21 +199,22 @@ def scored_rows(s, seq_len: int) -> int:
 HOLD_BACKOFF_MAX = 8
 
 
-def hold(layer_idx, prediction, policy: str, training: bool) -> None:
+def hold(rt, layer_idx, prediction, policy: str, training: bool) -> None:
     """After auto decided a training call, skip this layer's estimate (running dense) when estimating did not pay
     for itself: the layer went dense, or it went sparse but the estimate plus the sparse path is predicted no
     cheaper than dense (`Prediction.estimate_paid`). The estimate is paid before the choice, so such a layer
     would pay it every step for nothing or for a loss (a layer's attention pattern, and so its density, moves
-    slowly during training). The hold is CONTEXT.dense_hold steps, doubled for each further estimate in a row
+    slowly during training). The hold is rt.settings.dense_hold steps, doubled for each further estimate in a row
     that did not pay (up to HOLD_BACKOFF_MAX x); an estimate that pays resets it."""
-    if policy != "auto" or not training or CONTEXT.dense_hold <= 0 or layer_idx is None or prediction is None:
+    if policy != "auto" or not training or rt.settings.dense_hold <= 0 or layer_idx is None or prediction is None:
         return
     if prediction.estimate_paid:
-        CONTEXT.hold_streak.pop(layer_idx, None)
+        rt.policy.hold_streak.pop(layer_idx, None)
         return
-    streak = CONTEXT.hold_streak.get(layer_idx, 0)
-    CONTEXT.hold_streak[layer_idx] = streak + 1
-    CONTEXT.dense_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold * min(2 ** streak, HOLD_BACKOFF_MAX)
+    streak = rt.policy.hold_streak.get(layer_idx, 0)
+    rt.policy.hold_streak[layer_idx] = streak + 1
+    backoff = min(2 ** streak, HOLD_BACKOFF_MAX)
+    rt.policy.dense_until[layer_idx] = rt.inputs.step + 1 + rt.settings.dense_hold * backoff
 
 
 # The widest a layer's caps grow (`widen`), as a multiple of the recipe's max_vertical / max_slash: the scales 1, 2, 4
@@ -228,14 +233,14 @@ def scaled_settings(s, scale: int):
                                cap_fraction=fraction)
 
 
-def layer_settings(s, layer_idx):
-    """The SparseSettings a layer estimates with: `s` with the layer's caps widened by its CONTEXT.cap_scale and its
-    recall raised to its CONTEXT.layer_recall (`escalate`) (the same object where the layer has neither). A layer at another scale has other settings, hence its own key in the
+def layer_settings(rt, s, layer_idx):
+    """The SparseSettings a layer estimates with: `s` with the layer's caps widened by its rt.policy.cap_scale and its
+    recall raised to its rt.policy.layer_recall (`escalate`) (the same object where the layer has neither). A layer at another scale has other settings, hence its own key in the
     estimate's graph caches."""
     if s is None or layer_idx is None:
         return s
-    s = scaled_settings(s, CONTEXT.cap_scale.get(layer_idx, 1))
-    recall = CONTEXT.layer_recall.get(layer_idx)
+    s = scaled_settings(s, rt.policy.cap_scale.get(layer_idx, 1))
+    recall = rt.policy.layer_recall.get(layer_idx)
     return s if recall is None or recall == s.recall else dataclasses.replace(s, recall=recall)
 
 
@@ -273,25 +278,25 @@ def _lists_at(index, cap_v: int, cap_s: int) -> tuple[int, int, int, bool]:
     return b, h, rows, isinstance(index, RowIndex) and estimate.columns_list_free(b, h, rows, cap_s, cap_v)
 
 
-def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> bool:
+def widen(rt, layer_idx, index, s, seq_len: int, policy: str, training: bool) -> bool:
     """After auto decided a training call: where the estimate's recall or the quality check sent the layer dense
     though the cost model said sparse (`index._cache["overruled"]`, set by `choose_path`) and its caps bind, double
-    the layer's CONTEXT.cap_scale for its next estimate and return True: the caller then sets no dense hold, and the
+    the layer's rt.policy.cap_scale for its next estimate and return True: the caller then sets no dense hold, and the
     next call estimates again with the wider caps. The caps bind when the estimate fell short of its recall target
     (the fewest lines reaching it are listed, so an estimate that reached it stopped below its caps and wider caps
     would list the same lines: a layer the check sends dense with its recall met is held as before) and doubling
     them gives larger caps for this sequence (`mtrain.ops.estimate.line_caps`: they do not yet cover it). Returns
     False (the caller holds the layer as before) under attention.widen_caps false, at MAX_CAP_SCALE, where the caps
-    do not bind, where the lists at the doubled caps would exceed CONTEXT.widen_max_list_bytes (`list_bytes`) or the
+    do not bind, where the lists at the doubled caps would exceed rt.settings.widen_max_list_bytes (`list_bytes`) or the
     entries our kernels can address (`mtrain.ops.lists.MAX_LIST_ENTRIES`), or for any other choice. `s`: the
     settings the layer estimated with (`layer_settings`); `seq_len`: the whole sequence (every rank of a CP group passes the same). Decided from the est_recall / output error the choice read,
     which every rank of a CP group shares, so every rank widens alike. The layer's lagged choice statistics
     (lagged_choice) are dropped: its next choice reads the estimate at the new caps, not the last one at the old."""
     overruled = index._cache.get("overruled")
-    if policy != "auto" or not training or not CONTEXT.widen_caps or layer_idx is None or overruled is None:
+    if policy != "auto" or not training or not rt.settings.widen_caps or layer_idx is None or overruled is None:
         return False
     _, recall = overruled
-    scale = CONTEXT.cap_scale.get(layer_idx, 1)
+    scale = rt.policy.cap_scale.get(layer_idx, 1)
     if scale * 2 > MAX_CAP_SCALE or (recall is not None and recall >= s.recall):
         return False
     from mtrain.ops.estimate import line_caps
@@ -300,109 +305,76 @@ def widen(layer_idx, index, s, seq_len: int, policy: str, training: bool) -> boo
     caps = [line_caps(seq_len, x.block_size, x.max_vertical, x.max_slash, x.cap_fraction) for x in (s, wide)]
     if caps[1] == caps[0]:  # the caps already cover the sequence: wider caps list nothing more
         return False
-    limit = CONTEXT.widen_max_list_bytes
+    limit = rt.settings.widen_max_list_bytes
     if limit and list_bytes(index, *caps[1]) > limit:  # lists this wide cost more to build than a dense layer saves
         return False
     if column_list_entries(index, *caps[1]) > MAX_LIST_ENTRIES:  # beyond the kernels' 32-bit offsets
         return False
-    CONTEXT.cap_scale[layer_idx] = scale * 2
-    for key in [key for key in CONTEXT.choice_stats if key[0] == layer_idx]:
-        del CONTEXT.choice_stats[key]
+    rt.policy.cap_scale[layer_idx] = scale * 2
+    for key in [key for key in rt.policy.choice_stats if key[0] == layer_idx]:
+        del rt.policy.choice_stats[key]
     return True
 
 
-def escalate(layer_idx, index, max_error) -> bool:
+def escalate(rt, layer_idx, index, max_error) -> bool:
     """After the quality check measured a layer (`index._cache["output_error"]`): where the error exceeds `max_error`,
-    CONTEXT.escalate_recall is set and the layer does not already estimate at it, make that the layer's recall from
-    now on (CONTEXT.layer_recall, read by `layer_settings`) and return True: the caller estimates again with the
+    rt.settings.escalate_recall is set and the layer does not already estimate at it, make that the layer's recall from
+    now on (rt.policy.layer_recall, read by `layer_settings`) and return True: the caller estimates again with the
     layer's settings and checks the new index before its choice. The layer's lagged choice statistics are dropped (its
     choice reads the new estimate). The error is the same on every rank of a CP group, so every rank escalates alike."""
-    er = CONTEXT.escalate_recall
+    er = rt.settings.escalate_recall
     error = index._cache.get("output_error")
     if er is None or layer_idx is None or max_error is None or error is None:
         return False
     # the worst sequence of the batch, as `choose_path` reads it; one host read, on the calls that measure the check
-    if CONTEXT.layer_recall.get(layer_idx) == er or not float(error.double().amax()) > max_error:
+    if rt.policy.layer_recall.get(layer_idx) == er or not float(error.double().amax()) > max_error:
         return False
-    CONTEXT.layer_recall[layer_idx] = er
-    for key in [key for key in CONTEXT.choice_stats if key[0] == layer_idx]:
-        del CONTEXT.choice_stats[key]
+    rt.policy.layer_recall[layer_idx] = er
+    for key in [key for key in rt.policy.choice_stats if key[0] == layer_idx]:
+        del rt.policy.choice_stats[key]
     return True
 
 
-def check_wanted(max_error, policy: str) -> bool:
+def check_wanted(rt, max_error, policy: str) -> bool:
     """Whether a call measures the quality check at all (its cadence aside: `check_due`): under "auto" with a limit,
-    and under "always" where the check also decides recall escalation (CONTEXT.escalate_recall)."""
-    return max_error is not None and (policy == "auto" or (policy == "always" and CONTEXT.escalate_recall is not None))
+    and under "always" where the check also decides recall escalation (rt.settings.escalate_recall)."""
+    escalating = rt.settings.escalate_recall is not None
+    return max_error is not None and (policy == "auto" or (policy == "always" and escalating))
 
 
-def widen_or_hold(layer_idx, index, s, seq_len: int, prediction, policy: str, training: bool) -> tuple[int, bool]:
+def widen_or_hold(rt, layer_idx, index, s, seq_len: int, prediction, policy: str, training: bool) -> tuple[int, bool]:
     """After auto decided a training call: `widen` the layer's caps where they bind, else `hold` it as before.
     Returns (the cap scale this call estimated with, whether it widened), what `record_layer` records."""
-    cap_scale = CONTEXT.cap_scale.get(layer_idx, 1)
-    widened = widen(layer_idx, index, s, seq_len, policy, training)
+    cap_scale = rt.policy.cap_scale.get(layer_idx, 1)
+    widened = widen(rt, layer_idx, index, s, seq_len, policy, training)
     if not widened:
-        hold(layer_idx, prediction, policy, training)
+        hold(rt, layer_idx, prediction, policy, training)
     return cap_scale, widened
 
 
-def check_due(layer_idx, training: bool) -> bool:
+def check_due(rt, layer_idx, training: bool) -> bool:
     """Whether this call measures the quality check's output error (`quality_error`): always outside training, with
     no layer index or with no hold (dense_hold 0: every call); in training, unless the layer passed the check less
     than dense_hold steps ago (`passed_check`). The check costs two partial-attention calls over the scored rows'
     query blocks; a layer's pattern, and so its error, moves slowly in training (the premise of the holds), so a layer
     that passed is measured once per hold period, the cadence at which a held-dense layer estimates again."""
-    if not training or layer_idx is None or CONTEXT.dense_hold <= 0:
+    if not training or layer_idx is None or rt.settings.dense_hold <= 0:
         return True
-    return CONTEXT.step >= CONTEXT.checked_until.get(layer_idx, -1)
+    return rt.inputs.step >= rt.policy.checked_until.get(layer_idx, -1)
 
 
-def passed_check(layer_idx, path: str, training: bool) -> None:
+def passed_check(rt, layer_idx, path: str, training: bool) -> None:
     """After a training call measured the check and ran sparse: skip the check on this layer for dense_hold steps.
     A layer the check sent dense is held dense by `hold` instead (and is measured again when its hold ends)."""
-    if not training or layer_idx is None or CONTEXT.dense_hold <= 0 or path != "sparse":
+    if not training or layer_idx is None or rt.settings.dense_hold <= 0 or path != "sparse":
         return
-    CONTEXT.checked_until[layer_idx] = CONTEXT.step + 1 + CONTEXT.dense_hold
+    rt.policy.checked_until[layer_idx] = rt.inputs.step + 1 + rt.settings.dense_hold
 
 
-def policy_state() -> dict:
-    """What sparse_policy "auto" carries from one training step to the next, as plain JSON data: each layer's dense
-    hold and its back-off streak, its quality check's cadence, its cap scale (`widen`), its escalated recall
-    (`escalate`) and the lagged choice's last
-    statistics (lagged_choice). Saved with every
-    checkpoint and given back to `load_policy_state`, so that a resumed run takes the paths the uninterrupted one
-    would have taken. (Per-step fields, `memo` and the logging lists, start afresh each step.)"""
-    stats = []
-    for (layer, shape, parts), (host, event) in sorted(CONTEXT.choice_stats.items(), key=repr):
-        if event is not None:
-            event.synchronize()
-        stats.append([layer, list(shape), parts, host.tolist()])
-    def items(state: dict) -> list:  # layer indices first, then the per-document keys ("03@64K": `document_key`)
-        return sorted(state.items(), key=lambda item: (isinstance(item[0], str), item[0]))
-
-    return {"dense_until": items(CONTEXT.dense_until), "hold_streak": items(CONTEXT.hold_streak),
-            "checked_until": items(CONTEXT.checked_until), "cap_scale": items(CONTEXT.cap_scale),
-            "layer_recall": items(CONTEXT.layer_recall), "choice_stats": stats}
-
-
-def load_policy_state(state: dict) -> None:
-    """Restore what `policy_state` returned (after `register_kind`, which clears the holds)."""
-    CONTEXT.dense_until = {layer: step for layer, step in state["dense_until"]}
-    CONTEXT.hold_streak = {layer: streak for layer, streak in state["hold_streak"]}
-    # checkpoints written before the check's cadence have no "checked_until": every layer is then checked at once
-    CONTEXT.checked_until = {layer: step for layer, step in state.get("checked_until", [])}
-    # checkpoints written before cap widening have no "cap_scale": every layer then has the recipe's caps
-    CONTEXT.cap_scale = {layer: scale for layer, scale in state.get("cap_scale", [])}
-    # ... and none before recall escalation: every layer then estimates at the recipe's recall
-    CONTEXT.layer_recall = {layer: recall for layer, recall in state.get("layer_recall", [])}
-    CONTEXT.choice_stats = {(layer, tuple(shape), parts): (torch.tensor(values, dtype=torch.float64), None)
-                            for layer, shape, parts, values in state["choice_stats"]}
-
-
-def record_layer(layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None,
+def record_layer(rt, layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None,
                  true_recall=None, cap_scale: int = 1, widened: bool = False, layer=False) -> None:
     """Append this call's LayerRecord; on sample_recall steps measure the true recall of a sparse call on
-    CONTEXT.recall_rows rows spread evenly over the sequence (ending at the last row). q/k: the whole
+    rt.inputs.recall_rows rows spread evenly over the sequence (ending at the last row). q/k: the whole
     sequence (None under CP, where no rank holds it: the ring measures it across the group and passes
     `true_recall` instead). cap_scale: the layer's cap multiplier this call estimated with; widened: whether this
     call's choice doubled it (`widen`). layer_idx: the key of the policy's state; layer: the record's layer
@@ -413,60 +385,42 @@ def record_layer(layer_idx, path, index, prediction, q=None, k=None, scaling=Non
     record = LayerRecord(layer_idx if layer is False else layer, path, index.density_tensor(), est_recall=own(index._cache.get("est_recall")),
                          true_recall=true_recall, output_error=index._cache.get("output_error"),
                          cap_scale=cap_scale, widened=widened, index_bytes=list_bytes(index),
-                         escalated_recall=CONTEXT.layer_recall.get(layer_idx) if layer_idx is not None else None)
+                         escalated_recall=rt.policy.layer_recall.get(layer_idx) if layer_idx is not None else None)
     if prediction is not None:
         record.dense_ms, record.sparse_ms = prediction.dense_ms, prediction.sparse_ms
-    if CONTEXT.sample_recall and path == "sparse" and q is not None:
+    if rt.inputs.sample_recall and path == "sparse" and q is not None:
         from mtrain.ops.recall import sampled_rows, true_recall
 
-        rows = sampled_rows(q.shape[1], CONTEXT.recall_rows, q.device)
+        rows = sampled_rows(q.shape[1], rt.inputs.recall_rows, q.device)
         with torch.no_grad():
             record.true_recall = true_recall(q.detach(), k.detach(), index, softmax_scale=scaling, doc_ids=doc_ids,
                                              rows=rows)
-    CONTEXT.densities.append(record.density)
-    CONTEXT.layers.append(record)
+    rt.records.densities.append(record.density)
+    rt.records.layers.append(record)
 
 
-@contextlib.contextmanager
-def _recomputing():
-    CONTEXT.recomputing = True
-    try:
-        yield
-    finally:
-        CONTEXT.recomputing = False
-
-
-def checkpoint_contexts():
-    """`context_fn` of torch.utils.checkpoint (non-reentrant) for models with mtrain attention: nothing around the
-    first forward; around the recomputation for the backward, `CONTEXT.recomputing`. A recomputed layer then
-    rebuilds the index its first forward chose from the remembered lines (cheap) rather than estimating again:
-    one estimate per layer and step instead of two, and the same path in both passes whatever the first one
-    changed (a dense hold it set would otherwise send the recomputation dense, which checkpointing refuses)."""
-    return contextlib.nullcontext(), _recomputing()
-
-
-def replay_choice(layer_idx):
+def replay_choice(rt, layer_idx):
     """(path, lines) that this layer's first forward chose, while gradient checkpointing recomputes it; else None."""
-    if CONTEXT.recomputing and layer_idx is not None:
-        return CONTEXT.memo.get(layer_idx)
+    if rt.inputs.recomputing and layer_idx is not None:
+        return rt.policy.memo.get(layer_idx)
     return None
 
 
-def remember_choice(layer_idx, path: str, index, training: bool) -> None:
-    """Keep this training forward's choice for the layer's recomputation (see `checkpoint_contexts`)."""
+def remember_choice(rt, layer_idx, path: str, index, training: bool) -> None:
+    """Keep this training forward's choice for the layer's recomputation (see `AttentionRuntime.checkpoint_contexts`)."""
     if not training or layer_idx is None or not torch.is_grad_enabled():
         return
     lines = None if index is None else own(index._cache.get("lines"))  # not views that keep the lists alive
     if path == "sparse" and lines is None:
-        CONTEXT.memo.pop(layer_idx, None)  # nothing to rebuild from: the recomputation estimates again
+        rt.policy.memo.pop(layer_idx, None)  # nothing to rebuild from: the recomputation estimates again
     else:
-        CONTEXT.memo[layer_idx] = (path, lines)
+        rt.policy.memo[layer_idx] = (path, lines)
 
 
-def document_lengths(doc_ids) -> list[int]:
-    """Lengths of the runs of equal document ids of every row of doc_ids [B, S]: the batch's (`set_documents`, read
-    once per batch) when doc_ids are its ids, else one host read here."""
-    docs = CONTEXT.documents
+def document_lengths(rt, doc_ids) -> list[int]:
+    """Lengths of the runs of equal document ids of every row of doc_ids [B, S]: the batch's
+    (`AttentionRuntime.set_documents`, read once per batch) when doc_ids are its ids, else one host read here."""
+    docs = rt.inputs.documents
     if docs is not None and docs.doc_ids is doc_ids:
         return [n for row in docs.lengths for n in row]
     change = torch.ones_like(doc_ids, dtype=torch.bool)

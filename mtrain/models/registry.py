@@ -1,11 +1,17 @@
 """The registry of mtrain's attention kinds as HF attention implementations (transformers' AttentionInterface).
 
-`register_attention(recipe)` registers the recipe's kind under the name `mtrain-<kind>` together with a mask
-function that returns None (no S x S mask is ever built); the trainer loads the model with `attn_implementation=`
-that name. The kinds come from plugins, each a module with `KINDS` (attention.kind -> (sparse?, layout name or
-None)) and `register(kind, *, sparse_policy, dense_hold, engine, **settings)`: the mtraining kinds
-(`mtrain.models.attention`) and the baselines (`mtrain.models.baselines`). Per-batch facts the attention needs
-live in `mtrain.models.context.CONTEXT`.
+`attention_runtime(kind, **settings)` (a recipe's: `recipe_runtime(recipe)`) checks the settings, registers the kind
+under the name `mtrain-<kind>` together with a mask function that returns None (no S x S mask is ever built), and
+returns a fresh `mtrain.models.runtime.AttentionRuntime` holding the settings; the model is loaded with
+`attn_implementation=runtime.name` and the runtime attached to it (`mtrain.models.load_model(..., runtime=)` does
+both, or `mtrain.models.runtime.attach_runtime`). The registered functions carry no settings: each model's attention
+reads its own runtime, so models loaded with different settings in one process keep theirs. `register_kind` and
+`register_attention` register and return just the name (for a caller that builds its runtime elsewhere).
+
+The kinds come from plugins, each a module with `KINDS` (attention.kind -> (sparse?, layout name or None)),
+`settings_of(kind, *, sparse_policy, dense_hold, engine, **settings)` (the checked `AttentionSettings`) and
+`register(kind)` (the HF registration): the mtraining kinds (`mtrain.models.attention`) and the baselines
+(`mtrain.models.baselines`).
 """
 
 from __future__ import annotations
@@ -23,9 +29,21 @@ _PLUGIN_OF = {kind: plugin for plugin in PLUGINS for kind in plugin.KINDS}
 
 
 def register_attention(recipe) -> str:
-    """Register the recipe's attention kind with transformers; return the `attn_implementation` name."""
+    """Register the recipe's attention kind with transformers (its settings checked); return the `attn_implementation`
+    name. The settings reach a model through its runtime: `recipe_runtime`."""
     kind, options = recipe_attention(recipe.attention)
     return register_kind(kind, **options)
+
+
+def recipe_runtime(recipe):
+    """A fresh runtime of the recipe's attention kind (`attention_runtime` with the recipe's `attention:` keys), with
+    the recipe's switches (`mtrain.ops.switches.from_sections`), which its attention calls put in place."""
+    from mtrain.ops.switches import from_sections
+
+    kind, options = recipe_attention(recipe.attention)
+    runtime = attention_runtime(kind, **options)
+    runtime.settings.switches = from_sections(recipe.attention, recipe.parallel)
+    return runtime
 
 
 def recipe_attention(a) -> tuple[str, dict]:
@@ -52,21 +70,33 @@ def recipe_attention(a) -> tuple[str, dict]:
     return a.kind, {"sparse_policy": a.sparse_policy, "dense_hold": a.dense_hold_steps, "engine": a.engine, **settings}
 
 
-def register_kind(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
-                  **sparse_settings) -> str:
-    """Register attention kind `kind` (see KINDS) as `mtrain-<kind>` through its plugin; sparse kinds take
+def attention_runtime(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
+                      **sparse_settings):
+    """A fresh `mtrain.models.runtime.AttentionRuntime` for attention kind `kind` (see KINDS) with these settings,
+    the kind registered with transformers as `mtrain-<kind>` (the runtime's `name`). Sparse kinds take
     `mtrain.parallel.SparseSettings` fields as keywords, and `sparse_policy` (`mtrain.models.policy.SPARSE_POLICIES`;
-    the recipe's attention.sparse_policy, default "auto", reaches it through `register_attention`; called directly a
+    the recipe's attention.sparse_policy, default "auto", reaches it through `recipe_runtime`; called directly a
     sparse kind runs sparse on every layer unless told otherwise), `engine` (`mtrain.models.attention.ENGINES`:
     the block kernels of the sparse path on one device), `max_output_error` (the quality check of "auto"),
-    `widen_caps` and `widen_max_list_mib` (the cap widening of "auto"), `escalate_recall` (see
-    `mtrain.models.attention.register`); the baselines take `BaselineSettings` fields and ignore
-    the rest. Returns the `attn_implementation` name.
-    Each name carries its own settings; registering a name again replaces them for every model using it."""
+    `widen_caps` and `widen_max_list_mib` (the cap widening of "auto"), `escalate_recall`, `per_document` (see
+    `mtrain.models.attention.settings_of`); the baselines take `BaselineSettings` fields and ignore the rest.
+    Attach it to the model loaded with `attn_implementation=runtime.name` (`mtrain.models.runtime.attach_runtime`)."""
+    from mtrain.models.runtime import AttentionRuntime
+
     if kind not in KINDS:
         raise MtrainError(f"attention kind '{kind}' has no mtrain implementation; use one of {', '.join(KINDS)}")
-    return _PLUGIN_OF[kind].register(kind, sparse_policy=sparse_policy, dense_hold=dense_hold, engine=engine,
-                                     **sparse_settings)
+    plugin = _PLUGIN_OF[kind]
+    settings = plugin.settings_of(kind, sparse_policy=sparse_policy, dense_hold=dense_hold, engine=engine,
+                                  **sparse_settings)
+    plugin.register(kind)
+    return AttentionRuntime(settings)
+
+
+def register_kind(kind: str, **settings) -> str:
+    """Register attention kind `kind` with transformers, its settings checked (`attention_runtime`'s keywords);
+    returns the `attn_implementation` name. The settings reach a model only through the runtime attached to it:
+    use `attention_runtime` for one."""
+    return attention_runtime(kind, **settings).name
 
 
 def layout_name(recipe) -> str:

@@ -6,6 +6,11 @@ Each is a typed recipe key under `attention:` or `parallel:` (`mtrain.config`), 
 trainer copies them here from the recipe before the first forward (`configure`), and the readers read `SWITCHES` at
 call time. `SWITCHES` lives in the lowest layer of the stack (ops < parallel < models) so that every layer can read
 it; the defaults here are the recipe keys' defaults. A benchmark or a test changes one for a block with `use`.
+
+A model's attention runtime (`mtrain.models.runtime`) carries its own `Switches` (the trainer's are the recipe's):
+each of its attention calls puts them in place for the call (`applied`), so two models with different switches each
+run with their own. The readers deep in ops/parallel still read `SWITCHES`: what runs outside an attention call (the
+backward of an attention op) reads the process's, which the trainer sets with `configure`.
 """
 
 from __future__ import annotations
@@ -107,3 +112,12 @@ def use(**values):
     finally:
         for name, value in saved.items():
             setattr(SWITCHES, name, value)
+
+
+def applied(switches: Switches | None):
+    """Within the block, SWITCHES set to every field of `switches` (a model's own, `mtrain.models.runtime`), restored
+    after; a no-op context for None. The model's attention calls run under their runtime's switches this way; the
+    readers deep in the stack still read SWITCHES."""
+    if switches is None:
+        return contextlib.nullcontext(SWITCHES)
+    return use(**{f.name: getattr(switches, f.name) for f in dataclasses.fields(Switches)})

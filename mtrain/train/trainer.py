@@ -203,13 +203,22 @@ class Trainer:
         return DeepSpeedPlugin(hf_ds_config=ds)
 
     def _attn_implementation(self) -> str:
-        """transformers' own sdpa/eager (document masks as 4D masks), or an mtrain kind registered with HF."""
+        """transformers' own sdpa/eager (document masks as 4D masks), or the mtrain kind of the run's attention
+        runtime (registered with HF when the runtime was made: `_attention_runtime`)."""
+        kind = self.recipe.attention.kind
+        return kind if kind in ("sdpa", "eager") else self.runtime.name
+
+    def _attention_runtime(self):
+        """The attention runtime the run's model owns (`mtrain.models.runtime`): the recipe's attention settings and
+        switches (`mtrain.models.registry.recipe_runtime`); for transformers' own kinds one that only carries the
+        step's documents and an empty policy state (what the checkpoints hold either way)."""
+        from mtrain.models.registry import recipe_runtime
+        from mtrain.models.runtime import AttentionRuntime, AttentionSettings
+
         kind = self.recipe.attention.kind
         if kind in ("sdpa", "eager"):
-            return kind
-        from mtrain.models.registry import register_attention
-
-        return register_attention(self.recipe)
+            return AttentionRuntime(AttentionSettings(kind=kind))
+        return recipe_runtime(self.recipe)
 
     def _optimizer(self, model):
         o = self.recipe.optim
@@ -277,8 +286,6 @@ class Trainer:
             return {}
 
     def _save_checkpoint(self, accelerator) -> None:
-        from mtrain.models.policy import policy_state
-
         name = f"step-{self.state.step:07d}"
         root = self._checkpoint_root()
         final, tmp = root / name, root / (name + ".tmp")
@@ -291,7 +298,7 @@ class Trainer:
             accelerator.save_state(str(tmp))
             (tmp / f"trainer_state_rank{accelerator.process_index}.json").write_text(
                 json.dumps({"state": self.state.state_dict(), "data": self.reader.state_dict(),
-                            "attention": policy_state()})
+                            "attention": self.runtime.state_dict()})
             )
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
@@ -348,9 +355,7 @@ class Trainer:
             self.state.load_state_dict(state)
             self.reader.load_state_dict(saved["data"])
             if "attention" in saved:  # checkpoints from before it was saved resume with fresh holds
-                from mtrain.models.policy import load_policy_state
-
-                load_policy_state(saved["attention"])
+                self.runtime.load_state_dict(saved["attention"])
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise MtrainError(f"{state_file}: not a trainer state as mtrain writes it ({type(exc).__name__}: "
                               f"{' '.join(str(exc).split())[:200]}); restore the file, or resume from an earlier "
@@ -380,11 +385,12 @@ class Trainer:
         return 6 * n_params + attn
 
     def _setup_parallel(self, accelerator):
-        """The DP x CP mesh, the sequence layout and the attention context of this rank; the recipe's switches
-        (`mtrain.ops.switches`) in place for the attention stack."""
-        from mtrain.models.context import CONTEXT
+        """The DP x CP mesh, the sequence layout and the attention runtime of this rank (`self.runtime`, its topology
+        set); the recipe's switches (`mtrain.ops.switches`) in place for the attention stack: the runtime's, which its
+        attention calls apply, and the process's (`configure`), which what runs outside those calls reads."""
         from mtrain.models.registry import KINDS, layout_name
         from mtrain.ops.switches import configure
+        from mtrain.models.runtime import Topology
         from mtrain.parallel import Layout
         from mtrain.parallel.comm import ring_node_size
         from mtrain.train.mesh import build_mesh
@@ -404,10 +410,10 @@ class Trainer:
         layout = Layout.create(layout_name(r), world_size=mesh.cp_size, granularity=r.parallel.granularity,
                                local_world_size=node)
         layout.check(r.data.seq_len)
-        CONTEXT.group, CONTEXT.layout = mesh.cp_group, layout
-        CONTEXT.inner_group, CONTEXT.outer_group = mesh.inner_group, mesh.outer_group
-        CONTEXT.local_world_size = node
-        CONTEXT.schedule, CONTEXT.dense_schedule = r.parallel.schedule, r.parallel.dense_schedule
+        self.runtime = self._attention_runtime()
+        self.runtime.topology = Topology(group=mesh.cp_group, layout=layout, inner_group=mesh.inner_group,
+                                         outer_group=mesh.outer_group, local_world_size=node,
+                                         schedule=r.parallel.schedule, dense_schedule=r.parallel.dense_schedule)
         return mesh, layout
 
     def _micro_batch(self, samples: list[dict]) -> dict:
@@ -492,7 +498,7 @@ class Trainer:
         if getattr(self.reader, "seq_len", r.data.seq_len) != r.data.seq_len:
             raise MtrainError(f"data.seq_len={r.data.seq_len} but {r.data.path} was packed at seq_len={self.reader.seq_len}")
         tokenizer = load_tokenizer(r.model)
-        hf_model = load_model(r.model, self._attn_implementation())
+        hf_model = load_model(r.model, self._attn_implementation(), runtime=self.runtime)
         self.architecture = architecture(hf_model.config)
         self.model_key = (f"model.config {r.model.config}" if r.model.config is not None
                           else f"model.path {r.model.path}")
@@ -564,7 +570,7 @@ class Trainer:
     # ---- one step -----------------------------------------------------------------------------
     def _step(self, loop: _Loop) -> dict:
         """One optimizer step, returning its metrics: the step's micro-batches (`_micro_batches`), the attention
-        context set for it (`_prepare_context`), their forward and backward (`_forward_backward`), the update
+        runtime's inputs set for it (`_prepare_context`), their forward and backward (`_forward_backward`), the update
         applied or skipped (`_update`), the LR schedule and the counters moved on, the metrics logged (`_log_step`)
         and, every train.save_every steps or after a SIGTERM, a checkpoint. The step train.profile_step names is
         profiled, its profile written after the step's clock stops; the first step's memory record ends with it."""
@@ -588,8 +594,9 @@ class Trainer:
         if loop.profiler is not None:  # after the step's clock: writing the profile is not the step's time
             loop.profiler.finish()
             loop.profiler = None
-        last = self._step_metrics(loop, loss, lr, grad_norm, global_tokens, elapsed)
-        self._log_step(loop, last, loss)
+        records = self.runtime.drain()  # what the step's attention calls recorded
+        last = self._step_metrics(loop, loss, lr, grad_norm, global_tokens, elapsed, records)
+        self._log_step(loop, last, loss, records)
         if (t.save_every and self.state.step % t.save_every == 0) or self._stop_requested:
             self._save_checkpoint(loop.accelerator)
         return last
@@ -614,19 +621,17 @@ class Trainer:
         return micro, global_valid, global_tokens
 
     def _prepare_context(self) -> None:
-        """Set the attention context for the coming step: the records of the last one cleared, the optimizer step
-        (what dense_hold counts), whether the step samples recall (every logging.recall_every steps) and whether it
-        measures the ring's imbalance (only on the steps that log their metrics)."""
-        from mtrain.models.context import CONTEXT, clear_records
-
+        """Set the attention runtime's inputs for the coming step: the optimizer step (what dense_hold counts),
+        whether the step samples recall (every logging.recall_every steps) and whether it measures the ring's
+        imbalance (only on the steps that log their metrics). The last step's records were drained when it logged."""
         r, t = self.recipe, self.recipe.train
-        clear_records()
-        CONTEXT.step = self.state.step  # dense_hold counts optimizer steps
+        inputs = self.runtime.inputs
+        inputs.step = self.state.step  # dense_hold counts optimizer steps
         every = r.logging.recall_every
-        CONTEXT.sample_recall = bool(every) and (self.state.step + 1) % every == 0
+        inputs.sample_recall = bool(every) and (self.state.step + 1) % every == 0
         # the imbalance is logged with the step's metrics: measure it only on the steps that log
-        CONTEXT.sample_imbalance = ((self.state.step + 1) % r.logging.log_every == 0
-                                    or self.state.step + 1 == t.max_steps)
+        inputs.sample_imbalance = ((self.state.step + 1) % r.logging.log_every == 0
+                                   or self.state.step + 1 == t.max_steps)
 
     def _forward_backward(self, loop: _Loop, micro: list[dict], global_valid: float):
         """Forward and backward of each micro-batch under accelerate's gradient accumulation, the gradients
@@ -656,10 +661,8 @@ class Trainer:
 
     def _to_device(self, loop: _Loop, cpu_batch: dict) -> dict:
         """A micro-batch on the device for the forward, less its document ids: those set the documents of the
-        attention context, read here from the CPU batch once (the layers read none). A token id outside the
+        attention runtime, read here from the CPU batch once (the layers read none). A token id outside the
         embedding (data from a larger tokenizer, packed without a manifest to say so) is refused."""
-        from mtrain.models.context import set_documents
-
         r = self.recipe
         top = int(cpu_batch["input_ids"].max())
         if top >= self.embedding_rows:  # data from a tokenizer larger than the embedding (no manifest)
@@ -668,7 +671,7 @@ class Trainer:
                               "with the model's tokenizer")
         batch = {k: v.to(loop.device) for k, v in cpu_batch.items() if k != "doc_ids"}
         # the documents' boundaries read here from the CPU batch, once; the layers read none
-        set_documents(cpu_batch.get("doc_ids"), loop.device)
+        self.runtime.set_documents(cpu_batch.get("doc_ids"), loop.device)
         return batch
 
     def _update(self, loop: _Loop, loss: float, grad_norm) -> float:
@@ -701,13 +704,11 @@ class Trainer:
         return grad_norm
 
     def _step_metrics(self, loop: _Loop, loss: float, lr: float, grad_norm: float, global_tokens: int,
-                      elapsed: float) -> dict:
+                      elapsed: float, records) -> dict:
         """The step's metrics as metrics.jsonl records them: step, loss, the LR it used, gradient norm, tokens,
-        speed (tokens/s, TFLOP/s per process) and skipped steps; then, from the attention context, the mean
+        speed (tokens/s, TFLOP/s per process) and skipped steps; then, from the step's attention records, the mean
         attention density and, when the step measured it, the ring's imbalance (worst worker, worst ring step,
         each CP rank's work over the mean)."""
-        from mtrain.models.context import CONTEXT
-
         last = {
             "step": self.state.step,
             "loss": loss,
@@ -718,26 +719,25 @@ class Trainer:
             "tflops": loop.flops_per_token * global_tokens / elapsed / loop.world / 1e12,
             "skipped_steps": self.state.bad_steps,
         }
-        if CONTEXT.densities:
-            last["attention_density"] = float(sum(CONTEXT.densities)) / len(CONTEXT.densities)
-        if CONTEXT.imbalances:
-            last["imbalance_worker"] = max(m[0] for m in CONTEXT.imbalances)
-            last["imbalance_step"] = max(m[1] for m in CONTEXT.imbalances)
+        if records.densities:
+            last["attention_density"] = float(sum(records.densities)) / len(records.densities)
+        if records.imbalances:
+            last["imbalance_worker"] = max(m[0] for m in records.imbalances)
+            last["imbalance_step"] = max(m[1] for m in records.imbalances)
             # each CP rank's work over the mean (layer 0; the largest over the step's micro-batches)
-            for rank, share in enumerate(map(max, zip(*(m[2] for m in CONTEXT.imbalances)))):
+            for rank, share in enumerate(map(max, zip(*(m[2] for m in records.imbalances)))):
                 last[f"imbalance_rank/r{rank}"] = share
         return last
 
-    def _log_step(self, loop: _Loop, last: dict, loss: float) -> None:
+    def _log_step(self, loop: _Loop, last: dict, loss: float, records) -> None:
         """Log the step's metrics (`last`, updated in place) every logging.log_every steps and at the last step,
         with the per-layer attention summary and every rank's peak memory (a collective: every rank logs the same
         steps), and move the progress bar on."""
-        from mtrain.models.context import CONTEXT
         from mtrain.train.metrics import attention_stats
 
         r, t = self.recipe, self.recipe.train
         if self.state.step % r.logging.log_every == 0 or self.state.step == t.max_steps:
-            last.update(attention_stats(CONTEXT.layers))  # per layer: path, density, recalls
+            last.update(attention_stats(records.layers))  # per layer: path, density, recalls
             last.update(_peak_memory(loop.accelerator, loop.device))  # collective: every rank logs the same steps
             loop.metrics.log(last)
         loop.bar.update(1)

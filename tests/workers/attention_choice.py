@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from cp_step import finish
 from mtrain.models.attention import mtrain_attention
-from mtrain.models.context import CONTEXT
+from mtrain.models.runtime import AttentionRuntime
 from mtrain.ops import cost
 from mtrain.parallel import Layout, SparseSettings
 
@@ -38,8 +38,12 @@ def inputs(kind: str):
     return q, k, v
 
 
+RT = AttentionRuntime()
+"""The attention runtime of the layer `run` calls (`mtrain.models.runtime`)."""
+
+
 def run(q, k, v, settings, policy):
-    module = SimpleNamespace(training=True, layer_idx=0)
+    module = SimpleNamespace(training=True, layer_idx=0, mtrain_runtime=RT)
     out, _ = mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                               settings=settings, policy=policy)
     return out
@@ -55,18 +59,18 @@ def main(out_path: str) -> None:
     for kind, settings in (("local", SparseSettings(recall=0.4, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)),
                            ("flat", SparseSettings(recall=1.0, block_size=BS))):
         q, k, v = inputs(kind)
-        CONTEXT.group, CONTEXT.layout, CONTEXT.doc_ids, CONTEXT.layers = dist.group.WORLD, layout, None, []
-        CONTEXT.local_world_size, CONTEXT.inner_group, CONTEXT.outer_group = None, None, None
+        RT.topology.group, RT.topology.layout, RT.inputs.doc_ids, RT.records.layers = dist.group.WORLD, layout, None, []
+        RT.topology.local_world_size, RT.topology.inner_group, RT.topology.outer_group = None, None, None
         shard = [layout.shard(t, rank, dim=1) for t in (q, k, v)]
         auto = run(*shard, settings, "auto")
-        record = CONTEXT.layers[-1]
+        record = RT.records.layers[-1]
         paths = [None] * world
         dist.all_gather_object(paths, record.path)
         # the auto call took exactly the path it names: the same output as that path forced
         forced = run(*shard, settings, "always" if record.path == "sparse" else "never")
         shards = [torch.empty_like(auto) for _ in range(world)]
         dist.all_gather(shards, auto.contiguous())
-        CONTEXT.group, CONTEXT.layout = None, None
+        RT.topology.group, RT.topology.layout = None, None
         single_dense = run(q, k, v, None, "never")  # settings None: the dense kind on one device
         rows.append({"pattern": kind, "paths": paths, "density": float(record.density), "same_as_forced": torch.equal(auto, forced),
                      "err_vs_single_dense": float((layout.unshard(shards, dim=1) - single_dense).abs().max()),

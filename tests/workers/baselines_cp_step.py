@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from cp_step import batch, compare, configs, finish, packed_folder
 from mtrain.config import load_recipe
-from mtrain.models.registry import layout_name, register_attention
+from mtrain.models.registry import layout_name, recipe_runtime
+from mtrain.models.runtime import attach_runtime
 from mtrain.parallel import Layout
 from mtrain.train.loss import ChunkedLossLM
 
@@ -31,9 +32,10 @@ def main(out_path: str) -> None:
                                     f"parallel.layout={layout}", "parallel.granularity=32",
                                     "model.config=mtrain/assets/tiny-qwen2/config.json",
                                     "model.tokenizer=mtrain/assets/tiny-tokenizer", f"data.path={packed}"])
-        name = register_attention(recipe)
+        rt = recipe_runtime(recipe)
         torch.manual_seed(1)
-        model = ChunkedLossLM(AutoModelForCausalLM.from_config(configs()["qwen2"], attn_implementation=name), chunk=200)
+        hf = attach_runtime(AutoModelForCausalLM.from_config(configs()["qwen2"], attn_implementation=rt.name), rt)
+        model = ChunkedLossLM(hf, chunk=200)
         lay = Layout.create(layout_name(recipe), world_size=world, granularity=32)
         for docs in (None, data[-1]):
             rows.append({"kind": kind, "layout": layout, "world": world, "documents": docs is not None,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from attention_choice import BS, inputs
 from cp_step import finish
 from mtrain.models.attention import mtrain_attention
-from mtrain.models.context import CONTEXT
+from mtrain.models.runtime import AttentionRuntime
 from mtrain.ops import cost
 from mtrain.parallel import Layout, SparseSettings
 
@@ -26,21 +26,22 @@ def main(out_path: str) -> None:
     layout = Layout.create("block-stripe", world_size=world, granularity=BS)
     settings = SparseSettings(recall=0.5, block_size=BS, max_vertical=16, max_slash=16, min_vertical=0, min_slash=0)
     q, k, v = (layout.shard(t, rank, dim=1) for t in inputs("local"))
-    CONTEXT.group, CONTEXT.layout, CONTEXT.doc_ids, CONTEXT.layers = dist.group.WORLD, layout, None, []
-    CONTEXT.local_world_size, CONTEXT.inner_group, CONTEXT.outer_group = None, None, None
-    CONTEXT.dense_hold, CONTEXT.widen_caps = 4, True
+    RT = AttentionRuntime()  # the layer's attention runtime: its topology, holds, caps and records
+    RT.topology.group, RT.topology.layout, RT.inputs.doc_ids, RT.records.layers = dist.group.WORLD, layout, None, []
+    RT.topology.local_world_size, RT.topology.inner_group, RT.topology.outer_group = None, None, None
+    RT.settings.dense_hold, RT.settings.widen_caps = 4, True
     rows = []
     for step in range(4):
-        CONTEXT.step = step
-        module = SimpleNamespace(training=True, layer_idx=5)
+        RT.inputs.step = step
+        module = SimpleNamespace(training=True, layer_idx=5, mtrain_runtime=RT)
         mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, settings=settings,
                          policy="auto")
-        r = CONTEXT.layers[-1]
+        r = RT.records.layers[-1]
         mine = (r.path, r.cap_scale, r.widened, float(r.est_recall.float().mean()))
         every = [None] * world
         dist.all_gather_object(every, mine)
-        rows.append({"step": step, "ranks": every, "scale_after": CONTEXT.cap_scale.get(5, 1),
-                     "held": 5 in CONTEXT.dense_until})
+        rows.append({"step": step, "ranks": every, "scale_after": RT.policy.cap_scale.get(5, 1),
+                     "held": 5 in RT.policy.dense_until})
     finish(rank, out_path, rows)
 
 

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 import mtrain.parallel.estimate as estimate
 from cp_step import batch, compare, configs, finish, packed_folder
 from mtrain.config import load_recipe
-from mtrain.models.policy import checkpoint_contexts
-from mtrain.models.registry import layout_name, register_attention
+from mtrain.models.registry import layout_name, recipe_runtime
+from mtrain.models.runtime import attach_runtime
 from mtrain.ops.switches import SWITCHES
 from mtrain.parallel import Layout
 from mtrain.train.loss import ChunkedLossLM
@@ -53,11 +53,12 @@ def main(out_path: str) -> None:
                                 "parallel.granularity=32", "model.config=mtrain/assets/tiny-qwen2/config.json",
                                 "model.tokenizer=mtrain/assets/tiny-tokenizer",
                                 f"data.path={packed_folder('cp_ckpt_')}"])
-    name = register_attention(recipe)
+    rt = recipe_runtime(recipe)
+    rt.settings.switches = None  # the process's SWITCHES, as set above (no column lists), in the attention calls too
     torch.manual_seed(1)
-    hf = AutoModelForCausalLM.from_config(configs()["qwen2"], attn_implementation=name)
+    hf = attach_runtime(AutoModelForCausalLM.from_config(configs()["qwen2"], attn_implementation=rt.name), rt)
     hf.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts})
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": rt.checkpoint_contexts})
     model = ChunkedLossLM(hf, chunk=200)
     model.train()
     layout = Layout.create(layout_name(recipe), world_size=world, granularity=32)

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from cp_step import compare, configs, finish, packed_folder
 from mtrain.config import load_recipe
-from mtrain.models.context import CONTEXT
-from mtrain.models.registry import layout_name, register_attention
+from mtrain.models.registry import layout_name, recipe_runtime
+from mtrain.models.runtime import attach_runtime
 from mtrain.parallel import Layout
 from mtrain.train.loss import ChunkedLossLM
 
@@ -59,16 +59,17 @@ def main(out_path: str) -> None:
                                     f"parallel.granularity={granularity}", f"data.seq_len={seq_len}",
                                     "model.config=mtrain/assets/tiny-qwen2/config.json",
                                     "model.tokenizer=mtrain/assets/tiny-tokenizer", f"data.path={packed}"])
-        name = register_attention(recipe)
+        rt = recipe_runtime(recipe)
         torch.manual_seed(1)
-        model = ChunkedLossLM(AutoModelForCausalLM.from_config(configs()["qwen2"], attn_implementation=name), chunk=200)
+        hf = attach_runtime(AutoModelForCausalLM.from_config(configs()["qwen2"], attn_implementation=rt.name), rt)
+        model = ChunkedLossLM(hf, chunk=200)
         layout = Layout.create(layout_name(recipe), world_size=world, granularity=granularity)
         data = batch(seq_len)
         for docs in (None, data[-1]):
-            CONTEXT.imbalances, CONTEXT.sample_imbalance = [], True
+            rt.records.imbalances, rt.inputs.sample_imbalance = [], True
             row = compare(model, layout, rank, data, docs)
             row.update(kind=kind, seq_len=seq_len, granularity=granularity, policy=policy, world=world,
-                       documents=docs is not None, imbalances=CONTEXT.imbalances)
+                       documents=docs is not None, imbalances=rt.records.imbalances)
             rows.append(row)
     finish(rank, out_path, rows)
 

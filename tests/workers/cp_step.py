@@ -14,8 +14,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from mtrain.config import load_recipe
-from mtrain.models.context import CONTEXT
-from mtrain.models.registry import layout_name, register_attention
+from mtrain.models.registry import layout_name, recipe_runtime
+from mtrain.models.runtime import attach_runtime, runtime_of
 from mtrain.parallel import Layout
 from mtrain.tiny import tiny_config
 from mtrain.train.loss import ChunkedLossLM
@@ -64,10 +64,11 @@ def compare(model, layout, rank: int, data, docs) -> dict:
     """The step on one rank (whole sequence) and context-parallel over the world under `layout`: the reference
     loss, the relative errors of the loss and of the worst gradient, and the mean attention density."""
     ids, pos, labels, n_valid, _ = data
-    CONTEXT.group, CONTEXT.doc_ids, CONTEXT.densities = None, docs, []
+    rt = runtime_of(model)
+    rt.topology.group, rt.inputs.doc_ids, rt.records.densities = None, docs, []
     ref_loss, ref_grads = step(model, ids, pos, labels, n_valid)
-    density = float(sum(CONTEXT.densities)) / len(CONTEXT.densities) if CONTEXT.densities else 1.0
-    CONTEXT.group, CONTEXT.layout = dist.group.WORLD, layout
+    density = float(sum(rt.records.densities)) / len(rt.records.densities) if rt.records.densities else 1.0
+    rt.topology.group, rt.topology.layout = dist.group.WORLD, layout
     loss, grads = step(model, layout.shard(ids, rank), layout.shard(pos, rank), layout.shard(labels, rank), n_valid)
     dist.all_reduce(loss)
     worst = 0.0
@@ -106,9 +107,10 @@ def main(out_path: str) -> None:
                                         f"parallel.cp_size={world}", "parallel.granularity=32",
                                         "model.config=mtrain/assets/tiny-qwen2/config.json",
                                         "model.tokenizer=mtrain/assets/tiny-tokenizer", f"data.path={packed}"])
-            name = register_attention(recipe)
+            rt = recipe_runtime(recipe)
             torch.manual_seed(1)
-            model = ChunkedLossLM(AutoModelForCausalLM.from_config(config, attn_implementation=name), chunk=200)
+            hf = attach_runtime(AutoModelForCausalLM.from_config(config, attn_implementation=rt.name), rt)
+            model = ChunkedLossLM(hf, chunk=200)
             layout = Layout.create(layout_name(recipe), world_size=world, granularity=32)
             for docs in (None, doc_ids):
                 rows.append({"model": model_name, "kind": kind, "world": world, "documents": docs is not None,

@@ -37,10 +37,12 @@ class HFBackend(Backend):
 
         from mtrain.errors import MtrainError
 
+        self.runtime = None  # an mtrain kind's: the model's settings, policy state and records (mtrain.models.runtime)
         if attn_implementation.startswith("mtrain-"):
-            from mtrain.models.registry import register_kind
+            from mtrain.models.registry import attention_runtime
 
-            attn_implementation = register_kind(attn_implementation[len("mtrain-"):], **(sparse or {}))
+            self.runtime = attention_runtime(attn_implementation[len("mtrain-"):], **(sparse or {}))
+            attn_implementation = self.runtime.name
         elif sparse:
             raise MtrainError(f"backend.sparse needs an mtrain sparse attention (attn_implementation: "
                               f"mtrain-mtraining), not {attn_implementation!r}")
@@ -57,6 +59,10 @@ class HFBackend(Backend):
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
         ).to(self.device)
+        if self.runtime is not None:
+            from mtrain.models.runtime import attach_runtime
+
+            attach_runtime(self.model, self.runtime)
         self.model.eval()
         self.max_length = int(max_length) if max_length else context_limit(model_path)
         eos = self.model.generation_config.eos_token_id
@@ -90,7 +96,7 @@ class HFBackend(Backend):
         try:
             return self._generate(prompt_ids, max_new_tokens, stop)
         finally:
-            _forget_records()
+            _forget_records(self.runtime)
 
     def _generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str]) -> str:
         import torch
@@ -124,7 +130,7 @@ class HFBackend(Backend):
         try:
             return self._loglikelihood(ids)
         finally:
-            _forget_records()
+            _forget_records(self.runtime)
 
     def _loglikelihood(self, ids: Sequence[int]) -> tuple[float, int]:
         import torch
@@ -147,12 +153,12 @@ class HFBackend(Backend):
         return total, len(ids) - 1
 
 
-def _forget_records() -> None:
-    """Drop the records mtrain's attention kinds leave per call (`mtrain.models.context.clear_records`): the
-    trainer clears them every step; here nothing reads them, and over an evaluation's samples they would pile up."""
-    from mtrain.models.context import clear_records
-
-    clear_records()
+def _forget_records(runtime) -> None:
+    """Drop the records mtrain's attention kinds leave per call in the model's runtime (`AttentionRuntime.drain`;
+    None: not an mtrain kind, nothing to drop): the trainer drains them every step; here nothing reads them, and over
+    an evaluation's samples they would pile up."""
+    if runtime is not None:
+        runtime.drain()
 
 
 def _first_stop(text: str, stop: Sequence[str]) -> int | None:
