@@ -61,8 +61,8 @@ case "${1:-}" in
   stage2)
     scripts/gpu_fa4.sh install
     mark "installed FA4" ;;
-  stage3)
-    mkdir -p /root/parts && cp .carry/p1/part.aa /root/parts/
+  stage3)  # the GGUF's part 1 kept where `convert` looks for it (no gate, cost fit or profile here)
+    CHECK=0 EST=0 PROFILE=0 OUT="$RESULTS" scripts/gpu_real_model.sh stage
     mark "staged the GGUF's part 1" ;;
   run)
     mkdir -p "$RESULTS"

@@ -24,19 +24,10 @@ RESULTS = "benchmarks/results.jsonl"
 
 
 def read_steps(path: str) -> list[dict]:
-    """The logged steps of a metrics.jsonl (lines with a loss), a torn last line skipped."""
-    import json
+    """The logged steps of a metrics.jsonl (lines with a loss; a torn last line skipped, `read_metrics`)."""
+    from mtrain.train.metrics import read_metrics
 
-    rows = []
-    with open(path) as fh:
-        for line in fh:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if "loss" in row and "step" in row:
-                rows.append(row)
-    return rows
+    return [row for row in read_metrics(path) if "loss" in row and "step" in row]
 
 
 def figures(sparse: list[dict], dense: list[dict], warmup: int) -> dict:
