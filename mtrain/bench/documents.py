@@ -3,7 +3,8 @@ varlen kernel called directly (the peer), mtrain's dense path with documents (`d
 path training runs), SDPA once per document (cuDNN), flash-attn 2's varlen kernel where installed, and our Triton
 partial kernels with document ids; then the gathered dense ring's rank (`mtrain.parallel.dense_gather`) of a CP=N
 group under the zigzag layout, timed alone on the GPU (`mtrain.bench.emulate`: transfers as local fills, so a
-bound), against CP=1's FA4 varlen at the same tokens per GPU. Every variant is checked against a float64 reference
+bound), against CP=1's FA4 varlen at the same tokens per GPU, each mix as it is and `shifted` (every document
+edge moved by half the first document: the short mix's documents then cross the chunks' edges). Every variant is checked against a float64 reference
 (small case) and against FA4 at the timed shape before it is timed.
 
 Mixes (`document_lengths`): "long", four documents in the proportions of a 128K pack of real long documents (53K /
@@ -83,6 +84,17 @@ def _check_small(device, log) -> list[dict]:
         rows.append({"backend": backend, **errs, "ok": ok})
         log(f"check {backend:10s} out {errs['out']:.1e} dq {errs['dq']:.1e} dk {errs['dk']:.1e} "
             f"dv {errs['dv']:.1e} {'ok' if ok else 'FAIL'}")
+    # the gathered dense ring's rank 0 (documents crossing the shards' edges; the others' keys zero), as timed below:
+    # relative Frobenius errors within the GPU gate's bf16 tolerances
+    from mtrain.bench.check import TOL, dense_gather_case, rel
+
+    for world in (2, 4):
+        got, want = dense_gather_case(*(t.bfloat16() for t in (q, k, v)), docs.doc_ids, dout.bfloat16(), world)
+        errs = {name: rel(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+        ok = errs["out"] < TOL[torch.bfloat16][0] and max(errs["dq"], errs["dk"], errs["dv"]) < TOL[torch.bfloat16][1]
+        rows.append({"backend": f"ring-gather-cp{world}", **errs, "ok": ok})
+        log(f"check ring CP={world} (relative) out {errs['out']:.1e} dq {errs['dq']:.1e} dk {errs['dk']:.1e} "
+            f"dv {errs['dv']:.1e} {'ok' if ok else 'FAIL'}")
     return rows
 
 
@@ -142,9 +154,16 @@ def _time_one_device(S, heads, mix, iters, log) -> list[dict]:
     return rows
 
 
-def _time_ring_rank(cp, tokens_per_gpu, heads, mix, iters, log) -> dict:
+def shifted(lengths: list[int]) -> list[int]:
+    """The same documents moved by half the first one (its second half last): every edge between documents moves, so
+    a pack whose documents each lay inside one rank's zigzag chunk then has one crossing every chunk's edge."""
+    half = lengths[0] // 2
+    return [lengths[0] - half, *lengths[1:], half] if half else list(lengths)
+
+
+def _time_ring_rank(cp, tokens_per_gpu, heads, mix, iters, log, shift=False) -> dict:
     """The gathered dense ring's rank 0 of a zigzag CP group, emulated on one GPU, against CP=1's FA4 varlen on the
-    same mix (per-GPU rate: causal pairs per ms)."""
+    same mix (per-GPU rate: causal pairs per ms). shift: the mix's documents `shifted`."""
     import torch
 
     from mtrain.bench.emulate import emulated_group
@@ -156,6 +175,9 @@ def _time_ring_rank(cp, tokens_per_gpu, heads, mix, iters, log) -> dict:
     Hq, Hkv, D = heads
     S = tokens_per_gpu * cp
     lengths = document_lengths(mix, S)
+    if shift:
+        lengths = shifted(lengths)
+        mix = f"{mix}-shifted"
     docs = Documents.from_doc_ids(doc_ids_of(lengths, "cpu"), "cuda")
     layout = Layout.create("zigzag", world_size=cp)
     torch.manual_seed(0)
@@ -173,7 +195,7 @@ def _time_ring_rank(cp, tokens_per_gpu, heads, mix, iters, log) -> dict:
             gathered_dense_attention(q, k, v, runs, layout, grp, D ** -0.5, docs).backward(dout)
 
         ms = timed(step, iters, warmup=2)
-    one_lengths = document_lengths(mix, tokens_per_gpu)
+    one_lengths = document_lengths(mix.removesuffix("-shifted"), tokens_per_gpu)
     one_docs = Documents.from_doc_ids(doc_ids_of(one_lengths, "cpu"), "cuda")
 
     def one_step():
@@ -182,7 +204,7 @@ def _time_ring_rank(cp, tokens_per_gpu, heads, mix, iters, log) -> dict:
 
     one_ms = timed(one_step, iters, warmup=2)
     rate = (rank_pairs / ms) / (causal_pairs(one_lengths) / one_ms)
-    log(f"ring rank CP={cp} {tokens_per_gpu // 1024}K/GPU {Hq}/{Hkv}x{D} {mix:5s}: rank 0 {ms:8.2f} ms "
+    log(f"ring rank CP={cp} {tokens_per_gpu // 1024}K/GPU {Hq}/{Hkv}x{D} {mix:13s}: rank 0 {ms:8.2f} ms "
         f"({rank_pairs / 1e9:.2f} G pairs) vs CP=1 {one_ms:8.2f} ms ({causal_pairs(one_lengths) / 1e9:.2f} G): "
         f"per-GPU rate {rate:.3f} of CP=1 (BOUND: transfers left out)")
     return {"cp": cp, "tokens_per_gpu": tokens_per_gpu, "heads": f"{Hq}/{Hkv}x{D}", "mix": mix, "rank_ms": ms,
@@ -286,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     for cp in args.ring_cp:
         for h in heads:
             for mix in args.mixes:
-                result["ring"].append(_time_ring_rank(cp, args.ring_tokens, h, mix, args.iters, log))
+                for shift in (False, True):
+                    result["ring"].append(_time_ring_rank(cp, args.ring_tokens, h, mix, args.iters, log, shift))
     if args.fit:
         result["fit"] = {str(d): modes for d, modes in fit_dense(heads, args.iters, log).items()}
     with open(os.path.join(args.out, "documents.json"), "w") as f:

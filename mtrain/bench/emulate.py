@@ -8,7 +8,8 @@ contribute nothing, so
 
 - all_reduce leaves this rank's values (the others add the op's identity: 0 to a sum, nothing to a max or min);
 - all_gather / all_gather_into_tensor put this rank's part in its slot and zeros in the others';
-- reduce_scatter / reduce_scatter_tensor keep this rank's own chunk; all_to_all_single its own chunk, zeros elsewhere;
+- reduce_scatter / reduce_scatter_tensor keep this rank's own chunk; all_to_all_single its own part (even or uneven
+  splits), zeros elsewhere;
 - point-to-point receives (batch_isend_irecv) are zero-filled, sends dropped; barrier does nothing.
 
 What that measures: the rank's kernels, index, plans, merges and fills, every launch and host read, at the shapes
@@ -118,10 +119,17 @@ def emulated_group(world: int, rank: int = 0):
 
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):
-        if output_split_sizes or input_split_sizes:
-            raise MtrainError("emulated all_to_all_single: equal splits only")
         g = of(group)
-        _fill_others(output.chunk(g.world), input.chunk(g.world)[g.rank], g.rank)
+        if output_split_sizes is None and input_split_sizes is None:
+            _fill_others(output.chunk(g.world), input.chunk(g.world)[g.rank], g.rank)
+            return done(async_op)
+        outs = list(output.split(list(output_split_sizes))) if output_split_sizes is not None else \
+            list(output.chunk(g.world))
+        ins = list(input.split(list(input_split_sizes))) if input_split_sizes is not None else list(input.chunk(g.world))
+        if len(outs) != g.world or len(ins) != g.world or outs[g.rank].shape != ins[g.rank].shape:
+            raise MtrainError(f"emulated all_to_all_single: splits {output_split_sizes} / {input_split_sizes} do not "
+                              f"fit a group of {g.world} (this rank's own part must be the same size both ways)")
+        _fill_others(outs, ins[g.rank], g.rank)
         return done(async_op)
 
     def batch_isend_irecv(p2p_op_list):

@@ -1,14 +1,18 @@
 """Dense layers of a context-parallel group as one varlen call per rank (`parallel.dense_schedule: gather`): every
-rank all-gathers the group's K/V once per layer (small under GQA) and runs its query rows against the keys they
-read with the dense kernel of one device (`mtrain.ops.varlen`: FlashAttention-4's varlen kernel where it runs),
-documents or not. This is the all-gather scheme Llama 3 trained with: no ring steps, no LSE merge.
+rank fetches the keys its rows read from the ranks that hold them (one all-to-all per layer, only those keys) and
+runs its query rows against them with the dense kernel of one device (`mtrain.ops.varlen`: FlashAttention-4's
+varlen kernel where it runs), documents or not: no ring steps, no LSE merge. Without documents a rank reads every
+key up to its last row (as the all-gather scheme Llama 3 trained with); with them only its documents' keys, so a
+pack whose documents each lie within one rank's rows moves no keys at all and the call is one device's.
 
 It needs a layout whose shard is a few runs of consecutive positions (contiguous: one, zigzag: two, balanced for
 causal work); a run [g0, g1) and a document [d0, d1) crossing it give one varlen entry, queries [max(d0, g0),
-min(d1, g1)) against keys [d0, min(d1, g1)), causal from the bottom right. The keys each entry reads are copied out
-of the gathered shards into one packed tensor (a key two runs read is copied twice), so the whole rank is one call.
-dK/dV are added back in fp32 and go to their owners in one reduce-scatter. Memory: the group's K/V of the layer on
-every rank (cp_size x the shard's), and an fp32 buffer of that size in the backward.
+min(d1, g1)) against keys [d0, min(d1, g1)), causal from the bottom right. The plan (`_Plan`) is the same arithmetic
+on every rank, from the layout and the documents alone (no exchange of sizes): the pieces of each entry's key range
+by owning rank, what each rank sends to each other one, and where each key of the call lies among this rank's own
+keys and the received ones. The keys of the call are then one gather from those, in entry order (none when the
+rank's own keys already are that order). dK/dV are added up in fp32, the received keys' parts sent back to their
+owners in a second all-to-all. Memory: the shard's K/V plus the keys received (at most the group's).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ DENSE_SCHEDULES = ("auto", "ring", "gather")
 MAX_RUNS = 4
 
 _RUNS: dict = {}
-_SEGMENTS: dict = {}
+_PLANS: dict = {}
 
 
 def query_runs(layout, seq_len: int, rank: int) -> tuple[tuple[int, int, int], ...] | None:
@@ -56,9 +60,9 @@ def gather_runs(layout, seq_len: int, rank: int, dense_schedule: str):
 
 def _key_ranges(runs, batch: int, documents) -> tuple[list[int], list[int], list[tuple[int, int, int]]]:
     """The varlen entries of this rank's rows, in the order of q [B, S_local] flattened (row by row, each row's runs in
-    order): query lengths, key lengths, and each (row, run)'s key range (row, start, stop) in sequence positions.
-    Without documents one entry per (row, run): the keys up to the run's end; with them one per document crossing
-    the run: that document's keys up to the run's end (consecutive ranges, so one range per (row, run))."""
+    order): query lengths, key lengths, and each entry's key range (row, start, stop) in sequence positions. Without
+    documents one entry per (row, run): the keys up to the run's end; with them one per document crossing the run:
+    that document's keys up to the run's end."""
     q_lengths, k_lengths, ranges = [], [], []
     for b in range(batch):
         for l0, l1, g0 in runs:
@@ -68,80 +72,142 @@ def _key_ranges(runs, batch: int, documents) -> tuple[list[int], list[int], list
                 k_lengths.append(g1)
                 ranges.append((b, 0, g1))
                 continue
-            first = None
             for d0, n in zip(documents.starts(b), documents.lengths[b]):
                 d1 = d0 + n
                 if d1 <= g0 or d0 >= g1:
                     continue
-                first = d0 if first is None else first
                 q_lengths.append(min(d1, g1) - max(d0, g0))
                 k_lengths.append(min(d1, g1) - d0)
-            ranges.append((b, first, g1))
+                ranges.append((b, d0, min(d1, g1)))
     return q_lengths, k_lengths, ranges
 
 
-def _plan(layout, runs, batch: int, seq_len: int, documents, device):
-    """(Segments, (shard, row, sequence row) index tensors of every key the call reads, in packing order): cached on
-    the documents (built once per batch) or per shape and layout, so a layer copies nothing to the device."""
-    cache = _SEGMENTS if documents is None else documents.cache
-    key = (layout.spec, runs, batch, seq_len, str(device))
+def _pieces(ranges, all_runs, shard_len: int) -> list[tuple[int, int, int]]:
+    """Key ranges (row, start, stop) in sequence positions split by the rank holding them, in sequence order:
+    (owner, flat start, flat stop), flat = row * shard_len + position within the owner's shard."""
+    out = []
+    for b, a, c in ranges:
+        parts = []
+        for owner, runs in enumerate(all_runs):
+            for l0, l1, g0 in runs:
+                lo, hi = max(a, g0), min(c, g0 + (l1 - l0))
+                if lo < hi:
+                    parts.append((lo, owner, b * shard_len + l0 + lo - g0, b * shard_len + l0 + hi - g0))
+        out += [p[1:] for p in sorted(parts)]
+    return out
+
+
+def _merge(intervals) -> list[tuple[int, int]]:
+    """The union of [lo, hi) intervals, as sorted disjoint ones."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
+def _aranges(intervals, base: int = 0) -> torch.Tensor:
+    if not intervals:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(lo, hi) for lo, hi in intervals]) + base
+
+
+class _Plan:
+    """What the gathered dense call of `rank` moves and reads (module docstring), for the group's layout, batch and
+    documents: `segments` (the varlen entries), `send_counts` / `send_rows` (this rank's own flat rows each other
+    rank reads, by rank), `recv_counts` (the rows received from each rank), `index` (each key of the call among
+    [own flat rows ++ received rows], or None when the call reads exactly the own rows in order), `exchange` (False
+    when no rank of the group reads another's keys: every rank skips both all-to-alls)."""
+
+    def __init__(self, layout, runs, rank: int, batch: int, seq_len: int, documents, device):
+        world = layout.world_size
+        shard_len = seq_len // world
+        all_runs = [query_runs(layout, seq_len, r) for r in range(world)]
+        if any(r is None for r in all_runs):  # (gather_runs refused these layouts already)
+            raise MtrainError(f"the gathered dense call needs shards of at most {MAX_RUNS} runs; {layout!r} has more")
+        q_lengths, k_lengths, _ = _key_ranges(runs, batch, documents)
+        self.segments = Segments.build(q_lengths, k_lengths, device)
+        pieces_of = [_pieces(_key_ranges(all_runs[r], batch, documents)[2], all_runs, shard_len) for r in range(world)]
+        # what each rank reads from each other one, as merged flat intervals of the owner's shard
+        reads = [[_merge([(lo, hi) for s, lo, hi in pieces_of[r] if s == owner]) if owner != r else []
+                  for owner in range(world)] for r in range(world)]
+        self.exchange = any(reads[r][s] for r in range(world) for s in range(world))
+        self.send_counts = [sum(hi - lo for lo, hi in reads[j][rank]) for j in range(world)]
+        self.send_rows = _aranges([iv for j in range(world) for iv in reads[j][rank]]).to(device)
+        self.recv_counts = [sum(hi - lo for lo, hi in reads[rank][s]) for s in range(world)]
+        own = batch * shard_len
+        mine = pieces_of[rank]
+        if all(s == rank for s, _, _ in mine) and _merge([(lo, hi) for _, lo, hi in mine]) == [(0, own)] \
+                and sum(hi - lo for _, lo, hi in mine) == own and sorted(mine) == mine:
+            self.index = None  # the call reads the own rows, each once, in order
+            return
+        base, offset = {}, own  # where each received interval starts in [own ++ received]
+        for s in range(world):
+            for lo, hi in reads[rank][s]:
+                base[(s, lo)] = offset
+                offset += hi - lo
+        where = []
+        for s, lo, hi in mine:
+            if s == rank:
+                where.append((lo, hi))
+            else:
+                start = max(iv_lo for iv_lo, _ in reads[rank][s] if iv_lo <= lo)
+                at = base[(s, start)] + lo - start
+                where.append((at, at + hi - lo))
+        self.index = _aranges(where).to(device)
+
+
+def _plan(layout, runs, rank: int, batch: int, seq_len: int, documents, device) -> _Plan:
+    """The rank's `_Plan`: cached on the documents (built once per batch) or per shape and layout, so a layer copies
+    nothing to the device."""
+    cache = _PLANS if documents is None else documents.cache
+    key = ("dense_gather", layout.spec, runs, rank, batch, seq_len, str(device))
     if key not in cache:
-        q_lengths, k_lengths, ranges = _key_ranges(runs, batch, documents)
-        to_sequence = _to_sequence(layout, seq_len, device)
-        shard_len = seq_len // layout.world_size
-        at = torch.cat([to_sequence[start:stop] for _, start, stop in ranges])
-        rows = torch.cat([torch.full((stop - start,), b, dtype=torch.long) for b, start, stop in ranges]).to(device)
-        if documents is None and len(_SEGMENTS) > 64:
-            _SEGMENTS.clear()
-        cache[key] = (Segments.build(q_lengths, k_lengths, device), (at // shard_len, rows, at % shard_len))
+        if documents is None and len(_PLANS) > 64:
+            _PLANS.clear()
+        cache[key] = _Plan(layout, runs, rank, batch, seq_len, documents, device)
     return cache[key]
 
 
-_TO_SEQUENCE: dict = {}
-
-
-def _to_sequence(layout, seq_len: int, device):
-    """Where each sequence position lies among the ranks' shards laid one after another (the gathered K/V's rows), on
-    the device, cached per layout (no copy to the device per layer)."""
-    key = (layout.spec, seq_len, str(device))
-    if key not in _TO_SEQUENCE:
-        if len(_TO_SEQUENCE) > 16:
-            _TO_SEQUENCE.clear()
-        order = torch.cat([layout.indices(seq_len, r) for r in range(layout.world_size)])
-        _TO_SEQUENCE[key] = torch.argsort(order).to(device)
-    return _TO_SEQUENCE[key]
-
-
-class _GatherKV(torch.autograd.Function):
-    """All-gather this rank's k, v [B, S_local, Hkv, D] and pack the keys the call reads (`_plan`'s index: gathered
-    shard, batch row, row within the shard, per key), k and v [Tk, Hkv, D] each; only those keys are copied.
-    Backward: their gradients added in fp32 into the gathered shards' places (a key read by two entries gets both),
-    then reduce-scattered back to their owners."""
+class _FetchKV(torch.autograd.Function):
+    """The keys of the call, k and v [Tk, Hkv, D] each, from this rank's k, v [B, S_local, Hkv, D] and the rows the
+    other ranks send (`_Plan`). Backward: their gradients added up in fp32 per own or received row (a key read by two
+    entries gets both), the received rows' parts sent back to their owners and added to the own rows they came
+    from."""
 
     @staticmethod
-    def forward(ctx, k, v, group, where):
-        world = dist.get_world_size(group)
+    def forward(ctx, k, v, group, plan):
         B, Sl, H, D = k.shape
-        local = torch.stack((k, v), dim=2).contiguous()  # [B, Sl, 2, H, D]: one collective for both
-        buf = torch.empty((world * B, Sl, 2, H, D), dtype=k.dtype, device=k.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name, where it is
-        gather(buf, local, group=group)
-        shard, row, at = where
-        both = buf.view(world, B, Sl, 2, H, D)[shard, row, at]  # [Tk, 2, H, D]
-        ctx.group, ctx.world, ctx.dtype, ctx.shape = group, world, k.dtype, (world, B, Sl, 2, H, D)
-        ctx.save_for_backward(shard, row, at)
+        local = torch.stack((k, v), dim=2).reshape(B * Sl, 2, H, D)  # one exchange for both
+        pool = local
+        if plan.exchange:
+            received = local.new_empty((sum(plan.recv_counts), 2, H, D))
+            dist.all_to_all_single(received, local[plan.send_rows], output_split_sizes=plan.recv_counts,
+                                   input_split_sizes=plan.send_counts, group=group)
+            pool = torch.cat((local, received))
+        both = pool if plan.index is None else pool[plan.index]
+        ctx.group, ctx.plan, ctx.dtype, ctx.shape = group, plan, k.dtype, (B, Sl, H, D)
         return both[:, 0].contiguous(), both[:, 1].contiguous()
 
     @staticmethod
     def backward(ctx, dk, dv):
-        shard, row, at = ctx.saved_tensors
-        world, B, Sl, _, H, D = ctx.shape
-        parts = torch.zeros(ctx.shape, dtype=torch.float32, device=shard.device)
-        for i, g in enumerate((dk, dv)):
-            if g is not None:
-                parts.index_put_((shard, row, at, torch.full_like(at, i)), g.float(), accumulate=True)
-        mine = torch.empty((B, Sl, 2, H, D), dtype=torch.float32, device=parts.device)
-        dist.reduce_scatter_tensor(mine, parts.view(world * B, Sl, 2, H, D), group=ctx.group)
+        plan, (B, Sl, H, D) = ctx.plan, ctx.shape
+        own = B * Sl
+        grads = torch.stack([torch.zeros_like(dk) if g is None else g for g in (dk, dv)], dim=1).float()
+        if plan.index is None:
+            pool = grads
+        else:
+            pool = grads.new_zeros((own + sum(plan.recv_counts), 2, H, D))
+            pool.index_add_(0, plan.index, grads)
+        mine = pool[:own]
+        if plan.exchange:
+            back = pool.new_empty((sum(plan.send_counts), 2, H, D))
+            dist.all_to_all_single(back, pool[own:].contiguous(), output_split_sizes=plan.send_counts,
+                                   input_split_sizes=plan.recv_counts, group=ctx.group)
+            mine = mine.index_add(0, plan.send_rows, back)
+        mine = mine.view(B, Sl, 2, H, D)
         return mine[:, :, 0].to(ctx.dtype), mine[:, :, 1].to(ctx.dtype), None, None
 
 
@@ -151,9 +217,14 @@ def gathered_dense_attention(q, k, v, runs, layout, group, scale: float, documen
     (`mtrain.ops.varlen.Documents` of the whole sequence, or None). backend: `varlen_attention`'s.
     Returns out [B, S_local, Hq, D]."""
     world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
     B, Sl = q.shape[:2]
     seq_len = Sl * world
-    seg, where = _plan(layout, runs, B, seq_len, documents, q.device)
-    k_packed, v_packed = _GatherKV.apply(k, v, group, where)
-    out = varlen_attention(q.reshape(B * Sl, *q.shape[2:]), k_packed, v_packed, seg, scale, backend)
+    plan = _plan(layout, runs, rank, B, seq_len, documents, q.device)
+    flat_q = q.reshape(B * Sl, *q.shape[2:])
+    if plan.index is None and not plan.exchange:  # every key this rank reads is its own, in order: one device's call
+        k_call, v_call = k.reshape(B * Sl, *k.shape[2:]), v.reshape(B * Sl, *v.shape[2:])
+    else:
+        k_call, v_call = _FetchKV.apply(k, v, group, plan)
+    out = varlen_attention(flat_q, k_call, v_call, plan.segments, scale, backend)
     return out.view(q.shape)
