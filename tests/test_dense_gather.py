@@ -68,8 +68,15 @@ def test_plan_reads_exactly_the_keys_of_every_entry(layout_name, world, kind):
             assert rows.numel() == plan.recv_counts[s], f"rank {s} sends {rows.numel()} to {r}, which expects " \
                 f"{plan.recv_counts[s]}"
             sent_by.append(own[s][rows])
-        pool = torch.cat([own[r], *sent_by])
-        got = pool if plan.index is None else pool[plan.index]
+        received = torch.cat(sent_by)
+        if plan.pieces is None:
+            got = own[r]
+        else:  # the slice copies, and the one indexed gather past MAX_PIECES
+            got = torch.cat([(received if src else own[r])[lo:hi] for src, lo, hi, _ in plan.pieces])
+            assert [at for *_, at in plan.pieces] == [0, *torch.tensor([hi - lo for _, lo, hi, _ in plan.pieces])
+                                                     .cumsum(0).tolist()[:-1]]
+            if plan.index is not None:
+                assert torch.equal(torch.cat([own[r], received])[plan.index], got)
         want = _expected_keys(query_runs(layout, SEQ, r), batch, documents)
         assert [tuple(x) for x in got.tolist()] == want, f"rank {r}: the call's keys are not its entries' keys"
         assert plan.segments.total_k == len(want)
@@ -77,7 +84,7 @@ def test_plan_reads_exactly_the_keys_of_every_entry(layout_name, world, kind):
         assert sum(plan.recv_counts) == len(set(want) - {tuple(x) for x in own[r].tolist()})
     if kind == "aligned":  # (zigzag's chunks are halves of contiguous shards)
         assert not any(p.exchange for p in plans), "documents inside the shard runs must move no keys"
-        assert all(p.index is None for p in plans), "each rank's call must read its own keys in place"
+        assert all(p.pieces is None for p in plans), "each rank's call must read its own keys in place"
     if kind in ("cross", "none"):
         assert all(p.exchange for p in plans)
 
@@ -130,10 +137,15 @@ def _worker(rank, world, init_file, out_file):
     q, dout = torch.randn(2, SEQ, HQ, DIM), torch.randn(2, SEQ, HQ, DIM)
     k, v = torch.randn(2, SEQ, HKV, DIM), torch.randn(2, SEQ, HKV, DIM)
     scale = 1 / math.sqrt(DIM)
+    import mtrain.parallel.dense_gather as dense_gather
+
     for layout_name in ("zigzag", "contiguous"):
         layout = Layout.create(layout_name, world_size=world)
-        for kind in ("cross", "aligned", "none"):
-            ids = _docs(kind, world)
+        for kind in ("cross", "aligned", "none", "cross-index", "none-index"):
+            # "-index": the call's keys as one indexed gather (past MAX_PIECES) instead of slice copies
+            dense_gather.MAX_PIECES = 0 if kind.endswith("-index") else 32
+            dense_gather._PLANS.clear()
+            ids = _docs(kind.removesuffix("-index"), world)
             want = _reference(q, k, v, ids, dout, scale)
             shards = [layout.shard(t, rank).clone().requires_grad_(True) for t in (q, k, v)]
             before = len(calls)
@@ -166,7 +178,7 @@ def gloo_results(tmp_path_factory):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout_name", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("kind", ["cross", "aligned", "none"])
+@pytest.mark.parametrize("kind", ["cross", "aligned", "none", "cross-index", "none-index"])
 def test_gathered_dense_call_equals_float64_over_the_whole_sequence(gloo_results, world, layout_name, kind):
     records = gloo_results[f"{world}/{layout_name}/{kind}"]
     assert len(records) == world

@@ -114,12 +114,19 @@ def _aranges(intervals, base: int = 0) -> torch.Tensor:
     return torch.cat([torch.arange(lo, hi) for lo, hi in intervals]) + base
 
 
+# at most this many copied pieces make the call's keys by slice copies (else one indexed gather)
+MAX_PIECES = 32
+
+
 class _Plan:
     """What the gathered dense call of `rank` moves and reads (module docstring), for the group's layout, batch and
-    documents: `segments` (the varlen entries), `send_counts` / `send_rows` (this rank's own flat rows each other
-    rank reads, by rank), `recv_counts` (the rows received from each rank), `index` (each key of the call among
-    [own flat rows ++ received rows], or None when the call reads exactly the own rows in order), `exchange` (False
-    when no rank of the group reads another's keys: every rank skips both all-to-alls)."""
+    documents: `segments` (the varlen entries); `exchange` (False when no rank of the group reads another's keys:
+    every rank skips both all-to-alls); `send_counts` / `send_rows` (this rank's own flat rows each other rank reads,
+    by rank; `send_unique` / `send_inverse` the same rows once each); `recv_counts` (the rows received from each
+    rank); `pieces` ((source, start, stop, at): the call's keys as copies of own (source 0) or received (1) rows,
+    placed at `at`, in order) or None when the call reads exactly the own rows in order; `index` (the same keys as
+    one index into [own ++ received] rows, used past MAX_PIECES pieces); `own_once` (no own row is read twice: its
+    gradient is one copy, not a sum)."""
 
     def __init__(self, layout, runs, rank: int, batch: int, seq_len: int, documents, device):
         world = layout.world_size
@@ -135,28 +142,41 @@ class _Plan:
                   for owner in range(world)] for r in range(world)]
         self.exchange = any(reads[r][s] for r in range(world) for s in range(world))
         self.send_counts = [sum(hi - lo for lo, hi in reads[j][rank]) for j in range(world)]
-        self.send_rows = _aranges([iv for j in range(world) for iv in reads[j][rank]]).to(device)
+        self.send_rows = _aranges([iv for j in range(world) for iv in reads[j][rank]])
+        self.send_unique, self.send_inverse = (t.to(device) for t in torch.unique(self.send_rows, return_inverse=True))
+        self.send_rows = self.send_rows.to(device)
         self.recv_counts = [sum(hi - lo for lo, hi in reads[rank][s]) for s in range(world)]
         own = batch * shard_len
         mine = pieces_of[rank]
-        if all(s == rank for s, _, _ in mine) and _merge([(lo, hi) for _, lo, hi in mine]) == [(0, own)] \
-                and sum(hi - lo for _, lo, hi in mine) == own and sorted(mine) == mine:
-            self.index = None  # the call reads the own rows, each once, in order
-            return
-        base, offset = {}, own  # where each received interval starts in [own ++ received]
+        own_spans = [(lo, hi) for s, lo, hi in mine if s == rank]
+        self.own_once = sum(hi - lo for lo, hi in own_spans) == sum(hi - lo for lo, hi in _merge(own_spans))
+        self.pieces = self.index = None
+        if all(s == rank for s, _, _ in mine) and _merge(own_spans) == [(0, own)] and self.own_once \
+                and sorted(mine) == mine:
+            return  # the call reads the own rows, each once, in order
+        base, offset = {}, 0  # where each received interval starts among the received rows
         for s in range(world):
             for lo, hi in reads[rank][s]:
                 base[(s, lo)] = offset
                 offset += hi - lo
-        where = []
+        pieces, at = [], 0
         for s, lo, hi in mine:
             if s == rank:
-                where.append((lo, hi))
+                src, a = 0, lo
             else:
                 start = max(iv_lo for iv_lo, _ in reads[rank][s] if iv_lo <= lo)
-                at = base[(s, start)] + lo - start
-                where.append((at, at + hi - lo))
-        self.index = _aranges(where).to(device)
+                src, a = 1, base[(s, start)] + lo - start
+            n = hi - lo
+            if pieces and pieces[-1][0] == src and pieces[-1][2] == a and pieces[-1][3] + (pieces[-1][2] -
+                                                                                           pieces[-1][1]) == at:
+                pieces[-1] = (src, pieces[-1][1], a + n, pieces[-1][3])
+            else:
+                pieces.append((src, a, a + n, at))
+            at += n
+        self.pieces = pieces
+        if len(pieces) > MAX_PIECES:
+            self.index = _aranges([(lo + (own if src else 0), hi + (own if src else 0))
+                                   for src, lo, hi, _ in pieces]).to(device)
 
 
 def _plan(layout, runs, rank: int, batch: int, seq_len: int, documents, device) -> _Plan:
@@ -173,42 +193,68 @@ def _plan(layout, runs, rank: int, batch: int, seq_len: int, documents, device) 
 
 class _FetchKV(torch.autograd.Function):
     """The keys of the call, k and v [Tk, Hkv, D] each, from this rank's k, v [B, S_local, Hkv, D] and the rows the
-    other ranks send (`_Plan`). Backward: their gradients added up in fp32 per own or received row (a key read by two
-    entries gets both), the received rows' parts sent back to their owners and added to the own rows they came
-    from."""
+    other ranks send (`_Plan`). Backward: each key's gradient to the own or received row it came from (added up in
+    fp32 where a row is read twice), the received rows' parts sent back to their owners and added, in fp32, to the
+    own rows they came from."""
 
     @staticmethod
     def forward(ctx, k, v, group, plan):
         B, Sl, H, D = k.shape
-        local = torch.stack((k, v), dim=2).reshape(B * Sl, 2, H, D)  # one exchange for both
-        pool = local
+        own = (k.reshape(B * Sl, H, D), v.reshape(B * Sl, H, D))
+        received = (own[0][:0], own[1][:0])
         if plan.exchange:
-            received = local.new_empty((sum(plan.recv_counts), 2, H, D))
-            dist.all_to_all_single(received, local[plan.send_rows], output_split_sizes=plan.recv_counts,
-                                   input_split_sizes=plan.send_counts, group=group)
-            pool = torch.cat((local, received))
-        both = pool if plan.index is None else pool[plan.index]
-        ctx.group, ctx.plan, ctx.dtype, ctx.shape = group, plan, k.dtype, (B, Sl, H, D)
-        return both[:, 0].contiguous(), both[:, 1].contiguous()
+            buf = k.new_empty((sum(plan.recv_counts), 2, H, D))
+            dist.all_to_all_single(buf, torch.stack([t[plan.send_rows] for t in own], dim=1),
+                                   output_split_sizes=plan.recv_counts, input_split_sizes=plan.send_counts,
+                                   group=group)
+            received = (buf[:, 0], buf[:, 1])
+        if plan.pieces is None:
+            keys = own
+        elif plan.index is not None:
+            keys = tuple(torch.cat((o, r))[plan.index] for o, r in zip(own, received))
+        else:
+            keys = tuple(o.new_empty((plan.segments.total_k, H, D)) for o in own)
+            for src, lo, hi, at in plan.pieces:
+                for key, whole in zip(keys, received if src else own):
+                    key[at:at + hi - lo] = whole[lo:hi]
+        ctx.group, ctx.plan, ctx.shape, ctx.dtype = group, plan, (B, Sl, H, D), k.dtype
+        return keys
 
     @staticmethod
     def backward(ctx, dk, dv):
         plan, (B, Sl, H, D) = ctx.plan, ctx.shape
-        own = B * Sl
-        grads = torch.stack([torch.zeros_like(dk) if g is None else g for g in (dk, dv)], dim=1).float()
-        if plan.index is None:
-            pool = grads
-        else:
-            pool = grads.new_zeros((own + sum(plan.recv_counts), 2, H, D))
-            pool.index_add_(0, plan.index, grads)
-        mine = pool[:own]
+        own_n, recv_n = B * Sl, sum(plan.recv_counts)
+        grads = [torch.zeros((plan.segments.total_k, H, D), dtype=ctx.dtype, device=plan.send_rows.device)
+                 if g is None else g for g in (dk, dv)]
+        if plan.pieces is None:  # (nothing received)
+            own = [g.float() if plan.exchange else g for g in grads]
+            received = [g.new_zeros((0, H, D), dtype=torch.float32) for g in grads]
+        elif plan.index is not None or not plan.own_once:
+            pools = [g.new_zeros((own_n + recv_n, H, D), dtype=torch.float32) for g in grads]
+            index = plan.index if plan.index is not None else _aranges(
+                [(lo + (own_n if src else 0), hi + (own_n if src else 0)) for src, lo, hi, _ in plan.pieces]
+            ).to(grads[0].device)
+            for pool, g in zip(pools, grads):
+                pool.index_add_(0, index, g.float())
+            own, received = [p[:own_n] for p in pools], [p[own_n:] for p in pools]
+        else:  # each own row read once: its gradient is a copy; received rows (maybe read twice) add up in fp32
+            own = [g.new_zeros((own_n, H, D)) for g in grads]
+            received = [g.new_zeros((recv_n, H, D), dtype=torch.float32) for g in grads]
+            for src, lo, hi, at in plan.pieces:
+                for o, r, g in zip(own, received, grads):
+                    if src:
+                        r[lo:hi] += g[at:at + hi - lo]
+                    else:
+                        o[lo:hi] = g[at:at + hi - lo]
         if plan.exchange:
-            back = pool.new_empty((sum(plan.send_counts), 2, H, D))
-            dist.all_to_all_single(back, pool[own:].contiguous(), output_split_sizes=plan.send_counts,
+            back = grads[0].new_empty((sum(plan.send_counts), 2, H, D), dtype=torch.float32)
+            dist.all_to_all_single(back, torch.stack(received, dim=1), output_split_sizes=plan.send_counts,
                                    input_split_sizes=plan.recv_counts, group=ctx.group)
-            mine = mine.index_add(0, plan.send_rows, back)
-        mine = mine.view(B, Sl, 2, H, D)
-        return mine[:, :, 0].to(ctx.dtype), mine[:, :, 1].to(ctx.dtype), None, None
+            for i, o in enumerate(own):
+                rows = o[plan.send_unique].float()
+                rows.index_add_(0, plan.send_inverse, back[:, i])
+                o[plan.send_unique] = rows.to(o.dtype)
+        return own[0].to(ctx.dtype).view(B, Sl, H, D), own[1].to(ctx.dtype).view(B, Sl, H, D), None, None
 
 
 def gathered_dense_attention(q, k, v, runs, layout, group, scale: float, documents=None, backend=None):
