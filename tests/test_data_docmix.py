@@ -83,3 +83,33 @@ def test_a_failed_write_leaves_nothing(tmp_path, tokenizer):
     with pytest.raises(MtrainError, match="no text here holds"):
         docmix.write_mix(str(out), tokenizer, 4000, 2, "long", texts=[("tiny", "a few words")])
     assert not out.exists() and not any(p.name.startswith("mix.tmp") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--seq-len", "0"], "--seq-len must be a positive integer"),
+    (["--samples", "0"], "--samples must be a positive integer"),
+    (["--tokenizer", "no/such/folder"], "no such folder"),
+    (["--seq-len", "20", "--mix", "short"], "under 2 tokens"),
+])
+def test_mtrain_docmix_refuses_bad_requests_in_one_line(tmp_path, capsys, args, words):
+    from mtrain.cli import main
+
+    base = {"--tokenizer": str(TOKENIZER_DIR), "--seq-len": "400", "--samples": "2", "--out": str(tmp_path / "out")}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    assert main(["docmix", *[x for kv in base.items() for x in kv]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_mtrain_docmix_writes_a_mix_the_trainer_reads(tmp_path, capsys):
+    from mtrain.cli import main
+
+    out = tmp_path / "mix"
+    assert main(["docmix", "--tokenizer", str(TOKENIZER_DIR), "--seq-len", "400", "--samples", "2", "--mix", "short",
+                 "--out", str(out), "--no-progress"]) == 0
+    assert "2 sequences of 400 tokens" in capsys.readouterr().out
+    samples = list(TrainingReader(str(out), shuffle=False, document_masking=True))
+    assert len(samples) == 2
+    assert [int(e) for e in samples[1]["doc_spans"][:, 1]] == [25 * (i + 1) for i in range(15)] + [400]

@@ -44,6 +44,14 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bars")
     p.set_defaults(func=run)
 
+    from mtrain.data.docmix import DESCRIPTION, add_arguments
+    from mtrain.data.docmix import run as run_docmix
+
+    d = subparsers.add_parser("docmix", help="write sequences of real long documents in a fixed mix (benchmarks' packs)",
+                              description=DESCRIPTION)
+    add_arguments(d)
+    d.set_defaults(func=run_docmix)
+
 
 def _load_manifest(path: str) -> dict:
     import yaml

@@ -10,8 +10,10 @@ no window repeats until every text is used up.
 `mtrain bench real --documents MIX` packs one such sequence (sample 0); `write_mix` writes many as an MDS folder
 the trainer reads (`data.path`, with `data.document_masking: true`):
 
-  python -m mtrain.data.docmix --tokenizer models/smollm2-135m --seq-len 131072 --samples 22 --mix long \\
+  mtrain docmix --tokenizer models/smollm2-135m --seq-len 131072 --samples 22 --mix long \\
       --out data/packed/docs-long-128k
+
+(`python -m mtrain.data.docmix` takes the same arguments.)
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-
-import numpy as np
 
 from mtrain.errors import MtrainError
 
@@ -115,10 +115,12 @@ def packed_mix(tokenizer, seq_len: int, mix: str, texts=None) -> tuple[list[int]
     return MixPacker(tokenizer, seq_len, mix, document_texts() if texts is None else texts).sample()
 
 
-def write_mix(out: str, tokenizer, seq_len: int, samples: int, mix: str, *, texts=None, packages=()) -> dict:
+def write_mix(out: str, tokenizer, seq_len: int, samples: int, mix: str, *, texts=None, packages=(),
+              progress: bool = False) -> dict:
     """Write `samples` sequences of mix `mix` as an MDS folder at `out` (written aside, then renamed into place:
     a stopped run leaves no folder). A finished folder of the same request is kept as it is; any other existing
-    `out` is refused. Returns the summary it saves as out/mix.json."""
+    `out` is refused. progress: a progress bar over the sequences (stderr). Returns the summary it saves as
+    out/mix.json."""
     if samples < 1:
         raise MtrainError(f"--samples must be at least 1; got {samples}")
     request = {"seq_len": seq_len, "samples": samples, "mix": mix, "packages": list(packages)}
@@ -130,6 +132,8 @@ def write_mix(out: str, tokenizer, seq_len: int, samples: int, mix: str, *, text
             if {k: done.get(k) for k in request} == request:
                 return done
         raise MtrainError(f"{out} exists and is not this request's mix; give another --out or remove it")
+    import numpy as np
+
     from mtrain.data.mds import mds_writer
 
     packer = MixPacker(tokenizer, seq_len, mix, document_texts(packages) if texts is None else texts)
@@ -138,7 +142,9 @@ def write_mix(out: str, tokenizer, seq_len: int, samples: int, mix: str, *, text
     try:
         writer = mds_writer(tmp, COLUMNS, compression=None, size_limit=None)
         names = []
-        for _ in range(samples):
+        from tqdm.auto import tqdm
+
+        for _ in tqdm(range(samples), desc=f"docmix {mix} {seq_len}", unit="seq", disable=not progress):
             ids, lengths, doc_names = packer.sample()
             ends = np.cumsum(lengths)
             spans = np.stack([ends - np.asarray(lengths), ends], axis=1)
@@ -156,26 +162,56 @@ def write_mix(out: str, tokenizer, seq_len: int, samples: int, mix: str, *, text
     return summary
 
 
-def main(argv=None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Write sequences of real long documents in a fixed mix (document "
-                                 "lengths as shares of the sequence) as an MDS folder for `mtrain train`.")
+def add_arguments(ap) -> None:
+    """The arguments of `mtrain docmix` and `python -m mtrain.data.docmix`."""
     ap.add_argument("--tokenizer", required=True, help="the model's folder (its tokenizer)")
-    ap.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    ap.add_argument("--seq-len", type=int, required=True, help="tokens per sequence, e.g. 131072")
     ap.add_argument("--samples", type=int, required=True, help="sequences to write (a training run's steps)")
     ap.add_argument("--mix", choices=MIXES, default="long", help="long: 41/31/19/9%% documents; short: 16 equal")
     ap.add_argument("--out", required=True, help="output folder (written aside, then renamed into place)")
     ap.add_argument("--packages", default="", help="installed packages added as code repositories (comma-separated)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run(args) -> int:
+    """`mtrain docmix`: check the request, then write the mix (`write_mix`)."""
+    for flag, value in (("--seq-len", args.seq_len), ("--samples", args.samples)):
+        if value < 1:
+            raise MtrainError(f"{flag} must be a positive integer; got {value}")
+    mix_lengths(args.seq_len, args.mix)  # the mix's own divisibility and size checks, before any tokenizer loads
+    if not os.path.isdir(args.tokenizer):
+        raise MtrainError(f"--tokenizer {args.tokenizer}: no such folder; give the model's folder (e.g. "
+                          "models/smollm2-135m from `make real-model`)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise MtrainError(f"--out {args.out} is a file; choose a new folder")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     packages = [p.strip() for p in args.packages.split(",") if p.strip()]
-    summary = write_mix(args.out, tokenizer, args.seq_len, args.samples, args.mix, packages=packages)
+    summary = write_mix(args.out, tokenizer, args.seq_len, args.samples, args.mix, packages=packages,
+                        progress=args.progress)
     print(f"{args.out}: {summary['samples']} sequences of {summary['seq_len']} tokens, documents "
           f"{summary['document_lengths']}, {summary['repeats']} from text already used")
     return 0
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from mtrain.offline import set_offline
+
+    set_offline()
+    ap = argparse.ArgumentParser(prog="python -m mtrain.data.docmix", description=DESCRIPTION)
+    add_arguments(ap)
+    try:
+        return run(ap.parse_args(argv))
+    except MtrainError as exc:
+        print(f"error: {exc}")
+        return 2
+
+
+DESCRIPTION = ("Write sequences of real long documents in a fixed mix (document lengths as shares of the sequence: "
+               "long 41/31/19/9%, short 16 equal) as an MDS folder for `mtrain train` (data.document_masking: true).")
 
 
 if __name__ == "__main__":
