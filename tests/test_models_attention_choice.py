@@ -551,7 +551,7 @@ def test_auto_decides_from_the_layers_previous_estimate():
     """attention.lagged_choice: a layer's first call decides from its own estimate; later calls of the same layer and
     shape from the estimate before theirs (read without waiting for the GPU), so a pattern that changes moves the
     choice one call later; another layer, or lagged_choice off, decides from its own estimate."""
-    from mtrain.ops import switches
+    import dataclasses
 
     local, flat = inputs("local"), inputs("flat")
     call(*local, LOCAL, "auto", training=False)
@@ -561,9 +561,9 @@ def test_auto_decides_from_the_layers_previous_estimate():
     paths = [r.path for r in RT.records.layers]
     assert paths == ["sparse", "sparse", "dense", "dense"]
     RT.records.layers.clear()
-    with switches.use(lagged_choice=False):
-        call(*local, LOCAL, "auto", training=False, layer=2)
-        call(*flat, LOCAL, "auto", training=False, layer=2)
+    RT.settings.switches = dataclasses.replace(RT.switches, lagged_choice=False)  # the runtime's switch
+    call(*local, LOCAL, "auto", training=False, layer=2)
+    call(*flat, LOCAL, "auto", training=False, layer=2)
     assert [r.path for r in RT.records.layers] == ["sparse", "dense"]
 
 

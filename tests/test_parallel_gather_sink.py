@@ -88,21 +88,17 @@ def test_fa4_backward_takes_the_sink_as_copies_or_columns_only(monkeypatch):
     backward (or FA4's forward with ours) takes it listed. The default backward ("auto") is FA4's in groups of up to
     FA4_GATHER_MAX_WORLD ranks and ours beyond; a backward name outside GATHER_BACKWARDS is refused."""
     from mtrain.errors import MtrainError
-    from mtrain.ops.switches import SWITCHES
+    from mtrain.ops.switches import DEFAULTS, Switches
     from mtrain.parallel import ring_gather
 
-    assert SWITCHES.gather_backward == "auto" and ring_gather.FA4_GATHER_MAX_WORLD == 4
+    assert DEFAULTS.gather_backward == "auto" and ring_gather.FA4_GATHER_MAX_WORLD == 4
     assert [ring_gather.gathered_backward("fa4", w) for w in (2, 4, 8)] == ["fa4", "fa4", "triton"]
     assert [ring_gather.gathered_backward("triton", w) for w in (2, 8)] == ["triton", "triton"]
     assert [ring_gather.gathered_sink_form("fa4", w) for w in (2, 4, 8)] == ["replicas", "replicas", "listed"]
     assert ring_gather.gathered_sink_form("triton", 4) == "listed"
-    monkeypatch.setattr(SWITCHES, "gather_backward", "triton")
-    assert ring_gather.gathered_sink_form("fa4", 4) == "listed"
-    monkeypatch.setattr(SWITCHES, "gather_backward", "fa4")
-    assert ring_gather.gathered_sink_form("fa4", 8) == "replicas"
-    monkeypatch.setattr(SWITCHES, "gather_sink", "listed")
+    assert ring_gather.gathered_sink_form("fa4", 4, switches=Switches(gather_backward="triton")) == "listed"
+    assert ring_gather.gathered_sink_form("fa4", 8, switches=Switches(gather_backward="fa4")) == "replicas"
     with pytest.raises(MtrainError, match="parallel.gather_sink"):
-        ring_gather.gathered_sink_form("fa4", 4)
-    monkeypatch.setattr(SWITCHES, "gather_backward", "atomic")
+        ring_gather.gathered_sink_form("fa4", 4, switches=Switches(gather_backward="fa4", gather_sink="listed"))
     with pytest.raises(MtrainError, match="parallel.gather_backward"):
-        ring_gather.gathered_backward("fa4", 4)
+        ring_gather.gathered_backward("fa4", 4, switches=Switches(gather_backward="atomic"))

@@ -190,12 +190,12 @@ def _worker(rank, world, init_file, out_dir):
         for schedule, limit in (("ring", -1), ("gather", -1), ("gather", 100 * rows_per_rank)):
             runs = {}
             for list_free in (False, True):
-                from mtrain.ops import switches
+                from mtrain.ops.switches import Switches
 
                 # over the limit: the list-free columns' regime
-                with switches.use(static_width_bytes=limit, list_free_columns=list_free):
-                    index = rank_index_from_lines((vertical, slash, torch.ones(1, HQ), None), pos, pos, SEQ, settings,
-                                                  None, rows=rank_rows(pos, BLOCK), schedule=schedule)
+                index = rank_index_from_lines((vertical, slash, torch.ones(1, HQ), None), pos, pos, SEQ, settings,
+                                              None, rows=rank_rows(pos, BLOCK), schedule=schedule,
+                                              switches=Switches(static_width_bytes=limit, list_free_columns=list_free))
                 shards = [layout.shard(t.float(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
                 out = ring_attention(*shards[:3], group=None, layout=layout, index=index, schedule=schedule,
                                      engine="triton")
@@ -252,13 +252,13 @@ def test_checkpointed_cp_model_on_list_free_columns_matches_one_rank(tmp_path, w
         assert r["calls"] >= 2 * 2 and r["list_free"] == r["calls"], r
 
 
-def test_widening_limit_counts_what_a_rank_index_holds(monkeypatch):
+def test_widening_limit_counts_what_a_rank_index_holds():
     """`mtrain.models.policy.list_bytes` (attention.widen_max_list_mib): a CP rank's lists at caps whose column lists
     would pass the static width limit (`parallel.static_width_mib`) are list-free, so the limit counts its block lists
     and each head's verticals (with their blocks); below that, and with parallel.list_free_columns off, the block and
     column lists."""
     from mtrain.models.policy import list_bytes
-    from mtrain.ops.switches import SWITCHES
+    from mtrain.ops.switches import Switches
 
     vertical, slash = _lines(512, 6, 4, 0)
     index = rows_from_lines(vertical, slash, 512, 16, torch.arange(0, 32, 4))
@@ -266,5 +266,4 @@ def test_widening_limit_counts_what_a_rank_index_holds(monkeypatch):
     assert list_bytes(index, 8, 4) == b * h * r * (2 * 4 + 2 + 8) * 4
     wide = 1 << 21  # column lists of 8 rows x 2 heads past 64 MiB
     assert list_bytes(index, wide, 4) == b * h * r * (2 * 4 + 2) * 4 + b * h * wide * 8
-    monkeypatch.setattr(SWITCHES, "list_free_columns", False)
-    assert list_bytes(index, wide, 4) == b * h * r * (2 * 4 + 2 + wide) * 4
+    assert list_bytes(index, wide, 4, switches=Switches(list_free_columns=False)) == b * h * r * (2 * 4 + 2 + wide) * 4

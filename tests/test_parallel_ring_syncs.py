@@ -65,31 +65,30 @@ def _worker(rank, world, init_file, out_file):
         reads.append(_site())
         return tolist(self, *a, **kw)
 
-    def call(schedule):
-        out = ring_attention(*shards, layout=layout, sparse=settings, scorer="triton", engine="auto",
-                             schedule=schedule)
-        out.square().sum().backward()
+    from mtrain.ops.switches import DEFAULTS, Switches
 
-    from mtrain.ops.switches import SWITCHES
+    def call(schedule, static_bytes):
+        out = ring_attention(*shards, layout=layout, sparse=settings, scorer="triton", engine="auto",
+                             schedule=schedule, switches=Switches(static_width_bytes=static_bytes))
+        out.square().sum().backward()
 
     results = {}
     # small caps: the rank's lists as wide as the lines allow (no host read); then lists sized from one host read;
     # then the gathered schedule where the column lists would pass the limit but the block lists fit (2 heads x 8
     # rows x 18 block slots x 4 bytes = 1,152 bytes; with the 32 column slots 3,200): list-free columns, no read
-    cases = (("static", SWITCHES.static_width_bytes, "ring"), ("read", 0, "ring"), ("read-gather", 0, "gather"),
+    cases = (("static", DEFAULTS.static_width_bytes, "ring"), ("read", 0, "ring"), ("read-gather", 0, "gather"),
              ("list-free-gather", 2000, "gather"))
     warm = set()
     for case, static_bytes, schedule in cases:
-        SWITCHES.static_width_bytes = static_bytes
         if schedule not in warm:  # a schedule's first call: its cached layout tables (Triton compiles nothing here)
-            call(schedule)
+            call(schedule, static_bytes)
             warm.add(schedule)
         mode = CountSyncs()
         reads.clear()
         torch.Tensor.tolist = counted
         try:
             with mode:
-                call(schedule)
+                call(schedule, static_bytes)
         finally:
             torch.Tensor.tolist = tolist
         results[case] = {"syncs": dict(mode.sites), "tolist": list(reads)}

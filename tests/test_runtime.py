@@ -120,31 +120,156 @@ def test_the_state_dict_is_the_checkpoint_json_and_loads_into_a_fresh_runtime(es
     assert older.policy.dense_until == runtime_of(run.model).policy.dense_until and older.policy.cap_scale == {}
 
 
-def test_each_models_attention_runs_under_its_own_switches(monkeypatch):
-    """Each attention call puts its runtime's switches in place for the call and restores the process's after."""
-    import mtrain.models.attention as attention
-    from mtrain.ops.switches import SWITCHES, Switches
+def _expensive_dense_table(tmp_path) -> str:
+    """A cost-table override (attention.cost_table) under which dense costs 1 s a call at head dim 32: the choice of
+    "auto" then runs sparse where the CPU's built-in figures run it dense."""
+    path = tmp_path / "dense-expensive.json"
+    path.write_text(json.dumps({"source": "test", "dense": {"32": {"train": [1000.0, 0.0], "eval": [1000.0, 0.0]}}}))
+    return str(path)
+
+
+def test_each_models_attention_passes_its_own_switches_down(monkeypatch):
+    """Each attention call hands its runtime's switches to the readers below it (here the one-device estimate, which
+    reads attention.graph_estimate): models a, b, a in turn, each call with its own model's, nothing put in place."""
+    import mtrain.ops.graphed as graphed
+    from mtrain.ops.switches import Switches
 
     seen = []
-    real = attention._attention
+    real = graphed.estimate_graphed
 
-    def spy(rt, *args, **kwargs):
-        seen.append((rt.settings.sparse.recall, SWITCHES.lagged_choice, SWITCHES.graph_estimate))
-        return real(rt, *args, **kwargs)
+    def spy(q, k, *, switches=None, **kwargs):
+        seen.append(switches)
+        return real(q, k, switches=switches, **kwargs)
 
-    monkeypatch.setattr(attention, "_attention", spy)
-    before = dataclasses.asdict(SWITCHES)
-    a, b = always_runtime(), auto_runtime()
+    monkeypatch.setattr(graphed, "estimate_graphed", spy)
+    a, b = always_runtime(), always_runtime()
     a.settings.switches = Switches(lagged_choice=False, graph_estimate=False)
-    b.settings.switches = Switches(lagged_choice=True, graph_estimate=True)
+    b.settings.switches = Switches(lagged_choice=True, graph_estimate=True, fused_merge=False)
     ids = torch.randint(0, 500, (1, 128))
     for rt in (a, b, a):
         model = attach_runtime(AutoModelForCausalLM.from_config(tiny_config(), attn_implementation=rt.name), rt)
         with torch.no_grad():
             model(ids)
     layers = tiny_config().num_hidden_layers
-    assert seen == [(0.9, False, False)] * layers + [(0.6, True, True)] * layers + [(0.9, False, False)] * layers
-    assert dataclasses.asdict(SWITCHES) == before
+    assert seen == [a.switches] * layers + [b.switches] * layers + [a.switches] * layers
+    assert a.switches != b.switches
+
+
+class GradRun(Run):
+    """`Run`, keeping every step's gradients too."""
+
+    def __init__(self, runtime: AttentionRuntime, seed: int):
+        super().__init__(runtime, seed)
+        self.grads = []
+
+    def step(self, step: int) -> None:
+        rt = runtime_of(self.model)
+        rt.inputs.step = step
+        loss = self.model(self.ids, labels=self.ids).loss
+        loss.backward()
+        self.grads.append([p.grad.detach().clone() for p in self.model.parameters()])
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        records = rt.drain()
+        self.losses.append(loss.detach().clone())
+        self.paths.append([(r.layer, r.path, r.held, r.density is not None) for r in records.layers])
+
+
+def test_two_models_with_different_switches_train_interleaved_as_alone(estimates_always, tmp_path):
+    """Two models under sparse_policy auto that differ only in their switches, trained step by step interleaved in one
+    process: A with a cost table where dense is expensive (attention.cost_table) and attention.lagged_choice off, B
+    with the defaults. A's layers run sparse every step and B's go dense and are held there, and each one's losses,
+    gradients and paths equal those of the same model trained alone, bit for bit.
+
+    On the CPU no switch changes what a backward computes (parallel.fused_merge and parallel.gather_backward act on
+    CUDA, under the fa4 engine), so these two differ in switches that act in the forward; that the backward reads the
+    switches of its own forward is checked on the gathered step below
+    (`test_the_backward_reads_the_switches_its_forward_ran_with`)."""
+    from mtrain.ops.switches import Switches
+
+    table = _expensive_dense_table(tmp_path)
+
+    def make_a():
+        rt = auto_runtime()
+        rt.settings.switches = Switches(cost_table=table, lagged_choice=False)
+        return rt
+
+    def make_b():
+        return auto_runtime()  # the default switches
+
+    def alone_run(make, seed):
+        run = GradRun(make(), seed)
+        for step in range(STEPS):
+            run.step(step)
+        return run
+
+    a, b = GradRun(make_a(), seed=0), GradRun(make_b(), seed=1)
+    for step in range(STEPS):
+        a.step(step)
+        b.step(step)
+    layers = tiny_config().num_hidden_layers
+    assert a.paths == [[(i, "sparse", False, True) for i in range(layers)]] * STEPS
+    assert b.paths[0] == [(i, "dense", False, True) for i in range(layers)]
+    assert b.paths[1:] == [[(i, "dense", True, False) for i in range(layers)]] * (STEPS - 1)
+    for run, make, seed in ((a, make_a, 0), (b, make_b, 1)):
+        ref = alone_run(make, seed)
+        assert all(torch.equal(x, y) for x, y in zip(run.losses, ref.losses)), (run.losses, ref.losses)
+        assert all(torch.equal(x, y) for got, want in zip(run.grads, ref.grads) for x, y in zip(got, want))
+        assert run.paths == ref.paths
+
+
+def test_the_backward_reads_the_switches_its_forward_ran_with(monkeypatch):
+    """The backward of an attention op runs outside the attention call, after other calls (another model's, another
+    layer's) have run: the gathered step (`mtrain.parallel.ring_gather`, one rank of CP 2 run alone on the CPU,
+    `emulated_group`) keeps the switches of its forward and its backward reads those (parallel.gather_backward, and
+    parallel.fused_merge for the owners' dK/dV sum), whatever ran in between. Two forwards with different switches,
+    their backwards in the other order; the gradients are those of the same step run alone."""
+    import math
+
+    from emulated import BLOCK, DIM, sample_case
+
+    from mtrain.bench.emulate import emulated_group
+    from mtrain.ops.switches import Switches
+    from mtrain.parallel import Layout, ring_gather
+    from mtrain.parallel.merge import RankParts
+    from mtrain.parallel.plan import gathered_sparse_plan
+
+    seen = []
+    real_backward, real_sum = ring_gather.gathered_backward, RankParts.sum
+
+    def backward_spy(engine, world, *, switches=None):
+        seen.append(("gather_backward", switches.gather_backward))
+        return real_backward(engine, world, switches=switches)
+
+    def sum_spy(self, dtype, *, switches=None):
+        seen.append(("fused_merge", switches.fused_merge))
+        return real_sum(self, dtype, switches=switches)
+
+    monkeypatch.setattr(ring_gather, "gathered_backward", backward_spy)
+    monkeypatch.setattr(RankParts, "sum", sum_spy)
+    q, k, v, dout, index = sample_case(6)
+    layout = Layout.create("block-stripe", world_size=2, granularity=BLOCK)
+    scale = 1.0 / math.sqrt(DIM)
+    a, b = Switches(gather_backward="triton", fused_merge=False), Switches(gather_backward="fa4", fused_merge=True)
+
+    def forward(switches):
+        shards = [layout.shard(t.float(), 0).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+        plan = gathered_sparse_plan(index, layout, 0, torch.device("cpu"), sink="listed")
+        out, _ = ring_gather.ring_gather_attention(*shards[:3], plan, None, scale, switches=switches)
+        return out, shards
+
+    with emulated_group(2, 0):
+        alone, alone_shards = forward(a)
+        alone.backward(alone_shards[3])
+        seen.clear()
+        out_a, shards_a = forward(a)
+        out_b, shards_b = forward(b)
+        out_b.backward(shards_b[3])
+        out_a.backward(shards_a[3])
+    assert seen == [("gather_backward", "fa4"), ("fused_merge", True), ("fused_merge", True),
+                    ("gather_backward", "triton"), ("fused_merge", False), ("fused_merge", False)]
+    for got in (shards_a, shards_b):
+        assert all(torch.equal(x.grad, y.grad) for x, y in zip(got[:3], alone_shards[:3]))
 
 
 def test_a_model_without_a_runtime_is_refused_naming_the_fix():
@@ -218,3 +343,99 @@ def test_no_module_level_attention_state_in_the_models_or_the_trainer():
     named = [str(p.relative_to(REPO)) for folder in ("mtrain", "tools") for p in sorted((REPO / folder).rglob("*.py"))
              if re.search(r"\bCONTEXT\b", p.read_text())]
     assert not named, f"sources naming a process-wide CONTEXT: {named}"
+
+
+# The packages whose modules the attention calls and the trainer run: none holds a switch at module level.
+STACK = ("models", "ops", "parallel", "train")
+# The process-wide switches object the stack read before issue #49, and its helpers that set it.
+OLD_SWITCHES = "SWITCHES"
+OLD_HELPERS = ("configure", "use", "applied")
+# Module globals whose keys are switch names, each with the reason it holds no switch's value.
+NAMES_ALLOWED = {
+    ("mtrain.ops.switches", "KEYS"): "constant table: Switches field -> its recipe key",
+    ("mtrain.ops.switches", "SCALES"): "constant table: Switches field -> the factor from its key's unit",
+}
+
+
+def _stack_modules():
+    for package in STACK:
+        for path in sorted((REPO / "mtrain" / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
+
+
+def _names_held(value) -> set:
+    """The names a module-level object holds values under: a dict's string keys, an instance's attributes."""
+    if isinstance(value, dict):
+        return {key for key in value if isinstance(key, str)}
+    if isinstance(value, type) or callable(value) or not hasattr(value, "__dict__"):
+        return set()
+    return set(vars(value))
+
+
+def _switch_state(name: str, module, attrs, fields: set) -> list[str]:
+    """The module-level attributes `attrs` of `module` that are state a call could read as a switch (see below)."""
+    found = []
+    for attr in sorted(attrs):
+        value = getattr(module, attr)
+        if attr == OLD_SWITCHES:
+            found.append(f"{name}.{attr} (the old process-wide switches)")
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if not type(value).__dataclass_params__.frozen:
+                found.append(f"{name}.{attr} (a {type(value).__name__}, a dataclass that is not frozen)")
+        elif _names_held(value) & fields and (name, attr) not in NAMES_ALLOWED:
+            found.append(f"{name}.{attr} (holds {sorted(_names_held(value) & fields)})")
+    return found
+
+
+def test_the_stack_holds_no_mutable_switch_at_module_level():
+    """No module of mtrain/models, ops, parallel or train holds module-level mutable state a call could read as a
+    switch: no instance of a dataclass that is not frozen, no object or dict holding values under switch names (but
+    the constant tables of NAMES_ALLOWED), and the process-wide SWITCHES and its setters (configure, use, applied) are
+    gone; `Switches` itself is immutable, so the documented defaults (`DEFAULTS`) cannot be changed in place either.
+    Neither the package nor its tools name the old global or its setters."""
+    from mtrain.ops import switches
+
+    fields = {f.name for f in dataclasses.fields(switches.Switches)}
+    assert switches.Switches.__dataclass_params__.frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        switches.DEFAULTS.fused_merge = False
+    assert switches.DEFAULTS == switches.Switches()
+    left = [name for name in (OLD_SWITCHES, *OLD_HELPERS) if hasattr(switches, name)]
+    assert not left, f"mtrain.ops.switches still has {left}: switches travel as arguments (the model's runtime's)"
+    found = []
+    for name, path in _stack_modules():
+        found += _switch_state(name, importlib.import_module(name), _assigned_names(path), fields)
+    assert not found, ("module-level state read as switches (pass the run's Switches down from the model's runtime, "
+                       f"mtrain.ops.switches): {found}")
+    named = [str(p.relative_to(REPO)) for folder in ("mtrain", "tools") for p in sorted((REPO / folder).rglob("*.py"))
+             if OLD_FORM.search(p.read_text())]
+    assert not named, f"sources naming the old process-wide switches or their setters: {named}"
+
+
+OLD_FORM = re.compile(rf"\b{OLD_SWITCHES}\b|\bswitches\.({'|'.join(OLD_HELPERS)})\(|"
+                      rf"from mtrain\.ops\.switches import .*\b({'|'.join(OLD_HELPERS)})\b")
+
+
+def test_the_switch_check_fails_on_the_old_form():
+    """The check above flags what the stack held before issue #49 (a mutable Switches as SWITCHES, swapped by
+    `use`), and other forms of it: a mutable dataclass, a namespace or a dict of switch values; a frozen Switches
+    and the constant tables pass."""
+    import types
+
+    from mtrain.ops import switches
+
+    @dataclasses.dataclass
+    class Mutable:
+        fused_merge: bool = True
+
+    old = types.ModuleType("old")
+    old.SWITCHES, old.FLAGS, old.SPACE = Mutable(), Mutable(), types.SimpleNamespace(graph_estimate=True)
+    old.TABLE, old.FROZEN, old.KEYS = {"lagged_choice": False}, switches.Switches(), dict(switches.KEYS)
+    fields = {f.name for f in dataclasses.fields(switches.Switches)}
+    found = _switch_state("old", old, ["SWITCHES", "FLAGS", "SPACE", "TABLE", "FROZEN", "KEYS"], fields)
+    assert [f.split(" ")[0] for f in found] == ["old.FLAGS", "old.KEYS", "old.SPACE", "old.SWITCHES", "old.TABLE"]
+    assert not _switch_state("mtrain.ops.switches", switches, ["KEYS", "SCALES", "DEFAULTS"], fields)
+    assert OLD_FORM.search("with switches.use(fused_merge=False):") and OLD_FORM.search("SWITCHES.fused_merge")
+    assert OLD_FORM.search("from mtrain.ops.switches import applied")
+    assert not OLD_FORM.search("from mtrain.ops.switches import Switches, or_defaults")

@@ -1,5 +1,6 @@
 """Every switch that changes the speed or the results of the attention stack is a typed recipe key (issue #49): the
-attention, ring and trainer modules read no module-level boolean switch, every environment variable `mtrain/` reads
+attention, ring and trainer modules read no module-level boolean switch (and the switches travel as immutable
+arguments: tests/test_runtime.py), every environment variable `mtrain/` reads
 is a documented platform or debugging one (the table in docs/configuration.md), and the switches' keys are saved in
 config.yaml and checked at load. The source checks read the code with `ast` (nothing is imported)."""
 
@@ -181,7 +182,7 @@ def stack_modules() -> dict[str, Path]:
 def test_the_stack_reads_no_module_level_switch():
     """No module of mtrain/models, ops, parallel, train holds a boolean (or environment-read) module-level setting
     that one of its functions reads, or that another module reads through an import: such settings are recipe keys
-    (`mtrain.ops.switches`, the trainer sets them from the recipe)."""
+    (`mtrain.ops.switches`, passed down from the model's runtime)."""
     modules = stack_modules()
     switches = {}
     found = []
@@ -209,7 +210,8 @@ def test_the_stack_reads_no_module_level_switch():
                     and (bound[node.value.id], node.attr) in switches:
                 found.append(f"{name} reads {bound[node.value.id]}.{node.attr}")
     assert not found, ("module-level switches read at call time (make each a recipe key under attention: or "
-                       "parallel:, carried in mtrain.ops.switches.SWITCHES):\n" + "\n".join(sorted(found)))
+                       "parallel:, carried in the runtime's mtrain.ops.switches.Switches):\n"
+                       + "\n".join(sorted(found)))
 
 
 def test_switch_check_fails_on_the_old_code():
@@ -302,28 +304,27 @@ def test_ring_node_size_follows_the_keys(monkeypatch):
     """parallel.hierarchy auto keeps the launcher's LOCAL_WORLD_SIZE (today's behaviour); flat ignores it; node_size
     takes its place; hierarchical refuses a node size that does not split the group."""
     from mtrain.errors import MtrainError
-    from mtrain.ops import switches
+    from mtrain.ops.switches import Switches
     from mtrain.parallel.comm import ring_node_size
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert ring_node_size(4) == 2 and ring_node_size(2) is None and ring_node_size(3) is None
-    with switches.use(hierarchy="flat"):
-        assert ring_node_size(4) is None
-    with switches.use(node_size=4):
-        assert ring_node_size(8) == 4 and ring_node_size(4) is None
+    assert ring_node_size(4, switches=Switches(hierarchy="flat")) is None
+    four = Switches(node_size=4)
+    assert ring_node_size(8, switches=four) == 4 and ring_node_size(4, switches=four) is None
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert ring_node_size(4) is None
-    with switches.use(hierarchy="hierarchical"), pytest.raises(MtrainError, match="parallel.hierarchy"):
-        ring_node_size(4)
+    with pytest.raises(MtrainError, match="parallel.hierarchy"):
+        ring_node_size(4, switches=Switches(hierarchy="hierarchical"))
 
 
 def test_cost_table_key_wins_over_the_variable(tmp_path, monkeypatch):
-    from mtrain.ops import cost, switches
+    from mtrain.ops import cost
+    from mtrain.ops.switches import Switches
 
     key, env = tmp_path / "key.json", tmp_path / "env.json"
     key.write_text('{"source": "key", "estimate": [0.25, 1.0]}')
     env.write_text('{"source": "env", "estimate": [0.75, 1.0]}')
     monkeypatch.setenv("MTRAIN_COST_TABLE", str(env))
     assert cost.table_for("cpu").estimate == (0.75, 1.0)
-    with switches.use(cost_table=str(key)):
-        assert cost.table_for("cpu").estimate == (0.25, 1.0)
+    assert cost.table_for("cpu", switches=Switches(cost_table=str(key))).estimate == (0.25, 1.0)

@@ -284,9 +284,9 @@ def merge_case(device, dtype, tag) -> list[str]:
     """The ring's running LSE merge (`mtrain.parallel.merge.PartialAccumulator`: the first part taken as it came,
     fp32 in between, the last merged into the output dtype) over four parts, fused Triton merge and torch merge,
     each against a float64 reference; parts in [B, S, H, D] and in [B, H, S, D] memory (as attention kernels may
-    return them), some rows without keys in a part (lse -inf, out 0)."""
-    from mtrain.ops import switches
-    from mtrain.ops.switches import SWITCHES
+    return them), some rows without keys in a part (lse -inf, out 0). The fused merge fails the gate where the ring
+    uses it: under the default parallel.fused_merge (on)."""
+    from mtrain.ops.switches import DEFAULTS, Switches
     from mtrain.parallel import merge as merge_mod
 
     gen = torch.Generator(device=device).manual_seed(5)
@@ -305,14 +305,13 @@ def merge_case(device, dtype, tag) -> list[str]:
             parts.append((o, lse))
         lse64 = torch.logsumexp(torch.stack([l.double() for _, l in parts]), 0)  # [B, H, S]
         want = sum(o.double() * torch.exp(l.double() - lse64).transpose(1, 2)[..., None] for o, l in parts)
-        saved = SWITCHES.fused_merge
+        saved = DEFAULTS.fused_merge
         for fused in (True, False):
-            with switches.use(fused_merge=fused):
-                acc = merge_mod.PartialAccumulator(parts[0][0])
-                for i, (o, l) in enumerate(parts):
-                    acc.add(o.clone(), l.clone(), final=i == len(parts) - 1)
-                out, lse = acc.result(dtype)
-                torch.cuda.synchronize(device) if device.type == "cuda" else None
+            acc = merge_mod.PartialAccumulator(parts[0][0], switches=Switches(fused_merge=fused))
+            for i, (o, l) in enumerate(parts):
+                acc.add(o.clone(), l.clone(), final=i == len(parts) - 1)
+            out, lse = acc.result(dtype)
+            torch.cuda.synchronize(device) if device.type == "cuda" else None
             err = rel(out, want)
             lse_err = float((lse.double() - lse64).abs().max())
             bad = err > TOL[dtype][0] or lse_err > 1e-4 or not math.isfinite(err)
@@ -332,14 +331,14 @@ def merge_case(device, dtype, tag) -> list[str]:
             for o in range(world):
                 if o != rank:
                     held.part(o).copy_(grads[o])
-            got = held.sum(dtype)
+            got = held.sum(dtype, switches=DEFAULTS)
             want = grads[0].to(merge_mod.accum_dtype(grads[0]), copy=True)
             for g in grads[1:]:
                 want.add_(g)
             same = torch.equal(got, want.to(dtype))
             exact = sum(g.double() for g in grads)
             lines.append(f"{'ok  ' if same else 'FAIL'} {'merge':13s} {tag} sum-parts W={world} rank {rank} "
-                         f"{'fused' if SWITCHES.fused_merge and device.type == 'cuda' else 'torch'}: "
+                         f"{'fused' if DEFAULTS.fused_merge and device.type == 'cuda' else 'torch'}: "
                          f"== rank-order sum {same}, "
                          f"out {rel(got, exact):.1e}")
     return lines

@@ -27,9 +27,8 @@ from mtrain.bench.synthetic import window_slash_lines  # noqa: E402
 from mtrain.data.texts import TEXT_KINDS  # noqa: E402
 from mtrain.ops import SparseIndex  # noqa: E402
 from mtrain.ops.columns import list_free_bytes  # noqa: E402
-from mtrain.ops import switches  # noqa: E402
 from mtrain.ops.index import list_bytes, used_list_bytes  # noqa: E402
-from mtrain.ops.switches import SWITCHES  # noqa: E402
+from mtrain.ops.switches import DEFAULTS, Switches  # noqa: E402
 from mtrain.ops.attention import resolve_impl, vertical_slash_attention  # noqa: E402
 from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
 from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
@@ -47,6 +46,12 @@ from mtrain.parallel.steps import (  # noqa: E402
 )
 
 DTYPE = torch.bfloat16  # fp32 under --cpu: the Triton interpreter's bf16 tl.dot is wrong
+
+
+def _switches(args, **changes) -> Switches:
+    """The switches the script's calls run with (`mtrain.ops.switches`, passed to each call): the recipe keys'
+    defaults, the torch merge under --torch-merge, and `changes` (field=value) for one variant."""
+    return dataclasses.replace(DEFAULTS, fused_merge=DEFAULTS.fused_merge and not args.torch_merge, **changes)
 
 
 def _tokens(text: str) -> list[int]:
@@ -197,7 +202,7 @@ def line_differences(one_lines, ring_lines) -> dict:
 
 
 def _list_free_limit(args, seq_len: int, world: int, heads: int) -> int:
-    """A `SWITCHES.static_width_bytes` (parallel.static_width_mib) under which a rank's estimated index at the
+    """A `Switches.static_width_bytes` (parallel.static_width_mib) under which a rank's estimated index at the
     script's budgets holds no column lists while its block lists fit: the list-free columns of the recipes' caps,
     with one host read under the ring schedule and static widths under the gathered one
     (`mtrain.parallel.estimate.rank_list_widths`)."""
@@ -211,11 +216,13 @@ def _list_free_limit(args, seq_len: int, world: int, heads: int) -> int:
 def _check_one(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse):
     if "-lf" not in name:
         return _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse)
-    with switches.use(static_width_bytes=_list_free_limit(args, seq_len, world, hq)):
-        return _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse)
+    return _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse,
+                       switches=_switches(args, static_width_bytes=_list_free_limit(args, seq_len, world, hq)))
 
 
-def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse, zero_peers: bool = False):
+def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, sparse, zero_peers: bool = False,
+                switches: Switches | None = None):
+    switches = switches or _switches(args)
     q, k, v, dout = inputs(seq_len, hq, hkv, args.dim, device)
     hier = name.endswith("-h")
     layout = _layout(layout_name, world, args, hier)
@@ -244,7 +251,7 @@ def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, 
         mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq_len, settings, 1.0 / math.sqrt(args.dim), None,
                                    rows=rank_blocks(layout, seq_len, rank, args.block_size, device),
                                    key_blocks=shard_key_blocks(layout, seq_len, rank, args.block_size, device),
-                                   schedule=schedule)
+                                   schedule=schedule, switches=switches)
         row["list_free"] = mine.col_ids is None  # the ring's columns read list-free (`-lf` cases)
         row["static_widths"] = bool(mine._cache.get("static_widths"))
         want = index.block_ids[:, :, mine.rows]
@@ -254,10 +261,11 @@ def _check_case(rank, world, args, device, seq_len, name, hq, hkv, layout_name, 
                                  and torch.equal(index.block_counts[:, :, mine.rows], mine.block_counts)
                                  and torch.equal(index.col_counts[:, :, mine.rows], mine.col_counts))
         index = mine
-        out = ring_attention(*leaves, group=None, layout=layout, index=index, engine=args.engine, schedule=schedule)
+        out = ring_attention(*leaves, group=None, layout=layout, index=index, engine=args.engine, schedule=schedule,
+                             switches=switches)
     else:
         out = ring_attention(*leaves, group=None, layout=layout, index=index, engine=args.engine, schedule=schedule,
-                             **_groups(args, hier))
+                             switches=switches, **_groups(args, hier))
     out.backward(shard[3])
     row["max_err_out"] = float((out.detach().float() - layout.shard(ref_out.detach(), rank)).abs().max())
     row["max_err_dq"] = float((leaves[0].grad.float() - layout.shard(ref_leaves[0].grad.float(), rank)).abs().max())
@@ -277,7 +285,7 @@ def _engine_case(rank, world, args, device, seq_len, schedule: str) -> dict:
     for engine in (args.engine, "triton"):
         leaves = [t.detach().requires_grad_(True) for t in shard[:3]]
         out = ring_attention(*leaves, group=None, layout=layout, sparse=_settings(args), engine=engine,
-                             schedule=schedule)
+                             schedule=schedule, switches=_switches(args))
         out.backward(shard[3])
         runs.append([out.detach().float()] + [t.grad.float() for t in leaves[:2]])
     row = {"check": f"estimated{'-g' if schedule == 'gather' else ''} vs triton", "layout": "block-stripe",
@@ -335,7 +343,8 @@ def bench_tokens(tokens, rank, world, args, device, report):
         layout = Layout.create("zigzag", world_size=world)
         shard = [layout.shard(t, rank) for t in (q, k, v, dout)]
         del q, k, v, dout
-        run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout), shard[:3], shard[3])
+        run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout,
+                                                       switches=_switches(args)), shard[:3], shard[3])
         return timed(run, args.iters, args.warmup)
 
     def torch_cp():
@@ -404,12 +413,11 @@ def bench_tokens(tokens, rank, world, args, device, report):
             # eager estimate unless this variant replays it from a CUDA graph; --list-free-columns: the estimated rank
             # index without column lists, as at the recipes' caps
             width = (_list_free_limit(args, seq, world, h) if args.list_free_columns
-                     else SWITCHES.static_width_bytes)
-            with switches.use(graph_ring_estimate=graph, gather_backward=backward or SWITCHES.gather_backward,
-                              static_width_bytes=width):
-                return timed_variant()
+                     else DEFAULTS.static_width_bytes)
+            return timed_variant(_switches(args, graph_ring_estimate=graph, static_width_bytes=width,
+                                           gather_backward=backward or DEFAULTS.gather_backward))
 
-        def timed_variant():
+        def timed_variant(switches):
             q, k, v, dout = inputs(seq, h, hkv, d, device)
             layout = Layout.create("block-stripe", world_size=world, granularity=args.block_size)
             index = None if estimate else make_index(seq, args, device)
@@ -424,17 +432,18 @@ def bench_tokens(tokens, rank, world, args, device, report):
                 est = dict(rows=rank_blocks(layout, seq, rank, args.block_size, device),
                            key_blocks=shard_key_blocks(layout, seq, rank, args.block_size, device))
                 row["estimate_ring_ms"] = timed(lambda: estimate_rank_index_graphed(
-                    shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank), **est),
-                    args.iters, args.warmup)  # eager
+                    shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank),
+                    switches=switches, **est), args.iters, args.warmup)  # eager
                 if args.graph_estimate:
-                    with switches.use(graph_ring_estimate=True):
-                        row["estimate_ring_graphed_ms"] = timed(lambda: estimate_rank_index_graphed(
-                            shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank),
-                            **est), args.iters, max(args.warmup, 2))  # the first call warms, the second captures
+                    graphed_switches = dataclasses.replace(switches, graph_ring_estimate=True)
+                    row["estimate_ring_graphed_ms"] = timed(lambda: estimate_rank_index_graphed(
+                        shard[0], shard[1], pos, seq, settings, scale, None, layout_key=(layout.spec, rank),
+                        switches=graphed_switches, **est), args.iters, max(args.warmup, 2))  # warms, then captures
                 row["estimate_ring_lines_ms"] = timed(lambda: estimate_lines(
                     shard[0], shard[1], pos, pos, seq, settings, scale, None, key_blocks=est["key_blocks"]),
                     args.iters, args.warmup)
-                mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None, **est)
+                mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None,
+                                           switches=switches, **est)
                 origin = (rank + 1) % world
                 row["plan_estimated_ms"] = timed(lambda: build_sparse_plan(mine, layout, rank, device, origin),
                                                  args.iters, args.warmup)
@@ -445,10 +454,12 @@ def bench_tokens(tokens, rank, world, args, device, report):
                 row["index_bytes_list_free"] = list_free_bytes(mine)
                 if args.torch_scorer:
                     row["estimate_ring_torch_ms"] = timed(lambda: estimate_rank_index(
-                        shard[0], shard[1], pos, pos, seq, settings, scale, None, scorer="torch", **est),
+                        shard[0], shard[1], pos, pos, seq, settings, scale, None, scorer="torch", switches=switches,
+                        **est),
                         args.iters, args.warmup)
             run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
-                                                           sparse=settings, engine=args.engine, schedule=schedule),
+                                                           sparse=settings, engine=args.engine, schedule=schedule,
+                                                           switches=switches),
                              shard[:3], shard[3])
             ms = timed(run, args.iters, args.warmup)
             if estimate and args.profile and device.type == "cuda":
@@ -471,7 +482,7 @@ def bench_tokens(tokens, rank, world, args, device, report):
         if "gather" in args.schedules:
             attempt("ring_sparse_estimated_gather_graphed_ms", ring_sparse(True, "gather", graph=True))
             if impl == "fa4":  # the gathered step's other backward under the fa4 engine (parallel.gather_backward)
-                row["gather_backward"] = ring_gather.gathered_backward(impl, world)
+                row["gather_backward"] = ring_gather.gathered_backward(impl, world, switches=_switches(args))
                 other = "triton" if row["gather_backward"] == "fa4" else "fa4"
                 attempt(f"ring_sparse_estimated_gather_graphed_{'tritonbwd' if other == 'triton' else 'fa4bwd'}_ms",
                         ring_sparse(True, "gather", graph=True, backward=other))
@@ -484,7 +495,8 @@ def bench_tokens(tokens, rank, world, args, device, report):
         del q, k, v, dout
         groups = _groups(args, True)
         run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
-                                                       engine=args.engine, **groups), shard[:3], shard[3])
+                                                       engine=args.engine, switches=_switches(args), **groups),
+                         shard[:3], shard[3])
         return timed(run, args.iters, args.warmup)
 
     if _hierarchical(args, world):
@@ -503,7 +515,8 @@ def bench_tokens(tokens, rank, world, args, device, report):
             index = make_index(seq, args, device) if sparse is True else None
             settings = _settings(args) if sparse == "estimate" else None
             run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
-                                                           sparse=settings, engine=args.engine, schedule=schedule),
+                                                           sparse=settings, engine=args.engine, schedule=schedule,
+                                                           switches=_switches(args)),
                              (q, k, v), dout)
             run()
             sites = []
@@ -558,7 +571,8 @@ def bench_model(rank, world, args, device, report) -> None:
         one = _estimate_one_device(q, k, settings)  # the reference: one device's estimate of the whole sequence
         shard = [layout.shard(t, rank).contiguous() for t in (q, k, v)]
         del q, k, v
-        mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None, **est)
+        mine = estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None,
+                                   switches=_switches(args), **est)
         want = one.block_ids[:, :, mine.rows]
         lists = mine.col_ids is not None  # else the ring reads its columns list-free from the lines
         width = max(want.shape[-1], mine.block_ids.shape[-1], one.col_ids.shape[-1],
@@ -578,20 +592,21 @@ def bench_model(rank, world, args, device, report) -> None:
         ms, gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args)
         # the estimate alone (this rank's lines and rows of the index), as the ring schedule runs it, eager
         estimate_ms = timed(lambda: estimate_rank_index(shard[0], shard[1], pos, pos, seq, settings, scale, None,
-                                                        **est), args.iters, args.warmup)
+                                                        switches=_switches(args), **est), args.iters, args.warmup)
         graph_ms = graph_gather_ms = None
         if args.graph_estimate and device.type == "cuda":
             graph_ms, graph_gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args, graph=True)
         lists_ms = lists_gather_ms = None
         if args.compare_columns:  # the same calls with the rank index's column lists
-            with switches.use(list_free_columns=False):
-                lists_ms, lists_gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args)
+            lists_ms, lists_gather_ms = _time_model_ring(shard, dout, layout, settings, scale, args,
+                                                         list_free_columns=False)
         if dense_ms is None and not args.skip_dense:
             # zigzag, the dense ring's best layout; its time does not depend on the values, so this layer's
             # block-stripe shards stand in for zigzag ones
             dense_layout = Layout.create("zigzag", world_size=world)
             drun, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=dense_layout,
-                                                            softmax_scale=scale), shard, dout)
+                                                            softmax_scale=scale, switches=_switches(args)),
+                              shard, dout)
             dense_ms = timed(drun, max(1, args.iters // 2), 1)
         row = {"layer": n, "ring_sparse_estimated_ms": ms, "gather_sparse_estimated_ms": gather_ms,
                "estimate_ring_ms": estimate_ms,
@@ -674,20 +689,21 @@ def bench_model(rank, world, args, device, report) -> None:
                   f"ring's; slashes {diff['slashes_only_one_device']} / {diff['slashes_only_ring']}", flush=True)
 
 
-def _time_model_ring(shard, dout, layout, settings, scale, args, graph: bool = False):
+def _time_model_ring(shard, dout, layout, settings, scale, args, graph: bool = False, **changes):
     """(ring ms or None, gathered ms or None) per the schedules asked for: the estimated sparse ring's fwd+bwd on a
     layer's shards, median; graph: the context-parallel estimate replayed from a CUDA graph (`mtrain.parallel.graphed`;
-    one more warm-up call: the first warms, the second captures)."""
+    one more warm-up call: the first warms, the second captures); changes: other switches of these calls."""
+    switches = _switches(args, graph_ring_estimate=graph, **changes)
     times = []
     for schedule in ("ring", "gather"):
         if schedule not in args.schedules:
             times.append(None)
             continue
         run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
-                                                       softmax_scale=scale, engine=args.engine, schedule=schedule),
+                                                       softmax_scale=scale, engine=args.engine, schedule=schedule,
+                                                       switches=switches),
                          shard, dout)
-        with switches.use(graph_ring_estimate=graph):
-            times.append(timed(run, args.iters, max(args.warmup, 2) if graph else args.warmup))
+        times.append(timed(run, args.iters, max(args.warmup, 2) if graph else args.warmup))
     return tuple(times)
 
 
@@ -763,8 +779,8 @@ def phases(tokens, rank, world, args, device):
             settings = SparseSettings(block_size=args.block_size, max_vertical=args.verticals,
                                       max_slash=args.window + args.far_slashes)
             t["estimate_index"] = timed(lambda: estimate_index(q, k, pos, pos, seq, settings, scale, None), it, wu)
-            t["estimate_rank_index"] = timed(lambda: estimate_rank_index(q, k, pos, pos, seq, settings, scale, None),
-                                             it, wu)
+            t["estimate_rank_index"] = timed(lambda: estimate_rank_index(q, k, pos, pos, seq, settings, scale, None,
+                                                                         switches=_switches(args)), it, wu)
             t["column_gather"] = timed(lambda: ColumnGather(k, v, plan, None).wait(), it, wu)
         columns_kv = ColumnGather(k, v, plan, None).wait() if plan.columns is not None else None
         # a visiting shard's K/V (another rank's data, as the ring would hand it over)
@@ -781,7 +797,7 @@ def phases(tokens, rank, world, args, device):
             aux: dict = {}
 
             def fwd():
-                acc = PartialAccumulator(q)
+                acc = PartialAccumulator(q, switches=_switches(args))
                 step_forward(acc, q, kv[0], kv[1], plan, origin, scale, aux, cols)
                 return acc
 
@@ -791,7 +807,7 @@ def phases(tokens, rank, world, args, device):
         first, rest = min(outs), sorted(outs)[1:]
 
         def merge():  # merges into the first step's output in place, as the ring does (values stay finite)
-            acc = PartialAccumulator(q)
+            acc = PartialAccumulator(q, switches=_switches(args))
             acc.add(outs[first].out, outs[first].lse)
             for n, s in enumerate(rest):
                 acc.add(outs[s].out, outs[s].lse, final=n == len(rest) - 1)
@@ -802,7 +818,7 @@ def phases(tokens, rank, world, args, device):
         out, lse = merge() if rest else outs[first].result(q.dtype)
         for s, origin, kv, cols in visits():
             aux: dict = {}
-            acc = PartialAccumulator(q)
+            acc = PartialAccumulator(q, switches=_switches(args))
             step_forward(acc, q, kv[0], kv[1], plan, origin, scale, aux, cols)
 
             def bwd():
@@ -1021,7 +1037,6 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    _use_torch_merge(args)
     if not args.skip_check:
         try:
             check(rank, world, args, device, report)
@@ -1056,12 +1071,6 @@ def _write_json(path: str | None, report: list[dict]) -> None:
             json.dump(report, f, indent=1)
 
 
-def _use_torch_merge(args) -> None:
-    """--torch-merge: the ring's partial results merged by the torch merge instead of the fused Triton one."""
-    if args.torch_merge:
-        SWITCHES.fused_merge = False
-
-
 def _main_emulated(args) -> int:
     """`--emulate-cp N`: the synthetic variants of one rank of a CP=N group, alone in this process (see
     mtrain.bench.emulate), against CP=1 measured in the same run."""
@@ -1084,7 +1093,6 @@ def _main_emulated(args) -> int:
     else:
         device = torch.device("cuda", torch.cuda.current_device())
         name = torch.cuda.get_device_name(device)
-    _use_torch_merge(args)
     world, rank = args.emulate_cp, args.emulate_rank
     print(f"torch {torch.__version__}, {name}, EMULATED rank {rank} of CP={world} (transfers replaced by local fills), "
           f"heads {args.heads}/{args.kv_heads} x {args.dim}, {DTYPE}", flush=True)

@@ -2,7 +2,8 @@
 (`_local_attention`: dense, or the vertical-slash estimate and the sparse engine) and a context-parallel group
 (`_ring`). A plugin of `mtrain.models.registry`: `KINDS`, `settings_of` and `register` are what the registry reads.
 Every call reads the runtime of the model it runs in (`mtrain.models.runtime.runtime_of(module)`) and nothing else:
-its settings, CP topology, step inputs, per-layer policy state and records."""
+its settings and switches (passed down to every reader of the stack it calls: `rt.switches`), CP topology, step
+inputs, per-layer policy state and records."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, check_
                                   layer_settings, passed_check, quality_error, record_layer, remember_choice,
                                   replay_choice, scored_rows, skip_estimate, widen_or_hold)
 from mtrain.models.runtime import AttentionSettings, runtime_of
-from mtrain.ops.switches import applied
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +85,11 @@ def prepare_spec(q, k, engine: str, doc_ids):
     return (engine, k.shape[2], q.shape[-1]) if engine in ("triton", "fa4") and doc_ids is None else None
 
 
-def _graphed(q, prepare) -> bool:
+def _graphed(q, prepare, switches) -> bool:
     """Whether this layer's estimate runs from a CUDA graph that also builds the engine's plans (prepare: the layer's
-    `prepare_spec`; what the cost model then charges the estimate: CostTable.graphed)."""
-    from mtrain.ops.switches import SWITCHES
-
-    return SWITCHES.graph_estimate and q.is_cuda and prepare is not None
+    `prepare_spec`; switches: the runtime's, attention.graph_estimate; what the cost model then charges the estimate:
+    CostTable.graphed)."""
+    return switches.graph_estimate and q.is_cuda and prepare is not None
 
 
 def _decide(rt, q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, engine, max_error, prepare,
@@ -118,14 +117,15 @@ def _decide(rt, q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_k
     # on CUDA replayed from a graph once the shapes have been seen twice (its ~280 launches are the cost at 32K),
     # with what the engine derives from the index (another ~100 launches) built in the same graph
     index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids,
-                             prepare=prepare)
+                             prepare=prepare, switches=rt.switches)
     checked = check_wanted(rt, max_error, policy) and check_due(rt, key, training)
     if checked:  # the quality check (attention.max_output_error), once per hold period in training
         index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
         if escalate(rt, key, index, max_error):  # over the limit: estimate again at the escalated recall
             s = dataclasses.replace(s, recall=rt.policy.layer_recall[key])
             index = estimate_graphed(q.detach(), k.detach(), **{**fields, "recall": s.recall},
-                                     softmax_scale=scaling, doc_ids=doc_ids, prepare=prepare)
+                                     softmax_scale=scaling, doc_ids=doc_ids, prepare=prepare,
+                                     switches=rt.switches)
             index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
     path, prediction = choose_path(rt, index, q, policy=policy, training=training, doc_ids=doc_ids, target=s.recall,
                                    rows=scored_rows(s, q.shape[1]), engine=engine,
@@ -161,7 +161,7 @@ def _local_attention(rt, q, k, v, scaling, s=None, doc_ids=None, *, policy="alwa
     prepare = prepare_spec(q, k, engine, doc_ids)
     path, index = _decide(rt, q, k, v, scaling, s, policy=policy, training=training, layer_idx=layer_idx,
                           key=layer_idx, memo_key=layer_idx, engine=engine, max_error=max_error, prepare=prepare,
-                          graphed=_graphed(q, prepare), doc_ids=doc_ids)
+                          graphed=_graphed(q, prepare, rt.switches), doc_ids=doc_ids)
     if path == "sparse":
         return vertical_slash_attention(q, k, v, index, softmax_scale=scaling, doc_ids=doc_ids, impl=engine,
                                         deterministic=_deterministic_backward(engine))
@@ -185,13 +185,14 @@ _SHORTEST: dict = {}
 
 
 def _shortest_sparse(policy: str, heads: int, head_dim: int, block_size: int, s, training: bool, device,
-                     engine: str, dense_engine: str) -> int:
+                     engine: str, dense_engine: str, switches=None) -> int:
     """The shortest document a sparse layer estimates: two blocks under "always" (a shorter one has no block to
     skip); under "auto" the shortest whole number of blocks (from two up) at which the cost model's floor (the
     estimate and the fixed costs, `cost.worth_estimating`) is under the document's dense cost, found by bisection
     (the floor grows more slowly with the length than dense does); beyond 2**24 tokens, never. The estimate is
     priced eager: documents' lengths change from batch to batch, so a CUDA graph of one length is rarely replayed.
-    s: the SparseSettings, whose scored rows depend on the length."""
+    s: the SparseSettings, whose scored rows depend on the length; switches: the runtime's (its cost table; None =
+    the defaults)."""
     from mtrain.ops import cost
 
     shortest = 2 * block_size
@@ -199,7 +200,7 @@ def _shortest_sparse(policy: str, heads: int, head_dim: int, block_size: int, s,
         return shortest
     # the same for every layer and step of a run: computed once per arguments and cost table (a table a test or a
     # recipe's attention.cost_table replaces is another object, so its lengths are computed afresh)
-    table = cost.table_for(device)
+    table = cost.table_for(device, switches=switches)
     key = (id(table), heads, head_dim, block_size, s, training, torch.device(device).type, engine, dense_engine)
     known = _SHORTEST.get(key)
     if known is not None and known[0] is table:
@@ -209,7 +210,7 @@ def _shortest_sparse(policy: str, heads: int, head_dim: int, block_size: int, s,
         length = blocks * block_size
         return cost.worth_estimating(seq_len=length, heads=heads, head_dim=head_dim, block_size=block_size,
                                      rows=scored_rows(s, length), backward=training, device=device,
-                                     engine=engine, dense_engine=dense_engine).path == "sparse"
+                                     engine=engine, dense_engine=dense_engine, switches=switches).path == "sparse"
 
     low, high = 2, (1 << 24) // block_size  # pays(high) or nothing does; bisect on the first block count that pays
     reachable = pays(high)
@@ -232,7 +233,7 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
 
     B, S, Hq, D = q.shape
     shortest = S + 1 if policy == "never" else _shortest_sparse(policy, Hq, D, s.block_size, s, training, q.device,
-                                                                 engine, dense_backend(q))
+                                                                 engine, dense_backend(q), rt.switches)
     pieces, dense, slot = {}, [], 0
     for b in range(B):
         for start, n in zip(documents.starts(b), documents.lengths[b]):
@@ -301,7 +302,7 @@ def _ring(rt, q, k, v, scaling, settings=None, layer_idx=None, *, policy="always
             gather = _start_gather(rt, q, k, v, world, settings)
             vertical, slash, rows = lines
             index = rank_index_of_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows,
-                                        schedule=topo.schedule)
+                                        schedule=topo.schedule, switches=rt.switches)
     elif settings is not None and policy != "never" and not skip_estimate(rt, q, settings, layer_idx, policy=policy,
                                                                           training=training, world=world):
         # Estimated across the group (no rank does it for the others; the lines are identical on every rank);
@@ -318,7 +319,8 @@ def _ring(rt, q, k, v, scaling, settings=None, layer_idx=None, *, policy="always
         def estimate(s):
             return estimate_rank_index_graphed(q.detach(), k.detach(), positions, seq_len, s, scale, topo.group,
                                                doc_ids=rt.inputs.doc_ids, rows=rows, key_blocks=key_blocks,
-                                               layout_key=(topo.layout.spec, rank), schedule=topo.schedule)
+                                               layout_key=(topo.layout.spec, rank), schedule=topo.schedule,
+                                               switches=rt.switches)
 
         index = estimate(settings)
         checked = check_wanted(rt, max_error, policy) and check_due(rt, layer_idx, training)
@@ -363,7 +365,7 @@ def _ring(rt, q, k, v, scaling, settings=None, layer_idx=None, *, policy="always
                           inner_group=topo.inner_group, outer_group=topo.outer_group, doc_ids=rt.inputs.doc_ids,
                           engine=engine if engine in ("auto", "triton", "fa4") else "triton",
                           schedule=topo.schedule, kv_gather=gather, dense_schedule=topo.dense_schedule,
-                          documents=rt.current_documents(rt.inputs.doc_ids))
+                          documents=rt.current_documents(rt.inputs.doc_ids), switches=rt.switches)
 
 
 def _ring_quality_error(rt, q, k, v, positions, index, seq_len, settings, scale, rank):
@@ -383,8 +385,9 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     """HF attention function of the mtraining kinds: query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after
     RoPE (with a KV cache, key/value hold the cached positions too: then see `_cached_attention`). Everything it reads
     and writes besides its inputs is the runtime of the model `module` belongs to (`runtime_of(module)`,
-    `mtrain.models.runtime`): its settings, topology, step inputs, policy state and records; the call runs under the
-    runtime's switches (`mtrain.ops.switches.applied`). The keywords override the runtime's settings for this call:
+    `mtrain.models.runtime`): its settings, topology, step inputs, policy state and records; the runtime's switches
+    (`rt.switches`) are passed down to every reader the call reaches. The keywords override the runtime's settings
+    for this call:
     settings: SparseSettings (sparse), None (dense); left out = the runtime's (settings.sparse).
     policy: one of SPARSE_POLICIES for sparse settings; None = the runtime's sparse_policy. Under "auto" the cost
     model is that of a training call (forward + backward) when the module is in training mode, else forward only.
@@ -399,14 +402,13 @@ def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dr
     Returns (out [B, S_local, Hq, D], None).
     """
     rt = runtime_of(module)
-    with applied(rt.settings.switches):
-        return _attention(rt, module, query, key, value, scaling, dropout, settings=settings, policy=policy,
-                          engine=engine, max_error=max_error, per_document=per_document), None
+    return _attention(rt, module, query, key, value, scaling, dropout, settings=settings, policy=policy,
+                      engine=engine, max_error=max_error, per_document=per_document), None
 
 
 def _attention(rt, module, query, key, value, scaling, dropout, *, settings, policy, engine, max_error,
                per_document):
-    """`mtrain_attention`'s work, under the runtime's switches: the call's out [B, S_local, Hq, D]."""
+    """`mtrain_attention`'s work: the call's out [B, S_local, Hq, D]."""
     own = rt.settings
     settings = own.sparse if settings is False else settings
     policy = policy or own.sparse_policy

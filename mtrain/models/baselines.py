@@ -72,14 +72,12 @@ def _index(rt, kind: str, q, k, s: BaselineSettings, scaling):
 def baseline_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """HF attention function of the baseline kinds (shapes as `mtrain.models.attention.mtrain_attention`):
     query [B, Hq, S_local, D], key/value [B, Hkv, S_local, D] after RoPE -> (out [B, S_local, Hq, D], None). The kind
-    and its settings are those of the runtime of the model `module` belongs to (`runtime_of`), under whose switches
-    the call runs. A KV cache (generation) runs dense, as for every mtrain kind."""
+    and its settings are those of the runtime of the model `module` belongs to (`runtime_of`), whose switches the
+    ring is given. A KV cache (generation) runs dense, as for every mtrain kind."""
     from mtrain.models.runtime import runtime_of
-    from mtrain.ops.switches import applied
 
     rt = runtime_of(module)
-    with applied(rt.settings.switches):
-        return _baseline(rt, module, query, key, value, scaling, dropout), None
+    return _baseline(rt, module, query, key, value, scaling, dropout), None
 
 
 def _baseline(rt, module, query, key, value, scaling, dropout):
@@ -113,7 +111,8 @@ def _baseline(rt, module, query, key, value, scaling, dropout):
     from mtrain.parallel import ring_attention
 
     return ring_attention(q, k, v, group=topo.group, layout=topo.layout, index=index, softmax_scale=scaling,
-                          inner_group=topo.inner_group, outer_group=topo.outer_group, doc_ids=doc_ids)
+                          inner_group=topo.inner_group, outer_group=topo.outer_group, doc_ids=doc_ids,
+                          switches=rt.switches)
 
 
 def settings_of(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto", **settings):

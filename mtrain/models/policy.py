@@ -6,9 +6,9 @@ bind (`layer_settings`, `widen`, `widen_or_hold`), the replay of a layer's choic
 record of each call (`record_layer`).
 
 Every function that reads or writes state takes the model's runtime first (`rt`, a
-`mtrain.models.runtime.AttentionRuntime`): its settings, its step inputs, its per-layer policy state (`rt.policy`,
-which the trainer saves with each checkpoint through `rt.state_dict()`) and its records; nothing here is shared
-between models."""
+`mtrain.models.runtime.AttentionRuntime`): its settings and switches (`rt.switches`), its step inputs, its per-layer
+policy state (`rt.policy`, which the trainer saves with each checkpoint through `rt.state_dict()`) and its records;
+nothing here is shared between models."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from mtrain.models.context import LayerRecord, own
 from mtrain.ops.lists import MAX_LIST_ENTRIES
-from mtrain.ops.switches import SWITCHES
+from mtrain.ops.switches import Switches
 
 SPARSE_POLICIES = ("auto", "always", "never")
 """How a sparse kind picks its path per layer: the cost model (`mtrain.ops.cost`), sparse everywhere, or dense."""
@@ -37,8 +37,8 @@ RECALL_SLACK = 0.04
 # its own makes the host wait for the GPU to finish the estimate before it can queue the attention kernels, and at
 # short lengths the host's work after that wait (the kernels' launches) costs about as much as the estimate itself.
 # A layer's first estimate (per shape) is read directly. The pattern, and so the choice, moves slowly in training (the
-# premise of dense_hold as well). Under attention.lagged_choice (SWITCHES.lagged_choice, on by default); off: each
-# layer reads its own estimate.
+# premise of dense_hold as well). Under attention.lagged_choice (the runtime's `Switches.lagged_choice`, on by
+# default); off: each layer reads its own estimate.
 
 # The lagged statistics kept per layer: one per (shape, parts) the layer was called with, the least recently used
 # going first beyond this many (a training run needs one or two: with and without the quality check's error).
@@ -62,7 +62,7 @@ def _choice_stats(rt, index, q, target, layer_idx) -> list:
     if error is not None:
         parts.append(error.double().amax().view(1).to(parts[0].device))  # the worst sequence of the batch
     now = torch.cat(parts)
-    if not SWITCHES.lagged_choice or layer_idx is None:
+    if not rt.switches.lagged_choice or layer_idx is None:
         return now.tolist()  # one device-to-host read
     key = (layer_idx, tuple(q.shape), len(parts))
     before = rt.policy.choice_stats.get(key)
@@ -139,7 +139,7 @@ def choose_path(rt, index, q, *, policy: str, training: bool, world: int = 1, do
     prediction = cost.predict(blocks, columns, seq_len=index.seq_len, heads=Hq, head_dim=D,
                               block_size=index.block_size, batch=B, backward=training, device=q.device,
                               world=world, doc_lengths=doc_lengths, estimate_rows=rows, engine=engine,
-                              graphed=graphed, dense_engine=dense_backend(q))
+                              graphed=graphed, dense_engine=dense_backend(q), switches=rt.switches)
     by_cost = prediction.path
     has_recall = target is not None and index._cache.get("est_recall") is not None
     reasons = []
@@ -178,7 +178,7 @@ def skip_estimate(rt, q, s, layer_idx, *, policy: str, training: bool, world: in
     floor = cost.worth_estimating(seq_len=S, heads=Hq, head_dim=D, block_size=s.block_size,
                                   rows=scored_rows(s, S), batch=B, backward=training,
                                   device=q.device, world=world, doc_lengths=doc_lengths, engine=engine,
-                                  graphed=graphed, dense_engine=dense_backend(q))
+                                  graphed=graphed, dense_engine=dense_backend(q), switches=rt.switches)
     if floor.path == "sparse":
         return False
     rt.records.layers.append(LayerRecord(layer, "dense", None, floor.dense_ms, floor.sparse_ms,
@@ -244,38 +244,40 @@ def layer_settings(rt, s, layer_idx):
     return s if recall is None or recall == s.recall else dataclasses.replace(s, recall=recall)
 
 
-def list_bytes(index, cap_v: int, cap_s: int) -> int:
+def list_bytes(index, cap_v: int, cap_s: int, *, switches: Switches | None = None) -> int:
     """Bytes of the int32 block and column lists over the query blocks `index` holds (every block of a one-device
     SparseIndex, a CP rank's own in a RowIndex) when they are as wide as caps of `cap_v` verticals and `cap_s` slash
     block offsets allow: per query block and head, two block entries per slash offset (a slash line crosses at most
     two key blocks), the sink and diagonal blocks, and one column entry per vertical
     (`mtrain.parallel.estimate.lists_bytes`, what a rank's index sizes its lists by). A CP rank whose lists at those
     caps would pass `static_width_mib` holds no column lists (`list_free_columns`): its block lists, and each head's
-    verticals with their key blocks (`mtrain.ops.columns.RingColumns`), instead."""
+    verticals with their key blocks (`mtrain.ops.columns.RingColumns`), instead. switches: the run's (those two keys;
+    None = the defaults)."""
     from mtrain.parallel import estimate
 
-    b, h, rows, list_free = _lists_at(index, cap_v, cap_s)
+    b, h, rows, list_free = _lists_at(index, cap_v, cap_s, switches)
     if list_free:
         return estimate.lists_bytes(b, h, rows, cap_s, 0) + b * h * cap_v * 4 * 2
     return estimate.lists_bytes(b, h, rows, cap_s, cap_v)
 
 
-def column_list_entries(index, cap_v: int, cap_s: int) -> int:
+def column_list_entries(index, cap_v: int, cap_s: int, *, switches: Switches | None = None) -> int:
     """Entries of the column lists over the query blocks `index` holds at caps of `cap_v` verticals and `cap_s` slash
-    block offsets (0 where a rank's index holds them list-free at those caps, as `list_bytes` counts): batch x heads x
-    query blocks x cap_v."""
-    b, h, rows, list_free = _lists_at(index, cap_v, cap_s)
+    block offsets (0 where a rank's index holds them list-free at those caps under `switches`, as `list_bytes`
+    counts): batch x heads x query blocks x cap_v."""
+    b, h, rows, list_free = _lists_at(index, cap_v, cap_s, switches)
     return 0 if list_free else b * h * rows * cap_v
 
 
-def _lists_at(index, cap_v: int, cap_s: int) -> tuple[int, int, int, bool]:
+def _lists_at(index, cap_v: int, cap_s: int, switches: Switches | None) -> tuple[int, int, int, bool]:
     """(batch, heads, query blocks) of `index`'s lists, and whether it would hold its columns list-free at these caps
     (a CP rank's RowIndex past `static_width_mib`, `mtrain.parallel.estimate.columns_list_free`)."""
     from mtrain.ops.index import RowIndex
     from mtrain.parallel import estimate
 
     b, h, rows = index.block_ids.shape[:3]
-    return b, h, rows, isinstance(index, RowIndex) and estimate.columns_list_free(b, h, rows, cap_s, cap_v)
+    return b, h, rows, isinstance(index, RowIndex) and estimate.columns_list_free(b, h, rows, cap_s, cap_v,
+                                                                                  switches=switches)
 
 
 def widen(rt, layer_idx, index, s, seq_len: int, policy: str, training: bool) -> bool:
@@ -306,9 +308,10 @@ def widen(rt, layer_idx, index, s, seq_len: int, policy: str, training: bool) ->
     if caps[1] == caps[0]:  # the caps already cover the sequence: wider caps list nothing more
         return False
     limit = rt.settings.widen_max_list_bytes
-    if limit and list_bytes(index, *caps[1]) > limit:  # lists this wide cost more to build than a dense layer saves
+    # lists this wide cost more to build than a dense layer saves
+    if limit and list_bytes(index, *caps[1], switches=rt.switches) > limit:
         return False
-    if column_list_entries(index, *caps[1]) > MAX_LIST_ENTRIES:  # beyond the kernels' 32-bit offsets
+    if column_list_entries(index, *caps[1], switches=rt.switches) > MAX_LIST_ENTRIES:  # beyond 32-bit offsets
         return False
     rt.policy.cap_scale[layer_idx] = scale * 2
     for key in [key for key in rt.policy.choice_stats if key[0] == layer_idx]:

@@ -37,13 +37,11 @@ def register_attention(recipe) -> str:
 
 def recipe_runtime(recipe):
     """A fresh runtime of the recipe's attention kind (`attention_runtime` with the recipe's `attention:` keys), with
-    the recipe's switches (`mtrain.ops.switches.from_sections`), which its attention calls put in place."""
-    from mtrain.ops.switches import from_sections
+    the recipe's switches (`mtrain.ops.switches.from_recipe`), which its attention calls pass down the stack."""
+    from mtrain.ops.switches import from_recipe
 
     kind, options = recipe_attention(recipe.attention)
-    runtime = attention_runtime(kind, **options)
-    runtime.settings.switches = from_sections(recipe.attention, recipe.parallel)
-    return runtime
+    return attention_runtime(kind, switches=from_recipe(recipe), **options)
 
 
 def recipe_attention(a) -> tuple[str, dict]:
@@ -58,7 +56,7 @@ def recipe_attention(a) -> tuple[str, dict]:
         shared = {f.name for f in dataclasses.fields(a)} - {"kind", "sparse_policy", "dense_hold_steps", "engine",
                                                              "max_output_error", "widen_caps",
                                                              "widen_max_list_mib", "escalate_recall", "per_document",
-                                                             # switches: the trainer sets them (mtrain.ops.switches)
+                                                             # switches: the runtime's (`recipe_runtime`)
                                                              "graph_estimate", "lagged_choice", "cost_table"}
     settings = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name in shared}
     if a.kind not in baselines.BASELINE_KINDS:
@@ -71,7 +69,7 @@ def recipe_attention(a) -> tuple[str, dict]:
 
 
 def attention_runtime(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
-                      **sparse_settings):
+                      switches=None, **sparse_settings):
     """A fresh `mtrain.models.runtime.AttentionRuntime` for attention kind `kind` (see KINDS) with these settings,
     the kind registered with transformers as `mtrain-<kind>` (the runtime's `name`). Sparse kinds take
     `mtrain.parallel.SparseSettings` fields as keywords, and `sparse_policy` (`mtrain.models.policy.SPARSE_POLICIES`;
@@ -80,7 +78,9 @@ def attention_runtime(kind: str, *, sparse_policy: str = "always", dense_hold: i
     the block kernels of the sparse path on one device), `max_output_error` (the quality check of "auto"),
     `widen_caps` and `widen_max_list_mib` (the cap widening of "auto"), `escalate_recall`, `per_document` (see
     `mtrain.models.attention.settings_of`); the baselines take `BaselineSettings` fields and ignore the rest.
-    Attach it to the model loaded with `attn_implementation=runtime.name` (`mtrain.models.runtime.attach_runtime`)."""
+    switches: the `mtrain.ops.switches.Switches` its attention runs with (None: the defaults; a recipe's:
+    `recipe_runtime`). Attach it to the model loaded with `attn_implementation=runtime.name`
+    (`mtrain.models.runtime.attach_runtime`)."""
     from mtrain.models.runtime import AttentionRuntime
 
     if kind not in KINDS:
@@ -89,6 +89,8 @@ def attention_runtime(kind: str, *, sparse_policy: str = "always", dense_hold: i
     settings = plugin.settings_of(kind, sparse_policy=sparse_policy, dense_hold=dense_hold, engine=engine,
                                   **sparse_settings)
     plugin.register(kind)
+    if switches is not None:
+        settings.switches = switches
     return AttentionRuntime(settings)
 
 

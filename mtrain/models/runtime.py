@@ -6,8 +6,9 @@ module HF calls them with (`runtime_of(module)`) and read nothing else, so two m
 settings, policy state and records. It holds, in five typed parts:
 
 - `settings` (`AttentionSettings`): the kind and what the recipe's `attention:` section says of it (sparse settings,
-  policy, engine, quality check, holds, widening, escalation, per-document), and the run's `Switches`, which each
-  attention call puts in place for its duration (`mtrain.ops.switches.applied`);
+  policy, engine, quality check, holds, widening, escalation, per-document), and the run's `Switches`
+  (`mtrain.ops.switches`), which each attention call passes down to every reader of the stack it calls (an autograd
+  function whose backward reads one keeps its forward's: the backward runs outside the call);
 - `topology` (`Topology`): the context-parallel group, its layout, the hierarchical ring's groups and node size, and
   the ring schedules (set by the trainer at set-up; all None/defaults on one device);
 - `inputs` (`StepInputs`): what the trainer sets per step or micro-batch: the packed documents (`set_documents`), the
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtrain.errors import MtrainError
+from mtrain.ops.switches import Switches, or_defaults
 
 ATTR = "mtrain_runtime"
 """The attribute under which a model and each of its modules hold their runtime."""
@@ -69,9 +71,9 @@ class AttentionSettings:
     per_document: bool = True
     """One device with packed documents: each long enough document sparse on its own; False = one estimate over the
     whole sequence, documents masked (attention.per_document)."""
-    switches: object = None
-    """mtrain.ops.switches.Switches this model's attention calls run with (put in place for each call), or None: the
-    process's SWITCHES as they are."""
+    switches: Switches | None = field(default_factory=Switches)
+    """The `mtrain.ops.switches.Switches` this model's attention runs with (the trainer's: the recipe's), passed down
+    by each call to the readers of the stack; immutable (replace it with `dataclasses.replace`). None: the defaults."""
 
     @property
     def name(self) -> str:
@@ -211,6 +213,11 @@ class AttentionRuntime:
     def name(self) -> str:
         """The `attn_implementation` to load the model with (`mtrain-<kind>`)."""
         return self.settings.name
+
+    @property
+    def switches(self) -> Switches:
+        """The switches this model's attention runs with (`settings.switches`; the defaults where that is None)."""
+        return or_defaults(self.settings.switches)
 
     def set_documents(self, doc_ids, device=None) -> None:
         """Set this batch's documents: doc_ids [B, S] (the CPU copy where there is one: its boundaries are read

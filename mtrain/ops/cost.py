@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from mtrain.ops.switches import SWITCHES
+from mtrain.ops.switches import Switches, or_defaults
 
 # A layer runs sparse only when sparse is predicted at most this fraction of dense: the fits below are off by up
 # to about this much on small sparse calls, and a wrong "sparse" costs more than a wrong "dense" (a dense layer is
@@ -102,14 +102,15 @@ CPU = CostTable(
 )
 
 
-def table_for(device) -> CostTable:
+def table_for(device, *, switches: Switches | None = None) -> CostTable:
     """The cost table of a device (a torch.device or its type string): CUDA -> H200, anything else -> CPU.
     Other GPUs use the H200 figures: the choice depends on the ratio of sparse to dense, which moves less
     between GPUs than either time. A JSON file of figures measured on this machine (`mtrain bench cost --fit ROWS
-    --write-table FILE`) replaces the built-in ones it covers: the recipe's attention.cost_table (SWITCHES), else
-    the file the environment variable MTRAIN_COST_TABLE names."""
+    --write-table FILE`) replaces the built-in ones it covers: the recipe's attention.cost_table
+    (`switches.cost_table`; None = the defaults, no file), else the file the environment variable MTRAIN_COST_TABLE
+    names."""
     kind = device if isinstance(device, str) else device.type
-    path, source = SWITCHES.cost_table, "attention.cost_table"
+    path, source = or_defaults(switches).cost_table, "attention.cost_table"
     if not path:
         path, source = os.environ.get("MTRAIN_COST_TABLE"), "MTRAIN_COST_TABLE"
     if path:
@@ -282,11 +283,11 @@ def estimate_ms(seq_len: int, heads: int, rows: int, *, batch: int = 1, table: C
 def worth_estimating(*, seq_len: int, heads: int, head_dim: int, block_size: int, rows: int, batch: int = 1,
                      backward: bool = True, device="cuda", world: int = 1, doc_lengths=None,
                      margin: float = SPARSE_MARGIN, engine: str = "auto", graphed: bool = False,
-                     dense_engine: str = "sdpa") -> Prediction:
+                     dense_engine: str = "sdpa", switches: Switches | None = None) -> Prediction:
     """Whether sparse attention can pay at all, before estimating: its floor (the estimate + the index's and
     kernels' fixed costs with no listed work) against dense. Prediction.path "dense" = it cannot: run dense
-    and skip the estimate; sparse_ms holds the floor. graphed, dense_engine: as in `predict`."""
-    table = table_for(device)
+    and skip the estimate; sparse_ms holds the floor. graphed, dense_engine, switches: as in `predict`."""
+    table = table_for(device, switches=switches)
     dense = dense_ms(seq_len, heads, head_dim, batch=batch, backward=backward, table=table,
                      doc_lengths=doc_lengths, engine=dense_engine) / world
     g = _graphed(table, graphed)
@@ -330,7 +331,7 @@ def choose(dense: float, sparse: float, margin: float = SPARSE_MARGIN) -> str:
 def predict(blocks: float, columns: float, *, seq_len: int, heads: int, head_dim: int, block_size: int,
             batch: int = 1, backward: bool = True, device="cuda", world: int = 1, doc_lengths=None,
             margin: float = SPARSE_MARGIN, estimate_rows: int = 0, engine: str = "auto",
-            graphed: bool = False, dense_engine: str = "sdpa") -> Prediction:
+            graphed: bool = False, dense_engine: str = "sdpa", switches: Switches | None = None) -> Prediction:
     """Both paths' predicted ms for one rank and the cheaper path (see `choose`).
 
     world: context-parallel group size (dense and sparse kernels split over the ranks; the index is whole on
@@ -340,9 +341,10 @@ def predict(blocks: float, columns: float, *, seq_len: int, heads: int, head_dim
     engine: the block engine of the sparse path (see `sparse_ms`). graphed: the estimate ran from a CUDA graph that
     also built the index and the engine's plans (CostTable.graphed, where measured): the sparse path then no longer
     pays the index term, and the estimate's predicted cost includes it. dense_engine: the dense kernel the dense
-    path runs (`dense_ms`'s engine).
+    path runs (`dense_ms`'s engine). switches: the run's (`mtrain.ops.switches`), whose attention.cost_table the
+    figures come from (`table_for`); None = the defaults.
     """
-    table = table_for(device)
+    table = table_for(device, switches=switches)
     dense = dense_ms(seq_len, heads, head_dim, batch=batch, backward=backward, table=table,
                      doc_lengths=doc_lengths, engine=dense_engine) / world
     g = _graphed(table, graphed)

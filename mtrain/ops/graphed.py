@@ -17,7 +17,7 @@ import torch
 from mtrain.ops.partial_autograd import join_tensors, split_tensors
 from mtrain.ops.estimate import estimate_rows, estimate_vertical_slash
 from mtrain.ops.index import SparseIndex
-from mtrain.ops.switches import SWITCHES
+from mtrain.ops.switches import Switches, or_defaults
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def same_index(a: SparseIndex, b: SparseIndex) -> bool:
 
 
 def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor | None = None, prepare=None,
-                     **kwargs) -> SparseIndex:
+                     switches: Switches | None = None, **kwargs) -> SparseIndex:
     """`estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)`, replayed from a CUDA graph on CUDA; with
     `prepare=(engine, num_kv_heads, head_dim)` the graph also builds what that engine derives from the index
     (`prepare_engine`; eagerly the engine builds it on first use, so nothing is built for a layer that runs dense).
@@ -220,9 +220,9 @@ def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor 
     The first call with given shapes and settings runs eagerly (it compiles the kernels); the second captures
     the graph, replays it once and compares the result with an eager run on the same inputs: the graph serves
     the later calls only if the two indices are equal (else, or if capture fails, that key stays eager, with a
-    warning). Off CUDA, or with attention.graph_estimate off (SWITCHES.graph_estimate), this is the eager
-    estimate."""
-    if not (SWITCHES.graph_estimate and q.is_cuda) or torch.cuda.is_current_stream_capturing():
+    warning). Off CUDA, or with attention.graph_estimate off (`switches.graph_estimate`; None = the defaults), this
+    is the eager estimate."""
+    if not (or_defaults(switches).graph_estimate and q.is_cuda) or torch.cuda.is_current_stream_capturing():
         return estimate_vertical_slash(q, k, doc_ids=doc_ids, **kwargs)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, doc_ids is None,
            None if doc_ids is None else tuple(doc_ids.shape), tuple(sorted(kwargs.items())), prepare)

@@ -2,28 +2,29 @@
 read deep inside it (the estimates' CUDA graphs, the lagged choice, the ring's list-free columns and static widths,
 the gathered schedule's backward and sink, the fused merge, the hierarchical ring, the cost table).
 
-Each is a typed recipe key under `attention:` or `parallel:` (`mtrain.config`), saved in the run's config.yaml; the
-trainer copies them here from the recipe before the first forward (`configure`), and the readers read `SWITCHES` at
-call time. `SWITCHES` lives in the lowest layer of the stack (ops < parallel < models) so that every layer can read
-it; the defaults here are the recipe keys' defaults. A benchmark or a test changes one for a block with `use`.
+Each is a typed recipe key under `attention:` or `parallel:` (`mtrain.config`), saved in the run's config.yaml.
+`Switches` is immutable (a frozen dataclass: another set of switches is `dataclasses.replace(switches, ...)`), and
+nothing in the process holds a current one: they travel as arguments. A model's attention runtime
+(`mtrain.models.runtime.AttentionSettings.switches`; the trainer's are the recipe's, `from_recipe`) hands its own to
+every call of the attention stack it makes, down to each reader; the public functions of `mtrain.ops` and
+`mtrain.parallel` that read one take a `switches=` keyword (None: the documented defaults, `DEFAULTS`), and the
+autograd functions whose backward reads one keep the switches their forward ran with. So two models with different
+switches in one process each run, forward and backward, with their own. A benchmark or a test passes its own
+(`Switches(...)`, or `dataclasses.replace(DEFAULTS, ...)`).
 
-A model's attention runtime (`mtrain.models.runtime`) carries its own `Switches` (the trainer's are the recipe's):
-each of its attention calls puts them in place for the call (`applied`), so two models with different switches each
-run with their own. The readers deep in ops/parallel still read `SWITCHES`: what runs outside an attention call (the
-backward of an attention op) reads the process's, which the trainer sets with `configure`.
+`Switches` lives in the lowest layer of the stack (ops < parallel < models) so that every layer can name it; the
+defaults here are the recipe keys' defaults.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class Switches:
-    """The switches a run's attention reads at call time (see the module docstring); each field's recipe key is in
-    KEYS, and its meaning in that key's docstring in `mtrain.config`."""
+    """The switches a run's attention runs with (see the module docstring); each field's recipe key is in KEYS, and
+    its meaning in that key's docstring in `mtrain.config`. Immutable: change one with `dataclasses.replace`."""
 
     graph_estimate: bool = True
     """attention.graph_estimate: the one-device estimate replayed from a CUDA graph (`mtrain.ops.graphed`)."""
@@ -57,7 +58,14 @@ class Switches:
     """parallel.node_size: ranks per node of the hierarchical ring; None = LOCAL_WORLD_SIZE (the launcher's)."""
 
 
-SWITCHES = Switches()
+DEFAULTS = Switches()
+"""The documented defaults (the recipe keys' defaults): what a `switches=None` argument means."""
+
+
+def or_defaults(switches: Switches | None) -> Switches:
+    """`switches`, or `DEFAULTS` for None (the readers' `switches=` keyword)."""
+    return DEFAULTS if switches is None else switches
+
 
 # Switches field -> the recipe key it is copied from ("section.key"); every field has one.
 KEYS = {
@@ -89,35 +97,6 @@ def from_sections(attention, parallel) -> Switches:
     return Switches(**values)
 
 
-def configure(attention, parallel) -> Switches:
-    """Set SWITCHES from a recipe's `attention:` and `parallel:` sections (the trainer does, before the first
-    forward); returns it."""
-    chosen = from_sections(attention, parallel)
-    for f in dataclasses.fields(Switches):
-        setattr(SWITCHES, f.name, getattr(chosen, f.name))
-    return SWITCHES
-
-
-@contextlib.contextmanager
-def use(**values):
-    """Within the block, SWITCHES with `values` (field=value) in place of the current ones; restored after."""
-    unknown = set(values) - {f.name for f in dataclasses.fields(Switches)}
-    if unknown:
-        raise TypeError(f"unknown switch(es) {', '.join(sorted(unknown))}; fields: {', '.join(KEYS)}")
-    saved = {name: getattr(SWITCHES, name) for name in values}
-    for name, value in values.items():
-        setattr(SWITCHES, name, value)
-    try:
-        yield SWITCHES
-    finally:
-        for name, value in saved.items():
-            setattr(SWITCHES, name, value)
-
-
-def applied(switches: Switches | None):
-    """Within the block, SWITCHES set to every field of `switches` (a model's own, `mtrain.models.runtime`), restored
-    after; a no-op context for None. The model's attention calls run under their runtime's switches this way; the
-    readers deep in the stack still read SWITCHES."""
-    if switches is None:
-        return contextlib.nullcontext(SWITCHES)
-    return use(**{f.name: getattr(switches, f.name) for f in dataclasses.fields(Switches)})
+def from_recipe(recipe) -> Switches:
+    """The Switches of a recipe (`mtrain.config.RecipeConfig`): `from_sections` of its `attention:` and `parallel:`."""
+    return from_sections(recipe.attention, recipe.parallel)

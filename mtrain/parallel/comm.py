@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain.errors import MtrainError
-from mtrain.ops.switches import SWITCHES
+from mtrain.ops.switches import Switches, or_defaults
 
 # Separate tags keep the KV stream and the gradient stream apart when both are in flight between the
 # same pair of ranks (gloo matches on tag; NCCL matches in issue order, which is the same on both ends).
@@ -75,18 +75,19 @@ def local_world_size_from_env() -> int | None:
     return int(value) if value else None
 
 
-def ring_node_size(world: int) -> int | None:
+def ring_node_size(world: int, *, switches: Switches | None = None) -> int | None:
     """Ranks per node of the hierarchical ring over a CP group of `world` ranks, or None for the flat ring, as
-    parallel.hierarchy and parallel.node_size say (SWITCHES): flat -> None; auto -> the node size (node_size, else the
-    launcher's LOCAL_WORLD_SIZE) where it splits the group into several whole nodes, else None; hierarchical -> that
-    node size, refused where it does not split the group."""
-    if SWITCHES.hierarchy == "flat":
+    parallel.hierarchy and parallel.node_size say (`switches`; None = the defaults): flat -> None; auto -> the node
+    size (node_size, else the launcher's LOCAL_WORLD_SIZE) where it splits the group into several whole nodes, else
+    None; hierarchical -> that node size, refused where it does not split the group."""
+    switches = or_defaults(switches)
+    if switches.hierarchy == "flat":
         return None
-    local = SWITCHES.node_size or local_world_size_from_env()
+    local = switches.node_size or local_world_size_from_env()
     if local is not None and 1 < local < world and world % local == 0:
         return local
-    if SWITCHES.hierarchy == "hierarchical":
-        source = "parallel.node_size" if SWITCHES.node_size else "LOCAL_WORLD_SIZE (the launcher's GPUs per node)"
+    if switches.hierarchy == "hierarchical":
+        source = "parallel.node_size" if switches.node_size else "LOCAL_WORLD_SIZE (the launcher's GPUs per node)"
         raise MtrainError(f"parallel.hierarchy: hierarchical needs nodes that split the CP group of {world} ranks "
                           f"into several, and the node size is {local} ({source}); set parallel.node_size to the "
                           "ranks per node, or parallel.hierarchy: auto")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain.errors import MtrainError
-from mtrain.ops.switches import SWITCHES
+from mtrain.ops.switches import Switches, or_defaults
 
 
 @dataclass(frozen=True)
@@ -417,7 +417,7 @@ def _covered_rows(lists, rows, probs, pooled, k_pos) -> torch.Tensor:
 
 
 # Lists as wide as the lines allow (every slash and vertical slot, `rows_from_lines(bound_widths="static")`) are
-# used without reading the chosen widths back when a rank's lists then take at most SWITCHES.static_width_bytes
+# used without reading the chosen widths back when a rank's lists then take at most `Switches.static_width_bytes`
 # (parallel.static_width_mib; 64 MiB): the host read drains the GPU's queue, and the host's index and plan work then
 # runs with the GPU idle.
 
@@ -443,41 +443,50 @@ def static_list_bytes(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int) 
 # gathered schedule are static (`rank_list_widths`). Off: lists as before, widths from the read.
 
 
-def columns_list_free(b: int, h: int, n_rows: int, n_slash: int, n_vertical: int) -> bool:
+def columns_list_free(b: int, h: int, n_rows: int, n_slash: int, n_vertical: int, *,
+                      switches: Switches | None = None) -> bool:
     """Whether a rank's rows of lines this wide hold their columns list-free: where lists as wide as they allow
-    (`lists_bytes`) would pass `SWITCHES.static_width_bytes`, under `parallel.list_free_columns`."""
-    return SWITCHES.list_free_columns and lists_bytes(b, h, n_rows, n_slash, n_vertical) > \
-        SWITCHES.static_width_bytes
+    (`lists_bytes`) would pass `switches.static_width_bytes`, under `parallel.list_free_columns` (`switches`; None =
+    the defaults)."""
+    switches = or_defaults(switches)
+    return switches.list_free_columns and lists_bytes(b, h, n_rows, n_slash, n_vertical) > \
+        switches.static_width_bytes
 
 
-def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int, *, schedule: str = "ring") -> bool | str:
+def rank_list_widths(vertical: torch.Tensor, slash: torch.Tensor, n_rows: int, *, schedule: str = "ring",
+                     switches: Switches | None = None) -> bool | str:
     """`rows_from_lines`' bound_widths for a rank's rows of these lines: "static" (no host read) where those lists
-    take at most `SWITCHES.static_width_bytes` (parallel.static_width_mib), else True (one host read). Under the
+    take at most `switches.static_width_bytes` (parallel.static_width_mib; None = the defaults), else True (one host
+    read). Under the
     gathered schedule (`schedule` "gather") the rows hold no column lists where they would be wide
     (`parallel.list_free_columns`), so "static" too where the block lists alone fit: the column union is then as
     wide as the verticals' slots, for which the gathered K/V buffers already keep room
     (`mtrain.parallel.ring_gather.spare_bound`); the ring schedule keeps the read, which sizes the columns' all-gather.
     Recomputation (gradient checkpointing) asks the same, so a layer's replay builds the lists
     its first forward did."""
-    if static_list_bytes(vertical, slash, n_rows) <= SWITCHES.static_width_bytes:
+    switches = or_defaults(switches)
+    if static_list_bytes(vertical, slash, n_rows) <= switches.static_width_bytes:
         return "static"
-    if SWITCHES.list_free_columns and schedule == "gather" and static_list_bytes(vertical[..., :0], slash, n_rows) \
-            <= SWITCHES.static_width_bytes:  # (list-free: the lists with their columns did not fit)
+    if switches.list_free_columns and schedule == "gather" and static_list_bytes(vertical[..., :0], slash, n_rows) \
+            <= switches.static_width_bytes:  # (list-free: the lists with their columns did not fit)
         return "static"
     return True
 
 
 def rank_index_of_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: int, block_size: int,
-                        rows: torch.Tensor, *, read_also: tuple = (), schedule: str = "ring"):
+                        rows: torch.Tensor, *, read_also: tuple = (), schedule: str = "ring",
+                        switches: Switches | None = None):
     """This rank's RowIndex of the lines for its query blocks `rows`, as `estimate_rank_index` builds it and gradient
     checkpointing's recomputation rebuilds it (the same widths and form, from the shapes alone): widths from
     `rank_list_widths`, and no column lists where lists as wide as the lines allow would pass
-    `SWITCHES.static_width_bytes` (`parallel.list_free_columns`: the ring reads the columns list-free from the lines,
-    kept as `_cache["lines"]`)."""
+    `switches.static_width_bytes` (`parallel.list_free_columns`: the ring reads the columns list-free from the lines,
+    kept as `_cache["lines"]`); `switches`: the run's (None = the defaults), which a recomputation must pass as its
+    first forward did."""
     from mtrain.ops.index import rows_from_lines
 
-    widths = rank_list_widths(vertical, slash, rows.numel(), schedule=schedule)
-    list_free = columns_list_free(*vertical.shape[:2], rows.numel(), slash.shape[-1], vertical.shape[-1])
+    widths = rank_list_widths(vertical, slash, rows.numel(), schedule=schedule, switches=switches)
+    list_free = columns_list_free(*vertical.shape[:2], rows.numel(), slash.shape[-1], vertical.shape[-1],
+                                  switches=switches)
     index = rows_from_lines(vertical, slash, seq_len, block_size, rows, check=False, bound_widths=widths,
                             read_also=read_also, columns=not list_free)
     index._cache["lines"] = (vertical, slash, rows)  # what gradient checkpointing's recomputation rebuilds from
@@ -486,7 +495,8 @@ def rank_index_of_lines(vertical: torch.Tensor, slash: torch.Tensor, seq_len: in
 
 def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
                         doc_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None, scorer: str = "auto",
-                        key_blocks: torch.Tensor | None = None, schedule: str = "ring"):
+                        key_blocks: torch.Tensor | None = None, schedule: str = "ring",
+                        switches: Switches | None = None):
     """This rank's rows of the index `estimate_index` gives (a `mtrain.ops.index.RowIndex` over the query blocks
     of q_pos, entry for entry the same lists), with the whole index's work, density and column union from the
     lines, and `_cache["est_recall"]` as `estimate_index` sets it. No rank builds the other ranks' rows: index
@@ -494,12 +504,13 @@ def estimate_rank_index(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
     rows: `rank_rows(q_pos, block_size)` made once by the caller (`mtrain.parallel.plan.rank_blocks` caches them
     per layout), else computed here. scorer, key_blocks: as `estimate_lines`. The lists' widths are bounds, so the
     ring plan built from the index reads nothing back: where lists as wide as the lines allow take at most
-    `SWITCHES.static_width_bytes` (small caps), those widths, with no host read at all (`rows_from_lines(bound_widths=
+    `switches.static_width_bytes` (small caps), those widths, with no host read at all (`rows_from_lines(bound_widths=
     "static")`); else no column lists (`parallel.list_free_columns`) and bounds from one host read
     (`bound_widths=True`), or, for the gathered schedule (`schedule` "gather"), static widths again
-    (`rank_list_widths`)."""
+    (`rank_list_widths`). switches: the run's (`mtrain.ops.switches`; None = the defaults)."""
     lines = _lines_and_recall(q, k, q_pos, k_pos, seq_len, settings, scale, group, doc_ids, scorer, key_blocks)
-    return rank_index_from_lines(lines, q_pos, k_pos, seq_len, settings, group, rows=rows, schedule=schedule)
+    return rank_index_from_lines(lines, q_pos, k_pos, seq_len, settings, group, rows=rows, schedule=schedule,
+                                 switches=switches)
 
 
 def estimate_rank_lines(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group, *,
@@ -512,7 +523,8 @@ def estimate_rank_lines(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettin
 
 
 def rank_index_from_lines(lines, q_pos, k_pos, seq_len: int, settings: SparseSettings, group, *,
-                          rows: torch.Tensor | None = None, schedule: str = "ring"):
+                          rows: torch.Tensor | None = None, schedule: str = "ring",
+                          switches: Switches | None = None):
     """The second half of `estimate_rank_index`: this rank's RowIndex from `lines` = (vertical, slash, est_recall,
     torch_parts) as `_lines_and_recall` gives them (est_recall None and torch_parts set by the torch scorer, whose
     recall is measured here inside the index)."""
@@ -522,7 +534,8 @@ def rank_index_from_lines(lines, q_pos, k_pos, seq_len: int, settings: SparseSet
     bs = settings.block_size
     rows = rank_rows(q_pos, bs) if rows is None else rows
     also = () if recall is None else (recall.double().mean(),)  # what a layer's dense/sparse choice reads
-    index = rank_index_of_lines(vertical, slash, seq_len, bs, rows, read_also=also, schedule=schedule)
+    index = rank_index_of_lines(vertical, slash, seq_len, bs, rows, read_also=also, schedule=schedule,
+                                switches=switches)
     if recall is not None:
         index._cache["est_recall"] = recall
         return index

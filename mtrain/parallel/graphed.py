@@ -1,14 +1,15 @@
-"""The context-parallel estimate replayed from a CUDA graph, opt-in: `parallel.graph_ring_estimate: true` (the
-recipe key; SWITCHES.graph_ring_estimate). `mtrain.parallel.estimate.estimate_rank_index` makes no host
-synchronisation where the rank's lists are sized from the lines' shapes (`rank_list_widths` "static"), but it issues
-several hundred small kernels and five collectives per layer from Python, and on the GPU the host, not the GPU, sets
-the estimated ring's pace. Its shapes depend only on the input shapes, the settings and the layout, so one capture per
-key serves every layer and step, as the one-device estimate's graph does (`mtrain.ops.graphed`): q and k are copied
-into the graph's buffers, the graph (the Triton scorer, the collectives, the rank's index rows) is replayed, and the
-index is copied out. Where the index reads its lists' widths back (caps whose cap-wide lists would pass
-`parallel.static_width_mib`, as the recipes' 16,384-line caps do, under the ring schedule), the graph holds the
-lines alone and the index is built from them eagerly after each replay; under the gathered schedule
-such an index holds its columns list-free with static widths (`rank_list_widths`), and the graph holds it too.
+"""The context-parallel estimate replayed from a CUDA graph, opt-in: `parallel.graph_ring_estimate: true` (the recipe
+key; `Switches.graph_ring_estimate`, passed down from the model's runtime).
+`mtrain.parallel.estimate.estimate_rank_index` makes no host synchronisation where the rank's lists are sized from
+the lines' shapes (`rank_list_widths` "static"), but it issues several hundred small kernels and five collectives per
+layer from Python, and on the GPU the host, not the GPU, sets the estimated ring's pace. Its shapes depend only on
+the input shapes, the settings and the layout, so one capture per key serves every layer and step, as the one-device
+estimate's graph does (`mtrain.ops.graphed`): q and k are copied into the graph's buffers, the graph (the Triton
+scorer, the collectives, the rank's index rows) is replayed, and the index is copied out. Where the index reads its
+lists' widths back (caps whose cap-wide lists would pass `parallel.static_width_mib`, as the recipes' 16,384-line
+caps do, under the ring schedule), the graph holds the lines alone and the index is built from them eagerly after
+each replay; under the gathered schedule such an index holds its columns list-free with static widths
+(`rank_list_widths`), and the graph holds it too.
 
 Every rank of the group must make the same calls in the same order (they do: the same layers with the same shapes).
 The first call with a key runs eagerly; the second captures on every rank, replays once and compares with an eager
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain.ops.graphed import GraphCache, PackedTree, capture, same_tree
-from mtrain.ops.switches import SWITCHES
+from mtrain.ops.switches import Switches, or_defaults
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +78,21 @@ class _RankGraph:
 
 
 def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: float, group, *, doc_ids=None,
-                                rows, key_blocks=None, layout_key=None, schedule: str = "ring"):
+                                rows, key_blocks=None, layout_key=None, schedule: str = "ring",
+                                switches: Switches | None = None):
     """`mtrain.parallel.estimate.estimate_rank_index(q, k, positions, positions, ...)` for this rank's shard, replayed
-    from a CUDA graph where parallel.graph_ring_estimate is on (SWITCHES) and the tensors are on CUDA (see the
-    module's docstring); else the eager call. rows / key_blocks: the rank's cached query-block rows and key blocks
-    (`mtrain.parallel.plan`); layout_key: what identifies the layout and rank (part of the graph's key). Where the
-    index of these lines reads the lists' widths back (`rank_list_widths`: large caps), the graph holds the lines
-    alone and the index is built from them eagerly after each replay."""
+    from a CUDA graph where parallel.graph_ring_estimate is on (`switches`; None = the defaults) and the tensors are
+    on CUDA (see the module's docstring); else the eager call. The other switches reach the index build (its widths
+    and list-free columns) and are part of the graph's key. rows / key_blocks: the rank's cached query-block rows
+    and key blocks (`mtrain.parallel.plan`); layout_key: what identifies the layout and rank (part of the graph's
+    key). Where the index of these lines reads the lists' widths back (`rank_list_widths`: large caps), the graph
+    holds the lines alone and the index is built from them eagerly after each replay."""
     from mtrain.parallel.estimate import (estimate_rank_index, estimate_rank_lines, rank_index_from_lines,
                                           rank_list_widths, use_triton_scorer)
 
     def call(qq, kk, dd):
         return estimate_rank_index(qq, kk, positions, positions, seq_len, settings, scale, group, doc_ids=dd,
-                                   rows=rows, key_blocks=key_blocks, schedule=schedule)
+                                   rows=rows, key_blocks=key_blocks, schedule=schedule, switches=switches)
 
     def lines(qq, kk, dd):
         return estimate_rank_lines(qq, kk, positions, positions, seq_len, settings, scale, group, doc_ids=dd,
@@ -97,9 +100,10 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
 
     def index_of(found):
         return rank_index_from_lines(found, positions, positions, seq_len, settings, group, rows=rows,
-                                     schedule=schedule)
+                                     schedule=schedule, switches=switches)
 
-    if not (SWITCHES.graph_ring_estimate and q.is_cuda) or torch.cuda.is_current_stream_capturing():
+    switches = or_defaults(switches)
+    if not (switches.graph_ring_estimate and q.is_cuda) or torch.cuda.is_current_stream_capturing():
         return call(q, k, doc_ids)
     if key_blocks is None or not use_triton_scorer("auto", q, settings.block_size, key_blocks):
         return call(q, k, doc_ids)  # the torch scorer reads back (torch.unique): never captured
@@ -107,14 +111,16 @@ def estimate_rank_index_graphed(q, k, positions, seq_len: int, settings, scale: 
     # their identities, and the graph holds them alive, so a replay never reads memory they no longer own
     held = (positions, rows, key_blocks)
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, None if doc_ids is None else tuple(doc_ids.shape),
-           seq_len, settings, float(scale), layout_key, schedule, dist.get_world_size(group), tuple(map(id, held)))
+           seq_len, settings, float(scale), layout_key, schedule, dist.get_world_size(group), tuple(map(id, held)),
+           switches)
     graph = _GRAPHS.graph(key)
     if graph is not None:
         return index_of(graph(q, k, doc_ids)) if graph.lines_only else graph(q, k, doc_ids)
     if not _GRAPHS.capture_due(key):
         return call(q, k, doc_ids)
     eager_lines = lines(q, k, doc_ids)
-    lines_only = rank_list_widths(eager_lines[0], eager_lines[1], rows.numel(), schedule=schedule) != "static"
+    lines_only = rank_list_widths(eager_lines[0], eager_lines[1], rows.numel(), schedule=schedule,
+                                  switches=switches) != "static"
     eager = index_of(eager_lines)
     graph, problem = None, None
     try:

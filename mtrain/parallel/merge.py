@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from mtrain.ops.partial import lse_weights
-from mtrain.ops.switches import SWITCHES
+from mtrain.ops.switches import Switches, or_defaults
 
 
 def accum_dtype(x: torch.Tensor) -> torch.dtype:
@@ -17,9 +17,10 @@ def accum_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 # The one-pass Triton merge of full-row parts on the GPU (`PartialAccumulator._fused`), under parallel.fused_merge
-# (SWITCHES.fused_merge, on by default). Its first version stored the merged lse in place while other warps could
-# still load the same rows, and gave wrong results on the GPU; the kernel now loads everything before it stores (a
-# barrier between), and mtrain/bench/check.py's "merge" case (fused and torch against float64) passes. Off: torch.
+# (`Switches.fused_merge`, on by default; the ring passes the run's). Its first version stored the merged lse in place
+# while other warps could still load the same rows, and gave wrong results on the GPU; the kernel now loads everything
+# before it stores (a barrier between), and mtrain/bench/check.py's "merge" case (fused and torch against float64)
+# passes. Off: torch.
 
 
 def _covers(rows: slice, n: int) -> bool:
@@ -32,11 +33,13 @@ class PartialAccumulator:
     The first part that covers every row is taken as it came (no zero start, no copy); later parts merge in
     the accumulation dtype, in place. A part passed with `final=True` (no later part touches its rows) is
     merged straight into the output dtype while the running result is still in it: the same single
-    rounding as merging in fp32 and casting at the end, without the fp32 round trip.
+    rounding as merging in fp32 and casting at the end, without the fp32 round trip. switches: the run's
+    (`mtrain.ops.switches`; None = the defaults), whose parallel.fused_merge picks the merge on the GPU.
     """
 
-    def __init__(self, like_q: torch.Tensor):
+    def __init__(self, like_q: torch.Tensor, *, switches: Switches | None = None):
         self.shape, self.device, self.dtype = like_q.shape, like_q.device, accum_dtype(like_q)
+        self.fused = or_defaults(switches).fused_merge
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
 
@@ -69,7 +72,7 @@ class PartialAccumulator:
         """On the GPU, a part covering every row merges in one Triton pass (`mtrain.ops._triton_merge`): into the
         fp32 running result in place, or into a new tensor (fp32 while more parts follow, the part's dtype for the
         last). The same arithmetic as the torch merge: fp32 weights and products, one rounding on the store."""
-        if not (SWITCHES.fused_merge and part_out.is_cuda and self.dtype == torch.float32
+        if not (self.fused and part_out.is_cuda and self.dtype == torch.float32
                 and _covers(rows, self.shape[1]) and part_lse.dtype == torch.float32 and part_lse.is_contiguous()
                 and self.lse.is_contiguous() and part_out.stride(-1) == 1 and self.out.stride(-1) == 1):
             return False
@@ -131,12 +134,12 @@ class RankParts:
         """Rank o's part (for another rank: its receive buffer)."""
         return self.own if o == self.rank else self.inbox[o - (o > self.rank)]
 
-    def sum(self, dtype: torch.dtype) -> torch.Tensor:
+    def sum(self, dtype: torch.dtype, *, switches: Switches | None = None) -> torch.Tensor:
         """The parts summed in rank order in the accumulation dtype, rounded once to `dtype`: the same sum on every
-        run. On the GPU in one Triton pass (`mtrain.ops._triton_merge.sum_parts`), else a widening copy of rank 0's
-        part and one add per other rank."""
+        run. On the GPU under parallel.fused_merge (`switches`; None = the defaults) in one Triton pass
+        (`mtrain.ops._triton_merge.sum_parts`), else a widening copy of rank 0's part and one add per other rank."""
         acc = accum_dtype(self.own)
-        if SWITCHES.fused_merge and self.own.is_cuda and acc == torch.float32 and self.own.is_contiguous():
+        if or_defaults(switches).fused_merge and self.own.is_cuda and acc == torch.float32 and self.own.is_contiguous():
             from mtrain.ops._triton_merge import sum_parts
 
             out = torch.empty(self.own.shape, dtype=dtype, device=self.own.device)

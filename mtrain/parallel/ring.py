@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain.errors import MtrainError
+from mtrain.ops.switches import Switches, or_defaults
 from mtrain.ops.varlen import Documents
 from mtrain.parallel.comm import hierarchical_groups, ring_node_size
 from mtrain.parallel.dense_gather import gather_runs, gathered_dense_attention
@@ -75,13 +76,13 @@ def _check_docs(doc_ids, q, seq_len: int) -> torch.Tensor:
     return doc_ids.to(device=q.device, dtype=torch.int64)
 
 
-def _pick_groups(group, inner_group, outer_group):
-    """(inner, outer) for the hierarchical ring, or None for the flat one."""
+def _pick_groups(group, inner_group, outer_group, switches: Switches):
+    """(inner, outer) for the hierarchical ring, or None for the flat one (parallel.hierarchy / node_size)."""
     if (inner_group is None) != (outer_group is None):
         raise MtrainError("pass both inner_group and outer_group for a hierarchical ring, or neither")
     if inner_group is not None:
         return inner_group, outer_group
-    local = ring_node_size(dist.get_world_size(group))
+    local = ring_node_size(dist.get_world_size(group), switches=switches)
     return None if local is None else hierarchical_groups(group, local)
 
 
@@ -124,7 +125,7 @@ def _start_gather(q, k, v, group, world: int, seq_len: int, index, sparse, sched
 
 
 def _estimate(q, k, layout: Layout, seq_len: int, rank: int, sparse: SparseSettings, scale: float, group, doc_ids,
-              scorer: str, schedule: str):
+              scorer: str, schedule: str, switches: Switches):
     """This rank's rows of the index estimated online across the group with `sparse` (a RowIndex): with scorer
     "auto" replayed from a CUDA graph under parallel.graph_ring_estimate (else eager), with another scorer eager."""
     positions = rank_positions(layout, seq_len, rank, q.device)  # cached on the device: no copy per call
@@ -133,18 +134,19 @@ def _estimate(q, k, layout: Layout, seq_len: int, rank: int, sparse: SparseSetti
             q, k, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
             rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
             key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-            layout_key=(layout.spec, rank), schedule=schedule)
+            layout_key=(layout.spec, rank), schedule=schedule, switches=switches)
     return estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
                                rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
                                key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-                               scorer=scorer, schedule=schedule)
+                               scorer=scorer, schedule=schedule, switches=switches)
 
 
-def _plan(q, index, layout: Layout, seq_len: int, rank: int, group, hierarchy, gather, doc_ids, engine: str):
+def _plan(q, index, layout: Layout, seq_len: int, rank: int, group, hierarchy, gather, doc_ids, engine: str,
+          switches: Switches):
     """The plan the call runs: from the index (checked against the group's sequence) when there is one, the gathered
     schedule's one step straight from it where the layout allows, else the ring's; without one the dense ring's.
     With doc_ids it keeps each query to its document's keys; a sparse plan runs on the engine `resolve_engine`
-    picks (the gathered plan rebuilt for the sink form that engine needs)."""
+    picks (the gathered plan rebuilt for the sink form that engine needs: parallel.gather_backward / gather_sink)."""
     if index is not None:
         _check_index(index, q, seq_len)
         # the gathered schedule's one step straight from the index where the layout allows, else the ring's plan
@@ -158,7 +160,8 @@ def _plan(q, index, layout: Layout, seq_len: int, rank: int, group, hierarchy, g
         plan = plan.with_documents(doc_ids)
     if index is not None:
         chosen = resolve_engine(engine, plan, q)
-        sink = ring_gather.gathered_sink_form(chosen, layout.world_size)  # not "listed" only under FA4's backward
+        # not "listed" only under FA4's backward
+        sink = ring_gather.gathered_sink_form(chosen, layout.world_size, switches=switches)
         if sink != "listed" and gather is not None and plan.gather_slots is not None:
             plan = gathered_sparse_plan(index, layout, rank, q.device, sink=sink)
         if chosen != plan.engine:
@@ -185,6 +188,7 @@ def ring_attention(
     kv_gather=None,
     dense_schedule: str = "auto",
     documents=None,
+    switches: Switches | None = None,
 ) -> torch.Tensor:
     """Causal attention over a sequence sharded across a context-parallel group; differentiable.
 
@@ -219,11 +223,15 @@ def ring_attention(
     consecutive positions: contiguous and zigzag), "ring" (the ring's steps), "auto" (gather where the layout allows, else the ring).
     documents: `mtrain.ops.varlen.Documents` of doc_ids (built once per batch), for the gathered dense call; read
     from doc_ids here when not given.
+    switches: the run's `mtrain.ops.switches.Switches` (a model's runtime passes its own; None = the documented
+    defaults): the hierarchy and node size, the estimate's CUDA graph, list widths and list-free columns, the merge,
+    and the gathered step's backward and sink form. The backward reads the ones this call ran with.
     Returns out [B, S_local, Hq, D] in q.dtype; partial results are merged in fp32 through the LSE.
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    hierarchy = _pick_groups(group, inner_group, outer_group)
+    switches = or_defaults(switches)
+    hierarchy = _pick_groups(group, inner_group, outer_group, switches)
     seq_len = _check_shapes(q, k, v, layout, world)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     _check_settings(engine, index, sparse, schedule)
@@ -239,13 +247,14 @@ def ring_attention(
             return gathered_dense_attention(q, k, v, runs, layout, group, scale, documents)
     gather = _start_gather(q, k, v, group, world, seq_len, index, sparse, schedule, kv_gather)
     if sparse is not None:
-        index = _estimate(q, k, layout, seq_len, rank, sparse, scale, group, doc_ids, scorer, schedule)
-    plan = _plan(q, index, layout, seq_len, rank, group, hierarchy, gather, doc_ids, engine)
+        index = _estimate(q, k, layout, seq_len, rank, sparse, scale, group, doc_ids, scorer, schedule, switches)
+    plan = _plan(q, index, layout, seq_len, rank, group, hierarchy, gather, doc_ids, engine, switches)
     if index is not None and gather is not None:
-        out, _ = ring_gather_attention(q, k, v, plan, group, scale, gather)
+        out, _ = ring_gather_attention(q, k, v, plan, group, scale, gather, switches=switches)
     elif hierarchy is None:
-        out, _ = ring_flat_attention(q, k, v, plan, group, scale)
+        out, _ = ring_flat_attention(q, k, v, plan, group, scale, switches=switches)
     else:
         _warn_unbalanced(layout, hierarchy[0])
-        out, _ = ring_hierarchical_attention(q, k, v, plan, group, hierarchy[0], hierarchy[1], scale)
+        out, _ = ring_hierarchical_attention(q, k, v, plan, group, hierarchy[0], hierarchy[1], scale,
+                                             switches=switches)
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from mtrain.ops.switches import Switches
 from mtrain.parallel.comm import TAG_GRAD, RingComm
 from mtrain.parallel.merge import GradSum, PartialAccumulator
 from mtrain.parallel.plan import RingPlan
@@ -22,10 +23,10 @@ def column_origin(rank: int, world: int) -> int:
     return (rank + 1) % world
 
 
-def _forward(q, k, v, plan: RingPlan, group, scale: float):
+def _forward(q, k, v, plan: RingPlan, group, scale: float, switches):
     comm = RingComm(group)
     gather = ColumnGather(k, v, plan, group) if plan.columns is not None else None
-    acc = PartialAccumulator(q)
+    acc = PartialAccumulator(q, switches=switches)
     aux: dict = {}  # per-call state fused dense kernels hand from forward to backward
     origins = [(comm.rank - step) % comm.size for step in range(comm.size)]
     last = max((s for s, o in enumerate(origins) if o not in plan.skip), default=-1)
@@ -71,8 +72,8 @@ def _backward(dout, q, k, v, out, lse, last_kv, columns_kv, aux, plan: RingPlan,
 
 class RingFlatAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, group, scale: float):
-        out, lse, last_kv, columns_kv, aux = _forward(q, k, v, plan, group, scale)
+    def forward(ctx, q, k, v, plan: RingPlan, group, scale: float, switches):
+        out, lse, last_kv, columns_kv, aux = _forward(q, k, v, plan, group, scale, switches)
         saved = [q, k, v, out, lse, *last_kv] + (list(columns_kv) if columns_kv is not None else [])
         save_state(ctx, saved, plan, aux)  # the plan through save_for_backward: see mtrain.parallel.saved_state
         ctx.group, ctx.scale = group, scale
@@ -84,9 +85,10 @@ class RingFlatAttention(torch.autograd.Function):
         (q, k, v, out, lse, last_k, last_v, *columns_kv), (plan, aux) = load_state(ctx)
         grads = _backward(dout.contiguous(), q, k, v, out, lse, [last_k, last_v], tuple(columns_kv) or None,
                           aux, plan, ctx.group, ctx.scale)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)  # (the backward reads no switch)
 
 
-def ring_flat_attention(q, k, v, plan: RingPlan, group, scale: float):
-    """Flat ring attention on local shards: q [B, S_local, Hq, D], k/v [B, S_local, Hkv, D] -> (out, lse)."""
-    return RingFlatAttention.apply(q, k, v, plan, group, scale)
+def ring_flat_attention(q, k, v, plan: RingPlan, group, scale: float, *, switches: Switches | None = None):
+    """Flat ring attention on local shards: q [B, S_local, Hq, D], k/v [B, S_local, Hkv, D] -> (out, lse).
+    switches: the run's (`mtrain.ops.switches`; None = the defaults): the forward's merge (parallel.fused_merge)."""
+    return RingFlatAttention.apply(q, k, v, plan, group, scale, switches)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from mtrain.errors import MtrainError
 from mtrain.ops import partial
-from mtrain.ops.switches import SWITCHES
+from mtrain.ops.switches import Switches, or_defaults
 from mtrain.parallel import fa4_steps
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV
 from mtrain.parallel.merge import RankParts, accum_dtype
@@ -39,7 +39,7 @@ from mtrain.parallel.steps import step_kwargs
 
 SCHEDULES = ("ring", "gather")
 
-# The backward of the gathered step under the fa4 engine (parallel.gather_backward, SWITCHES.gather_backward): "fa4",
+# The backward of the gathered step under the fa4 engine (parallel.gather_backward, `Switches.gather_backward`): "fa4",
 # FA4's block-sparse backward (atomic dQ) plus our column backward, or "triton", our deterministic backward over the
 # step's blocks and columns at once from FA4's merged out / lse (what the one-device fa4 engine runs by default), or
 # "auto" (the default): FA4's in groups of up to
@@ -52,9 +52,10 @@ FA4_GATHER_MAX_WORLD = 4
 GATHER_BACKWARDS = ("auto", "fa4", "triton")
 
 
-def gathered_backward(engine: str, world: int) -> str:
-    """The backward the gathered step of a `world`-rank group runs when its forward runs on `engine`."""
-    chosen = SWITCHES.gather_backward
+def gathered_backward(engine: str, world: int, *, switches: Switches | None = None) -> str:
+    """The backward the gathered step of a `world`-rank group runs when its forward runs on `engine`, under
+    parallel.gather_backward (`switches`; None = the defaults)."""
+    chosen = or_defaults(switches).gather_backward
     if chosen not in GATHER_BACKWARDS:
         raise MtrainError(f"parallel.gather_backward must be one of {GATHER_BACKWARDS}; got {chosen!r}")
     if engine != "fa4":
@@ -67,14 +68,15 @@ def gathered_backward(engine: str, world: int) -> str:
 # How the gathered plan holds the sink block (`mtrain.parallel.plan.SINK_FORMS`) under FA4's backward, which runs each
 # key block's query blocks in turn: "replicas" (copies read by a few query blocks each), or "columns" (its tokens as
 # columns of every query block, as on the ring); under every other backward it is a listed block. Chosen by
-# parallel.gather_sink (SWITCHES.gather_sink; "replicas" by default).
+# parallel.gather_sink (`Switches.gather_sink`; "replicas" by default).
 
 
-def gathered_sink_form(engine: str, world: int) -> str:
-    """The sink form of the gathered plan for a step of a `world`-rank group run by `engine` ("fa4" or "triton")."""
-    if gathered_backward(engine, world) != "fa4":
+def gathered_sink_form(engine: str, world: int, *, switches: Switches | None = None) -> str:
+    """The sink form of the gathered plan for a step of a `world`-rank group run by `engine` ("fa4" or "triton"),
+    under parallel.gather_backward and parallel.gather_sink (`switches`; None = the defaults)."""
+    if gathered_backward(engine, world, switches=switches) != "fa4":
         return "listed"
-    sink = SWITCHES.gather_sink
+    sink = or_defaults(switches).gather_sink
     if sink not in ("replicas", "columns"):  # a listed sink overflows FA4's bounded backward lists
         raise MtrainError(f"parallel.gather_sink must be 'replicas' or 'columns'; got {sink!r}")
     return sink
@@ -188,7 +190,7 @@ def _spare_rows(plan: RingPlan) -> int:
 
 class RingGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, group, scale: float, gather: KVGather | None):
+    def forward(ctx, q, k, v, plan: RingPlan, group, scale: float, gather: KVGather | None, switches: Switches):
         world = dist.get_world_size(group)
         merged = plan if plan.gather_slots is not None else gathered_plan(plan, world)
         col_src, col_dst, n_local, copies = merged.gather_slots
@@ -212,6 +214,7 @@ class RingGatherAttention(torch.autograd.Function):
         save_state(ctx, [q, out, lse, keys, values], merged)  # see mtrain.parallel.saved_state
         ctx.group, ctx.scale, ctx.n_rows = group, scale, n_rows
         ctx.kdtype = k.dtype
+        ctx.switches = switches  # the backward runs outside the attention call: it reads the forward's switches
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -222,13 +225,13 @@ class RingGatherAttention(torch.autograd.Function):
         col_dst, copies = merged.gather_slots[1], merged.gather_slots[3]
         dout = dout.contiguous()
         args = step_kwargs(merged, merged.rank, q, keys)
-        if gathered_backward(merged.engine, dist.get_world_size(group)) == "fa4":
+        if gathered_backward(merged.engine, dist.get_world_size(group), switches=ctx.switches) == "fa4":
             dq, dk, dv = fa4_steps.backward(dout, q, keys, values, out, lse, merged, merged.rank, args["k_pos"],
                                             args["columns"], scale)
         else:
             dq, dk, dv = partial.attention_backward(dout, q, keys, values, out, lse, softmax_scale=scale, **args)
-        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, col_dst, n_rows, group, ctx.kdtype, copies), None, None,
-                None, None)
+        return (dq.to(q.dtype), *_reduce_kv_grads(dk, dv, col_dst, n_rows, group, ctx.kdtype, copies, ctx.switches),
+                None, None, None, None, None)
 
 
 def _fold_columns(t: torch.Tensor, col_dst: torch.Tensor | None, n_rows: int, copies=None) -> None:
@@ -246,11 +249,12 @@ def _fold_columns(t: torch.Tensor, col_dst: torch.Tensor | None, n_rows: int, co
         t[:, src] = (t[:, src].to(acc) + parts.to(acc).sum(1)).to(t.dtype)
 
 
-def _reduce_kv_grads(dk, dv, col_dst, n_rows: int, group, dtype, copies=None):
+def _reduce_kv_grads(dk, dv, col_dst, n_rows: int, group, dtype, copies=None, switches: Switches | None = None):
     """Sum every shard's dK/dV over the group, each rank receiving its own shard's: the column slots' and sink copies'
     gradients are first folded into the gathered rows they copy (`_fold_columns`), then the shards' rows go
     point-to-point in the kernels' dtype (each rank's part of a row rounded once, as one ring step's part is) and are
-    summed in fp32 by the owner in rank order. One exchange: the columns need no collective of their own.
+    summed in fp32 by the owner in rank order (under parallel.fused_merge, `switches`, in one pass on the GPU). One
+    exchange: the columns need no collective of their own.
     Returns (dk, dv) [B, S_local, Hkv, D] in `dtype`."""
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -273,15 +277,18 @@ def _reduce_kv_grads(dk, dv, col_dst, n_rows: int, group, dtype, copies=None):
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
     # a fixed order (rank 0 first): the same sum on every run
-    return sums[0].sum(dtype), sums[1].sum(dtype)
+    return sums[0].sum(dtype, switches=switches), sums[1].sum(dtype, switches=switches)
 
 
-def ring_gather_attention(q, k, v, plan: RingPlan, group, scale: float, gather: KVGather | None = None):
+def ring_gather_attention(q, k, v, plan: RingPlan, group, scale: float, gather: KVGather | None = None, *,
+                          switches: Switches | None = None):
     """Sparse attention of the local queries over the group's gathered K/V in one call: q [B, S_local, Hq, D],
     k/v [B, S_local, Hkv, D] -> (out, lse). `gather`: a `KVGather` of k, v already started (e.g. before the
-    estimate), else one is started here. The plan must be a sparse one (every step has block lists)."""
+    estimate), else one is started here. The plan must be a sparse one (every step has block lists). switches: the
+    run's (`mtrain.ops.switches`; None = the defaults): the backward (parallel.gather_backward, the owners' sum under
+    parallel.fused_merge) reads the ones this forward ran with."""
     if any(s is None for s in plan.steps.values()) or plan.rects:
         raise ValueError("the gathered schedule runs sparse plans only; dense layers run the ring")
-    return RingGatherAttention.apply(q, k, v, plan, group, scale, gather)
+    return RingGatherAttention.apply(q, k, v, plan, group, scale, gather, or_defaults(switches))
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from mtrain.errors import MtrainError
+from mtrain.ops.switches import Switches
 from mtrain.parallel.comm import TAG_GRAD, TAG_KV, RingComm
 from mtrain.parallel.merge import GradSum, PartialAccumulator
 from mtrain.parallel.plan import RingPlan
@@ -85,10 +86,10 @@ def column_origin(grid: NodeGrid) -> int:
     return origin_rank(grid, 0, 1) if grid.local_size > 1 else origin_rank(grid, 1, 0)
 
 
-def _forward(q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float):
+def _forward(q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float, switches):
     inner, outer, grid = _comms(group, inner_group, outer_group)
     gather = ColumnGather(k, v, plan, group) if plan.columns is not None else None
-    acc = PartialAccumulator(q)
+    acc = PartialAccumulator(q, switches=switches)
     aux: dict = {}  # per-call state fused dense kernels hand from forward to backward
     order = [(o, i) for o in range(grid.nodes) for i in range(grid.local_size)]
     last = max((n for n, (o, i) in enumerate(order) if origin_rank(grid, o, i) not in plan.skip), default=-1)
@@ -159,8 +160,8 @@ def _backward(dout, q, k, v, out, lse, columns_kv, aux, plan: RingPlan, group, i
 
 class RingHierarchicalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float):
-        out, lse, columns_kv, aux = _forward(q, k, v, plan, group, inner_group, outer_group, scale)
+    def forward(ctx, q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float, switches):
+        out, lse, columns_kv, aux = _forward(q, k, v, plan, group, inner_group, outer_group, scale, switches)
         saved = [q, k, v, out, lse] + (list(columns_kv) if columns_kv is not None else [])
         save_state(ctx, saved, plan, aux)  # the plan through save_for_backward: see mtrain.parallel.saved_state
         ctx.groups, ctx.scale = (group, inner_group, outer_group), scale
@@ -173,9 +174,11 @@ class RingHierarchicalAttention(torch.autograd.Function):
         grads = _backward(
             dout.contiguous(), q, k, v, out, lse, tuple(columns_kv) or None, aux, plan, *ctx.groups, ctx.scale
         )
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)  # (the backward reads no switch)
 
 
-def ring_hierarchical_attention(q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float):
-    """Hierarchical ring attention on local shards: q [B, S_local, Hq, D], k/v [B, S_local, Hkv, D] -> (out, lse)."""
-    return RingHierarchicalAttention.apply(q, k, v, plan, group, inner_group, outer_group, scale)
+def ring_hierarchical_attention(q, k, v, plan: RingPlan, group, inner_group, outer_group, scale: float, *,
+                                switches: Switches | None = None):
+    """Hierarchical ring attention on local shards: q [B, S_local, Hq, D], k/v [B, S_local, Hkv, D] -> (out, lse).
+    switches: the run's (`mtrain.ops.switches`; None = the defaults): the forward's merge (parallel.fused_merge)."""
+    return RingHierarchicalAttention.apply(q, k, v, plan, group, inner_group, outer_group, scale, switches)

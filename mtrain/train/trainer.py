@@ -214,10 +214,11 @@ class Trainer:
         step's documents and an empty policy state (what the checkpoints hold either way)."""
         from mtrain.models.registry import recipe_runtime
         from mtrain.models.runtime import AttentionRuntime, AttentionSettings
+        from mtrain.ops.switches import from_recipe
 
         kind = self.recipe.attention.kind
         if kind in ("sdpa", "eager"):
-            return AttentionRuntime(AttentionSettings(kind=kind))
+            return AttentionRuntime(AttentionSettings(kind=kind, switches=from_recipe(self.recipe)))
         return recipe_runtime(self.recipe)
 
     def _optimizer(self, model):
@@ -386,12 +387,12 @@ class Trainer:
 
     def _setup_parallel(self, accelerator):
         """The DP x CP mesh, the sequence layout and the attention runtime of this rank (`self.runtime`, its topology
-        set); the recipe's switches (`mtrain.ops.switches`) in place for the attention stack: the runtime's, which its
-        attention calls apply, and the process's (`configure`), which what runs outside those calls reads."""
+        set). The recipe's switches (`mtrain.ops.switches.from_recipe`) choose the ring's hierarchy here, and travel
+        in the runtime, whose attention calls pass them down the stack."""
         from mtrain.models.registry import KINDS, layout_name
-        from mtrain.ops.switches import configure
         from mtrain.models.runtime import Topology
         from mtrain.parallel import Layout
+        from mtrain.ops.switches import from_recipe
         from mtrain.parallel.comm import ring_node_size
         from mtrain.train.mesh import build_mesh
 
@@ -399,10 +400,9 @@ class Trainer:
         if r.parallel.cp_size > 1 and r.attention.kind not in KINDS:
             raise MtrainError(f"parallel.cp_size={r.parallel.cp_size} needs a context-parallel attention.kind "
                               f"({', '.join(KINDS)}); '{r.attention.kind}' runs on one rank per sequence")
-        configure(r.attention, r.parallel)
         # the hierarchical ring's node size (parallel.hierarchy / node_size), or None for the flat ring; with it the
         # layout must know the node size to keep every ring step balanced
-        node = ring_node_size(r.parallel.cp_size) if r.parallel.cp_size > 1 else None
+        node = ring_node_size(r.parallel.cp_size, switches=from_recipe(r)) if r.parallel.cp_size > 1 else None
         if r.parallel.cp_size > 1:
             log.info("context parallelism: %s over %d ranks (parallel.hierarchy=%s)", "the flat ring" if node is None
                      else f"the hierarchical ring, nodes of {node}", r.parallel.cp_size, r.parallel.hierarchy)

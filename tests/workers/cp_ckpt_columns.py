@@ -1,15 +1,15 @@
 """torchrun worker: one training step of the tiny Qwen2 model with MTraining attention under gradient checkpointing,
 context-parallel over all ranks, with the rank indexes built without column lists (the ring reads its columns
-list-free, as at the recipes' caps: `SWITCHES.static_width_bytes` (parallel.static_width_mib) set below every index
-here), and
-compared with the same step on one rank. The recomputation for the backward rebuilds each layer's rank index from
-the remembered lines (`mtrain.parallel.estimate.rank_index_of_lines`); the worker records how many of those it built
-and how many held no column lists.
+list-free, as at the recipes' caps: the runtime's `Switches.static_width_bytes` (parallel.static_width_mib) set below
+every index here), and compared with the same step on one rank. The recomputation for the backward rebuilds each
+layer's rank index from the remembered lines (`mtrain.parallel.estimate.rank_index_of_lines`); the worker records how
+many of those it built and how many held no column lists.
 
 Writes one JSON line per case (with and without packed documents): relative errors of the loss and worst gradient,
 and the index counts.
 """
 
+import dataclasses
 import json
 import sys
 
@@ -22,7 +22,6 @@ from cp_step import batch, compare, configs, finish, packed_folder
 from mtrain.config import load_recipe
 from mtrain.models.registry import layout_name, recipe_runtime
 from mtrain.models.runtime import attach_runtime
-from mtrain.ops.switches import SWITCHES
 from mtrain.parallel import Layout
 from mtrain.train.loss import ChunkedLossLM
 
@@ -41,7 +40,6 @@ def main(out_path: str) -> None:
         return index
 
     estimate.rank_index_of_lines = counting
-    SWITCHES.static_width_bytes = -1  # every rank index takes its widths from the host read: no column lists
     recipe = load_recipe(None, ["attention.kind=mtraining", "attention.block_size=32", "attention.last_q=32",
                                 "attention.recall=0.6", "attention.max_vertical=16", "attention.max_slash=16",
                                 "attention.sparse_policy=always", f"parallel.cp_size={world}",
@@ -54,7 +52,8 @@ def main(out_path: str) -> None:
                                 "model.tokenizer=mtrain/assets/tiny-tokenizer",
                                 f"data.path={packed_folder('cp_ckpt_')}"])
     rt = recipe_runtime(recipe)
-    rt.settings.switches = None  # the process's SWITCHES, as set above (no column lists), in the attention calls too
+    # every rank index takes its widths from the host read: no column lists (the recomputation passes the same)
+    rt.settings.switches = dataclasses.replace(rt.switches, static_width_bytes=-1)
     torch.manual_seed(1)
     hf = attach_runtime(AutoModelForCausalLM.from_config(configs()["qwen2"], attn_implementation=rt.name), rt)
     hf.gradient_checkpointing_enable(
