@@ -75,6 +75,8 @@ def test_plan_reads_exactly_the_keys_of_every_entry(layout_name, world, kind):
             got = torch.cat([(received if src else own[r])[lo:hi] for src, lo, hi, _ in plan.pieces])
             assert [at for *_, at in plan.pieces] == [0, *torch.tensor([hi - lo for _, lo, hi, _ in plan.pieces])
                                                      .cumsum(0).tolist()[:-1]]
+            # the backward's sums over own rows read twice use an index built with the plan (no copy per layer)
+            assert plan.own_once or plan.index is not None
             if plan.index is not None:
                 assert torch.equal(torch.cat([own[r], received])[plan.index], got)
         want = _expected_keys(query_runs(layout, SEQ, r), batch, documents)

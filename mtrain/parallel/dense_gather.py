@@ -125,7 +125,8 @@ class _Plan:
     by rank; `send_unique` / `send_inverse` the same rows once each); `recv_counts` (the rows received from each
     rank); `pieces` ((source, start, stop, at): the call's keys as copies of own (source 0) or received (1) rows,
     placed at `at`, in order) or None when the call reads exactly the own rows in order; `index` (the same keys as
-    one index into [own ++ received] rows, used past MAX_PIECES pieces); `own_once` (no own row is read twice: its
+    one index into [own ++ received] rows, on the device: the forward's gather past MAX_PIECES pieces, the
+    backward's sums where an own row is read twice; else None); `own_once` (no own row is read twice: its
     gradient is one copy, not a sum)."""
 
     def __init__(self, layout, runs, rank: int, batch: int, seq_len: int, documents, device):
@@ -174,9 +175,9 @@ class _Plan:
                 pieces.append((src, a, a + n, at))
             at += n
         self.pieces = pieces
-        if len(pieces) > MAX_PIECES:
-            self.index = _aranges([(lo + (own if src else 0), hi + (own if src else 0))
-                                   for src, lo, hi, _ in pieces]).to(device)
+        if len(pieces) > MAX_PIECES or not self.own_once:  # (the backward's sums need it; on the device once)
+            index = _aranges([(lo + (own if src else 0), hi + (own if src else 0)) for src, lo, hi, _ in pieces])
+            self.index = index.to(device)
 
 
 def _plan(layout, runs, rank: int, batch: int, seq_len: int, documents, device) -> _Plan:
@@ -210,7 +211,7 @@ class _FetchKV(torch.autograd.Function):
             received = (buf[:, 0], buf[:, 1])
         if plan.pieces is None:
             keys = own
-        elif plan.index is not None:
+        elif len(plan.pieces) > MAX_PIECES:
             keys = tuple(torch.cat((o, r))[plan.index] for o, r in zip(own, received))
         else:
             keys = tuple(o.new_empty((plan.segments.total_k, H, D)) for o in own)
@@ -229,13 +230,10 @@ class _FetchKV(torch.autograd.Function):
         if plan.pieces is None:  # (nothing received)
             own = [g.float() if plan.exchange else g for g in grads]
             received = [g.new_zeros((0, H, D), dtype=torch.float32) for g in grads]
-        elif plan.index is not None or not plan.own_once:
+        elif plan.index is not None:
             pools = [g.new_zeros((own_n + recv_n, H, D), dtype=torch.float32) for g in grads]
-            index = plan.index if plan.index is not None else _aranges(
-                [(lo + (own_n if src else 0), hi + (own_n if src else 0)) for src, lo, hi, _ in plan.pieces]
-            ).to(grads[0].device)
             for pool, g in zip(pools, grads):
-                pool.index_add_(0, index, g.float())
+                pool.index_add_(0, plan.index, g.float())
             own, received = [p[:own_n] for p in pools], [p[own_n:] for p in pools]
         else:  # each own row read once: its gradient is a copy; received rows (maybe read twice) add up in fp32
             own = [g.new_zeros((own_n, H, D)) for g in grads]
@@ -268,7 +266,7 @@ def gathered_dense_attention(q, k, v, runs, layout, group, scale: float, documen
     seq_len = Sl * world
     plan = _plan(layout, runs, rank, B, seq_len, documents, q.device)
     flat_q = q.reshape(B * Sl, *q.shape[2:])
-    if plan.index is None and not plan.exchange:  # every key this rank reads is its own, in order: one device's call
+    if plan.pieces is None and not plan.exchange:  # every key this rank reads is its own, in order: one device's call
         k_call, v_call = k.reshape(B * Sl, *k.shape[2:]), v.reshape(B * Sl, *v.shape[2:])
     else:
         k_call, v_call = _FetchKV.apply(k, v, group, plan)
