@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from mtrain.attention_settings import (DEFAULT_ESCALATE_RECALL, BaselineSettings, PolicySettings, SparseSettings,
+                                       default_escalation, settings_from_keys)
 from mtrain.errors import ConfigError
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -64,8 +66,6 @@ class DataConfig:
     """Shuffle sample order each epoch (seeded by train.seed)."""
 
 
-DEFAULT_ESCALATE_RECALL = 0.995
-
 
 @dataclass
 class AttentionConfig:
@@ -73,32 +73,32 @@ class AttentionConfig:
     """One of: dense, mtraining, zigzag-dense, zigzag-sparse, moba, xattention, ulysses, sdpa, eager (moba and
     xattention: block-sparse baselines chosen from q/k every call, on the recipe's parallel.layout under CP;
     ulysses: dense, head-parallel all-to-all under CP)."""
-    block_size: int = 64
+    block_size: int = SparseSettings.block_size
     """Sparse kernel block size (tokens)."""
-    recall: float = 0.99
+    recall: float = SparseSettings.recall
     """Target mean per-row attention mass the online vertical-slash estimate keeps on its scored rows."""
-    last_q: int = 64
+    last_q: int = SparseSettings.last_q
     """Queries (at the end of the sequence) used to estimate the sparse pattern."""
-    max_vertical: int = 16384
+    max_vertical: int = SparseSettings.max_vertical
     """Budget cap on vertical (key column) lines per head (16384: on SmolLM2-135M at 64K-128K the former
     4096-line caps bound in early layers and held their recall to 0.53-0.68; a layer that needs more than
     pays runs dense under sparse_policy auto, or with `widen_caps` estimates again with wider caps)."""
-    max_slash: int = 16384
+    max_slash: int = SparseSettings.max_slash
     """Budget cap on slash lines per head, in token diagonals (slashes are chosen per block offset, which
     counts as block_size diagonals)."""
-    sample_blocks: int = 32
+    sample_blocks: int = SparseSettings.sample_blocks
     """Query blocks spread evenly over the sequence that the estimate scores besides the last_q queries (32: with 16,
     SmolLM2-135M with every layer sparse read +1.7% perplexity at 32K, with 32 +0.2%; BENCHMARKS.md, issue #29)."""
-    sample_rows: Optional[int] = None
+    sample_rows: Optional[int] = SparseSettings.sample_rows
     """Rows the estimate scores per sampled query block (its first ones, at most block_size); None = the whole
     block. Fewer rows make the estimate cheaper (its cost is linear in the scored rows) and its pattern coarser."""
-    cap_fraction: Optional[float] = None
+    cap_fraction: Optional[float] = SparseSettings.cap_fraction
     """Also cap verticals at this fraction of the sequence's tokens and slashes at this fraction of its
     blocks (caps that grow with the sequence); None = only max_vertical / max_slash."""
-    sparse_policy: Literal["auto", "always", "never"] = "auto"
+    sparse_policy: Literal["auto", "always", "never"] = PolicySettings.sparse_policy
     """Sparse kinds, per layer: auto = run dense where the cost model (mtrain.ops.cost) predicts sparse would
     not pay; always = sparse on every layer; never = dense on every layer (the pattern is not estimated)."""
-    engine: Literal["auto", "triton", "flex", "fa4"] = "auto"
+    engine: Literal["auto", "triton", "flex", "fa4"] = PolicySettings.engine
     """Sparse kinds on one device: the block kernels of the sparse path. auto = the engine measured fastest for
     the GPU and block size (fa4 at block_size 128 where FlashAttention-4 is installed on a Hopper-or-newer GPU,
     else our Triton kernels; `mtrain.ops.attention.resolve_impl`); triton = ours;
@@ -106,7 +106,7 @@ class AttentionConfig:
     Hopper or newer GPUs) for the listed blocks plus our column kernels. Under context parallelism the engine picks
     the kernels of every sparse ring step: fa4 (FA4's block-sparse kernels, where it runs: 128-token blocks, no
     document masking; else ours), triton, or auto (fa4 where it runs); flex has no ring steps and is refused there."""
-    max_output_error: Optional[float] = 0.025
+    max_output_error: Optional[float] = PolicySettings.max_output_error
     """Under sparse_policy auto, the quality check: a layer runs dense where the relative error of the attention
     output of the rows the estimate scored, with only the pairs inside the estimated index against dense attention
     (`mtrain.models.policy.quality_error`; under context parallelism measured across the group,
@@ -123,16 +123,16 @@ class AttentionConfig:
     auto. Under sparse_policy always the check runs for this alone and the layer stays sparse. Spends the higher
     recall's pairs only on the layers whose error needs them, where raising `recall` spends them on every layer.
     Default 0.995 (see max_output_error); null = no escalation."""
-    dense_hold_steps: int = 16
+    dense_hold_steps: int = PolicySettings.dense_hold_steps
     """Under sparse_policy auto, in training: a layer the choice sent dense runs dense without estimating its
     pattern for this many further steps, then estimates again (the estimate is paid before the choice; a
     layer's density moves slowly). 0 = estimate every step."""
-    per_document: bool = True
+    per_document: bool = PolicySettings.per_document
     """Sparse kinds on one device with packed documents (data.document_masking): true = each document at least as
     long as the cost model's break-even is estimated and run sparse as a sequence of its own, the rest in one dense
     varlen call (`mtrain.models.attention._per_document`); false = one estimate over the whole sequence with the
     documents masked in the kernels, as a context-parallel group runs (which ignores this key)."""
-    widen_caps: bool = True
+    widen_caps: bool = PolicySettings.widen_caps
     """Under sparse_policy auto, in training: a layer that the estimate's recall (more than 0.04 short of `recall`) or
     the quality check (`max_output_error`) sends dense where the cost model said sparse, and whose caps bind (its
     estimate is short of `recall`, and doubled they would be larger for the sequence), runs dense this call and estimates again on its next call with its
@@ -140,20 +140,20 @@ class AttentionConfig:
     `dense_hold_steps`; doubled again each time, up to 8x (`mtrain.models.policy.widen`, MAX_CAP_SCALE). At 8x, or
     where the caps already cover the sequence, the layer is held dense as before. Each layer's scale is saved with
     checkpoints and logged (attn_cap_scale/LNN, attention_widened_layers). false = hold such a layer dense."""
-    widen_max_list_mib: int = 0
+    widen_max_list_mib: int = PolicySettings.widen_max_list_mib
     """With widen_caps: widen a layer only while its index lists at the doubled caps would take at most this many MiB
     on one rank (int32 block and column lists as wide as the caps allow, over the rank's query blocks: what the index,
     the ring plan and the kernels' plans build and pass over every call); above it the layer is held dense as at 8x.
     0 (default) = no limit. At 512K tokens with CP=4, 64-token blocks and 9 heads, column lists at 16,384-line caps
     would take ~1.2 GiB per rank and double with each widening; a CP rank at such caps holds its columns list-free
     (block lists and each head's verticals: ~15 MiB there), and the limit counts what it holds."""
-    moba_chunk_size: int = 4096
+    moba_chunk_size: int = BaselineSettings.moba_chunk_size
     """kind moba: key chunk (tokens), a multiple of block_size; each query block gates the chunks by mean key."""
-    moba_topk: int = 12
+    moba_topk: int = BaselineSettings.moba_topk
     """kind moba: earlier chunks each query block keeps (best gate scores), besides its own chunk (always kept)."""
-    xattn_stride: int = 8
+    xattn_stride: int = BaselineSettings.xattn_stride
     """kind xattention: antidiagonal stride (tokens) of the block scores, a divisor of block_size."""
-    xattn_threshold: float = 0.9
+    xattn_threshold: float = BaselineSettings.xattn_threshold
     """kind xattention: each query block keeps the fewest key blocks (diagonal and first block always) whose
     normalised antidiagonal scores reach this fraction, in (0, 1]."""
     graph_estimate: bool = True
@@ -173,11 +173,20 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         # The default escalation needs the check and a recall below it: a recipe that turns the check off, or asks
         # for a recall at or above 0.995 on every layer, has nothing to escalate to (an escalate_recall it names
-        # itself is checked as given).
-        er, recall = self.escalate_recall, self.recall
-        if er == DEFAULT_ESCALATE_RECALL and type(er) is float and (
-                self.max_output_error is None or (isinstance(recall, (int, float)) and recall >= er)):
-            self.escalate_recall = None
+        # itself is checked as given). The rule is the settings' (`mtrain.attention_settings.default_escalation`).
+        self.escalate_recall = default_escalation(self.escalate_recall, self.recall, self.max_output_error)
+
+    def settings(self) -> dict:
+        """These keys as the checked settings objects of `mtrain.attention_settings`: {"sparse": SparseSettings,
+        "policy": PolicySettings, "baseline": BaselineSettings} (`settings_from_keys`; each validates its own keys,
+        ConfigError naming the key). What `mtrain.models.registry.attention_runtime` takes (`recipe_runtime`)."""
+        keys = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in SETTINGS_KEYS}
+        return settings_from_keys(self.kind, keys)
+
+
+# The `attention:` keys that are fields of the settings objects (the others: kind and the switches).
+SETTINGS_KEYS = frozenset(f.name for group in (SparseSettings, PolicySettings, BaselineSettings)
+                          for f in dataclasses.fields(group)) & {f.name for f in dataclasses.fields(AttentionConfig)}
 
 
 @dataclass
@@ -493,8 +502,8 @@ def _check(recipe: RecipeConfig) -> None:
         raise ConfigError(f"attention.kind: '{a.kind}' is not one of {', '.join(ATTENTION_KINDS)}{_suggest(a.kind, ATTENTION_KINDS)}")
     positive = {
         "data.seq_len": d.seq_len, "train.max_steps": t.max_steps, "train.micro_batch_size": t.micro_batch_size,
-        "train.grad_accum": t.grad_accum, "parallel.cp_size": p.cp_size, "attention.block_size": a.block_size,
-        "attention.last_q": a.last_q, "parallel.granularity": p.granularity, "train.loss_chunk": t.loss_chunk,
+        "train.grad_accum": t.grad_accum, "parallel.cp_size": p.cp_size,
+        "parallel.granularity": p.granularity, "train.loss_chunk": t.loss_chunk,
         "logging.log_every": recipe.logging.log_every,
     }
     for key, value in positive.items():
@@ -503,39 +512,12 @@ def _check(recipe: RecipeConfig) -> None:
     check_mlp_chunk(m.mlp_chunk)
     if t.save_every < 0:
         raise ConfigError(f"train.save_every: must be >= 0 (0 = only at the end), got {t.save_every}")
-    if isinstance(a.dense_hold_steps, bool) or not isinstance(a.dense_hold_steps, int) or a.dense_hold_steps < 0:
-        raise ConfigError(f"attention.dense_hold_steps: must be an integer >= 0 (0 = estimate every step), "
-                          f"got {a.dense_hold_steps!r}")
-    if a.sample_rows is not None and (isinstance(a.sample_rows, bool) or not isinstance(a.sample_rows, int)
-                                      or a.sample_rows < 1):
-        raise ConfigError(f"attention.sample_rows: must be a positive integer or null (= the whole block), "
-                          f"got {a.sample_rows!r}")
-    if not isinstance(a.widen_caps, bool):
-        raise ConfigError(f"attention.widen_caps: expected true or false, got {a.widen_caps!r}")
-    if not isinstance(a.per_document, bool):
-        raise ConfigError(f"attention.per_document: expected true or false, got {a.per_document!r}")
-    if isinstance(a.widen_max_list_mib, bool) or not isinstance(a.widen_max_list_mib, int) or a.widen_max_list_mib < 0:
-        raise ConfigError(f"attention.widen_max_list_mib: must be an integer >= 0 (MiB of a rank's index lists at the "
-                          f"widened caps; 0 = no limit), got {a.widen_max_list_mib!r}")
-    er = a.escalate_recall
-    if er is not None:
-        if isinstance(er, bool) or not isinstance(er, (int, float)) or not a.recall < er <= 1:
-            raise ConfigError(f"attention.escalate_recall: must be a number above attention.recall ({a.recall}) and at "
-                              f"most 1 (the recall a layer the quality check fails estimates at), got {er!r}")
-        if a.max_output_error is None:
-            raise ConfigError("attention.escalate_recall needs attention.max_output_error (the check that decides which "
-                              "layers escalate): set both, e.g. max_output_error: 0.025, escalate_recall: 0.995")
-    mx = a.max_output_error
-    if mx is not None and (isinstance(mx, bool) or not isinstance(mx, (int, float)) or not 0 < mx < float("inf")):
-        raise ConfigError(f"attention.max_output_error: must be a number > 0 (the relative output error above which "
-                          f"a layer runs dense) or null (no quality check), got {mx!r}")
+    a.settings()  # the attention keys, each checked once by the settings object that holds it
     if p.cp_size > 1 and a.engine not in ("auto", "triton", "fa4"):
         raise ConfigError(f"attention.engine: '{a.engine}' runs on one device only; with parallel.cp_size "
                           f"{p.cp_size} the ring's steps run fa4 or triton: set attention.engine: auto")
     if recipe.logging.recall_every < 0:
         raise ConfigError(f"logging.recall_every: must be >= 0 (0 = never), got {recipe.logging.recall_every}")
-    if not 0.0 < a.recall <= 1.0:
-        raise ConfigError(f"attention.recall: must be in (0, 1], got {a.recall}")
     if not 0.0 <= o.min_lr_ratio <= 1.0 or not 0.0 <= o.warmup_ratio < 1.0:
         raise ConfigError("optim: need 0 <= min_lr_ratio <= 1 and 0 <= warmup_ratio < 1")
     if m.rope_scaling is not None:
@@ -591,20 +573,10 @@ def _check_switches(recipe: RecipeConfig) -> None:
 
 
 def _check_baselines(recipe: RecipeConfig) -> None:
-    """The baseline kinds' keys, and ulysses' head split against the model's config.json (when it is local)."""
+    """The baseline kinds' blocks against the CP layout, and ulysses' head split against the model's config.json (when
+    it is local)."""
     a, p = recipe.attention, recipe.parallel
-    for key in ("moba_chunk_size", "moba_topk", "xattn_stride"):
-        if getattr(a, key) < (0 if key == "moba_topk" else 1):
-            raise ConfigError(f"attention.{key}: must be {'>= 0' if key == 'moba_topk' else 'positive'}, got {getattr(a, key)}")
-    if not 0.0 < a.xattn_threshold <= 1.0:
-        raise ConfigError(f"attention.xattn_threshold: must be in (0, 1], got {a.xattn_threshold}")
-    if a.kind == "moba" and a.moba_chunk_size % a.block_size:
-        raise ConfigError(f"attention.moba_chunk_size: {a.moba_chunk_size} is not a multiple of attention.block_size "
-                          f"({a.block_size}); use e.g. {max(1, a.moba_chunk_size // a.block_size) * a.block_size}")
-    if a.kind == "xattention" and a.block_size % a.xattn_stride:
-        fit = max(d for d in range(1, a.xattn_stride + 1) if a.block_size % d == 0)
-        raise ConfigError(f"attention.xattn_stride: {a.xattn_stride} does not divide attention.block_size "
-                          f"({a.block_size}); use a divisor of it, e.g. {fit}")
+    # the keys' own values and their fit to the kind: BaselineSettings (`AttentionConfig.settings`, in _check)
     if a.kind in ("moba", "xattention") and p.cp_size > 1 and p.layout in ("contiguous", "zigzag", "stripe", "block-stripe"):
         from mtrain.parallel.layout import Layout, LayoutError
         from mtrain.parallel.selection import whole_blocks_problem

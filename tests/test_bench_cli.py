@@ -242,7 +242,7 @@ def test_bench_documents_mixes():
 @pytest.mark.parametrize("argv, words", [
     (["bench", "imbalance", "--density", "5"], "--density 5.0: the fraction of causal blocks computed must be in (0, 1]"),
     (["bench", "real", "--model", "nowhere", "--seq-len", "1024", "--sparse", "recal=0.9"], "unknown key 'recal'"),
-    (["bench", "real", "--model", "nowhere", "--seq-len", "1024", "--sparse", "recall=5"], "recall must be in (0, 1]"),
+    (["bench", "real", "--model", "nowhere", "--seq-len", "1024", "--sparse", "recall=5"], "attention.recall: must be in (0, 1]"),
     (["bench", "real", "--model", "nowhere", "--seq-len", "1024", "--sparse", "engine=fa4"], "--engine"),
 ])
 def test_bench_arguments_refused_in_one_line(argv, words, capsys):

@@ -17,7 +17,8 @@ from mtrain.errors import MtrainError
 from mtrain.models.attention import mtrain_attention
 from mtrain.models.policy import MAX_CAP_SCALE, RECALL_SLACK, scaled_settings
 from mtrain.models.registry import attention_runtime, register_kind
-from mtrain.models.runtime import AttentionRuntime, PolicyState, Records
+from mtrain.attention_settings import PolicySettings
+from mtrain.models.runtime import AttentionRuntime, AttentionSettings, PolicyState, Records
 from mtrain.ops import cost
 from mtrain.parallel import SparseSettings
 from mtrain.train.metrics import attention_stats
@@ -34,7 +35,7 @@ COVERING = dataclasses.replace(SHORT, recall=0.4, max_vertical=SEQ, max_slash=SE
 """Caps that cover the whole sequence: doubling them lists nothing more."""
 
 
-RT = AttentionRuntime()
+RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
 """The attention runtime of the layer `call` runs (`mtrain.models.runtime`): fresh for every test."""
 
 
@@ -44,7 +45,7 @@ def fresh_context(monkeypatch):
     online estimate's own cost changes with every estimator version)."""
     global RT
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
-    RT = AttentionRuntime()
+    RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
     RT.settings.dense_hold = 4
     yield
 
@@ -211,13 +212,13 @@ def test_policy_state_keeps_the_cap_scales_and_old_states_load():
     """The runtime's state_dict carries each layer's scale through JSON; a fresh runtime starts a run at the recipe's
     caps; a state saved before widening (no "cap_scale") loads as every layer at 1."""
     global RT
-    RT = attention_runtime("mtraining", sparse_policy="auto", dense_hold=4, block_size=BS)
+    RT = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", dense_hold_steps=4, block_size=BS)
     for step in range(2):
         call(SHORT, step)
     assert RT.policy.cap_scale == {5: 4}
     saved = json.loads(json.dumps(RT.state_dict()))
     assert saved["cap_scale"] == [[5, 4]]
-    RT = attention_runtime("mtraining", sparse_policy="auto", dense_hold=4, block_size=BS)
+    RT = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", dense_hold_steps=4, block_size=BS)
     assert RT.policy.cap_scale == {}
     RT.load_state_dict(saved)
     assert RT.policy.cap_scale == {5: 4} and json.loads(json.dumps(RT.state_dict())) == saved
@@ -227,10 +228,10 @@ def test_policy_state_keeps_the_cap_scales_and_old_states_load():
 
 
 def test_widen_caps_is_validated_and_reaches_the_context():
-    assert attention_runtime("mtraining", sparse_policy="auto", widen_caps=False).settings.widen_caps is False
-    assert attention_runtime("mtraining", sparse_policy="auto").settings.widen_caps is True
-    with pytest.raises(MtrainError, match="widen_caps must be true or false"):
-        register_kind("mtraining", sparse_policy="auto", widen_caps="yes")
+    assert attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", widen_caps=False).settings.widen_caps is False
+    assert attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto").settings.widen_caps is True
+    with pytest.raises(MtrainError, match="attention.widen_caps: expected true or false"):
+        register_kind("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", widen_caps="yes")
 
 
 def short_caps(scale):
@@ -272,12 +273,12 @@ def test_widening_stops_where_the_wider_lists_would_exceed_the_limit(estimates):
 
 
 def test_widen_max_list_mib_is_validated_and_reaches_the_context():
-    settings = attention_runtime("mtraining", sparse_policy="auto", widen_max_list_mib=512).settings
+    settings = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", widen_max_list_mib=512).settings
     assert settings.widen_max_list_bytes == 512 * 2**20
-    assert attention_runtime("mtraining", sparse_policy="auto").settings.widen_max_list_bytes == 0
+    assert attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto").settings.widen_max_list_bytes == 0
     for bad in (-1, 1.5, True):
-        with pytest.raises(MtrainError, match="widen_max_list_mib must be an integer >= 0"):
-            register_kind("mtraining", sparse_policy="auto", widen_max_list_mib=bad)
+        with pytest.raises(MtrainError, match="attention.widen_max_list_mib: must be an integer >= 0"):
+            register_kind("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", widen_max_list_mib=bad)
 
 
 def test_the_scales_fit_the_graph_caches():

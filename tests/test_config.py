@@ -92,7 +92,7 @@ def test_widen_caps_is_on_by_default_and_reaches_the_registration(recipe_file, m
     recipe = load_recipe(recipe_file, ["attention.kind=mtraining", "attention.widen_caps=false"])
     assert recipe.attention.widen_caps is False
     seen = {}
-    monkeypatch.setattr(registry, "register_kind", lambda kind, **kw: seen.update(kw) or kind)
+    monkeypatch.setattr(registry, "register_kind", lambda kind, **kw: seen.update(kw["policy"].__dict__) or kind)
     registry.register_attention(recipe)
     assert seen["widen_caps"] is False
     assert seen["widen_max_list_mib"] == 0

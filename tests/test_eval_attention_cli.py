@@ -35,10 +35,10 @@ def test_attention_kinds_map_to_backend_options():
     (None, ["recall=0.9"], "--sparse needs a sparse attention kind (--attention mtraining or zigzag-sparse), not 'sdpa'"),
     ("mtraining", ["recal=0.9"], "--sparse 'recal=0.9': unknown key 'recal'; valid keys: recall, last_q"),
     ("mtraining", ["recall"], "--sparse 'recall': expected KEY=VALUE"),
-    ("mtraining", ["recall=1.5"], "--sparse: sparse.recall must be in (0, 1]"),
-    ("mtraining", ["block_size=0"], "--sparse: sparse.block_size must be >= 1"),
-    ("mtraining", ["sparse_policy=sometimes"], "sparse_policy='sometimes': choose one of auto, always, never"),
-    ("mtraining", ["engine=cudnn"], "--sparse engine='cudnn': choose one of auto, triton, flex, fa4"),
+    ("mtraining", ["recall=1.5"], "--sparse: attention.recall: must be in (0, 1], got 1.5"),
+    ("mtraining", ["block_size=0"], "--sparse: attention.block_size: must be positive, got 0"),
+    ("mtraining", ["sparse_policy=sometimes"], "--sparse: attention.sparse_policy: 'sometimes' is not one of auto, always, never"),
+    ("mtraining", ["engine=cudnn"], "--sparse: attention.engine: 'cudnn' is not one of auto, triton, flex, fa4"),
 ])
 def test_bad_attention_flags_name_the_problem(kind, items, message):
     with pytest.raises(MtrainError) as err:
@@ -102,10 +102,12 @@ def test_attention_from_a_recipe_or_a_run_folder_carries_the_training_settings(t
     (None, [], "empty-dir", "holds no config.yaml"),
     (None, [], "missing", "does not exist; give a recipe YAML or a training run's folder"),
     (None, [], "bad-yaml", "--attention-from"),
-    (None, [], "no-check", "bad.yaml: escalate_recall needs max_output_error"),
-    (None, ["recall=0.999"], "recipe", "--sparse: escalate_recall must be a number above recall (0.999)"),
-    ("mtraining", ["escalate_recall=0.995"], None, "--sparse: escalate_recall needs max_output_error"),
-    ("mtraining", ["max_output_error=0"], None, "--sparse: max_output_error must be a finite number > 0"),
+    (None, [], "no-check", "bad.yaml: attention.escalate_recall needs attention.max_output_error"),
+    (None, ["recall=0.999", "escalate_recall=0.998"], "recipe",
+     "--sparse: attention.escalate_recall: must be a number above attention.recall (0.999)"),
+    ("mtraining", ["max_output_error=null", "escalate_recall=0.999"], None,
+     "--sparse: attention.escalate_recall needs attention.max_output_error"),
+    ("mtraining", ["max_output_error=0"], None, "--sparse: attention.max_output_error: must be a number > 0"),
 ])
 def test_bad_attention_source_names_the_problem(tmp_path, kind, items, source, message):
     paths = {"recipe": os.path.join(REPO, "recipes", "smollm2-32k-mtraining.yaml"), "empty-dir": str(tmp_path),
@@ -127,7 +129,8 @@ def test_sparse_evaluation_runs_the_quality_check_and_escalates(tmp_path):
     from mtrain.models.runtime import runtime_of
 
     ids = list(range(1, 511))
-    settings = {"sparse_policy": "always", "block_size": 64, "last_q": 32, "recall": 0.9}
+    # named: no check (the default, the recipe's, checks at 0.025)
+    settings = {"sparse_policy": "always", "max_output_error": None, "block_size": 64, "last_q": 32, "recall": 0.9}
     plain = HFBackend(tiny_checkpoint(), attn_implementation="mtrain-mtraining", prefill_chunk=1024,
                       sparse=settings, dtype="float32")
     plain.loglikelihood(ids)

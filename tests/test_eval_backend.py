@@ -103,8 +103,10 @@ def test_mtrain_attention_through_the_kv_cache_matches_sdpa(backend):
 def test_sparse_prefill_keeping_every_pair_matches_sdpa(backend):
     # The sparse kind on a one-chunk prefill with budgets that keep every (query, key) pair is dense
     # attention; with a tight budget it is not (the sparse path really ran).
+    # every layer sparse, named (the default policy, the recipe's, may run a layer dense)
+    every = {"sparse_policy": "always", "max_output_error": None}
     keep_all = {"recall": 1.0, "max_vertical": 512, "max_slash": 512, "min_vertical": 512, "min_slash": 512,
-                "block_size": 16}
+                "block_size": 16, **every}
     ours = HFBackend(tiny_checkpoint(max_positions=512), prefill_chunk=512, attn_implementation="mtrain-mtraining",
                      sparse=keep_all)
     ids = _prompt(300)
@@ -113,7 +115,7 @@ def test_sparse_prefill_keeping_every_pair_matches_sdpa(backend):
     assert ours.describe()["sparse"] == keep_all
     tight = HFBackend(tiny_checkpoint(max_positions=512), prefill_chunk=512, attn_implementation="mtrain-mtraining",
                       sparse={"recall": 0.3, "max_vertical": 1, "max_slash": 1, "min_vertical": 0, "min_slash": 0,
-                              "block_size": 16})
+                              "block_size": 16, **every})
     # well past the tolerance the equal case meets (a random tiny model barely depends on attention)
     assert abs(tight.loglikelihood(ids)[0] - reference) > 2e-5 * abs(reference)
     # the dense kind keeps computing dense after a sparse kind was registered

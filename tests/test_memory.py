@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from mtrain.config import check_mlp_chunk
 from mtrain.errors import ConfigError
 from mtrain.models.memory import OffloadActivations, chunk_mlp
-from mtrain.models.runtime import AttentionRuntime, attach_runtime
+from mtrain.attention_settings import PolicySettings
+from mtrain.models.runtime import AttentionRuntime, AttentionSettings, attach_runtime
 from mtrain.tiny import tiny_config
 from mtrain.train.loss import ChunkedLossLM
 
@@ -37,7 +38,7 @@ def _model(family: str, checkpointing: bool):
     cfg._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     if checkpointing:
-        rt = attach_runtime(model, AttentionRuntime()).mtrain_runtime  # as the trainer's loader attaches one
+        rt = attach_runtime(model, AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))).mtrain_runtime  # as the trainer's loader attaches one
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": rt.checkpoint_contexts})
     model.config.use_cache = False
@@ -289,7 +290,7 @@ def test_checkpointed_model_holds_no_replayed_index_after_its_layers_forward(mon
     for packed in (False, True):
         monkeypatch.setattr(graphed, "estimate_graphed", replayed if packed else real)
         torch.manual_seed(0)
-        rt = attention_runtime("mtraining", sparse_policy="always", block_size=16, recall=0.9)
+        rt = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="always", block_size=16, recall=0.9)
         model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32, attn_implementation=rt.name)
         attach_runtime(model, rt)
         model.gradient_checkpointing_enable(

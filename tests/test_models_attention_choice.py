@@ -13,7 +13,8 @@ import torch
 from mtrain.errors import MtrainError
 from mtrain.models.attention import mtrain_attention
 from mtrain.models.registry import attention_runtime, register_kind
-from mtrain.models.runtime import AttentionRuntime
+from mtrain.attention_settings import PolicySettings
+from mtrain.models.runtime import AttentionRuntime, AttentionSettings
 from mtrain.ops import cost, estimate_vertical_slash, vertical_slash_attention
 from mtrain.parallel import SparseSettings
 from mtrain.train.metrics import attention_stats
@@ -33,7 +34,7 @@ def kernels_only_cpu_costs(monkeypatch):
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
 
 
-RT = AttentionRuntime()
+RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
 """The attention runtime of the layer `call` runs (`mtrain.models.runtime`): fresh for every test."""
 
 
@@ -41,7 +42,7 @@ RT = AttentionRuntime()
 def single_device():
     """Every test starts from a fresh attention runtime (one device, no holds, no memo)."""
     global RT
-    RT = AttentionRuntime()
+    RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
     yield
 
 
@@ -210,7 +211,7 @@ def test_policy_state_saved_under_auto_resumes_the_same_holds_and_choices():
 
     def fresh_run():  # a new process: a fresh runtime of the kind, made as the trainer makes it
         global RT
-        RT = attention_runtime("mtraining", sparse_policy="auto", dense_hold=2, block_size=BS)
+        RT = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", dense_hold_steps=2, block_size=BS)
 
     def run(steps):
         paths = []
@@ -244,8 +245,8 @@ def test_policy_state_saved_under_auto_resumes_the_same_holds_and_choices():
 
 
 def test_dense_hold_steps_is_validated():
-    with pytest.raises(MtrainError, match="dense_hold must be an integer >= 0"):
-        register_kind("mtraining", sparse_policy="auto", dense_hold=-1)
+    with pytest.raises(MtrainError, match=r"attention\.dense_hold_steps: must be an integer >= 0"):
+        register_kind("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", dense_hold_steps=-1)
 
 
 def test_skips_the_estimate_where_sparse_cannot_pay(monkeypatch):
@@ -332,7 +333,7 @@ def test_model_forward_records_every_layer():
     from mtrain.models.runtime import attach_runtime
 
     for policy in ("auto", "always"):
-        rt = attention_runtime("mtraining", sparse_policy=policy, block_size=32, recall=0.9)
+        rt = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy=policy, block_size=32, recall=0.9)
         model = AutoModelForCausalLM.from_config(tiny_config(), attn_implementation=rt.name).eval()
         attach_runtime(model, rt)
         with torch.no_grad():
@@ -439,10 +440,10 @@ def test_checkpointing_frees_the_index_between_forward_and_backward():
 
 
 def test_register_rejects_an_unknown_policy():
-    with pytest.raises(MtrainError, match="sparse_policy 'sometimes'.*auto, always, never"):
-        register_kind("mtraining", sparse_policy="sometimes")
-    with pytest.raises(MtrainError, match="engine 'cudnn' is not one of auto, triton, flex, fa4"):
-        register_kind("mtraining", engine="cudnn")
+    with pytest.raises(MtrainError, match="attention.sparse_policy: 'sometimes' is not one of auto, always, never"):
+        register_kind("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="sometimes")
+    with pytest.raises(MtrainError, match="attention.engine: 'cudnn' is not one of auto, triton, flex, fa4"):
+        register_kind("mtraining", policy=PolicySettings.every_layer_sparse(), engine="cudnn")
 
 
 @pytest.mark.parametrize("given, registered, strict", [(None, "flex", False), ("triton", "flex", False),
@@ -464,7 +465,7 @@ def test_the_engine_reaches_the_sparse_kernels(monkeypatch, given, registered, s
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
 
     monkeypatch.setattr(mtrain.ops, "vertical_slash_attention", spy)
-    rt = attention_runtime("mtraining", engine=registered, **dataclasses.asdict(LOCAL))
+    rt = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), engine=registered, **dataclasses.asdict(LOCAL))
     q, k, v = inputs("local")
     module = SimpleNamespace(training=True, layer_idx=0, mtrain_runtime=rt)
     mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, settings=LOCAL,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mtrain.models.attention import document_key, mtrain_attention
-from mtrain.models.runtime import AttentionRuntime
+from mtrain.attention_settings import PolicySettings
+from mtrain.models.runtime import AttentionRuntime, AttentionSettings
 from mtrain.ops import cost
 from mtrain.parallel import SparseSettings
 
@@ -19,14 +20,14 @@ LENGTHS = (300, 70, 520, 40, 400)
 LOCAL = SparseSettings(recall=0.6, block_size=BS, max_vertical=3, max_slash=3, min_vertical=0, min_slash=0)
 
 
-RT = AttentionRuntime()
+RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
 """The attention runtime of the layer `call` runs (`mtrain.models.runtime`): fresh for every test."""
 
 
 @pytest.fixture(autouse=True)
 def fresh_context():
     global RT
-    RT = AttentionRuntime()
+    RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
     yield
 
 

@@ -89,13 +89,14 @@ def test_what_a_layer_keeps_of_a_replayed_index_owns_its_memory():
     # the layer logs (its estimated recall) and the lines it keeps for the recomputation must not be those views,
     # or every layer's whole buffer (lists and plans) stays alive until the step ends (an evaluation: forever).
     from mtrain.models.policy import record_layer, remember_choice
-    from mtrain.models.runtime import AttentionRuntime
+    from mtrain.attention_settings import PolicySettings
+    from mtrain.models.runtime import AttentionRuntime, AttentionSettings
 
     index, rows = _rank_index()
     replayed = PackedTree(index, keep=(rows,)).unpack()
     flat_bytes = replayed.col_ids.untyped_storage().nbytes()
     assert flat_bytes > replayed.col_ids.numel() * 4  # the setting: a view into a larger buffer
-    RT = AttentionRuntime()
+    RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
     try:
         record_layer(RT, 3, "sparse", replayed, None)
         with torch.enable_grad():

@@ -81,7 +81,8 @@ def _layer_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     from mtrain.models.attention import mtrain_attention
-    from mtrain.models.runtime import AttentionRuntime
+    from mtrain.attention_settings import PolicySettings
+    from mtrain.models.runtime import AttentionRuntime, AttentionSettings
     from mtrain.ops import SparseIndex, cost
     from mtrain.ops.estimate import row_plan
     from mtrain.ops.recall import block_output_error
@@ -92,7 +93,7 @@ def _layer_worker(rank, world, init_file, out_dir):
     q, k, v = inputs("local")
     settings = SparseSettings(recall=0.4, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)
     layout = Layout.create("block-stripe", world_size=world, granularity=BS)
-    RT = AttentionRuntime()  # the layer's attention runtime: the group, its holds and records
+    RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))  # the layer's attention runtime: the group, its holds and records
     RT.topology.group, RT.topology.layout, RT.inputs.doc_ids, RT.topology.schedule = dist.group.WORLD, layout, None, "ring"
     RT.topology.local_world_size, RT.topology.inner_group, RT.topology.outer_group, RT.settings.dense_hold = None, None, None, 0
     positions = layout.indices(N, rank)

@@ -87,7 +87,8 @@ def test_bounded_rows_read_the_choice_statistics_with_their_widths():
     """The one host read of bound_widths also carries the whole index's work and the values asked for: what a
     layer's dense/sparse choice reads (`_choice_stats`), so a CP layer reads back once."""
     from mtrain.models.policy import _choice_stats
-    from mtrain.models.runtime import AttentionRuntime
+    from mtrain.attention_settings import PolicySettings
+    from mtrain.models.runtime import AttentionRuntime, AttentionSettings
 
     vertical, slash = _lines(256, 12, 5, 3)
     rows = torch.arange(1, 16, 2)
@@ -98,7 +99,7 @@ def test_bounded_rows_read_the_choice_statistics_with_their_widths():
     plain = rows_from_lines(vertical, slash, 256, 16, rows)
     plain._cache["est_recall"] = est
     q = torch.zeros(1, 8, vertical.shape[1], 4)
-    rt = AttentionRuntime()
+    rt = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
     assert _choice_stats(rt, index, q, 0.99, None) == _choice_stats(rt, plain, q, 0.99, None)
     assert _choice_stats(rt, index, q, None, None) == _choice_stats(rt, plain, q, None, None)
 

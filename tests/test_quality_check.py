@@ -11,7 +11,8 @@ import torch
 
 from mtrain.errors import MtrainError
 from mtrain.models.attention import mtrain_attention
-from mtrain.models.runtime import AttentionRuntime
+from mtrain.attention_settings import PolicySettings
+from mtrain.models.runtime import AttentionRuntime, AttentionSettings
 from mtrain.ops import cost, dense_attention, estimate_vertical_slash, vertical_slash_attention
 from mtrain.ops.estimate import estimate_rows
 from mtrain.ops.recall import block_output_error, output_error
@@ -145,7 +146,7 @@ def test_output_error_is_zero_for_the_dense_pattern():
     assert float(output_error(q, k, v, index, torch.arange(0, q.shape[1], 97))[0]) < 1e-5
 
 
-RT = AttentionRuntime()
+RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
 """The attention runtime of the layer `call` runs (`mtrain.models.runtime`): fresh for every test."""
 
 
@@ -155,7 +156,7 @@ def fresh_context(monkeypatch):
     with every estimator version: the layers here pay for sparse by their kernels alone)."""
     global RT
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
-    RT = AttentionRuntime()
+    RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
     yield
 
 
@@ -204,13 +205,13 @@ def test_the_limit_applies_under_auto_only_and_comes_from_the_registration():
     q, k, v = inputs("local")
     call(q, k, v, LOCAL, policy="always", max_error=1e-6)  # "always" stays sparse, measuring nothing
     assert RT.records.layers[-1].path == "sparse" and RT.records.layers[-1].output_error is None
-    rt = attention_runtime("mtraining", sparse_policy="auto", max_output_error=1e-6, **dataclasses.asdict(LOCAL))
+    rt = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", max_output_error=1e-6, **dataclasses.asdict(LOCAL))
     assert rt.settings.max_output_error == 1e-6
     module = SimpleNamespace(training=True, layer_idx=None, mtrain_runtime=rt)
     mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)  # the runtime's limit
     assert rt.records.layers[-1].path == "dense" and rt.records.layers[-1].output_error is not None
-    with pytest.raises(MtrainError, match="max_output_error must be a finite number > 0"):
-        register_kind("mtraining", sparse_policy="auto", max_output_error=0.0)
+    with pytest.raises(MtrainError, match=r"attention\.max_output_error: must be a number > 0"):
+        register_kind("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", max_output_error=0.0)
 
 
 def test_a_layer_that_passed_the_check_is_measured_again_after_the_hold_and_resumes_so():
@@ -304,7 +305,7 @@ def test_a_layer_over_the_limit_escalates_its_recall_and_keeps_it():
 def test_escalation_is_validated_at_registration():
     from mtrain.models.registry import register_kind
 
-    with pytest.raises(MtrainError, match="escalate_recall needs max_output_error"):
-        register_kind("mtraining", sparse_policy="auto", escalate_recall=0.995)
-    with pytest.raises(MtrainError, match="escalate_recall must be a number above recall"):
-        register_kind("mtraining", sparse_policy="auto", max_output_error=0.02, escalate_recall=0.9, recall=0.99)
+    with pytest.raises(MtrainError, match=r"attention\.escalate_recall needs attention\.max_output_error"):
+        register_kind("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", escalate_recall=0.999)
+    with pytest.raises(MtrainError, match=r"attention\.escalate_recall: must be a number above attention\.recall \(0\.99\)"):
+        register_kind("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", max_output_error=0.02, escalate_recall=0.9, recall=0.99)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mtrain.attention_settings import PolicySettings
 from mtrain.ops import estimate_vertical_slash, true_recall
 from mtrain.ops.estimate import scored_rows
 from mtrain.parallel import SparseSettings
@@ -104,7 +105,7 @@ def test_sparse_perplexity_within_one_percent_of_dense_at_4k(model_and_tokenizer
     model.set_attn_implementation(rt.name)
     attach_runtime(model, rt)
     dense = ppl()
-    rt = attention_runtime("mtraining", sparse_policy="always")
+    rt = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="always")
     model.set_attn_implementation(rt.name)
     attach_runtime(model, rt)
     sparse = ppl()

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from mtrain.attention_settings import PolicySettings
 from mtrain.models.registry import attention_runtime
 from ranks import run_cli
 from real_model import REAL_MODEL, load_real_model, prose_ids, require_real_model
@@ -49,7 +50,7 @@ def test_dense_kind_reproduces_sdpa_logits(reference):
 
 def test_mtraining_at_recall_one_reproduces_dense(reference):
     ids, want = reference
-    rt = attention_runtime("mtraining", recall=1.0, block_size=64)
+    rt = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), recall=1.0, block_size=64)
     got = _logits(load_real_model(rt), ids)
     # the sparse path ran on every layer and, at recall 1.0, kept every causal pair
     assert len(rt.records.densities) == 30

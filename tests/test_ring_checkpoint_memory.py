@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from mtrain.models.runtime import AttentionRuntime
+from mtrain.attention_settings import PolicySettings
+from mtrain.models.runtime import AttentionRuntime, AttentionSettings
 from mtrain.ops.index import SparseIndex
 from mtrain.parallel import Layout, ring_attention
 
@@ -54,7 +55,7 @@ def test_checkpointed_ring_layer_frees_its_plan_between_forward_and_backward(sin
             return out
 
         if checkpointed:
-            out = checkpoint(layer, qq, kk, vv, use_reentrant=False, context_fn=AttentionRuntime().checkpoint_contexts)
+            out = checkpoint(layer, qq, kk, vv, use_reentrant=False, context_fn=AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse())).checkpoint_contexts)
         else:
             out = layer(qq, kk, vv)
         gc.collect()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from mtrain.attention_settings import PolicySettings
 from mtrain.errors import MtrainError
 from mtrain.models.registry import attention_runtime
 from mtrain.models.runtime import AttentionRuntime, attach_runtime, runtime_of
@@ -37,12 +38,12 @@ def estimates_always(monkeypatch):
 
 def always_runtime():
     """Every layer sparse, no holds (sparse_policy always, dense_hold 0), recall 0.9."""
-    return attention_runtime("mtraining", sparse_policy="always", dense_hold=0, recall=0.9, **CAPS)
+    return attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="always", dense_hold_steps=0, recall=0.9, **CAPS)
 
 
 def auto_runtime():
     """The cost model's choice with 2-step dense holds (sparse_policy auto, dense_hold 2), recall 0.6."""
-    return attention_runtime("mtraining", sparse_policy="auto", dense_hold=2, recall=0.6, **CAPS)
+    return attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", dense_hold_steps=2, recall=0.6, **CAPS)
 
 
 class Run:

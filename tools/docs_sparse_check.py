@@ -38,7 +38,8 @@ def call(rt, q, k, v, settings, policy, engine):
 
 def main(argv=None) -> int:
     from mtrain.bench.timing import timed
-    from mtrain.models.runtime import AttentionRuntime
+    from mtrain.attention_settings import PolicySettings
+    from mtrain.models.runtime import AttentionRuntime, AttentionSettings
     from mtrain.ops import dense_attention
     from mtrain.parallel import SparseSettings
 
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     failures = 0
     full = SparseSettings(recall=1.0, block_size=bs, max_vertical=S, max_slash=S)
     (q, k, v), ids = planted(lengths, 9, 3, 64, dev, dt)
-    RT = AttentionRuntime()  # the layer's attention runtime: the documents, its policy state and records
+    RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))  # the layer's attention runtime: the documents, its policy state and records
     RT.set_documents(ids, dev)
     dense = dense_attention(q, k, v, causal=True, documents=RT.inputs.documents)
     dout = torch.randn_like(dense)

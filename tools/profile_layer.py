@@ -36,7 +36,8 @@ def main() -> int:
     from mtrain.bench import real as bench_real
     from mtrain.data.prose import prose_tokens
     from mtrain.models.attention import mtrain_attention
-    from mtrain.models.runtime import AttentionRuntime
+    from mtrain.attention_settings import PolicySettings
+    from mtrain.models.runtime import AttentionRuntime, AttentionSettings
     from mtrain.parallel import SparseSettings
 
     import yaml
@@ -53,7 +54,7 @@ def main() -> int:
     scale = q.shape[-1] ** -0.5
     dout = torch.randn_like(q)
 
-    RT = AttentionRuntime()  # the layer's attention runtime: its policy state and records
+    RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))  # the layer's attention runtime: its policy state and records
 
     class _Layer:
         layer_idx = args.layer

@@ -16,6 +16,7 @@ import time
 import torch
 
 
+from mtrain.attention_settings import PolicySettings
 from mtrain.ops import estimate_vertical_slash, true_recall
 from mtrain.parallel import SparseSettings
 
@@ -104,7 +105,7 @@ def main() -> int:
         dense_rt = attention_runtime("dense")
         model.set_attn_implementation(dense_rt.name)
         dense = perplexity(attach_runtime(model, dense_rt), ids)
-        rt = attention_runtime("mtraining", **settings)  # the model's attention runtime from here on
+        rt = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), **settings)  # the model's attention runtime from here on
         model.set_attn_implementation(rt.name)
         attach_runtime(model, rt)
         import mtrain.ops

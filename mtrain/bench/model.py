@@ -59,14 +59,15 @@ def load_model(path: Path, seq_len: int, yarn: str | float, device, dtype):
         config.rope_parameters = {"rope_type": "yarn", "factor": factor, "rope_theta": theta,
                                   "original_max_position_embeddings": original}
         config.max_position_embeddings = int(original * factor)
-    from mtrain.models.runtime import AttentionRuntime, attach_runtime
+    from mtrain.attention_settings import PolicySettings
+    from mtrain.models.runtime import AttentionRuntime, AttentionSettings, attach_runtime
 
     register_bench_attention(None)
     model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
                                                  attn_implementation=BENCH_NAME)
     # the model's own attention runtime (dense settings; the bench's calls pass theirs): the bench's layer calls
     # (`as_trained`) share it, so the caps and escalations they settle on are those the perplexity passes run with
-    attach_runtime(model, AttentionRuntime())
+    attach_runtime(model, AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse())))
     model.config.use_cache = False
     return model.to(device).eval(), factor
 

@@ -47,9 +47,10 @@ def register(subparsers) -> None:
                         "and every sparse setting, the quality check and recall escalation included, so a trained "
                         "model is evaluated with the attention it trained with; --sparse items refine it")
     parser.add_argument("--sparse", dest="sparse", action="append", default=[], metavar="KEY=VALUE",
-                        help="setting of a sparse --attention (mtrain.parallel.SparseSettings fields, sparse_policy, "
-                        "engine: auto, triton, flex, fa4, max_output_error, escalate_recall), e.g. --sparse "
-                        "recall=0.95 --sparse block_size=64 (repeatable; VALUE is YAML)")
+                        help="setting of a sparse --attention (mtrain.attention_settings.SparseSettings fields, "
+                        "sparse_policy, engine: auto, triton, flex, fa4, max_output_error, escalate_recall, "
+                        "per_document; the defaults are the recipe's: sparse_policy auto with the quality check), "
+                        "e.g. --sparse recall=0.95 --sparse sparse_policy=always (repeatable; VALUE is YAML)")
     parser.add_argument("--tasks", help="comma-separated task names or patterns, e.g. niah,ruler/*,pg19")
     parser.add_argument("--lengths", type=_int_list,
                         help="comma-separated lengths replacing the suite's, e.g. 4096,8192")
@@ -125,11 +126,9 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
     """hf backend options from `--attention KIND`, `--attention-from RECIPE_OR_RUN` and `--sparse KEY=VALUE` items,
     validated (one line naming the bad kind or key). Without either, --sparse applies to the suite's
     `attn_implementation` and refines its sparse settings; with one, it refines that one's."""
+    from mtrain.attention_settings import SparseSettings, keys_of, settings_from_keys
     from mtrain.config import parse_override_value
-    from mtrain.models.attention import ENGINES, check_escalate_recall, check_max_output_error
-    from mtrain.models.policy import SPARSE_POLICIES
     from mtrain.models.registry import KINDS
-    from mtrain.parallel import SparseSettings
 
     if kind is None and from_path is None and not sparse_items:
         return {}
@@ -158,7 +157,7 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
         if not sparse:
             raise MtrainError(f"--sparse needs a sparse attention kind (--attention mtraining or zigzag-sparse), "
                               f"not {implementation!r}")
-        valid = [*SparseSettings.__dataclass_fields__, *POLICY_KEYS]
+        valid = [*keys_of(SparseSettings), *POLICY_KEYS]
         for item in sparse_items:
             key, sep, text = item.partition("=")
             if not sep or not key:
@@ -169,36 +168,29 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
     if sparse and settings:
         # where the settings came from, for the message: --sparse items, else the recipe, else the suite
         source = "--sparse" if sparse_items else f"--attention-from {from_path}" if from_path else "backend.sparse"
-        if settings.get("sparse_policy", "always") not in SPARSE_POLICIES:
-            raise MtrainError(f"{source} sparse_policy={settings['sparse_policy']!r}: choose one of "
-                              f"{', '.join(SPARSE_POLICIES)}")
-        if settings.get("engine", "auto") not in ENGINES:
-            raise MtrainError(f"{source} engine={settings['engine']!r}: choose one of {', '.join(ENGINES)}")
-        try:  # values checked here, before any model is loaded
-            fields = {k: v for k, v in settings.items() if k in SparseSettings.__dataclass_fields__}
-            SparseSettings(**fields)
-            check_max_output_error(settings.get("max_output_error"))
-            check_escalate_recall(settings.get("escalate_recall"), fields.get("recall", SparseSettings.recall),
-                                  settings.get("max_output_error"))
-        except (TypeError, ValueError, MtrainError) as err:
+        try:  # values checked here, before any model is loaded, by the objects the runtime is built of
+            settings_from_keys(sparse_kind, settings)
+        except MtrainError as err:
             raise MtrainError(f"{source}: {' '.join(str(err).split())}") from None
     if settings:
         options["sparse"] = settings
     return options
 
 
-# --sparse keys besides the SparseSettings fields: how the kind runs per layer (what register_kind takes)
-POLICY_KEYS = ("sparse_policy", "engine", "max_output_error", "escalate_recall")
+# --sparse keys besides the SparseSettings fields: how the kind runs per layer (PolicySettings fields; its defaults, the
+# recipe's, where not given: sparse_policy auto with the quality check)
+POLICY_KEYS = ("sparse_policy", "engine", "max_output_error", "escalate_recall", "per_document")
 
 
 def _recipe_attention(path: str) -> tuple[str, dict]:
     """The attention kind and sparse settings of a recipe YAML, or of a run folder's config.yaml (what `mtrain train`
-    saved): the settings `mtrain.models.registry.recipe_attention` gives, less those that only training reads (the
-    dense hold, cap widening) and those left unset."""
-    from mtrain.config import parse_recipe
+    saved): the recipe's keys of the settings objects its kind reads (`mtrain.attention_settings`; nulls included:
+    they mean no check, no escalation), less those that only training reads (the dense hold, cap widening)."""
+    from mtrain.attention_settings import BaselineSettings, PolicySettings, SparseSettings, keys_of
+    from mtrain.config import SETTINGS_KEYS, parse_recipe
     from mtrain.errors import ConfigError
     from mtrain.models import attention
-    from mtrain.models.registry import recipe_attention
+    from mtrain.models.baselines import BASELINE_KINDS
 
     recipe_path = os.path.join(path, "config.yaml") if os.path.isdir(path) else path
     if not os.path.isfile(recipe_path):
@@ -207,13 +199,16 @@ def _recipe_attention(path: str) -> tuple[str, dict]:
         raise MtrainError(f"--attention-from {path}: {where}; give a recipe YAML or a training run's folder")
     try:
         recipe = parse_recipe(recipe_path)
+        recipe.attention.settings()  # checked as training checks them
     except ConfigError as err:
         raise MtrainError(f"--attention-from {path}: {' '.join(str(err).split())}") from None
-    kind, options = recipe_attention(recipe.attention)
+    kind = recipe.attention.kind
     if kind in attention.KINDS and not attention.KINDS[kind][0]:  # a dense kind reads none of them
         return kind, {}
-    training_only = ("dense_hold", "widen_caps", "widen_max_list_mib")
-    return kind, {k: v for k, v in options.items() if k not in training_only and v is not None}
+    groups = (BaselineSettings,) if kind in BASELINE_KINDS else (SparseSettings, PolicySettings)
+    training_only = ("dense_hold_steps", "widen_caps", "widen_max_list_mib")
+    return kind, {key: getattr(recipe.attention, key) for group in groups for key in keys_of(group)
+                  if key in SETTINGS_KEYS and key not in training_only}
 
 
 def summary(results: dict) -> str:

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from mtrain.attention_settings import ENGINES
 from mtrain.errors import MtrainError
 from mtrain.models.context import LayerRecord, hf_inputs, no_mask
 from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, check_wanted, choose_path, escalate,
@@ -30,31 +31,12 @@ KINDS = {
     "zigzag-sparse": (True, "zigzag"),
 }
 
-# Sparse block engines a recipe may name (attention.engine): `vertical_slash_attention`'s impl on one device.
-# "auto": the engine measured fastest for the device and block size (see vertical_slash_attention).
-ENGINES = ("auto", "triton", "flex", "fa4")
+# ENGINES (imported from mtrain.attention_settings, with the policy's settings): the sparse block engines a recipe
+# may name (attention.engine), `vertical_slash_attention`'s impl on one device; "auto": the engine measured fastest
+# for the device and block size (see vertical_slash_attention).
 
 
 _ENGINES_SAID: set = set()
-
-
-def check_max_output_error(value) -> None:
-    """attention.max_output_error must be None or a number > 0 (a relative error of the attention output)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
-                              or value != value or value == float("inf")):
-        raise MtrainError(f"max_output_error must be a finite number > 0 (the relative output error above which a "
-                          f"layer runs dense) or null (no quality check); got {value!r}")
-
-
-def check_escalate_recall(value, recall: float, max_output_error) -> None:
-    """attention.escalate_recall must be None, or a number above `recall` and at most 1 with a `max_output_error` (the
-    check that decides which layers escalate)."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not recall < value <= 1:
-        raise MtrainError(f"escalate_recall must be a number above recall ({recall}) and at most 1, got {value!r}")
-    if max_output_error is None:
-        raise MtrainError("escalate_recall needs max_output_error (the check that decides which layers escalate)")
 
 
 def say_engine(engine: str, q, block_size: int) -> str:
@@ -444,52 +426,12 @@ def profile_range(layer_idx):
     return torch.profiler.record_function(f"{PROFILE_LABEL} {layer}")
 
 
-def check_options(*, sparse_policy: str, dense_hold: int, engine: str, max_output_error, widen_caps,
-                  widen_max_list_mib, escalate_recall, recall: float) -> None:
-    """MtrainError for a bad registration keyword of the mtraining kinds (see `settings_of`)."""
-    if sparse_policy not in SPARSE_POLICIES:
-        raise MtrainError(f"sparse_policy '{sparse_policy}' is not one of {', '.join(SPARSE_POLICIES)}")
-    if engine not in ENGINES:
-        raise MtrainError(f"engine '{engine}' is not one of {', '.join(ENGINES)}")
-    check_max_output_error(max_output_error)
-    if not isinstance(dense_hold, int) or dense_hold < 0:
-        raise MtrainError(f"dense_hold must be an integer >= 0 (steps; 0 = estimate every step), got {dense_hold!r}")
-    if not isinstance(widen_caps, bool):
-        raise MtrainError(f"widen_caps must be true or false, got {widen_caps!r}")
-    if isinstance(widen_max_list_mib, bool) or not isinstance(widen_max_list_mib, int) or widen_max_list_mib < 0:
-        raise MtrainError(f"widen_max_list_mib must be an integer >= 0 (0 = no limit), got {widen_max_list_mib!r}")
-    check_escalate_recall(escalate_recall, recall, max_output_error)
-
-
-def settings_of(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
-                max_output_error: float | None = None, widen_caps: bool = True, widen_max_list_mib: int = 0,
-                escalate_recall: float | None = None, per_document: bool = True,
-                **sparse_settings) -> AttentionSettings:
-    """The plugin's settings (`mtrain.models.registry.attention_runtime` calls it for the kinds of KINDS), checked:
-    sparse kinds take `mtrain.parallel.SparseSettings` fields as keywords, and `sparse_policy` (SPARSE_POLICIES),
-    `engine` (ENGINES: the block kernels of the sparse path on one device), `max_output_error` (under "auto": the
-    quality check's limit, None = none; see `mtrain_attention`) and `widen_caps` (under "auto", in training: widen
-    the caps of a layer whose caps bind instead of holding it dense; `mtrain.models.policy.widen`) and
-    `widen_max_list_mib` (widen only while the rank's index lists at the wider caps take at most this many MiB; 0 = no
-    limit), `escalate_recall` (with `max_output_error`: the recall a layer that fails the check estimates at from
-    then on, `mtrain.models.policy.escalate`; None = none), `per_document` (one device with packed documents: each
-    long enough document on its own; `mtrain_attention`)."""
-    from mtrain.parallel import SparseSettings
-
-    check_options(sparse_policy=sparse_policy, dense_hold=dense_hold, engine=engine, max_output_error=max_output_error,
-                  widen_caps=widen_caps, widen_max_list_mib=widen_max_list_mib, escalate_recall=escalate_recall,
-                  recall=sparse_settings.get("recall", SparseSettings.recall))
-    sparse = None
-    if KINDS[kind][0]:
-        try:
-            sparse = SparseSettings(**sparse_settings)
-        except TypeError as err:
-            fields = ", ".join(SparseSettings.__dataclass_fields__)
-            raise MtrainError(f"bad sparse attention setting ({err}); valid settings: {fields}") from None
-    return AttentionSettings(kind=kind, sparse=sparse, sparse_policy=sparse_policy, engine=engine,
-                             max_output_error=max_output_error, dense_hold=dense_hold, widen_caps=widen_caps,
-                             widen_max_list_bytes=widen_max_list_mib * 2**20, escalate_recall=escalate_recall,
-                             per_document=per_document)
+def settings_of(kind: str, *, sparse, policy, baseline=None) -> AttentionSettings:
+    """The plugin's settings (`mtrain.models.registry.attention_runtime` calls it for the kinds of KINDS, with the
+    checked `mtrain.attention_settings` objects): the sparse kinds keep `sparse` (the estimate's) and `policy` (how
+    a layer chooses its path and runs it: `mtrain.models.policy`, `mtrain_attention`); the dense kinds the policy
+    alone (which they do not read)."""
+    return AttentionSettings.of(kind, sparse=sparse if KINDS[kind][0] else None, policy=policy)
 
 
 def register(kind: str) -> str:

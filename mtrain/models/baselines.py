@@ -6,9 +6,7 @@ its settings (`settings.baseline`), CP topology and documents, and they leave th
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
+from mtrain.attention_settings import BaselineSettings
 from mtrain.errors import MtrainError
 
 BASELINE_KINDS = ("moba", "xattention", "ulysses")
@@ -16,32 +14,6 @@ BASELINE_KINDS = ("moba", "xattention", "ulysses")
 # attention.kind -> (sparse?, layout name, or None for the recipe's parallel.layout): the registry's facts of these
 # kinds (own settings, not the vertical-slash estimate, so not "sparse" in that sense)
 KINDS = {kind: (False, None) for kind in BASELINE_KINDS}
-
-
-@dataclass(frozen=True)
-class BaselineSettings:
-    """The recipe's `attention:` keys the baseline kinds read (see mtrain.config.AttentionConfig)."""
-
-    block_size: int = 64
-    """Kernel block size (tokens): the query-block granularity of the moba gate and the xattention scores."""
-    moba_chunk_size: int = 4096
-    """moba: key chunk (tokens), a multiple of block_size."""
-    moba_topk: int = 12
-    """moba: earlier chunks each query block keeps, besides its own chunk."""
-    xattn_stride: int = 8
-    """xattention: antidiagonal stride (tokens), a divisor of block_size."""
-    xattn_threshold: float = 0.9
-    """xattention: fraction of a query block's normalised score mass its kept key blocks reach."""
-
-    def __post_init__(self) -> None:
-        from mtrain.ops.moba import check_moba
-        from mtrain.ops.xattention import check_xattention
-
-        try:
-            check_moba(self.moba_chunk_size, self.moba_topk, self.block_size)
-            check_xattention(self.xattn_stride, self.xattn_threshold, self.block_size)
-        except ValueError as err:
-            raise MtrainError(f"bad baseline attention setting: {err}") from None
 
 
 def _index(rt, kind: str, q, k, s: BaselineSettings, scaling):
@@ -115,17 +87,15 @@ def _baseline(rt, module, query, key, value, scaling, dropout):
                           switches=rt.switches)
 
 
-def settings_of(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto", **settings):
-    """The plugin's settings (`mtrain.models.registry.attention_runtime` calls it for the kinds of KINDS): baseline
-    kind `kind` (BASELINE_KINDS) with BaselineSettings fields as keywords (others are ignored: the recipe's
-    vertical-slash keys do not apply, nor do the sparse kinds' policy, hold and engine)."""
+def settings_of(kind: str, *, sparse=None, policy=None, baseline) -> object:
+    """The plugin's settings (`mtrain.models.registry.attention_runtime` calls it for the kinds of KINDS, with the
+    checked `mtrain.attention_settings` objects): baseline kind `kind` (BASELINE_KINDS) keeps `baseline` (checked
+    against the kind: `BaselineSettings.check_for`); the vertical-slash estimate and the policy do not apply."""
     from mtrain.models.runtime import AttentionSettings
 
     if kind not in BASELINE_KINDS:
         raise MtrainError(f"'{kind}' is not a baseline attention kind ({', '.join(BASELINE_KINDS)})")
-    fields = {f.name for f in dataclasses.fields(BaselineSettings)}
-    chosen = BaselineSettings(**{key: value for key, value in settings.items() if key in fields})
-    return AttentionSettings(kind=kind, baseline=chosen)
+    return AttentionSettings.of(kind, baseline=baseline.check_for(kind))
 
 
 def register(kind: str) -> str:

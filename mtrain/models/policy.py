@@ -16,12 +16,13 @@ import dataclasses
 
 import torch
 
+from mtrain.attention_settings import SPARSE_POLICIES
 from mtrain.models.context import LayerRecord, own
 from mtrain.ops.lists import MAX_LIST_ENTRIES
 from mtrain.ops.switches import Switches
 
-SPARSE_POLICIES = ("auto", "always", "never")
-"""How a sparse kind picks its path per layer: the cost model (`mtrain.ops.cost`), sparse everywhere, or dense."""
+# SPARSE_POLICIES (imported from mtrain.attention_settings, with the policy's settings): how a sparse kind picks its
+# path per layer: the cost model (`mtrain.ops.cost`), sparse everywhere, or dense.
 
 
 # Under "auto", a layer whose estimate (mean over heads) falls short of the recall target by more than this runs

@@ -1,6 +1,7 @@
 """The registry of mtrain's attention kinds as HF attention implementations (transformers' AttentionInterface).
 
-`attention_runtime(kind, **settings)` (a recipe's: `recipe_runtime(recipe)`) checks the settings, registers the kind
+`attention_runtime(kind, sparse=, policy=, baseline=)` (the `mtrain.attention_settings` objects, or their fields
+as keywords; a recipe's: `recipe_runtime(recipe)`) checks the settings, registers the kind
 under the name `mtrain-<kind>` together with a mask function that returns None (no S x S mask is ever built), and
 returns a fresh `mtrain.models.runtime.AttentionRuntime` holding the settings; the model is loaded with
 `attn_implementation=runtime.name` and the runtime attached to it (`mtrain.models.load_model(..., runtime=)` does
@@ -9,14 +10,12 @@ reads its own runtime, so models loaded with different settings in one process k
 `register_attention` register and return just the name (for a caller that builds its runtime elsewhere).
 
 The kinds come from plugins, each a module with `KINDS` (attention.kind -> (sparse?, layout name or None)),
-`settings_of(kind, *, sparse_policy, dense_hold, engine, **settings)` (the checked `AttentionSettings`) and
+`settings_of(kind, *, sparse, policy, baseline)` (the `AttentionSettings` of the checked settings objects) and
 `register(kind)` (the HF registration): the mtraining kinds (`mtrain.models.attention`) and the baselines
 (`mtrain.models.baselines`).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from mtrain.errors import MtrainError
 from mtrain.models import attention, baselines
@@ -36,8 +35,8 @@ def register_attention(recipe) -> str:
 
 
 def recipe_runtime(recipe):
-    """A fresh runtime of the recipe's attention kind (`attention_runtime` with the recipe's `attention:` keys), with
-    the recipe's switches (`mtrain.ops.switches.from_recipe`), which its attention calls pass down the stack."""
+    """A fresh runtime of the recipe's attention kind (`attention_runtime` with the recipe's `attention:` settings),
+    with the recipe's switches (`mtrain.ops.switches.from_recipe`), which its attention calls pass down the stack."""
     from mtrain.ops.switches import from_recipe
 
     kind, options = recipe_attention(recipe.attention)
@@ -45,49 +44,33 @@ def recipe_runtime(recipe):
 
 
 def recipe_attention(a) -> tuple[str, dict]:
-    """A recipe's `attention:` section (`mtrain.config.AttentionConfig`) as `register_kind`'s arguments: the kind and
-    its keywords (sparse_policy, dense_hold, engine and the settings the kind reads). `mtrain eval --attention-from`
-    evaluates with these, so a model is judged with the attention it trained with."""
-    from mtrain.parallel import SparseSettings
-
-    # Every recipe key under `attention:` that is also a SparseSettings field reaches the estimator.
-    shared = {f.name for f in dataclasses.fields(SparseSettings)}
-    if a.kind in baselines.BASELINE_KINDS:  # they take the recipe's baseline keys and ignore the rest
-        shared = {f.name for f in dataclasses.fields(a)} - {"kind", "sparse_policy", "dense_hold_steps", "engine",
-                                                             "max_output_error", "widen_caps",
-                                                             "widen_max_list_mib", "escalate_recall", "per_document",
-                                                             # switches: the runtime's (`recipe_runtime`)
-                                                             "graph_estimate", "lagged_choice", "cost_table"}
-    settings = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name in shared}
-    if a.kind not in baselines.BASELINE_KINDS:
-        settings["max_output_error"] = a.max_output_error
-        settings["widen_caps"] = a.widen_caps
-        settings["widen_max_list_mib"] = a.widen_max_list_mib
-        settings["escalate_recall"] = a.escalate_recall
-        settings["per_document"] = a.per_document
-    return a.kind, {"sparse_policy": a.sparse_policy, "dense_hold": a.dense_hold_steps, "engine": a.engine, **settings}
+    """A recipe's `attention:` section (`mtrain.config.AttentionConfig`) as `attention_runtime`'s arguments: the kind
+    and its settings objects ({"sparse", "policy", "baseline"}: `AttentionConfig.settings()`). `mtrain eval
+    --attention-from` evaluates with these, so a model is judged with the attention it trained with."""
+    return a.kind, a.settings()
 
 
-def attention_runtime(kind: str, *, sparse_policy: str = "always", dense_hold: int = 0, engine: str = "auto",
-                      switches=None, **sparse_settings):
+def attention_runtime(kind: str, *, sparse=None, policy=None, baseline=None, switches=None, **keys):
     """A fresh `mtrain.models.runtime.AttentionRuntime` for attention kind `kind` (see KINDS) with these settings,
-    the kind registered with transformers as `mtrain-<kind>` (the runtime's `name`). Sparse kinds take
-    `mtrain.parallel.SparseSettings` fields as keywords, and `sparse_policy` (`mtrain.models.policy.SPARSE_POLICIES`;
-    the recipe's attention.sparse_policy, default "auto", reaches it through `recipe_runtime`; called directly a
-    sparse kind runs sparse on every layer unless told otherwise), `engine` (`mtrain.models.attention.ENGINES`:
-    the block kernels of the sparse path on one device), `max_output_error` (the quality check of "auto"),
-    `widen_caps` and `widen_max_list_mib` (the cap widening of "auto"), `escalate_recall`, `per_document` (see
-    `mtrain.models.attention.settings_of`); the baselines take `BaselineSettings` fields and ignore the rest.
-    switches: the `mtrain.ops.switches.Switches` its attention runs with (None: the defaults; a recipe's:
-    `recipe_runtime`). Attach it to the model loaded with `attn_implementation=runtime.name`
+    the kind registered with transformers as `mtrain-<kind>` (the runtime's `name`). The settings are the objects of
+    `mtrain.attention_settings`: `sparse` (`SparseSettings`: the vertical-slash estimate of the sparse kinds),
+    `policy` (`PolicySettings`: sparse_policy, engine, the quality check, escalation, hold, widening, per-document)
+    and `baseline` (`BaselineSettings`: moba / xattention), each None for its defaults, which are the recipe's
+    (sparse_policy auto with the quality check: a caller that wants every layer sparse names
+    `PolicySettings.every_layer_sparse()`). `keys`: fields of those objects by name (the recipe's `attention:` keys,
+    e.g. recall=0.9, sparse_policy="always"), which replace the given objects' (`settings_from_keys`: one validation,
+    the recipe's messages). A kind reads only its own: the sparse kinds the sparse and policy settings, the baselines
+    the baseline settings. switches: the `mtrain.ops.switches.Switches` its attention runs with (None: the defaults;
+    a recipe's: `recipe_runtime`). Attach it to the model loaded with `attn_implementation=runtime.name`
     (`mtrain.models.runtime.attach_runtime`)."""
+    from mtrain.attention_settings import settings_from_keys
     from mtrain.models.runtime import AttentionRuntime
 
     if kind not in KINDS:
         raise MtrainError(f"attention kind '{kind}' has no mtrain implementation; use one of {', '.join(KINDS)}")
     plugin = _PLUGIN_OF[kind]
-    settings = plugin.settings_of(kind, sparse_policy=sparse_policy, dense_hold=dense_hold, engine=engine,
-                                  **sparse_settings)
+    chosen = settings_from_keys(kind, keys, sparse=sparse, policy=policy, baseline=baseline)
+    settings = plugin.settings_of(kind, **chosen)
     plugin.register(kind)
     if switches is not None:
         settings.switches = switches
@@ -95,7 +78,7 @@ def attention_runtime(kind: str, *, sparse_policy: str = "always", dense_hold: i
 
 
 def register_kind(kind: str, **settings) -> str:
-    """Register attention kind `kind` with transformers, its settings checked (`attention_runtime`'s keywords);
+    """Register attention kind `kind` with transformers, its settings checked (`attention_runtime`'s arguments);
     returns the `attn_implementation` name. The settings reach a model only through the runtime attached to it:
     use `attention_runtime` for one."""
     return attention_runtime(kind, **settings).name

@@ -5,8 +5,8 @@ registered attention functions (`mtrain.models.attention.mtrain_attention`, `mtr
 module HF calls them with (`runtime_of(module)`) and read nothing else, so two models in one process keep their own
 settings, policy state and records. It holds, in five typed parts:
 
-- `settings` (`AttentionSettings`): the kind and what the recipe's `attention:` section says of it (sparse settings,
-  policy, engine, quality check, holds, widening, escalation, per-document), and the run's `Switches`
+- `settings` (`AttentionSettings`): the kind and what the recipe's `attention:` section says of it (the
+  `mtrain.attention_settings` objects: `SparseSettings`, `PolicySettings`, `BaselineSettings`), and the run's `Switches`
   (`mtrain.ops.switches`), which each attention call passes down to every reader of the stack it calls (an autograd
   function whose backward reads one keeps its forward's: the backward runs outside the call);
 - `topology` (`Topology`): the context-parallel group, its layout, the hierarchical ring's groups and node size, and
@@ -19,7 +19,7 @@ settings, policy state and records. It holds, in five typed parts:
 - `records` (`Records`): what each call leaves for logging (densities, imbalances, `LayerRecord`s), taken by the
   trainer at each step with `drain()`.
 
-`mtrain.models.registry.attention_runtime(kind, **settings)` builds one (and registers the kind's attention function
+`mtrain.models.registry.attention_runtime(kind, sparse=, policy=, baseline=)` builds one (and registers the kind's attention function
 with transformers); `mtrain.models.load_model(..., runtime=...)` attaches it.
 """
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtrain.attention_settings import BaselineSettings, PolicySettings, SparseSettings
 from mtrain.errors import MtrainError
 from mtrain.ops.switches import Switches, or_defaults
 
@@ -40,40 +41,65 @@ ATTR = "mtrain_runtime"
 
 @dataclass
 class AttentionSettings:
-    """What one model's attention runs with: the kind and the recipe's `attention:` settings of it."""
+    """What one model's attention runs with: the kind, the recipe's `attention:` settings of it, and the switches.
+    Built from the checked objects of `mtrain.attention_settings` (`of`: `SparseSettings`, `PolicySettings`,
+    `BaselineSettings`, which validate them once and hold the one set of defaults, the recipe's); the policy's fields
+    are kept here flat, under the names the policy reads, as the model's working copy (a benchmark or a test may set
+    one on a runtime it owns), their defaults PolicySettings' (`policy` reads them back as one)."""
 
     kind: str = "dense"
-    sparse: object = None
-    """mtrain.parallel.SparseSettings of the vertical-slash kinds; None for a dense kind."""
-    baseline: object = None
-    """mtrain.models.baselines.BaselineSettings of the baseline kinds; None otherwise."""
-    sparse_policy: str = "always"
+    sparse: SparseSettings | None = None
+    """The estimate's settings of the vertical-slash kinds; None for a dense kind."""
+    baseline: BaselineSettings | None = None
+    """The baseline kinds' settings; None otherwise."""
+    sparse_policy: str = PolicySettings.sparse_policy
     """One of SPARSE_POLICIES: per layer, "auto" runs dense where the cost model predicts sparse would not pay."""
-    engine: str = "auto"
+    engine: str = PolicySettings.engine
     """One of ENGINES: which kernels run a one-device sparse layer (`vertical_slash_attention`'s impl)."""
-    max_output_error: float | None = None
+    max_output_error: float | None = PolicySettings.max_output_error
     """Under sparse_policy auto: a layer whose output error on the scored rows exceeds this runs dense
     (`mtrain.models.policy.quality_error`; in a CP group `mtrain.parallel.quality.gathered_output_error`); None = no
-    quality check. Set from attention.max_output_error."""
-    dense_hold: int = 0
+    quality check. attention.max_output_error."""
+    dense_hold: int = PolicySettings.dense_hold_steps
     """Under sparse_policy auto, in training: a layer that the choice sent dense runs dense without estimating
-    for this many further steps (0 = estimate every call). Set from attention.dense_hold_steps."""
-    widen_caps: bool = True
+    for this many further steps (0 = estimate every call). attention.dense_hold_steps."""
+    widen_caps: bool = PolicySettings.widen_caps
     """Under sparse_policy auto, in training: a layer the estimate's recall or the quality check sends dense (where the
     cost model said sparse) while its caps bind gets its caps doubled for its next estimate instead of a dense hold
-    (`mtrain.models.policy.widen`). Set from attention.widen_caps."""
-    widen_max_list_bytes: int = 0
+    (`mtrain.models.policy.widen`). attention.widen_caps."""
+    widen_max_list_bytes: int = PolicySettings.widen_max_list_mib * 2**20
     """`widen` doubles a layer's caps only while the rank's index lists at the doubled caps take at most this many
-    bytes (`mtrain.models.policy.list_bytes`); 0 = no limit. Set from attention.widen_max_list_mib."""
-    escalate_recall: float | None = None
+    bytes (`mtrain.models.policy.list_bytes`); 0 = no limit. attention.widen_max_list_mib, in bytes."""
+    escalate_recall: float | None = PolicySettings.escalate_recall
     """With max_output_error: the recall a layer whose output error exceeds it estimates at from then on
-    (`mtrain.models.policy.escalate`); None = no escalation. Set from attention.escalate_recall."""
-    per_document: bool = True
+    (`mtrain.models.policy.escalate`); None = no escalation. attention.escalate_recall."""
+    per_document: bool = PolicySettings.per_document
     """One device with packed documents: each long enough document sparse on its own; False = one estimate over the
     whole sequence, documents masked (attention.per_document)."""
     switches: Switches | None = field(default_factory=Switches)
     """The `mtrain.ops.switches.Switches` this model's attention runs with (the trainer's: the recipe's), passed down
     by each call to the readers of the stack; immutable (replace it with `dataclasses.replace`). None: the defaults."""
+
+    @classmethod
+    def of(cls, kind: str = "dense", *, sparse: SparseSettings | None = None, policy: PolicySettings | None = None,
+           baseline: BaselineSettings | None = None) -> AttentionSettings:
+        """The settings of `kind` from the checked objects (`policy` None: PolicySettings(), the recipe's defaults;
+        a test or benchmark that wants every layer sparse with no check names `PolicySettings.every_layer_sparse()`)."""
+        p = PolicySettings() if policy is None else policy
+        if sparse is not None:
+            p = p.for_recall(sparse.recall)
+        return cls(kind=kind, sparse=sparse, baseline=baseline, sparse_policy=p.sparse_policy, engine=p.engine,
+                   max_output_error=p.max_output_error, dense_hold=p.dense_hold_steps, widen_caps=p.widen_caps,
+                   widen_max_list_bytes=p.widen_max_list_bytes, escalate_recall=p.escalate_recall,
+                   per_document=p.per_document)
+
+    @property
+    def policy(self) -> PolicySettings:
+        """The policy's fields as one checked `PolicySettings` (the list limit in whole MiB)."""
+        return PolicySettings(sparse_policy=self.sparse_policy, engine=self.engine,
+                              max_output_error=self.max_output_error, escalate_recall=self.escalate_recall,
+                              dense_hold_steps=self.dense_hold, widen_caps=self.widen_caps,
+                              widen_max_list_mib=self.widen_max_list_bytes // 2**20, per_document=self.per_document)
 
     @property
     def name(self) -> str:

@@ -6,62 +6,12 @@ rank's own rows of the index (`mtrain.ops.index.RowIndex`), so index time and me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
+from mtrain.attention_settings import SparseSettings
 from mtrain.errors import MtrainError
 from mtrain.ops.switches import Switches, or_defaults
-
-
-@dataclass(frozen=True)
-class SparseSettings:
-    """Settings of the online budget approximation (`mtrain.ops.estimate`), estimated per layer and query head
-    with the same selection rule as `mtrain.ops.estimate_vertical_slash`, so one GPU and a CP group agree."""
-
-    recall: float = 0.99
-    """Target mean per-row attention mass of the scored rows that the kept blocks, verticals and slashes reach
-    together (0.99: SmolLM2-135M at 4K lost 0.2% perplexity, 0.98 lost 1.2%)."""
-    last_q: int = 64
-    """How many of the last queries of the global sequence score the keys."""
-    max_vertical: int = 16384
-    """Cap on vertical columns per head (key positions every query attends to)."""
-    max_slash: int = 16384
-    """Cap on slash lines per head in token diagonals; slashes are chosen per block offset a * block_size,
-    which counts as block_size of them."""
-    block_size: int = 64
-    """Key/query block size of the index handed to the kernels."""
-    min_vertical: int = 16
-    """Floor on the verticals kept, so one dominant key does not leave a one-entry list."""
-    min_slash: int = 16
-    """Floor on the slashes kept, in token diagonals (ceil(min_slash / block_size) block offsets)."""
-    share_kv_group: bool = False
-    """Select once per KV group on the scores summed over its query heads (one budget per group)."""
-    slash_recall: float | None = None
-    """Target the slashes complete the coverage to (after the kept blocks and verticals); None = `recall`."""
-    sample_blocks: int = 32
-    """Query blocks spread evenly over the sequence whose first sample_rows rows are scored besides the last_q rows."""
-    sample_rows: int | None = None
-    """Rows scored per sampled query block (at most block_size); None = the whole block."""
-    cap_fraction: float | None = None
-    """Also cap verticals at this fraction of the sequence's tokens and slashes at this fraction of its blocks."""
-
-    def __post_init__(self) -> None:
-        for name in ("recall", "slash_recall"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 < value <= 1.0:
-                raise MtrainError(f"sparse.{name} must be in (0, 1]; got {value}")
-        for name in ("last_q", "max_vertical", "max_slash", "block_size"):
-            if getattr(self, name) < 1:
-                raise MtrainError(f"sparse.{name} must be >= 1; got {getattr(self, name)}")
-        if self.cap_fraction is not None and not 0.0 < self.cap_fraction <= 1.0:
-            raise MtrainError(f"sparse.cap_fraction must be in (0, 1] or None; got {self.cap_fraction}")
-        if self.sample_rows is not None and self.sample_rows < 1:
-            raise MtrainError(f"sparse.sample_rows must be >= 1 or None; got {self.sample_rows}")
-        for name in ("min_vertical", "min_slash", "sample_blocks"):
-            if getattr(self, name) < 0:
-                raise MtrainError(f"sparse.{name} must be >= 0; got {getattr(self, name)}")
 
 
 def _estimate(q, k, q_pos, k_pos, seq_len: int, settings: SparseSettings, scale: float, group,

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from cp_step import finish
 from mtrain.models.attention import mtrain_attention
-from mtrain.models.runtime import AttentionRuntime
+from mtrain.attention_settings import PolicySettings
+from mtrain.models.runtime import AttentionRuntime, AttentionSettings
 from mtrain.ops import cost
 from mtrain.parallel import Layout, SparseSettings
 
@@ -38,7 +39,7 @@ def inputs(kind: str):
     return q, k, v
 
 
-RT = AttentionRuntime()
+RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
 """The attention runtime of the layer `run` calls (`mtrain.models.runtime`)."""
 
 

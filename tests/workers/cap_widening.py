@@ -14,7 +14,8 @@ import torch.distributed as dist
 from attention_choice import BS, inputs
 from cp_step import finish
 from mtrain.models.attention import mtrain_attention
-from mtrain.models.runtime import AttentionRuntime
+from mtrain.attention_settings import PolicySettings
+from mtrain.models.runtime import AttentionRuntime, AttentionSettings
 from mtrain.ops import cost
 from mtrain.parallel import Layout, SparseSettings
 
@@ -26,7 +27,7 @@ def main(out_path: str) -> None:
     layout = Layout.create("block-stripe", world_size=world, granularity=BS)
     settings = SparseSettings(recall=0.5, block_size=BS, max_vertical=16, max_slash=16, min_vertical=0, min_slash=0)
     q, k, v = (layout.shard(t, rank, dim=1) for t in inputs("local"))
-    RT = AttentionRuntime()  # the layer's attention runtime: its topology, holds, caps and records
+    RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))  # the layer's attention runtime: its topology, holds, caps and records
     RT.topology.group, RT.topology.layout, RT.inputs.doc_ids, RT.records.layers = dist.group.WORLD, layout, None, []
     RT.topology.local_world_size, RT.topology.inner_group, RT.topology.outer_group = None, None, None
     RT.settings.dense_hold, RT.settings.widen_caps = 4, True
