@@ -63,7 +63,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt Makefile
 	$(PY) -m pip install -q $(CONSTRAINTS) --no-deps $(STREAMING)
 	$(PY) -c "import torch, transformers, accelerate, deepspeed, triton, datasets, wandb; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 	# DeepSpeed compiles its CPU ops (the offloaded optimizer's Adam, shared-memory comm) on first use, ~3.5 min on
-	# 2 cores: here, once, rather than inside the first test or training run that loads them
+	# 2 cores: here, once, rather than inside the first test or training run that loads them (after removing the lock
+	# a killed earlier build left, on which the build would wait forever: mtrain/train/extensions.py)
+	$(PY) -m mtrain.train.extensions
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as acc; [b.load() for b in (acc().create_op_builder(n) for n in ('CPUAdamBuilder', 'ShareMemCommBuilder')) if b is not None and acc().device_name() == 'cpu']" 2>&1 | grep -v WARNING || true
 	touch $(STAMP)
 

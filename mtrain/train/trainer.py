@@ -174,6 +174,9 @@ class Trainer:
         # either way mtrain fills the batch/clip/precision fields so they always agree with the recipe.
         ds_file = self.recipe.train.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         if ds_file and ds_file != "none":
+            from mtrain.train.extensions import clear_stale_locks
+
+            clear_stale_locks()  # a killed build of DeepSpeed's CPU ops would otherwise hang this start
             plugin = self._deepspeed_plugin(ds_file)
         elif distributed_cpu:
             cpu = True
