@@ -343,7 +343,7 @@ def test_ring_attention_argument_errors(single_process_group):
         ring_attention(q, kv, kv, group=None, layout=layout, doc_ids=torch.zeros(1, 32, dtype=torch.long))
     with pytest.raises(MtrainError, match="doc_ids must be an integer tensor"):
         ring_attention(q, kv, kv, group=None, layout=layout, doc_ids=torch.zeros(1, 64))
-    with pytest.raises(MtrainError, match="recall must be in"):
+    with pytest.raises(MtrainError, match=r"attention.recall: must be in \(0, 1\]"):
         SparseSettings(recall=1.5)
     # one rank: the ring is plain attention
     out = ring_attention(q, kv, kv, group=None, layout=layout)
