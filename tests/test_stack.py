@@ -31,7 +31,12 @@ def test_every_package_is_pinned_exactly(name):
 def test_this_environment_is_the_pinned_stack():
     """The packages installed here that the lock names are at the locked versions (make setup installs with it)."""
     pins = _pins("constraints-cpu.txt")
-    installed = {d.metadata["Name"].lower().replace("_", "-"): d.version for d in metadata.distributions()}
+    # the environment's own site-packages only: once a test has imported setuptools, its vendored copies (older
+    # packaging, platformdirs) are on sys.path too, and are not what the environment installed
+    import sysconfig
+
+    where = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed = {d.metadata["Name"].lower().replace("_", "-"): d.version for d in metadata.distributions(path=where)}
     if installed.get("torch", "").split("+")[0] != pins["torch"]:
         pytest.skip("not the CPU stack of make setup (another torch): a GPU machine's install")
     differ = {p: (installed[p], v) for p, v in pins.items()
