@@ -175,9 +175,9 @@ def _time_ring_rank(cp, tokens_per_gpu, heads, mix, iters, log, shift=False) -> 
     Hq, Hkv, D = heads
     S = tokens_per_gpu * cp
     lengths = document_lengths(mix, S)
+    label = f"{mix}-shifted" if shift else mix
     if shift:
         lengths = shifted(lengths)
-        mix = f"{mix}-shifted"
     docs = Documents.from_doc_ids(doc_ids_of(lengths, "cpu"), "cuda")
     layout = Layout.create("zigzag", world_size=cp)
     torch.manual_seed(0)
@@ -195,7 +195,7 @@ def _time_ring_rank(cp, tokens_per_gpu, heads, mix, iters, log, shift=False) -> 
             gathered_dense_attention(q, k, v, runs, layout, grp, D ** -0.5, docs).backward(dout)
 
         ms = timed(step, iters, warmup=2)
-    one_lengths = document_lengths(mix.removesuffix("-shifted"), tokens_per_gpu)
+    one_lengths = document_lengths(mix, tokens_per_gpu)
     one_docs = Documents.from_doc_ids(doc_ids_of(one_lengths, "cpu"), "cuda")
 
     def one_step():
@@ -204,10 +204,10 @@ def _time_ring_rank(cp, tokens_per_gpu, heads, mix, iters, log, shift=False) -> 
 
     one_ms = timed(one_step, iters, warmup=2)
     rate = (rank_pairs / ms) / (causal_pairs(one_lengths) / one_ms)
-    log(f"ring rank CP={cp} {tokens_per_gpu // 1024}K/GPU {Hq}/{Hkv}x{D} {mix:13s}: rank 0 {ms:8.2f} ms "
+    log(f"ring rank CP={cp} {tokens_per_gpu // 1024}K/GPU {Hq}/{Hkv}x{D} {label:13s}: rank 0 {ms:8.2f} ms "
         f"({rank_pairs / 1e9:.2f} G pairs) vs CP=1 {one_ms:8.2f} ms ({causal_pairs(one_lengths) / 1e9:.2f} G): "
         f"per-GPU rate {rate:.3f} of CP=1 (BOUND: transfers left out)")
-    return {"cp": cp, "tokens_per_gpu": tokens_per_gpu, "heads": f"{Hq}/{Hkv}x{D}", "mix": mix, "rank_ms": ms,
+    return {"cp": cp, "tokens_per_gpu": tokens_per_gpu, "heads": f"{Hq}/{Hkv}x{D}", "mix": label, "rank_ms": ms,
             "rank_pairs": rank_pairs, "cp1_ms": one_ms, "cp1_pairs": causal_pairs(one_lengths), "rate_vs_cp1": rate}
 
 

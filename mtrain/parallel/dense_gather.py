@@ -108,10 +108,11 @@ def _merge(intervals) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in merged]
 
 
-def _aranges(intervals, base: int = 0) -> torch.Tensor:
+def _aranges(intervals) -> torch.Tensor:
+    """The positions of [lo, hi) intervals, one after another."""
     if not intervals:
         return torch.zeros(0, dtype=torch.long)
-    return torch.cat([torch.arange(lo, hi) for lo, hi in intervals]) + base
+    return torch.cat([torch.arange(lo, hi) for lo, hi in intervals])
 
 
 # at most this many copied pieces make the call's keys by slice copies (else one indexed gather)
@@ -135,9 +136,10 @@ class _Plan:
         all_runs = [query_runs(layout, seq_len, r) for r in range(world)]
         if any(r is None for r in all_runs):  # (gather_runs refused these layouts already)
             raise MtrainError(f"the gathered dense call needs shards of at most {MAX_RUNS} runs; {layout!r} has more")
-        q_lengths, k_lengths, _ = _key_ranges(runs, batch, documents)
+        entries = [_key_ranges(all_runs[r], batch, documents) for r in range(world)]  # (runs is all_runs[rank])
+        q_lengths, k_lengths, _ = entries[rank]
         self.segments = Segments.build(q_lengths, k_lengths, device)
-        pieces_of = [_pieces(_key_ranges(all_runs[r], batch, documents)[2], all_runs, shard_len) for r in range(world)]
+        pieces_of = [_pieces(ranges, all_runs, shard_len) for _, _, ranges in entries]
         # what each rank reads from each other one, as merged flat intervals of the owner's shard
         reads = [[_merge([(lo, hi) for s, lo, hi in pieces_of[r] if s == owner]) if owner != r else []
                   for owner in range(world)] for r in range(world)]
@@ -168,8 +170,7 @@ class _Plan:
                 start = max(iv_lo for iv_lo, _ in reads[rank][s] if iv_lo <= lo)
                 src, a = 1, base[(s, start)] + lo - start
             n = hi - lo
-            if pieces and pieces[-1][0] == src and pieces[-1][2] == a and pieces[-1][3] + (pieces[-1][2] -
-                                                                                           pieces[-1][1]) == at:
+            if pieces and pieces[-1][0] == src and pieces[-1][2] == a:  # continues the last piece (placed just before)
                 pieces[-1] = (src, pieces[-1][1], a + n, pieces[-1][3])
             else:
                 pieces.append((src, a, a + n, at))
@@ -227,8 +228,8 @@ class _FetchKV(torch.autograd.Function):
         own_n, recv_n = B * Sl, sum(plan.recv_counts)
         grads = [torch.zeros((plan.segments.total_k, H, D), dtype=ctx.dtype, device=plan.send_rows.device)
                  if g is None else g for g in (dk, dv)]
-        if plan.pieces is None:  # (nothing received)
-            own = [g.float() if plan.exchange else g for g in grads]
+        if plan.pieces is None:  # nothing received; others read these rows (else the call had no _FetchKV)
+            own = [g.float() for g in grads]
             received = [g.new_zeros((0, H, D), dtype=torch.float32) for g in grads]
         elif plan.index is not None:
             pools = [g.new_zeros((own_n + recv_n, H, D), dtype=torch.float32) for g in grads]
