@@ -116,6 +116,10 @@ class PolicySettings:
     """With widen_caps: widen only while the rank's index lists at the doubled caps take at most this many MiB."""
     per_document: bool = True
     """One device with packed documents: each long enough document estimated and run on its own."""
+    min_sparse_document: int | None = None
+    """With per_document, under auto or always: the shortest document (tokens) that is estimated and may run sparse;
+    shorter ones run dense without an estimate. None = the cost model's break-even for the layer's shape under auto,
+    two blocks under always."""
 
     def __post_init__(self) -> None:
         if self.sparse_policy not in SPARSE_POLICIES:
@@ -133,6 +137,10 @@ class PolicySettings:
         for name in ("widen_caps", "per_document"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"attention.{name}: expected true or false, got {getattr(self, name)!r}")
+        msd = self.min_sparse_document
+        if msd is not None and (not _integer(msd) or msd < 1):
+            raise ConfigError(f"attention.min_sparse_document: must be a positive number of tokens (documents shorter "
+                              f"than it run dense) or null (the cost model's break-even), got {msd!r}")
         if not _integer(self.widen_max_list_mib) or self.widen_max_list_mib < 0:
             raise ConfigError(f"attention.widen_max_list_mib: must be an integer >= 0 (MiB of a rank's index lists at "
                               f"the widened caps; 0 = no limit), got {self.widen_max_list_mib!r}")

@@ -132,6 +132,12 @@ class AttentionConfig:
     long as the cost model's break-even is estimated and run sparse as a sequence of its own, the rest in one dense
     varlen call (`mtrain.models.attention._per_document`); false = one estimate over the whole sequence with the
     documents masked in the kernels, as a context-parallel group runs (which ignores this key)."""
+    min_sparse_document: Optional[int] = PolicySettings.min_sparse_document
+    """With per_document, under sparse_policy auto or always: documents shorter than this many tokens run dense
+    without an estimate (one at least two blocks and this long is estimated; under auto the choice then prices it).
+    null = under auto the cost model's break-even for the layer's shape (`mtrain.models.attention._shortest_sparse`),
+    under always two blocks. A measured
+    threshold for a model and GPU comes from `mtrain bench real --documents long --min-document N [N ...]`."""
     widen_caps: bool = PolicySettings.widen_caps
     """Under sparse_policy auto, in training: a layer that the estimate's recall (more than 0.04 short of `recall`) or
     the quality check (`max_output_error`) sends dense where the cost model said sparse, and whose caps bind (its

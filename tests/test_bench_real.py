@@ -248,3 +248,24 @@ def test_bench_real_on_packed_documents_reports_against_the_varlen_peer(tmp_path
     assert summary["speedup_vs_peer"] == pytest.approx(summary["peer_ms"] / summary["mtrain_ms"])
     assert math.isfinite(summary["ppl_dense"]) and abs(summary["ppl_rise"]) < 0.05
     assert json.loads((tmp_path / "real_docs_1024_long.json").read_text())["mix"] == "long"
+
+
+@pytest.mark.slow
+def test_bench_real_sweeps_the_shortest_sparse_document(tmp_path):
+    """`--min-document`: the same captured q/k/v timed at each attention.min_sparse_document; a document
+    shorter than the threshold is not estimated (419 / 317 / 194 / 94 tokens: 200 estimates two, 400 one), and every
+    point has its own whole-model figures and perplexity."""
+    from mtrain.bench import real_documents
+    from mtrain.parallel import SparseSettings
+
+    summary = real_documents.run(str(require_real_model()), 1024, "long", policy="always", layers=[1], iters=1,
+                                 hold=1, out_dir=str(tmp_path), log=lambda _: None, min_documents=[200, 400],
+                                 eager_estimate=True, settings=SparseSettings(block_size=64, last_q=32, recall=0.9))
+    (layer,) = summary["layers"]
+    assert [p["min_sparse_document"] for p in layer["sweep"]] == [200, 400]
+    assert [p["estimated"] for p in layer["sweep"]] == [p["sparse"] for p in layer["sweep"]] == [2, 1]
+    assert layer["estimated"] == 2 and summary["graph_estimate"] is False
+    for point in summary["sweep"]:
+        assert point["speedup_vs_peer"] == pytest.approx(summary["peer_ms"] / point["mtrain_ms"])
+        assert math.isfinite(point["ppl_rise"]) and abs(point["ppl_rise"]) < 0.05
+    assert summary["sweep"][0]["ppl_as_trained"] == summary["ppl_as_trained"]

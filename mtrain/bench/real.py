@@ -535,8 +535,27 @@ def add_arguments(parser: argparse.ArgumentParser, required: bool = False) -> No
                            "FlashAttention-4's varlen kernel (default: one text, no documents)")
     real.add_argument("--causal-too", action="store_true",
                       help="with --documents: also time the same q/k/v as one causal sequence (against dense)")
+    real.add_argument("--min-document", nargs="+", type=_min_document, metavar="N|auto",
+                      help="with --documents: time mtrain's path at each attention.min_sparse_document (tokens; auto = "
+                           "the cost model's break-even), from the same captured q/k/v (default: auto)")
+    real.add_argument("--eager-estimate", action="store_true",
+                      help="with --documents: attention.graph_estimate off (every document's estimate eager, as "
+                           "training on packs whose document lengths change from batch to batch runs it)")
     real.add_argument("--sparse", action="append", default=[], metavar="KEY=VALUE",
                       help="sparse attention setting (SparseSettings field), e.g. --sparse recall=0.95 (repeatable)")
+
+
+def _min_document(text: str):
+    """--min-document's values: a positive number of tokens, or auto (None: the cost model's break-even)."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of tokens or auto")
+    return value
 
 
 def sparse_overrides(items: list[str]) -> dict:
@@ -559,6 +578,8 @@ def run_cli(args) -> int:
 
     if not args.seq_len:
         raise SystemExit("--model needs --seq-len N [N ...]")
+    if (args.min_document or args.eager_estimate) and not args.documents:
+        raise SystemExit("--min-document and --eager-estimate need --documents long|short")
     settings = SparseSettings(**sparse_overrides(args.sparse))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_real.log"), "a") as logf:
@@ -576,7 +597,8 @@ def run_cli(args) -> int:
                                    engine=args.engine, yarn=args.yarn, iters=args.iters,
                                    hold=AttentionConfig.dense_hold_steps if args.hold is None else args.hold,
                                    layers=args.layers, out_dir=args.out, log=log,
-                                   max_error=getattr(args, "max_output_error", None), causal_too=args.causal_too)
+                                   max_error=getattr(args, "max_output_error", None), causal_too=args.causal_too,
+                                   min_documents=args.min_document, eager_estimate=args.eager_estimate)
                 continue
             run(args.model, seq_len, settings=settings, policy=args.policy, engine=args.engine,
                 yarn=args.yarn, iters=args.iters, hold=args.hold, layers=args.layers,

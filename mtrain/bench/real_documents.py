@@ -59,10 +59,11 @@ def _peer(documents, scale):
 
 
 def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, policy: str, hold: int, engine: str,
-                  max_error, documents, *, rt) -> dict:
+                  max_error, documents, *, rt, thresholds=(None,)) -> dict:
     """One layer's timings and records over packed documents (`documents`: the batch's `Documents`, or None for
     the whole sequence causal); rt: the model's attention runtime (`mtrain.models.runtime`), whose documents and
-    policy state the layer calls use."""
+    policy state the layer calls use. thresholds: attention.min_sparse_document values to time mtrain's path at
+    (None = the cost model's break-even); the row's own mtrain figures are the first one's, all of them in "sweep"."""
     import functools
 
     from mtrain.ops import dense_attention
@@ -81,11 +82,21 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, polic
 
     as_trained = model_layer(layer, scale, rt, settings=settings, policy=policy, engine=engine, max_error=max_error)
 
+    sweep = [_time_mtrain(as_trained, q, k, v, dout, iters, hold, rt, threshold) for threshold in thresholds]
+    return {"layer": layer, "peer": peer_label, "peer_ms": peer_ms, "dense_ms": dense_ms,
+            **{key: value for key, value in sweep[0].items() if key != "min_sparse_document"}, "sweep": sweep}
+
+
+def _time_mtrain(as_trained, q, k, v, dout, iters: int, hold: int, rt, threshold) -> dict:
+    """mtrain's path over one layer's q/k/v with attention.min_sparse_document = `threshold`: every call from fresh
+    policy state (the first one untimed, its records and true recall kept), then the steady state of its dense holds
+    (`hold` + 1 steps)."""
     mark = len(rt.records.layers)
-    saved = (rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until,
-             rt.inputs.step)
+    saved = (rt.settings.dense_hold, rt.settings.min_sparse_document, rt.policy.dense_until, rt.policy.hold_streak,
+             rt.policy.checked_until, rt.inputs.step)
     try:
-        rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = 0, {}, {}, {}
+        rt.settings.dense_hold, rt.settings.min_sparse_document = 0, threshold
+        rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = {}, {}, {}
         rt.inputs.sample_recall, rt.inputs.recall_rows = True, 256  # one untimed call measures the true recall
         fwd_bwd(as_trained, q, k, v, dout)()
         rt.inputs.sample_recall = False
@@ -101,16 +112,24 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, polic
 
         steady_ms = timed(steps, 1, warmup=0, back_to_back=True) / (hold + 1)
     finally:
-        (rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until,
-         rt.inputs.step) = saved
+        (rt.settings.dense_hold, rt.settings.min_sparse_document, rt.policy.dense_until, rt.policy.hold_streak,
+         rt.policy.checked_until, rt.inputs.step) = saved
         rt.inputs.sample_recall = False
     records = [r.as_floats() for r in first]
     del rt.records.layers[mark:], rt.records.densities[:]
     sparse = [r for r in records if r["path"] == "sparse"]
-    return {"layer": layer, "peer": peer_label, "peer_ms": peer_ms, "dense_ms": dense_ms, "mtrain_ms": mtrain_ms,
-            "steady_ms": steady_ms, "estimated": len([r for r in records if r["density"] is not None]),
-            "sparse": len(sparse), "density": [r["density"] for r in sparse],
-            "true_recall": [r["true_recall"] for r in sparse]}
+    return {"min_sparse_document": threshold, "mtrain_ms": mtrain_ms, "steady_ms": steady_ms,
+            "estimated": len([r for r in records if r["density"] is not None]), "sparse": len(sparse),
+            "density": [r["density"] for r in sparse], "true_recall": [r["true_recall"] for r in sparse]}
+
+
+def _sweep_point(rows, j: int, threshold, peer_ms: float, ppl_dense: float, ppl: float) -> dict:
+    """The whole model's figures at the sweep's j-th attention.min_sparse_document (`threshold`)."""
+    mtrain_ms = sum(r["sweep"][j]["mtrain_ms"] for r in rows)
+    steady_ms = sum(r["sweep"][j]["steady_ms"] for r in rows)
+    return {"min_sparse_document": threshold, "mtrain_ms": mtrain_ms, "steady_ms": steady_ms,
+            "speedup_vs_peer": peer_ms / mtrain_ms, "steady_speedup_vs_peer": peer_ms / steady_ms,
+            "sparse": sum(r["sweep"][j]["sparse"] for r in rows), "ppl_as_trained": ppl, "ppl_rise": ppl / ppl_dense - 1}
 
 
 def perplexity_trained(net, ids, fn) -> float:
@@ -134,8 +153,12 @@ def perplexity_trained(net, ids, fn) -> float:
 
 def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", yarn="auto", iters: int = 5,
         hold: int = 16, engine: str = "auto", layers=None, out_dir=None, log=print, max_error=None,
-        causal_too: bool = False) -> dict:
-    """Benchmark one model at one length on packed documents of mix `mix`; writes out_dir/real_docs_<S>_<mix>.json."""
+        causal_too: bool = False, min_documents=None, eager_estimate: bool = False) -> dict:
+    """Benchmark one model at one length on packed documents of mix `mix`; writes out_dir/real_docs_<S>_<mix>.json.
+    min_documents: attention.min_sparse_document values to sweep (None in it, or no list = the cost model's
+    break-even); the summary's own mtrain figures are the first one's, every one's in summary["sweep"].
+    eager_estimate: attention.graph_estimate off (each document's estimate eager, as in training on packs whose
+    lengths change from batch to batch; on: a length seen twice replays a CUDA graph, as a fixed mix does)."""
     import functools
 
     from transformers import AutoTokenizer
@@ -158,6 +181,13 @@ def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", y
     log(f"model {path.name}: S={seq_len}, YaRN {factor:g}, {dtype}; {mix} mix: {len(lengths)} documents "
         f"{lengths} ({', '.join(dict.fromkeys(names))}); policy {policy}, engine {engine}, settings {settings}")
     rt = runtime_of(net)  # the bench's layer calls share the model's runtime (its documents, caps and records)
+    thresholds = list(min_documents) if min_documents else [None]
+    if eager_estimate:
+        import dataclasses
+
+        from mtrain.ops.switches import or_defaults
+
+        rt.settings.switches = dataclasses.replace(or_defaults(rt.settings.switches), graph_estimate=False)
     rt.policy.choice_stats.clear()
     rt.set_documents(doc_ids, device)
     try:
@@ -166,7 +196,7 @@ def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", y
         rows = []
         for i in picked:
             row = measure_layer(i, *qkv[i], settings, scale, iters, policy, hold, engine, max_error,
-                                rt.inputs.documents, rt=rt)
+                                rt.inputs.documents, rt=rt, thresholds=thresholds)
             rows.append(row)
             log(f"layer {i:3d}: {row['sparse']}/{row['estimated']} documents sparse, density "
                 f"{[round(d, 3) for d in row['density']]} true recall "
@@ -176,13 +206,20 @@ def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", y
                 f"({row['peer_ms'] / row['steady_ms']:.2f}x)")
         fn = functools.partial(mtrain_attention, settings=settings, policy=policy, engine=engine,
                                max_error=max_error)
-        ppl_dense, ppl_trained = perplexity_trained(net, ids, None), perplexity_trained(net, ids, fn)
+        ppl_dense = perplexity_trained(net, ids, None)
+        ppl_sweep = []
+        for threshold in thresholds:
+            rt.settings.min_sparse_document = threshold
+            ppl_sweep.append(perplexity_trained(net, ids, fn))
+        rt.settings.min_sparse_document = None
+        ppl_trained = ppl_sweep[0]
     finally:
         rt.set_documents(None)
     summary = {"model": str(path), "seq_len": seq_len, "mix": mix, "document_lengths": lengths,
                "documents": names, "yarn_factor": factor, "dtype": str(dtype),
                "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "torch": torch.__version__,
                "policy": policy, "engine": engine, "dense_hold_steps": hold, "max_output_error": max_error,
+               "graph_estimate": not eager_estimate,
                "settings": {k: getattr(settings, k) for k in settings.__dataclass_fields__}, "layers": rows,
                "peer": rows[0]["peer"] if rows else None}
     for key in ("peer_ms", "dense_ms", "mtrain_ms", "steady_ms"):
@@ -193,6 +230,15 @@ def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", y
     densities = [d for r in rows for d in r["density"]]
     summary["mean_sparse_density"] = statistics.mean(densities) if densities else None
     summary.update(ppl_dense=ppl_dense, ppl_as_trained=ppl_trained, ppl_rise=ppl_trained / ppl_dense - 1)
+    summary["sweep"] = [_sweep_point(rows, j, threshold, summary["peer_ms"], ppl_dense, ppl_sweep[j])
+                        for j, threshold in enumerate(thresholds)]
+    if len(thresholds) > 1:
+        log(f"attention.min_sparse_document sweep ({'eager' if eager_estimate else 'graphed'} estimates), "
+            f"against the peer:")
+        for point in summary["sweep"]:
+            log(f"  {str(point['min_sparse_document'] or 'auto'):>8}: {point['sparse']:3d} document-layers sparse, "
+                f"{point['speedup_vs_peer']:.2f}x, steady {point['steady_speedup_vs_peer']:.2f}x, perplexity "
+                f"{100 * point['ppl_rise']:+.2f}%")
     log(f"whole model ({len(rows)} layers), {mix} mix at {seq_len}: peer ({summary['peer']}) "
         f"{summary['peer_ms']:.1f} ms, mtrain dense {summary['dense_ms']:.1f} ms ({summary['dense_vs_peer']:.2f}x), "
         f"mtrain sparse as trained {summary['mtrain_ms']:.1f} ms ({summary['speedup_vs_peer']:.2f}x), steady "

@@ -214,8 +214,13 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
     from mtrain.ops.varlen import Segments, varlen_attention
 
     B, S, Hq, D = q.shape
-    shortest = S + 1 if policy == "never" else _shortest_sparse(policy, Hq, D, s.block_size, s, training, q.device,
-                                                                 engine, dense_backend(q), rt.switches)
+    if policy == "never":
+        shortest = S + 1
+    elif rt.settings.min_sparse_document is not None:  # attention.min_sparse_document
+        shortest = max(2 * s.block_size, rt.settings.min_sparse_document)
+    else:
+        shortest = _shortest_sparse(policy, Hq, D, s.block_size, s, training, q.device, engine, dense_backend(q),
+                                    rt.switches)
     pieces, dense, slot = {}, [], 0
     for b in range(B):
         for start, n in zip(documents.starts(b), documents.lengths[b]):

@@ -76,6 +76,9 @@ class AttentionSettings:
     per_document: bool = PolicySettings.per_document
     """One device with packed documents: each long enough document sparse on its own; False = one estimate over the
     whole sequence, documents masked (attention.per_document)."""
+    min_sparse_document: int | None = PolicySettings.min_sparse_document
+    """With per_document: the shortest document estimated (tokens); None = the cost model's break-even under auto,
+    two blocks under always (attention.min_sparse_document)."""
     switches: Switches | None = field(default_factory=Switches)
     """The `mtrain.ops.switches.Switches` this model's attention runs with (the trainer's: the recipe's), passed down
     by each call to the readers of the stack; immutable (replace it with `dataclasses.replace`). None: the defaults."""
@@ -91,7 +94,7 @@ class AttentionSettings:
         return cls(kind=kind, sparse=sparse, baseline=baseline, sparse_policy=p.sparse_policy, engine=p.engine,
                    max_output_error=p.max_output_error, dense_hold=p.dense_hold_steps, widen_caps=p.widen_caps,
                    widen_max_list_bytes=p.widen_max_list_bytes, escalate_recall=p.escalate_recall,
-                   per_document=p.per_document)
+                   per_document=p.per_document, min_sparse_document=p.min_sparse_document)
 
     @property
     def policy(self) -> PolicySettings:
@@ -99,7 +102,8 @@ class AttentionSettings:
         return PolicySettings(sparse_policy=self.sparse_policy, engine=self.engine,
                               max_output_error=self.max_output_error, escalate_recall=self.escalate_recall,
                               dense_hold_steps=self.dense_hold, widen_caps=self.widen_caps,
-                              widen_max_list_mib=self.widen_max_list_bytes // 2**20, per_document=self.per_document)
+                              widen_max_list_mib=self.widen_max_list_bytes // 2**20, per_document=self.per_document,
+                              min_sparse_document=self.min_sparse_document)
 
     @property
     def name(self) -> str:
