@@ -26,31 +26,35 @@ LOCAL = SparseSettings(recall=0.4, block_size=BS, max_vertical=4, max_slash=4, m
 
 
 def reference_error(q, k, v, index, rows, scale=None, doc_ids=None):
-    """(per head [Hq], whole) relative output error of batch row 0, in float64, one query row at a time: the keys a
-    row computes read from the index's block and column lists of its query block (no mask helper), the exact
-    softmax over all its causal keys against the softmax renormalised over those keys."""
+    """(per head [Hq], whole) relative output error of batch row 0, in float64: the keys each query block computes
+    read from the index's block and column lists one by one (no mask helper), each row's exact softmax over all its
+    causal keys (of its document) against the softmax renormalised over the kept keys; rows side by side, one head
+    at a time."""
     _, S, Hq, D = q.shape
     G = Hq // k.shape[2]
+    bs = index.block_size
     scale = D ** -0.5 if scale is None else scale
     q64, k64, v64 = (t[0].double() for t in (q, k, v))
+    rows = rows.long()
+    pos = torch.arange(S)
+    causal = pos[None, :] <= rows[:, None]  # [R, S]: the keys each row may see
+    if doc_ids is not None:
+        causal &= doc_ids[0][None, :] == doc_ids[0, rows][:, None]
     err, ref = torch.zeros(Hq, dtype=torch.float64), torch.zeros(Hq, dtype=torch.float64)
     for h in range(Hq):
-        for r in rows.tolist():
-            qb = r // index.block_size
-            keep = set()
+        keep = torch.zeros(index.block_counts.shape[-1], S, dtype=torch.bool)  # [nQB, S]: the keys a block lists
+        for qb in range(keep.shape[0]):
             for j in range(int(index.block_counts[0, h, qb])):
                 b = int(index.block_ids[0, h, qb, j])
-                keep.update(range(b * index.block_size, (b + 1) * index.block_size))
-            keep.update(int(c) for c in index.col_ids[0, h, qb, : int(index.col_counts[0, h, qb])])
-            keys = [t for t in range(r + 1) if doc_ids is None or doc_ids[0, t] == doc_ids[0, r]]
-            inside = torch.tensor([t in keep for t in keys])
-            logits = (k64[keys, h // G] @ q64[r, h]) * scale
-            p = torch.softmax(logits, 0)
-            o = p @ v64[keys, h // G]
-            ps = torch.where(inside, p, 0.0)
-            o_sparse = (ps / ps.sum()) @ v64[keys, h // G]
-            err[h] += (o_sparse - o).square().sum()
-            ref[h] += o.square().sum()
+                keep[qb, b * bs:(b + 1) * bs] = True
+            keep[qb, index.col_ids[0, h, qb, : int(index.col_counts[0, h, qb])].long()] = True
+        logits = (q64[rows, h] @ k64[:, h // G].T) * scale
+        p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+        o = p @ v64[:, h // G]
+        ps = torch.where(keep[rows // bs] & causal, p, 0.0)
+        o_sparse = (ps / ps.sum(-1, keepdim=True)) @ v64[:, h // G]
+        err[h] = (o_sparse - o).square().sum()
+        ref[h] = o.square().sum()
     return (err / ref).sqrt(), (err.sum() / ref.sum()).sqrt()
 
 
