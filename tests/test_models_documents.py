@@ -183,10 +183,11 @@ def test_holds_live_per_layer_and_length_class(monkeypatch):
     assert not any(r.density is not None for r in RT.records.layers)
 
 
-@pytest.mark.parametrize("training", [True, False])
-def test_break_even_is_the_shortest_length_the_floor_pays_at(training):
-    """`_shortest_sparse` under "auto": the cost model's floor pays at the length it returns and not one block
-    shorter (the bisection lands on the boundary); under "always" two blocks."""
+@pytest.mark.parametrize("training, head_dim", [(True, 128), (False, 64), (False, 128)])
+def test_break_even_is_the_shortest_length_the_floor_pays_at(training, head_dim):
+    """`_shortest_sparse` under "auto" where no break-even was measured (a head dim the table lacks, or forward
+    only): the cost model's floor pays at the length it returns and not one block shorter (the bisection lands on
+    the boundary); under "always" two blocks."""
     from mtrain.models.attention import _shortest_sparse
     from mtrain.models.policy import scored_rows
 
@@ -194,11 +195,27 @@ def test_break_even_is_the_shortest_length_the_floor_pays_at(training):
     device = torch.device("cuda")  # the H200 table: priced, nothing runs
 
     def pays(length):
-        return cost.worth_estimating(seq_len=length, heads=9, head_dim=64, block_size=128, rows=scored_rows(s, length),
-                                     backward=training, device=device, engine="fa4",
+        return cost.worth_estimating(seq_len=length, heads=9, head_dim=head_dim, block_size=128,
+                                     rows=scored_rows(s, length), backward=training, device=device, engine="fa4",
                                      dense_engine="fa4").path == "sparse"
 
-    shortest = _shortest_sparse("auto", 9, 64, 128, s, training, device, "fa4", "fa4")
+    assert cost.document_break_even(device, head_dim=head_dim, block_size=128, engine="fa4", backward=training) is None
+    shortest = _shortest_sparse("auto", 9, head_dim, 128, s, training, device, "fa4", "fa4")
     assert shortest % 128 == 0 and pays(shortest) and not pays(shortest - 128)
-    assert 16384 < shortest < 131072  # between the lengths where estimating clearly cannot and clearly does pay
-    assert _shortest_sparse("always", 9, 64, 128, s, training, device, "fa4", "fa4") == 256
+    assert 8192 < shortest < 131072  # between the lengths where estimating clearly cannot and clearly does pay
+    assert _shortest_sparse("always", 9, head_dim, 128, s, training, device, "fa4", "fa4") == 256
+
+
+def test_break_even_measured_on_packed_documents_replaces_the_floor_in_training():
+    """Where the cost table holds a break-even measured on packed documents (SmolLM2's 9/3 x 64 heads, block 128, fa4
+    on the H200 table: 32K), `_shortest_sparse` returns it in training, in whole blocks; forward only, another engine
+    or a table without it keeps the floor's; attention.min_sparse_document replaces both (`_per_document`)."""
+    from mtrain.models.attention import _shortest_sparse
+
+    s = SparseSettings(block_size=128)
+    device = torch.device("cuda")
+    assert cost.H200.document_break_even[(64, 128, "fa4")] == 32768
+    assert _shortest_sparse("auto", 9, 64, 128, s, True, device, "fa4", "fa4") == 32768
+    floor = _shortest_sparse("auto", 9, 64, 128, s, False, device, "fa4", "fa4")
+    assert floor > 32768 and _shortest_sparse("auto", 9, 64, 128, s, True, device, "triton", "fa4") != 32768
+    assert _shortest_sparse("auto", 9, 64, 128, s, True, "cpu", "fa4", "fa4") != 32768  # the CPU table has none

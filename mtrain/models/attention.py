@@ -173,6 +173,9 @@ def _shortest_sparse(policy: str, heads: int, head_dim: int, block_size: int, s,
     estimate and the fixed costs, `cost.worth_estimating`) is under the document's dense cost, found by bisection
     (the floor grows more slowly with the length than dense does); beyond 2**24 tokens, never. The estimate is
     priced eager: documents' lengths change from batch to batch, so a CUDA graph of one length is rarely replayed.
+    In training, where the cost table holds a break-even measured on packed documents for this head dim, block size
+    and engine (`cost.document_break_even`), that one, in whole blocks: the floor's fixed costs, measured with the GPU
+    idle, overprice a document's estimate queued among the layer's other calls.
     s: the SparseSettings, whose scored rows depend on the length; switches: the runtime's (its cost table; None =
     the defaults)."""
     from mtrain.ops import cost
@@ -180,6 +183,10 @@ def _shortest_sparse(policy: str, heads: int, head_dim: int, block_size: int, s,
     shortest = 2 * block_size
     if policy != "auto":
         return shortest
+    measured = cost.document_break_even(device, head_dim=head_dim, block_size=block_size, engine=engine,
+                                        backward=training, switches=switches)
+    if measured is not None:
+        return max(shortest, -(-measured // block_size) * block_size)
     # the same for every layer and step of a run: computed once per arguments and cost table (a table a test or a
     # recipe's attention.cost_table replaces is another object, so its lengths are computed afresh)
     table = cost.table_for(device, switches=switches)

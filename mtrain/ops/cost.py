@@ -46,6 +46,13 @@ class CostTable:
     dense_engines[name] = a `dense` dict of another dense kernel (`mtrain.ops.dense.dense_backend`'s name, e.g.
         "fa4"), which runs a packed row's documents in one varlen call (`mtrain.ops.varlen`): its fixed cost is paid
         once per call, not per document. A dense kernel the table lacks uses `dense` (cuDNN, one call per document).
+    document_break_even[(head_dim, block_size, engine)] = the shortest packed document (tokens) on which one
+        device's per-document sparse path (`mtrain.models.attention._per_document`: the document's own estimate,
+        index and kernels, queued among the layer's other calls) was measured faster than leaving it in the dense
+        varlen call, forward + backward, on a real model (`mtrain bench real --documents long --min-document ...`).
+        Where present it replaces, in training, the break-even the floor predicts (`worth_estimating`), whose fixed
+        costs, measured with the GPU idle, overprice an estimate queued behind other work; only for the shape,
+        block size and engine measured.
     A head dim or block size that was not measured takes the nearest measured one (its rate per unit).
     """
 
@@ -58,6 +65,7 @@ class CostTable:
     graphed: tuple = (0.0, 0.0)
     engines: dict = dataclasses.field(default_factory=dict)
     dense_engines: dict = dataclasses.field(default_factory=dict)
+    document_break_even: dict = dataclasses.field(default_factory=dict)
 
 
 # Fitted on one NVIDIA H200 (torch 2.11, triton 3.6, bf16) by `python -m mtrain.bench.cost` and its `--fit`, 2026-11-23
@@ -85,6 +93,11 @@ H200 = CostTable(
     # "Dense attention with documents"; worst relative error 12-24%, at the 8K points).
     dense_engines={"fa4": {64: {"train": (1.0711, 23.7402), "eval": (0.2758, 7.8034)},
                            128: {"train": (0.8198, 22.2261), "eval": (0.228, 6.1444)}}},
+    # SmolLM2-135M (9/3 x 64), block 128, fa4, the long mix at 64K / 128K / 256K, eager and graph-replayed estimates:
+    # documents of 24.9K and 26.8K tokens ran 1.3x slower sparse than dense, 40.6K and longer 0.4-0.74x of dense
+    # (BENCHMARKS.md, "Which documents pay sparse"; rows doc_sweep.smollm2.*): 32K, between them, the length classes'
+    # boundary (the floor put it at 41.7K).
+    document_break_even={(64, 128, "fa4"): 32768},
 )
 
 # The CPU path (fp32; dense = PyTorch SDPA, sparse = mtrain.ops.partial's PyTorch path over the listed blocks,
@@ -295,6 +308,16 @@ def worth_estimating(*, seq_len: int, heads: int, head_dim: int, block_size: int
              + sparse_ms(0, 0, seq_len, heads, head_dim, block_size, batch=batch, backward=backward, table=table,
                          world=world, engine=engine, with_index=not g))
     return Prediction(dense, floor, choose(dense, floor, margin))
+
+
+def document_break_even(device, *, head_dim: int, block_size: int, engine: str, backward: bool = True,
+                        switches: Switches | None = None) -> int | None:
+    """The measured shortest packed document on which per-document sparse attention pays in training
+    (CostTable.document_break_even), or None where this head dim, block size and engine were not measured or the call
+    is forward only (the floor, `worth_estimating`, decides then)."""
+    if not backward:
+        return None
+    return table_for(device, switches=switches).document_break_even.get((head_dim, block_size, engine))
 
 
 def index_work(index) -> tuple[int, int]:
