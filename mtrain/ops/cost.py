@@ -1,8 +1,10 @@
 """Cost model of one attention call: predicted milliseconds of dense causal attention and of vertical-slash
 sparse attention (index building + kernels) from measured coefficients, and `choose` between the two.
 
-Every figure below was measured with `mtrain bench cost` and fitted with `mtrain bench cost --fit`;
-rerun both after a kernel or index change and paste the printed tables here.
+Every coefficient was measured with `mtrain bench cost` and fitted with `mtrain bench cost --fit` (the dense engines'
+with `mtrain bench documents --fit`) and is a result row of benchmarks/results.jsonl; after a kernel or index change,
+rerun both, append the fitted figures as rows (`cost.h200.*`, `cost.cpu.*`) and rewrite the asset the tables are read
+from (`python scripts/measured_asset.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from mtrain import measured
 from mtrain.ops.switches import Switches, or_defaults
 
 # A layer runs sparse only when sparse is predicted at most this fraction of dense: the fits below are off by up
@@ -68,51 +71,99 @@ class CostTable:
     document_break_even: dict = dataclasses.field(default_factory=dict)
 
 
-# Fitted on one NVIDIA H200 (torch 2.11, triton 3.6, bf16) by `python -m mtrain.bench.cost` and its `--fit`, 2026-11-23
-# to 2026-11-25 (dense, sparse and index; the estimate and its CUDA-graph replay re-measured later). The runs, the
-# shapes they cover and each fit's worst relative error: BENCHMARKS.md "Cost model of the per-layer sparse/dense
-# choice", "Provenance of the shipped cost tables".
-H200 = CostTable(
-    name="cuda (H200)",
-    source="mtrain/bench/cost.py on one H200, 2026-11-23",
-    dense={64: {"train": (0.5881, 31.5157), "eval": (0.297, 8.4706)},
-           128: {"train": (0.4931, 24.2342), "eval": (0.1638, 6.525)}},
-    sparse={(64, 64): {"train": (1.1619, 0.7599, 56.2294, 106.9363), "eval": (0.1537, 0.4463, 18.3446, 35.5958)},
-            (64, 128): {"train": (1.6838, 1.3501, 56.6145, 101.7472), "eval": (0.2898, 0.2605, 18.2918, 28.0182)},
-            (128, 64): {"train": (0.8387, 2.5521, 48.8525, 74.734), "eval": (0.2091, 0.2714, 12.017, 19.4613)},
-            (128, 128): {"train": (2.0794, 2.2202, 40.1415, 69.7131), "eval": (0.2719, 0.2234, 11.9352, 17.2914)}},
-    index=(2.0754, 0.0, 0.0, 0.0186),
-    estimate=(4.3726, 1.8161),
-    graphed=(1.964, 2.0683),
-    # FlashAttention-4 for the listed blocks + our column kernels (impl="fa4", FA4's own backward as training runs
-    # it), block 128: `python -m mtrain.bench.cost --engine fa4 --only sparse` then `--fit` (BENCHMARKS.md, as above).
-    engines={"fa4": {(64, 128): {"train": (0.8134, 2.4678, 23.2355, 110.831), "eval": (0.2598, 0.1517, 8.2985, 30.9084)},
-                     (128, 128): {"train": (0.6512, 3.072, 20.0972, 90.4516), "eval": (0.1785, 0.3228, 5.4266, 24.8306)}}},
-    # FlashAttention-4 dense (`dense_attention`: FA4's varlen kernel over a packed row's documents, one call), 8K-128K,
-    # one document, the long and the short mix: `mtrain bench documents --fit` on one H200, 2026-12-01 (BENCHMARKS.md,
-    # "Dense attention with documents"; worst relative error 12-24%, at the 8K points).
-    dense_engines={"fa4": {64: {"train": (1.0711, 23.7402), "eval": (0.2758, 7.8034)},
-                           128: {"train": (0.8198, 22.2261), "eval": (0.228, 6.1444)}}},
-    # SmolLM2-135M (9/3 x 64), block 128, fa4, the long mix at 64K / 128K / 256K, eager and graph-replayed estimates:
-    # documents of 24.9K and 26.8K tokens ran 1.3x slower sparse than dense, 40.6K and longer 0.4-0.74x of dense
-    # (BENCHMARKS.md, "Which documents pay sparse"; rows doc_sweep.smollm2.*): 32K, between them, the length classes'
-    # boundary (the floor put it at 41.7K).
-    document_break_even={(64, 128, "fa4"): 32768},
-)
+# The coefficients are result rows of benchmarks/results.jsonl (`cost.h200.*`, `cost.cpu.*`: each with its date,
+# machine, versions and command), read from mtrain/assets/measured.json (`python scripts/measured_asset.py` writes it
+# from the rows). A row's id names where its figure goes: cost.h200.dense.d64.train.ms0 is dense[64]["train"][0];
+# sparse.d64_bs128 is sparse[(64, 128)]; engines.fa4.d64_bs128 and dense_engines.fa4.d64 the same for an engine;
+# document_break_even.d64_bs128.fa4 is document_break_even[(64, 128, "fa4")]. The coefficients' names, in order:
+_COEFFS = {"dense": ("ms0", "per_unit"), "sparse": ("ms0", "per_row", "per_block", "per_column"),
+           "index": ("ms0", "per_row", "per_1e6_blocks", "per_1e6_columns"), "estimate": ("ms0", "per_1e9"),
+           "graphed": ("ms0", "per_1e9")}
+_COEFFS.update(dense_engines=_COEFFS["dense"], engines=_COEFFS["sparse"])
+_MODES = ("train", "eval")
 
-# The CPU path (fp32; dense = PyTorch SDPA, sparse = mtrain.ops.partial's PyTorch path over the listed blocks,
-# index = from_lines), fitted by `python -m mtrain.bench.cost --cpu` on this project's 2-core CPU machine under load,
-# 2026-11-23: an order of magnitude only; its robust content is the ratio of sparse to dense per computed pair, so on
-# a CPU sparse pays only at low density and never for short sequences (BENCHMARKS.md, as above). Other head dims
-# use these rates.
-CPU = CostTable(
-    name="cpu",
-    source="mtrain/bench/cost.py --cpu on the 2-core CPU machine (loaded), 2026-11-23",
-    dense={32: {"train": (0.0, 267886.0248), "eval": (0.0, 71155.7291)}},
-    sparse={(32, 64): {"train": (0.6148, 0.0, 573988.8701, 915806.3729), "eval": (0.0, 0.0, 228095.5965, 299461.9548)}},
-    index=(0.368, 0.2239, 13.2548, 42.9433),
-    estimate=(0.0, 15201.4686),  # 64 scored rows then, 1K-8K; scaled by the rows scored
-)
+
+def _key(text: str, where: str, block: bool):
+    """"d64" -> 64 (block=False), "d64_bs128" -> (64, 128) (block=True)."""
+    head, _, bs = text.partition("_bs")
+    if not (head.startswith("d") and head[1:].isdigit() and (bs.isdigit() if block else not bs)):
+        raise ValueError(f"{where}: expected {'d<head dim>_bs<block size>' if block else 'd<head dim>'}, got {text!r}")
+    return (int(head[1:]), int(bs)) if block else int(head[1:])
+
+
+def table_from(figures: dict, prefix: str, name: str, source: str, path=measured.ASSET) -> CostTable:
+    """The CostTable whose coefficients are the measured figures under `prefix` (`mtrain.measured.load(path)`'s
+    {measure: value}); MeasuredAssetError naming the file and a figure that does not fit the layout above or a set
+    of coefficients that is incomplete."""
+    try:
+        return _table_from(figures, prefix, name, source)
+    except ValueError as exc:
+        raise measured.asset_error(str(exc), path) from None
+
+
+def _table_from(figures: dict, prefix: str, name: str, source: str) -> CostTable:
+    groups: dict[tuple, dict] = {}  # (field, engine or None, key or None, mode or None) -> {coefficient: value}
+    ids: dict[tuple, str] = {}  # the same -> its measure id without the coefficient
+    break_even = {}
+    for rest, value in measured.under(figures, prefix).items():
+        where = prefix + rest
+        field, *parts = rest.split(".")
+        if field == "document_break_even" and len(parts) == 2:
+            if value != int(value):
+                raise ValueError(f"{where}: a length in tokens, got {value!r}")
+            break_even[(*_key(parts[0], where, block=True), parts[1])] = int(value)
+            continue
+        depth = {"index": 1, "estimate": 1, "graphed": 1, "dense": 3, "sparse": 3, "engines": 4,
+                 "dense_engines": 4}.get(field)
+        if depth != len(parts) or parts[-1] not in _COEFFS[field] or (depth > 1 and parts[-2] not in _MODES):
+            raise ValueError(f"{where}: not a cost-table coefficient")
+        at = (field, None, None, None)
+        if depth > 1:
+            key = _key(parts[-3], where, block=field in ("sparse", "engines"))
+            at = (field, parts[0] if depth == 4 else None, key, parts[-2])
+        groups.setdefault(at, {})[parts[-1]] = float(value)
+        ids[at] = where.rsplit(".", 1)[0]
+
+    def coeffs(at) -> tuple:
+        names, got = _COEFFS[at[0]], groups.get(at, {})
+        if set(got) != set(names):
+            raise ValueError(f"{ids.get(at, prefix + at[0])}: needs {', '.join(names)}, has {', '.join(got) or 'none'}")
+        return tuple(got[n] for n in names)
+
+    def rates(field: str, engine=None) -> dict:
+        keys = sorted({at[2] for at in groups if at[:2] == (field, engine)},
+                      key=lambda k: k if isinstance(k, tuple) else (k,))
+        if not keys and engine is None:
+            raise ValueError(f"{prefix}{field}: no coefficients")
+        return {k: {mode: coeffs((field, engine, k, mode)) for mode in _MODES} for k in keys}
+
+    flat = {f: coeffs((f, None, None, None)) for f in ("index", "estimate", "graphed")
+            if f == "index" or (f, None, None, None) in groups}
+    engines = {f: {e: rates(f, e) for e in sorted({at[1] for at in groups if at[0] == f})}
+               for f in ("engines", "dense_engines")}
+    return CostTable(name=name, source=source, dense=rates("dense"), sparse=rates("sparse"), **flat, **engines,
+                     document_break_even=break_even)
+
+
+# One NVIDIA H200, bf16 (`cost.h200.*`): dense = SDPA cuDNN, one call per document, and sparse = our Triton kernels,
+# fitted by `python -m mtrain.bench.cost` and its `--fit` on 2026-11-23 (index the same), the eager estimate and its
+# CUDA-graph replay on 2026-11-25; engines["fa4"]: FlashAttention-4 for the listed blocks + our column kernels
+# (impl="fa4", FA4's own backward as training runs it), block 128, `--engine fa4 --only sparse`, 2026-11-25;
+# dense_engines["fa4"]: FA4's varlen dense over a packed row's documents, `mtrain bench documents --fit`, 2026-12-01;
+# document_break_even: SmolLM2-135M (9/3 x 64), block 128, fa4, the long mix at 64K / 128K / 256K, eager and graphed
+# estimates: documents of 24.9K and 26.8K tokens ran 1.3x slower sparse than dense, 40.6K and longer 0.4-0.74x of
+# dense (rows doc_sweep.smollm2.*): 32K, between them (the floor put it at 41.7K). The shapes the fits cover and their
+# worst relative errors: docs/benchmarks-history.md, "Provenance of the shipped cost tables".
+H200 = table_from(measured.load(), "cost.h200.", name="cuda (H200)",
+                  source="mtrain/bench/cost.py on one H200, 2026-11-23")
+
+# The CPU path (`cost.cpu.*`: fp32; dense = PyTorch SDPA, sparse = mtrain.ops.partial's PyTorch path over the listed
+# blocks, index = from_lines), fitted by `python -m mtrain.bench.cost --cpu` on this project's 2-core CPU machine under
+# load, 2026-11-23: an order of magnitude only; its robust content is the ratio of sparse to dense per computed pair,
+# so on a CPU sparse pays only at low density and never for short sequences. Other head dims use these rates; its
+# estimate was measured with 64 scored rows, 1K-8K, and is scaled by the rows scored.
+CPU = table_from(measured.load(), "cost.cpu.", name="cpu",
+                 source="mtrain/bench/cost.py --cpu on the 2-core CPU machine (loaded), 2026-11-23")
 
 
 def table_for(device, *, switches: Switches | None = None) -> CostTable:
