@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain.ops import SparseIndex
-from mtrain.parallel import LAYOUT_NAMES, Layout, SparseSettings, ring_attention
+from mtrain.parallel import LAYOUT_NAMES, Layout, SparseSettings, estimate_ring_index, ring_attention
 from mtrain.parallel.comm import hierarchical_groups
 
 SEQ_LEN = 256
@@ -131,9 +131,12 @@ def _run_case(rank, world, layout_name, mode, schedule, groups, results, local_w
     if groups is not None:  # a hierarchical schedule with these (inner, outer) groups
         kwargs = {"inner_group": groups[0], "outer_group": groups[1]}
     shards = [layout.shard(t.float(), rank).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
-    out = ring_attention(shards[0], shards[1], shards[2], group=None, layout=layout, index=index,
-                         sparse=settings, doc_ids=doc_ids, schedule=ring_schedule, dense_schedule=dense_schedule,
-                         **kwargs)
+    ring_index = index
+    if settings is not None:  # the estimated modes: the index estimated across the group first
+        ring_index = estimate_ring_index(shards[0], shards[1], layout=layout, settings=settings, doc_ids=doc_ids,
+                                         schedule=ring_schedule)
+    out = ring_attention(shards[0], shards[1], shards[2], group=None, layout=layout, index=ring_index,
+                         doc_ids=doc_ids, schedule=ring_schedule, dense_schedule=dense_schedule, **kwargs)
     out.backward(shards[3])
 
     record = {}
@@ -331,8 +334,8 @@ def test_ring_attention_argument_errors(single_process_group):
     layout = Layout.create("block-stripe", world_size=1, granularity=16)
     with pytest.raises(MtrainError, match="layout is for 2 ranks"):
         ring_attention(q, kv, kv, group=None, layout=Layout.create("zigzag", world_size=2))
-    with pytest.raises(MtrainError, match="either a SparseIndex"):
-        ring_attention(q, kv, kv, group=None, layout=layout, index=make_index(1, 0), sparse=SparseSettings())
+    with pytest.raises(TypeError, match="sparse"):  # it takes a finished index (estimate_ring_index estimates one)
+        ring_attention(q, kv, kv, group=None, layout=layout, sparse=SparseSettings())
     with pytest.raises(MtrainError, match="SparseIndex is for 256 tokens"):
         ring_attention(q, kv, kv, group=None, layout=layout, index=make_index(1, 0))
     with pytest.raises(MtrainError, match="multiple of Hkv"):
@@ -343,6 +346,8 @@ def test_ring_attention_argument_errors(single_process_group):
         ring_attention(q, kv, kv, group=None, layout=layout, doc_ids=torch.zeros(1, 32, dtype=torch.long))
     with pytest.raises(MtrainError, match="doc_ids must be an integer tensor"):
         ring_attention(q, kv, kv, group=None, layout=layout, doc_ids=torch.zeros(1, 64))
+    with pytest.raises(MtrainError, match="doc_ids must be an integer tensor"):
+        estimate_ring_index(q, kv, layout=layout, settings=SparseSettings(block_size=16), doc_ids=torch.zeros(1, 64))
     with pytest.raises(MtrainError, match=r"attention.recall: must be in \(0, 1\]"):
         SparseSettings(recall=1.5)
     # one rank: the ring is plain attention

@@ -2,7 +2,8 @@
 (issue #27), and none under the gathered schedule where the columns are list-free and the block lists small: every
 host synchronisation a GPU would make (item / int / bool of a tensor, nonzero, boolean indexing, bincount, unique,
 repeat_interleave without a size) is counted on the CPU through a dispatch mode, over one whole fwd+bwd of
-`ring_attention(sparse=...)` on 2 gloo ranks with the Triton scorer and steps (in the interpreter)."""
+`estimate_ring_index` and `ring_attention` on its index on 2 gloo ranks with the Triton scorer and steps (in the
+interpreter), the gathered schedule's K/V all-gather started before the estimate, as an estimated layer runs."""
 
 import collections
 import json
@@ -48,7 +49,8 @@ def _worker(rank, world, init_file, out_file):
 
     import torch.distributed as dist
 
-    from mtrain.parallel import Layout, SparseSettings, ring_attention
+    from mtrain.parallel import Layout, SparseSettings, estimate_ring_index, ring_attention
+    from mtrain.parallel.ring_gather import KVGather, spare_bound
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -68,8 +70,14 @@ def _worker(rank, world, init_file, out_file):
     from mtrain.ops.switches import DEFAULTS, Switches
 
     def call(schedule, static_bytes):
-        out = ring_attention(*shards, layout=layout, sparse=settings, scorer="triton", engine="auto",
-                             schedule=schedule, switches=Switches(static_width_bytes=static_bytes))
+        switches = Switches(static_width_bytes=static_bytes)
+        gather = None
+        if schedule == "gather":  # in flight while the estimate runs
+            gather = KVGather(*shards[1:], None, spare=spare_bound(settings, 2, seq, seq // world))
+        index = estimate_ring_index(*shards[:2], layout=layout, settings=settings, scorer="triton",
+                                    schedule=schedule, switches=switches)
+        out = ring_attention(*shards, layout=layout, index=index, engine="auto", schedule=schedule, kv_gather=gather,
+                             switches=switches)
         out.square().sum().backward()
 
     results = {}

@@ -31,7 +31,7 @@ from mtrain.ops.index import list_bytes, used_list_bytes  # noqa: E402
 from mtrain.ops.switches import DEFAULTS, Switches  # noqa: E402
 from mtrain.ops.attention import resolve_impl, vertical_slash_attention  # noqa: E402
 from mtrain.ops.estimate import estimate_vertical_slash  # noqa: E402
-from mtrain.parallel import Layout, SparseSettings, ring_attention  # noqa: E402
+from mtrain.parallel import Layout, SparseSettings, estimate_ring_index, ring_attention  # noqa: E402
 from mtrain.parallel.comm import RingComm  # noqa: E402
 from mtrain.parallel.estimate import estimate_index, estimate_lines, estimate_rank_index  # noqa: E402
 from mtrain.parallel import estimate as estimate_module  # noqa: E402
@@ -175,6 +175,29 @@ def _settings(args) -> SparseSettings:
                           max_slash=args.window + args.far_slashes)
 
 
+def _estimated_ring(q, k, v, *, layout: Layout, settings: SparseSettings, schedule: str = "ring",
+                    softmax_scale=None, switches=None, **ring):
+    """`ring_attention` on the index estimated across the group first (`estimate_ring_index`), as an estimated layer
+    runs: under the gathered schedule the group's K/V all-gather starts before the estimate (in flight while it
+    runs; spare rows for the index's columns reserved from the settings). `ring`: ring_attention's other keywords."""
+    gather = None
+    if schedule == "gather" and dist.get_world_size() > 1:
+        lists, n_local = q.shape[0] * q.shape[2], q.shape[1]
+        spare = ring_gather.spare_bound(settings, lists, n_local * dist.get_world_size(), n_local)
+        gather = ring_gather.KVGather(k, v, None, spare=spare)
+    index = estimate_ring_index(q, k, layout=layout, settings=settings, softmax_scale=softmax_scale,
+                                schedule=schedule, switches=switches)
+    return ring_attention(q, k, v, layout=layout, index=index, softmax_scale=softmax_scale, schedule=schedule,
+                          kv_gather=gather, switches=switches, **ring)
+
+
+def _ring_call(q, k, v, layout: Layout, index, settings: SparseSettings | None, **kwargs):
+    """`ring_attention` on `index`, or with `settings` on the index estimated first (`_estimated_ring`)."""
+    if settings is not None:
+        return _estimated_ring(q, k, v, layout=layout, settings=settings, **kwargs)
+    return ring_attention(q, k, v, layout=layout, index=index, **kwargs)
+
+
 def _estimate_one_device(q, k, settings: SparseSettings):
     # every SparseSettings field is an estimate_vertical_slash keyword of the same name
     return estimate_vertical_slash(q, k, **dataclasses.asdict(settings))
@@ -284,8 +307,8 @@ def _engine_case(rank, world, args, device, seq_len, schedule: str) -> dict:
     runs = []
     for engine in (args.engine, "triton"):
         leaves = [t.detach().requires_grad_(True) for t in shard[:3]]
-        out = ring_attention(*leaves, group=None, layout=layout, sparse=_settings(args), engine=engine,
-                             schedule=schedule, switches=_switches(args))
+        out = _estimated_ring(*leaves, layout=layout, settings=_settings(args), engine=engine, schedule=schedule,
+                              switches=_switches(args))
         out.backward(shard[3])
         runs.append([out.detach().float()] + [t.grad.float() for t in leaves[:2]])
     row = {"check": f"estimated{'-g' if schedule == 'gather' else ''} vs triton", "layout": "block-stripe",
@@ -457,9 +480,8 @@ def bench_tokens(tokens, rank, world, args, device, report):
                         shard[0], shard[1], pos, pos, seq, settings, scale, None, scorer="torch", switches=switches,
                         **est),
                         args.iters, args.warmup)
-            run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
-                                                           sparse=settings, engine=args.engine, schedule=schedule,
-                                                           switches=switches),
+            run, _ = fwd_bwd(lambda a, b, c: _ring_call(a, b, c, layout, index, settings, engine=args.engine,
+                                                       schedule=schedule, switches=switches),
                              shard[:3], shard[3])
             ms = timed(run, args.iters, args.warmup)
             if estimate and args.profile and device.type == "cuda":
@@ -514,9 +536,8 @@ def bench_tokens(tokens, rank, world, args, device, report):
             layout = Layout.create(layout_name, world_size=world, granularity=args.block_size)
             index = make_index(seq, args, device) if sparse is True else None
             settings = _settings(args) if sparse == "estimate" else None
-            run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, index=index,
-                                                           sparse=settings, engine=args.engine, schedule=schedule,
-                                                           switches=_switches(args)),
+            run, _ = fwd_bwd(lambda a, b, c: _ring_call(a, b, c, layout, index, settings, engine=args.engine,
+                                                       schedule=schedule, switches=_switches(args)),
                              (q, k, v), dout)
             run()
             sites = []
@@ -699,9 +720,9 @@ def _time_model_ring(shard, dout, layout, settings, scale, args, graph: bool = F
         if schedule not in args.schedules:
             times.append(None)
             continue
-        run, _ = fwd_bwd(lambda a, b, c: ring_attention(a, b, c, group=None, layout=layout, sparse=settings,
-                                                       softmax_scale=scale, engine=args.engine, schedule=schedule,
-                                                       switches=switches),
+        run, _ = fwd_bwd(lambda a, b, c: _estimated_ring(a, b, c, layout=layout, settings=settings,
+                                                        softmax_scale=scale, engine=args.engine, schedule=schedule,
+                                                        switches=switches),
                          shard, dout)
         times.append(timed(run, args.iters, max(args.warmup, 2) if graph else args.warmup))
     return tuple(times)

@@ -8,7 +8,6 @@ inputs, per-layer policy state and records."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 
 import torch
@@ -16,9 +15,8 @@ import torch
 from mtrain.attention_settings import ENGINES
 from mtrain.errors import MtrainError
 from mtrain.models.context import LayerRecord, hf_inputs, no_mask
-from mtrain.models.policy import (SPARSE_POLICIES, check_due, check_rows, check_wanted, choose_path, escalate,
-                                  layer_settings, passed_check, quality_error, record_layer, remember_choice,
-                                  replay_choice, scored_rows, skip_estimate, widen_or_hold)
+from mtrain.models import decision
+from mtrain.models.policy import SPARSE_POLICIES, layer_settings, scored_rows
 from mtrain.models.runtime import AttentionSettings, runtime_of
 
 log = logging.getLogger(__name__)
@@ -76,50 +74,14 @@ def _graphed(q, prepare, switches) -> bool:
 
 def _decide(rt, q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, engine, max_error, prepare,
             graphed, doc_ids=None):
-    """("sparse", index) or ("dense", None) for one device's call over q [B, S, Hq, D] under SparseSettings `s`:
-    the replayed choice while gradient checkpointing recomputes (`memo_key`), else the estimate, the quality check
-    (and escalation), the choice and its holds and widening, whose state lives under `key` (the layer index, or on
-    packed documents the layer's documents of one length class: `document_key`); the records carry `layer_idx`.
+    """("sparse", index) or ("dense", None) for one device's call over q [B, S, Hq, D] under SparseSettings `s`: the
+    layer's decision (`mtrain.models.decision.decide`, the ring's too) with the whole sequence at hand
+    (`decision.OneDevice`), its state under `key` (the layer index, or on packed documents the layer's documents of
+    one length class: `document_key`), its replayed choice under `memo_key`, its records under `layer_idx`.
     doc_ids: the documents masked within this one estimate and index (per_document off), else None."""
-    from mtrain.ops.graphed import estimate_graphed
-    from mtrain.ops.index import SparseIndex
-
-    replay = replay_choice(rt, memo_key)
-    if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and index
-        path, lines = replay
-        if path == "sparse":
-            return "sparse", SparseIndex.from_lines(*lines, q.shape[1], s.block_size)
-        return "dense", None
-    if policy == "never" or skip_estimate(rt, q, s, key, policy=policy, training=training, doc_ids=doc_ids,
-                                          engine=engine, graphed=graphed, layer=layer_idx):
-        remember_choice(rt, memo_key, "dense", None, training)
-        return "dense", None
-    # every SparseSettings field is an estimate_vertical_slash keyword of the same name
-    fields = {**dataclasses.asdict(s), "last_q": min(s.last_q, q.shape[1])}
-    # on CUDA replayed from a graph once the shapes have been seen twice (its ~280 launches are the cost at 32K),
-    # with what the engine derives from the index (another ~100 launches) built in the same graph
-    index = estimate_graphed(q.detach(), k.detach(), **fields, softmax_scale=scaling, doc_ids=doc_ids,
-                             prepare=prepare, switches=rt.switches)
-    checked = check_wanted(rt, max_error, policy) and check_due(rt, key, training)
-    if checked:  # the quality check (attention.max_output_error), once per hold period in training
-        index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
-        if escalate(rt, key, index, max_error):  # over the limit: estimate again at the escalated recall
-            s = dataclasses.replace(s, recall=rt.policy.layer_recall[key])
-            index = estimate_graphed(q.detach(), k.detach(), **{**fields, "recall": s.recall},
-                                     softmax_scale=scaling, doc_ids=doc_ids, prepare=prepare,
-                                     switches=rt.switches)
-            index._cache["output_error"] = quality_error(q, k, v, index, s, scaling, doc_ids)
-    path, prediction = choose_path(rt, index, q, policy=policy, training=training, doc_ids=doc_ids, target=s.recall,
-                                   rows=scored_rows(s, q.shape[1]), engine=engine,
-                                   graphed=graphed, layer_idx=key, max_error=max_error)
-    # wider caps next call where they bind, else the dense hold
-    cap_scale, widened = widen_or_hold(rt, key, index, s, q.shape[1], prediction, policy, training)
-    if checked:
-        passed_check(rt, key, path, training)
-    record_layer(rt, key, path, index, prediction, q, k, scaling, doc_ids, cap_scale=cap_scale, widened=widened,
-                 layer=layer_idx)
-    remember_choice(rt, memo_key, path, index, training)
-    return path, (index if path == "sparse" else None)
+    site = decision.OneDevice(rt, q, k, v, scaling, s, doc_ids, engine=engine, prepare=prepare, graphed=graphed)
+    return decision.decide(rt, q, s, site, policy=policy, training=training, key=key, memo_key=memo_key,
+                           layer=layer_idx, max_error=max_error)
 
 
 def _local_attention(rt, q, k, v, scaling, s=None, doc_ids=None, *, policy="always", training=True, layer_idx=None,
@@ -262,99 +224,27 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
     return torch.stack(rows)
 
 
-def _start_gather(rt, q, k, v, world: int, settings):
-    """Under parallel.schedule gather, the group's K/V all-gather started before a sparse layer's estimate (a
-    layer the choice then sends dense drops it), else None."""
-    if rt.topology.schedule != "gather" or world == 1:
-        return None
-    from mtrain.parallel.ring_gather import KVGather, spare_bound
-
-    spare = spare_bound(settings, q.shape[0] * q.shape[2], q.shape[1] * world)
-    return KVGather(k, v, rt.topology.group, spare=spare)
-
-
 def _ring(rt, q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True, engine="auto",
           max_error=None):
     """This rank's shard of a context-parallel group: dense ring, or sparse with SparseSettings `settings`, run
-    sparse or dense per `policy` (the same path on every rank: see `choose_path`); the sparse steps' block kernels
-    per `engine` (`ring_attention`'s: flex has no ring steps and runs ours); `max_error`: the quality check under
-    "auto", measured across the group (`mtrain.parallel.quality.gathered_output_error`)."""
+    sparse or dense per `policy`. The layer decides as on one device (`mtrain.models.decision.decide`), at this rank
+    (`decision.RankOfGroup`: its figures, and so its path, are the same on every rank); `ring_attention` then runs on
+    the finished index, the sparse steps' block kernels per `engine` (`ring_attention`'s: flex has no ring steps and
+    runs ours). `max_error`: the quality check under "auto", measured across the group
+    (`mtrain.parallel.quality.gathered_output_error`)."""
     import torch.distributed as dist
 
     from mtrain.parallel import ring_attention
-    from mtrain.parallel.estimate import rank_index_of_lines
-    from mtrain.parallel.graphed import estimate_rank_index_graphed
-    from mtrain.parallel.plan import rank_blocks, rank_positions, shard_key_blocks
 
-    index, topo = None, rt.topology
-    world = dist.get_world_size(topo.group)
-    replay = replay_choice(rt, layer_idx) if settings is not None else None
-    gather = None
-    if replay is not None:  # gradient checkpointing recomputes this layer: its first forward's path and rows
-        path, lines = replay
-        if path == "sparse":
-            gather = _start_gather(rt, q, k, v, world, settings)
-            vertical, slash, rows = lines
-            index = rank_index_of_lines(vertical, slash, q.shape[1] * world, settings.block_size, rows,
-                                        schedule=topo.schedule, switches=rt.switches)
-    elif settings is not None and policy != "never" and not skip_estimate(rt, q, settings, layer_idx, policy=policy,
-                                                                          training=training, world=world):
-        # Estimated across the group (no rank does it for the others; the lines are identical on every rank);
-        # each rank builds only its own rows of the index, whose whole work and density come from the lines.
-        gather = _start_gather(rt, q, k, v, world, settings)  # the gathered schedule's K/V travel during the estimate
-        rank = dist.get_rank(topo.group)
-        seq_len = q.shape[1] * world
-        positions = rank_positions(topo.layout, seq_len, rank, q.device)  # cached: no copy to the device per layer
+    index, gather, topo = None, None, rt.topology
+    if settings is not None:
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        rows = rank_blocks(topo.layout, seq_len, rank, settings.block_size, q.device)
-        # replayed from a CUDA graph under parallel.graph_ring_estimate (mtrain.parallel.graphed), else eager
-        key_blocks = shard_key_blocks(topo.layout, seq_len, rank, settings.block_size, q.device)
-
-        def estimate(s):
-            return estimate_rank_index_graphed(q.detach(), k.detach(), positions, seq_len, s, scale, topo.group,
-                                               doc_ids=rt.inputs.doc_ids, rows=rows, key_blocks=key_blocks,
-                                               layout_key=(topo.layout.spec, rank), schedule=topo.schedule,
-                                               switches=rt.switches)
-
-        index = estimate(settings)
-        checked = check_wanted(rt, max_error, policy) and check_due(rt, layer_idx, training)
-        if checked:  # the quality check across the group: the same figure on every rank, hence the same path
-            index._cache["output_error"] = _ring_quality_error(rt, q, k, v, positions, index, seq_len, settings,
-                                                               scale, rank)
-            if escalate(rt, layer_idx, index, max_error):  # over the limit on every rank: again at the escalated recall
-                settings = dataclasses.replace(settings, recall=rt.policy.layer_recall[layer_idx])
-                index = estimate(settings)
-                index._cache["output_error"] = _ring_quality_error(rt, q, k, v, positions, index, seq_len, settings,
-                                                                   scale, rank)
-        path, prediction = choose_path(rt, index, q, policy=policy, training=training, world=world,
-                                       target=settings.recall, rows=scored_rows(settings, seq_len),
-                                       max_error=max_error)
-        # the prediction and est_recall / output error, hence the widening and the hold, are the same on every rank
-        cap_scale, widened = widen_or_hold(rt, layer_idx, index, settings, seq_len, prediction, policy, training)
-        if checked:
-            passed_check(rt, layer_idx, path, training)
-        recall = None
-        if rt.inputs.sample_recall and path == "sparse":  # the same decision on every rank: a collective
-            from mtrain.ops.recall import gathered_true_recall
-
-            with torch.no_grad():
-                recall = gathered_true_recall(q.detach(), k.detach(), positions, index._cache["lines"], seq_len,
-                                              settings.block_size, topo.group, softmax_scale=scale,
-                                              doc_ids=rt.inputs.doc_ids, n_rows=rt.inputs.recall_rows)
-        record_layer(rt, layer_idx, path, index, prediction, true_recall=recall, cap_scale=cap_scale, widened=widened)
-        remember_choice(rt, layer_idx, path, index, training)
-        if path == "sparse" and rt.inputs.sample_imbalance:  # the first sparse layer of a logged step watches the
-            # balance (every rank of the group takes the same path, so all of them join the collective); once a step
-            from mtrain.parallel.imbalance import gathered_imbalance
-
-            rt.inputs.sample_imbalance = False
-            measured = gathered_imbalance(index, topo.layout, rank, topo.group,
-                                          local_world_size=topo.local_world_size)
-            rt.records.imbalances.append((measured["worker"], measured["step"], measured["ranks"]))
-        if path == "dense":
-            index = None
-    elif settings is not None:
-        remember_choice(rt, layer_idx, "dense", None, training)
+        site = decision.RankOfGroup(rt, q, k, v, scale, dist.get_world_size(topo.group), settings)
+        path, index = decision.decide(rt, q, settings, site, policy=policy, training=training, key=layer_idx,
+                                      memo_key=layer_idx, layer=layer_idx, max_error=max_error)
+        if path == "sparse" and rt.inputs.sample_imbalance:
+            _sample_imbalance(rt, index, site.rank)
+        gather = site.gather  # the gathered schedule's K/V, started before the index was built
     return ring_attention(q, k, v, group=topo.group, layout=topo.layout, index=index, softmax_scale=scaling,
                           inner_group=topo.inner_group, outer_group=topo.outer_group, doc_ids=rt.inputs.doc_ids,
                           engine=engine if engine in ("auto", "triton", "fa4") else "triton",
@@ -362,16 +252,15 @@ def _ring(rt, q, k, v, scaling, settings=None, layer_idx=None, *, policy="always
                           documents=rt.current_documents(rt.inputs.doc_ids), switches=rt.switches)
 
 
-def _ring_quality_error(rt, q, k, v, positions, index, seq_len, settings, scale, rank):
-    """The quality check's figure for this layer in the CP group (the estimate's scored rows)."""
-    from mtrain.parallel.quality import gathered_output_error
+def _sample_imbalance(rt, index, rank: int) -> None:
+    """The first sparse layer of a logged step watches the balance: this rank's work counted against the group's (a
+    collective: every rank of the group takes the same path, so all of them join it); once a step."""
+    from mtrain.parallel.imbalance import gathered_imbalance
 
-    vertical, slash, _ = index._cache["lines"]
-    with torch.no_grad():
-        return gathered_output_error(q.detach(), k.detach(), v.detach(), positions, (vertical, slash), seq_len,
-                                     settings.block_size, rt.topology.layout, rank, rt.topology.group,
-                                     rows=check_rows(settings, seq_len), softmax_scale=scale,
-                                     doc_ids=rt.inputs.doc_ids)
+    topo = rt.topology
+    rt.inputs.sample_imbalance = False
+    measured = gathered_imbalance(index, topo.layout, rank, topo.group, local_world_size=topo.local_world_size)
+    rt.records.imbalances.append((measured["worker"], measured["step"], measured["ranks"]))
 
 
 def mtrain_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, settings=False,

@@ -1,5 +1,6 @@
-"""`ring_attention`: the public entry point that picks the plan (dense, given index, estimated index) and the
-ring schedule (flat, or hierarchical inner/outer) for local shards of one context-parallel group."""
+"""`ring_attention`: the public entry point that picks the plan (dense, or sparse on a finished index) and the
+ring schedule (flat, or hierarchical inner/outer) for local shards of one context-parallel group; and
+`estimate_ring_index`, the index it takes estimated online across the group."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from mtrain.parallel.plan import (dense_plan, gathered_sparse_plan, rank_blocks,
                                   shard_key_blocks, sparse_plan)
 from mtrain.parallel.ring_flat import ring_flat_attention
 from mtrain.parallel.ring_hierarchical import ring_hierarchical_attention
-from mtrain.parallel.ring_gather import SCHEDULES, KVGather, ring_gather_attention, spare_bound
+from mtrain.parallel.ring_gather import SCHEDULES, KVGather, ring_gather_attention
 
 
 def _check_shapes(q, k, v, layout: Layout, world: int) -> int:
@@ -100,45 +101,50 @@ def _warn_unbalanced(layout: Layout, inner_group) -> None:
 _WARNED: list = []
 
 
-def _check_settings(engine: str, index, sparse, schedule: str) -> None:
-    """The engine and the schedule are known ones, and at most one of an index and estimation settings is given."""
+def _check_settings(engine: str, schedule: str) -> None:
+    """The engine and the schedule are known ones."""
     if engine not in ENGINES:
         raise ValueError(f"ring engine must be one of {ENGINES}; got {engine!r}")
-    if index is not None and sparse is not None:
-        raise MtrainError("ring_attention: give either a SparseIndex (index=) or estimation settings (sparse=)")
     if schedule not in SCHEDULES:
         raise ValueError(f"ring schedule must be one of {SCHEDULES}; got {schedule!r}")
 
 
-def _start_gather(q, k, v, group, world: int, seq_len: int, index, sparse, schedule: str, kv_gather):
+def _start_gather(k, v, group, world: int, index, schedule: str, kv_gather):
     """The K/V all-gather of the "gather" schedule: the caller's kv_gather if it started one, else one started here
-    for a sparse layer on several ranks (in flight while the estimate runs). None under the ring, and for a dense
-    layer (a gather already started is then dropped)."""
+    for a sparse layer on several ranks. None under the ring, and for a dense layer (a gather already started is then
+    dropped)."""
     gather = kv_gather if schedule == "gather" else None
-    if gather is None and schedule == "gather" and (index is not None or sparse is not None) and world > 1:
-        spare = 0 if sparse is None else spare_bound(sparse, q.shape[0] * q.shape[2], seq_len, q.shape[1])
-        gather = KVGather(k, v, group, spare=spare)  # in flight while the estimate runs
-    if gather is not None and index is None and sparse is None:
+    if gather is None and schedule == "gather" and index is not None and world > 1:
+        gather = KVGather(k, v, group)
+    if gather is not None and index is None:
         gather.drop()
         gather = None
     return gather
 
 
-def _estimate(q, k, layout: Layout, seq_len: int, rank: int, sparse: SparseSettings, scale: float, group, doc_ids,
-              scorer: str, schedule: str, switches: Switches):
-    """This rank's rows of the index estimated online across the group with `sparse` (a RowIndex): with scorer
-    "auto" replayed from a CUDA graph under parallel.graph_ring_estimate (else eager), with another scorer eager."""
+def estimate_ring_index(q: torch.Tensor, k: torch.Tensor, *, group=None, layout: Layout, settings: SparseSettings,
+                        softmax_scale: float | None = None, doc_ids: torch.Tensor | None = None, scorer: str = "auto",
+                        schedule: str = "ring", switches: Switches | None = None):
+    """This rank's rows of the index `ring_attention` takes (a `mtrain.ops.index.RowIndex`), estimated online across
+    the group with SparseSettings `settings`: no rank computes it for the others, and each builds only its own rows
+    (`mtrain.parallel.estimate.estimate_rank_index`). Collective: every rank of the group calls it alike. q, k, group,
+    layout, softmax_scale, doc_ids, schedule, switches: as `ring_attention` takes them (only same-document keys are
+    scored; the index's lists are sized for the schedule). scorer "auto": replayed from a CUDA graph under parallel.graph_ring_estimate
+    (`mtrain.parallel.graphed`), else eager; another scorer (`mtrain.parallel.estimate.estimate_lines`'s) eager."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq_len = q.shape[1] * world
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if doc_ids is not None:
+        doc_ids = _check_docs(doc_ids, q, seq_len)
     positions = rank_positions(layout, seq_len, rank, q.device)  # cached on the device: no copy per call
-    if scorer == "auto":  # replayed from a CUDA graph under parallel.graph_ring_estimate, else eager
-        return estimate_rank_index_graphed(
-            q, k, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
-            rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-            key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-            layout_key=(layout.spec, rank), schedule=schedule, switches=switches)
-    return estimate_rank_index(q, k, positions, positions, seq_len, sparse, scale, group, doc_ids=doc_ids,
-                               rows=rank_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-                               key_blocks=shard_key_blocks(layout, seq_len, rank, sparse.block_size, q.device),
-                               scorer=scorer, schedule=schedule, switches=switches)
+    rows = rank_blocks(layout, seq_len, rank, settings.block_size, q.device)
+    key_blocks = shard_key_blocks(layout, seq_len, rank, settings.block_size, q.device)
+    if scorer == "auto":
+        return estimate_rank_index_graphed(q, k, positions, seq_len, settings, scale, group, doc_ids=doc_ids,
+                                           rows=rows, key_blocks=key_blocks, layout_key=(layout.spec, rank),
+                                           schedule=schedule, switches=switches)
+    return estimate_rank_index(q, k, positions, positions, seq_len, settings, scale, group, doc_ids=doc_ids,
+                               rows=rows, key_blocks=key_blocks, scorer=scorer, schedule=schedule, switches=switches)
 
 
 def _plan(q, index, layout: Layout, seq_len: int, rank: int, group, hierarchy, gather, doc_ids, engine: str,
@@ -177,13 +183,11 @@ def ring_attention(
     group=None,
     layout: Layout,
     index=None,
-    sparse: SparseSettings | None = None,
     softmax_scale: float | None = None,
     inner_group=None,
     outer_group=None,
     doc_ids: torch.Tensor | None = None,
     engine: str = "auto",
-    scorer: str = "auto",
     schedule: str = "ring",
     kv_gather=None,
     dense_schedule: str = "auto",
@@ -195,11 +199,10 @@ def ring_attention(
     q: [B, S_local, Hq, D], k, v: [B, S_local, Hkv, D]: this rank's shard, `layout.shard(x, cp_rank)`
     (positions `layout.indices(S, cp_rank)`, S = S_local * group size). Only the Hkv heads travel.
     group: the CP process group (None = the default world group).
-    index: a global `mtrain.ops.SparseIndex` (vertical-slash sparse), this rank's rows of one as a
-    `mtrain.ops.index.RowIndex` (`mtrain.parallel.estimate.estimate_rank_index`), or None; sparse: `SparseSettings`
-    to estimate the index online across the group (no rank computes it for the others, and each builds only its
-    own rows); neither = dense. The sink + vertical columns' K/V are all-gathered from their owners while the
-    first ring steps run (their gradients reduce-scattered back the same way).
+    index: a finished index: a global `mtrain.ops.SparseIndex` (vertical-slash sparse), this rank's rows of one as a
+    `mtrain.ops.index.RowIndex` (estimated online across the group by `estimate_ring_index`, which a caller runs
+    first), or None = dense. The sink + vertical columns' K/V are all-gathered from their owners while the first
+    ring steps run (their gradients reduce-scattered back the same way).
     inner_group/outer_group: a hierarchical ring (inner = one node's consecutive CP ranks; outer = a second
     communicator over the CP ranks, see `comm.hierarchical_groups`, or the ranks with equal node-local
     index, in which case the CP group carries the outer ring); when not given they are derived from the node
@@ -208,24 +211,25 @@ def ring_attention(
     steps are balanced when the layout is built with local_world_size = the inner group's size.
     doc_ids: integer tensor [B, S] of GLOBAL document ids of the whole sequence (packed samples; equal id =
     same document), identical on every rank of the group: a query then attends only to keys of its own
-    document, in every ring step and the off-ring pass; the online estimate scores only same-document keys.
+    document, in every ring step and the off-ring pass.
     engine: the block kernels of the sparse steps, as `attention.engine`: "fa4" (FlashAttention-4's block-sparse
     kernels, the columns in ours; `mtrain.parallel.fa4_steps`) where it runs, "triton" (ours), "auto" (fa4 where it
     runs, else triton); fa4 falls back to triton where it cannot run (CPU, fp32, 64-token blocks, documents).
-    scorer: how the online estimate scores its rows (`mtrain.parallel.estimate.estimate_lines`).
     schedule: "ring" (the flat or hierarchical ring above), or "gather" for sparse layers: every rank all-gathers
-    the group's K/V (started before the estimate) and runs its rows against them in one sparse call, with no LSE
-    merge (`mtrain.parallel.ring_gather`; W x the shard's K/V in memory); dense layers always run the ring.
-    kv_gather: with schedule "gather", a `ring_gather.KVGather` of these k, v the caller started earlier (e.g.
-    before its own estimate), used instead of starting one here (dropped if the layer runs dense).
-    dense_schedule: how a dense call (no index, no sparse) runs: "gather" (every rank all-gathers the group's K/V and
+    the group's K/V (started here unless the caller started it) and runs its rows against them in one sparse call,
+    with no LSE merge (`mtrain.parallel.ring_gather`; W x the shard's K/V in memory); dense layers always run the
+    ring.
+    kv_gather: with schedule "gather", a `ring_gather.KVGather` of these k, v the caller started earlier (before its
+    estimate, so that the K/V travel while it runs), used instead of starting one here (dropped if the layer runs
+    dense).
+    dense_schedule: how a dense call (no index) runs: "gather" (every rank all-gathers the group's K/V and
     runs its rows in one varlen call, `mtrain.parallel.dense_gather`; layouts whose shards are a few runs of
     consecutive positions: contiguous and zigzag), "ring" (the ring's steps), "auto" (gather where the layout allows, else the ring).
     documents: `mtrain.ops.varlen.Documents` of doc_ids (built once per batch), for the gathered dense call; read
     from doc_ids here when not given.
     switches: the run's `mtrain.ops.switches.Switches` (a model's runtime passes its own; None = the documented
-    defaults): the hierarchy and node size, the estimate's CUDA graph, list widths and list-free columns, the merge,
-    and the gathered step's backward and sink form. The backward reads the ones this call ran with.
+    defaults): the hierarchy and node size, the merge, and the gathered step's backward and sink form. The backward
+    reads the ones this call ran with.
     Returns out [B, S_local, Hq, D] in q.dtype; partial results are merged in fp32 through the LSE.
     """
     world = dist.get_world_size(group)
@@ -234,10 +238,10 @@ def ring_attention(
     hierarchy = _pick_groups(group, inner_group, outer_group, switches)
     seq_len = _check_shapes(q, k, v, layout, world)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    _check_settings(engine, index, sparse, schedule)
+    _check_settings(engine, schedule)
     if doc_ids is not None:
         doc_ids = _check_docs(doc_ids, q, seq_len)
-    if index is None and sparse is None and world > 1:
+    if index is None and world > 1:
         runs = gather_runs(layout, seq_len, rank, dense_schedule)
         if runs is not None:
             if kv_gather is not None:
@@ -245,9 +249,7 @@ def ring_attention(
             if doc_ids is not None and documents is None:
                 documents = Documents.from_doc_ids(doc_ids)
             return gathered_dense_attention(q, k, v, runs, layout, group, scale, documents)
-    gather = _start_gather(q, k, v, group, world, seq_len, index, sparse, schedule, kv_gather)
-    if sparse is not None:
-        index = _estimate(q, k, layout, seq_len, rank, sparse, scale, group, doc_ids, scorer, schedule, switches)
+    gather = _start_gather(k, v, group, world, index, schedule, kv_gather)
     plan = _plan(q, index, layout, seq_len, rank, group, hierarchy, gather, doc_ids, engine, switches)
     if index is not None and gather is not None:
         out, _ = ring_gather_attention(q, k, v, plan, group, scale, gather, switches=switches)
