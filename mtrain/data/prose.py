@@ -9,6 +9,8 @@ text; tests and benchmarks that compare dense with sparse attention use it as he
 from __future__ import annotations
 
 import ast
+import collections
+import functools
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -26,18 +28,32 @@ def stdlib_docstrings() -> Iterator[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib"))
         for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            try:
-                with open(os.path.join(dirpath, name), encoding="utf-8") as fh:
-                    tree = ast.parse(fh.read())
-            except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) >= 200:  # paragraphs, not one-line summaries
-                        yield doc.strip() + "\n\n"
+            if name.endswith(".py"):
+                yield from _file_docstrings(os.path.join(dirpath, name))
+
+
+# the nodes a docstring's owner can sit under: statements, and the except / case clauses whose bodies hold them
+_HOLDS_DEFS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
+@functools.lru_cache(maxsize=None)
+def _file_docstrings(path: str) -> tuple[str, ...]:
+    """The docstrings of one source file of at least 200 characters (paragraphs, not one-line summaries), in
+    `ast.walk`'s breadth-first order; parsed once per process (the standard library does not change under it)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return ()
+    docs, todo = [], collections.deque([tree])
+    while todo:  # ast.walk's order, without descending into expressions (no def or class lies inside one)
+        node = todo.popleft()
+        todo.extend(c for c in ast.iter_child_nodes(node) if isinstance(c, _HOLDS_DEFS))
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc and len(doc) >= 200:
+                docs.append(doc.strip() + "\n\n")
+    return tuple(docs)
 
 
 def stdlib_prose(min_chars: int) -> str:
