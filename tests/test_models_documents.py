@@ -219,3 +219,22 @@ def test_break_even_measured_on_packed_documents_replaces_the_floor_in_training(
     floor = _shortest_sparse("auto", 9, 64, 128, s, False, device, "fa4", "fa4")
     assert floor > 32768 and _shortest_sparse("auto", 9, 64, 128, s, True, device, "triton", "fa4") != 32768
     assert _shortest_sparse("auto", 9, 64, 128, s, True, "cpu", "fa4", "fa4") != 32768  # the CPU table has none
+
+
+def test_min_sparse_document_picks_the_documents_auto_estimates():
+    """attention.min_sparse_document under "auto": the documents at least that long are estimated, whatever the cost
+    model's floor says of them (on the CPU table it says none of these pays: without the setting no document is
+    estimated), and the shorter ones go to the dense varlen call unestimated; the output stays exact where every
+    document runs dense, and within the estimate's error otherwise."""
+    (q, k, v), ids = inputs()
+    RT.set_documents(ids)
+    RT.settings.sparse_policy = "auto"
+    call(q, k, v, LOCAL, policy="auto")
+    assert not any(r.density is not None for r in RT.records.layers)  # the floor: nothing estimated
+    for threshold, estimated in ((350, 2), (450, 1), (600, 0)):  # documents of 300 / 520 / 400 tokens
+        RT.records.layers.clear()
+        RT.settings.min_sparse_document = threshold
+        out = call(q, k, v, LOCAL, policy="auto")
+        assert sum(r.density is not None for r in RT.records.layers) == estimated
+        err = (out.double() - reference(q, k, v, LENGTHS)).norm() / reference(q, k, v, LENGTHS).norm()
+        assert err < (1e-5 if estimated == 0 else 0.5)

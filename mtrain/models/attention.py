@@ -73,13 +73,16 @@ def _graphed(q, prepare, switches) -> bool:
 
 
 def _decide(rt, q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, engine, max_error, prepare,
-            graphed, doc_ids=None):
+            graphed, doc_ids=None, floor=True):
     """("sparse", index) or ("dense", None) for one device's call over q [B, S, Hq, D] under SparseSettings `s`: the
     layer's decision (`mtrain.models.decision.decide`, the ring's too) with the whole sequence at hand
     (`decision.OneDevice`), its state under `key` (the layer index, or on packed documents the layer's documents of
     one length class: `document_key`), its replayed choice under `memo_key`, its records under `layer_idx`.
-    doc_ids: the documents masked within this one estimate and index (per_document off), else None."""
-    site = decision.OneDevice(rt, q, k, v, scaling, s, doc_ids, engine=engine, prepare=prepare, graphed=graphed)
+    doc_ids: the documents masked within this one estimate and index (per_document off), else None. floor False:
+    the call is a packed document that cleared the per-document break-even (`_shortest_sparse`, or
+    attention.min_sparse_document), so the floor is not priced again."""
+    site = decision.OneDevice(rt, q, k, v, scaling, s, doc_ids, engine=engine, prepare=prepare, graphed=graphed,
+                              floor=floor)
     return decision.decide(rt, q, s, site, policy=policy, training=training, key=key, memo_key=memo_key,
                            layer=layer_idx, max_error=max_error)
 
@@ -202,7 +205,8 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
             path, index = _decide(rt, qd, kd, vd, scaling, layer_settings(rt, s, key), policy=policy,
                                   training=training, layer_idx=layer_idx, key=key,
                                   memo_key=None if key is None else (key, slot), engine=engine,
-                                  max_error=max_error, prepare=prepare_spec(qd, kd, engine, None), graphed=False)
+                                  max_error=max_error, prepare=prepare_spec(qd, kd, engine, None), graphed=False,
+                                  floor=False)
             slot += 1
             if path == "sparse":
                 pieces[b, start] = vertical_slash_attention(qd, kd, vd, index, softmax_scale=scaling, impl=engine,

@@ -29,6 +29,9 @@ class Site(Protocol):
     graphed (each as those functions take it)."""
     lagged: bool
     """Whether the choice reads the layer's previous estimate (attention.lagged_choice: `choose_path`'s layer_idx)."""
+    floor: bool
+    """Whether `skip_estimate` prices the call's floor (False: the caller priced it, e.g. a packed document at least
+    the per-document break-even long: only the dense holds apply)."""
 
     def estimate(self, s):
         """The index estimated under SparseSettings `s` (a SparseIndex, or this rank's rows of one: a RowIndex)."""
@@ -54,7 +57,7 @@ def decide(rt, q, s, site: Site, *, policy: str, training: bool, key, memo_key, 
         path, lines = replay
         return ("sparse", site.of_lines(lines)) if path == "sparse" else ("dense", None)
     if policy == "never" or skip_estimate(rt, q, s, key, policy=policy, training=training, layer=layer,
-                                          **site.costs):
+                                          floor=site.floor, **site.costs):
         remember_choice(rt, memo_key, "dense", None, training)
         return "dense", None
     index, s, checked = _checked_estimate(rt, s, site, key, policy=policy, training=training, max_error=max_error)
@@ -92,11 +95,14 @@ class OneDevice:
     seen twice: `mtrain.ops.graphed.estimate_graphed`, with the engine's plans where `prepare` says), the check's
     figure (`quality_error`), a SparseIndex of remembered lines, and the true recall measured by `record_layer` from
     q / k. doc_ids: the documents masked within the one estimate, else None; engine / graphed: what the cost model
-    prices (the concrete engine; whether the estimate runs from a graph that builds the engine's plans)."""
+    prices (the concrete engine; whether the estimate runs from a graph that builds the engine's plans); floor:
+    `Site.floor`."""
 
     lagged = True
 
-    def __init__(self, rt, q, k, v, scaling, s, doc_ids=None, *, engine: str, prepare, graphed: bool):
+    def __init__(self, rt, q, k, v, scaling, s, doc_ids=None, *, engine: str, prepare, graphed: bool,
+                 floor: bool = True):
+        self.floor = floor
         self.rt, self.q, self.k, self.v, self.scaling, self.doc_ids = rt, q, k, v, scaling, doc_ids
         self.block_size, self.prepare, self.seq_len = s.block_size, prepare, q.shape[1]
         self.costs = {"doc_ids": doc_ids, "engine": engine, "graphed": graphed}
@@ -132,6 +138,7 @@ class RankOfGroup:
     (`gather`, in flight while the estimate runs; None otherwise). s: the layer's SparseSettings."""
 
     lagged = False
+    floor = True
 
     def __init__(self, rt, q, k, v, scale: float, world: int, s):
         import torch.distributed as dist

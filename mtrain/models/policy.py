@@ -157,12 +157,13 @@ def choose_path(rt, index, q, *, policy: str, training: bool, world: int = 1, do
 
 
 def skip_estimate(rt, q, s, layer_idx, *, policy: str, training: bool, world: int = 1, doc_ids=None,
-                   engine: str = "auto", graphed: bool = False, layer=False) -> bool:
+                   engine: str = "auto", graphed: bool = False, layer=False, floor: bool = True) -> bool:
     """Under "auto": True when sparse cannot pay even with no work listed (the estimate and the fixed costs
     alone exceed dense; `mtrain.ops.cost.worth_estimating`). The call then runs dense without estimating and
     records the floor. Decided from shapes and settings every rank shares. layer_idx: the key of the policy's
     state (the layer index, or a layer's documents of one length class); layer: the record's layer (default:
-    layer_idx)."""
+    layer_idx). floor False: the caller priced the call already (a packed document at least
+    `mtrain.models.attention._shortest_sparse` long): only the dense holds apply."""
     layer = layer_idx if layer is False else layer
     if policy != "auto":
         return False
@@ -170,6 +171,8 @@ def skip_estimate(rt, q, s, layer_idx, *, policy: str, training: bool, world: in
         rt.records.layers.append(LayerRecord(layer, "dense", None, held=True,  # held dense: see dense_hold
                                              cap_scale=rt.policy.cap_scale.get(layer_idx, 1)))
         return True
+    if not floor:
+        return False
     from mtrain.ops import cost
     from mtrain.ops.dense import dense_backend
 
