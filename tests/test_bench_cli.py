@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ranks import run_cli
+from test_ops_interpreter import needs_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = ("attention", "documents", "real", "ring", "train", "cost", "plan", "imbalance", "check")
@@ -100,11 +101,16 @@ def test_cost_fit_smoke(tmp_path):
     assert table["estimate"] == pytest.approx([0.5, 3.0], rel=1e-3)
 
 
-def test_check_smoke():
-    """The gate's Triton engines on the CPU, the list-free columns beside the lists: each case says ok."""
+@needs_interpreter  # run by tests/test_ops_interpreter.py in its Triton-interpreter process (QUICK_ELSEWHERE)
+def test_check_smoke(capsys):
+    """The gate's Triton engines on the CPU, the list-free columns beside the lists: each case says ok (`mtrain bench
+    check`, in the interpreter's process: --jobs 1 runs the cases in it)."""
+    from mtrain.cli import main
+
     engines = ("triton-det", "triton-listfree", "triton-lf-atomic")
-    out = mtrain("bench", "check", "--device", "cpu", "--quick", "--jobs", "1", "--block-sizes", "64", "--dtypes",
-                 "float32", "--engines", *engines, env={"TRITON_INTERPRET": "1"}).stdout
+    assert main(["bench", "check", "--device", "cpu", "--quick", "--jobs", "1", "--block-sizes", "64", "--dtypes",
+                 "float32", "--engines", *engines]) == 0
+    out = capsys.readouterr().out
     assert "0 failures" in out
     for name in engines:
         assert sum(line.startswith(f"ok   {name} ") for line in out.splitlines()) == 2, (name, out[-2000:])

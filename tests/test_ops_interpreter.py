@@ -4,7 +4,8 @@ switched on inside a test session that may already have imported triton for comp
 
 Only the tests marked `needs_interpreter` run there: this module, loaded as a plugin of those processes
 (`-p test_ops_interpreter`), deselects the others (torch-only cases, which this session runs already). A few kernel
-tests, one per kernel family, run in the quick suite (`QUICK`); all the others under `slow`, in two processes at once
+tests, one per kernel family, run in the quick suite (`QUICK`), with the interpreter tests of other files
+(`QUICK_ELSEWHERE`) in the same process; all the others under `slow`, in two processes at once
 (each on a share of the files: the interpreter runs one thread, and this session only waits)."""
 
 import os
@@ -31,6 +32,11 @@ QUICK = ["test_ops_sparse_attention.py::test_triton_fp32_matches_float64_referen
          "test_ops_estimate_kernel.py::test_triton_scorer_est_recall_against_float64",
          "test_ops_index.py::test_triton_builder_covers_full_and_empty_patterns",
          "test_ops_columns.py::test_attention_with_list_free_columns_matches_reference[triton-72-16-1-1-False-False]"]
+# kernel tests of other files, run in the same quick process (each would otherwise start an interpreter of its own): the
+# quality check's output error, moba and xattention, `mtrain bench check`'s Triton engines
+QUICK_ELSEWHERE = ["test_quality_check.py::test_block_output_error_through_the_triton_kernels_in_the_interpreter",
+                   "test_baselines_interpreter.py::test_baselines_through_triton_kernels_in_interpreter",
+                   "test_bench_cli.py::test_check_smoke"]
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 REASON = "Triton kernel test: run by test_kernel_tests_in_interpreter_process"
 needs_interpreter = pytest.mark.skipif(not IN_INTERPRETER, reason=REASON)
@@ -88,8 +94,8 @@ skip_here = [pytest.mark.skipif(IN_INTERPRETER, reason="this process already run
 @skip_here[0]
 @skip_here[1]
 def test_kernel_tests_in_interpreter_process(tmp_path):
-    """The quick suite's kernel tests (`QUICK`)."""
-    _run_in_interpreter(tmp_path, [[f"tests/{node}" for node in QUICK]])
+    """The quick suite's kernel tests (`QUICK`, `QUICK_ELSEWHERE`)."""
+    _run_in_interpreter(tmp_path, [[f"tests/{node}" for node in QUICK + QUICK_ELSEWHERE]])
 
 
 @skip_here[0]

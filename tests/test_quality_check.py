@@ -21,6 +21,7 @@ from mtrain.parallel import SparseSettings
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 from attention_choice import BS, inputs  # noqa: E402  (a local pattern where sparse pays)
+from test_ops_interpreter import needs_interpreter  # noqa: E402
 
 LOCAL = SparseSettings(recall=0.4, block_size=BS, max_vertical=4, max_slash=4, min_vertical=0, min_slash=0)
 
@@ -108,39 +109,16 @@ def test_block_output_error_matches_the_float64_reference(documents):
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0.0)
 
 
-INTERPRETED = """
-import json, sys, torch
-sys.path.insert(0, "tests")
-from test_quality_check import lossy_case
-from mtrain.ops.recall import block_output_error
-out = {}
-for documents in (False, True):
-    q, k, v, docs, index = lossy_case(documents)
-    rows = torch.tensor([0, 5, 31, 32, 100, 149, 150, 151, 200, 287, 319])
-    out[str(documents)] = block_output_error(q, k, v, index, rows, doc_ids=docs, per_head=True, impl="triton")[0].tolist()
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter test is for CPU machines")
+@needs_interpreter  # run by tests/test_ops_interpreter.py in its Triton-interpreter process (QUICK_ELSEWHERE)
 def test_block_output_error_through_the_triton_kernels_in_the_interpreter():
     """What the GPU runs: the Triton partial-attention kernels (TRITON_INTERPRET=1), against the float64 reference,
     within 1e-4 relative (fp32 inputs), with and without document masking."""
-    import json
-    import os
-    import subprocess
-
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
     for documents in (False, True):
         q, k, v, docs, index = lossy_case(documents)
         rows = torch.tensor([0, 5, 31, 32, 100, 149, 150, 151, 200, 287, 319])
+        got = block_output_error(q, k, v, index, rows, doc_ids=docs, per_head=True, impl="triton")[0]
         want_head, _ = reference_error(q, k, v, index, rows, doc_ids=docs)
-        torch.testing.assert_close(torch.tensor(got[str(documents)], dtype=torch.float64), want_head, rtol=1e-4,
-                                   atol=0.0)
+        torch.testing.assert_close(got.double(), want_head, rtol=1e-4, atol=0.0)
 
 
 def test_output_error_is_zero_for_the_dense_pattern():
