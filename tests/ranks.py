@@ -281,6 +281,17 @@ class Launch:
                 raise subprocess.TimeoutExpired(str(self._context), timeout)
         return self.returncode
 
+    @property
+    def pids(self) -> list[int]:
+        """The processes' ids (one for a plain `python` start)."""
+        return [process.pid for process in self._context.processes]
+
+    def send_signal(self, sig) -> None:
+        """Send `sig` to every process still running (as `Popen.send_signal`); `wait` then gives the exit status."""
+        for process in self._context.processes:
+            if process.is_alive():
+                os.kill(process.pid, sig)
+
     def kill(self) -> None:
         """SIGKILL every process, as `kill -9` of a launcher's process group, and reap them."""
         import signal

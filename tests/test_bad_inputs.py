@@ -4,8 +4,9 @@ traceback, and leaves nothing that looks complete. Then planted payloads (pickle
 MDS column) that must never run, checkpoint fall-back, a run-folder lock, resume with changed optim
 settings, SIGTERM's exit status, pack workers dying with their parent, and no network for a mistyped path.
 
-Most cases call `mtrain.cli.main` in-process; a subprocess is used only where the process itself is the
-subject (signals, orphans, the offline default of a bare `mtrain`).
+Most cases call `mtrain.cli.main` in-process; a process of its own is used only where the process itself is the
+subject: forked from the CLI's server (tests/ranks.py start) for signals, orphans and a second pack, a fresh
+interpreter where what it starts with matters (the offline default of a bare `mtrain`, strace, a mount namespace).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from mtrain.cli import main
 from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
 from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
 from planted import Payload
+from ranks import start
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 128
@@ -1036,9 +1038,9 @@ def _env(**extra) -> dict:
 def test_sigterm_checkpoints_then_exits_143(world, tmp_path):
     run = copy_run(world, tmp_path / "run")
     shutil.rmtree(run / "final")
-    proc = subprocess.Popen([sys.executable, "-m", "mtrain", "train", str(world / "recipe.yaml"), "--set",
-                             f"train.output_dir={run}", "--set", "train.max_steps=1000"],
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # `python -m mtrain train`, forked from the CLI's server (tests/ranks.py start: a process of its own)
+    proc = start(1, "-m mtrain", "train", str(world / "recipe.yaml"), "--set", f"train.output_dir={run}", "--set",
+                 "train.max_steps=1000", launcher=False)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -1046,8 +1048,12 @@ def test_sigterm_checkpoints_then_exits_143(world, tmp_path):
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    try:
+        returncode = proc.wait(timeout=120)
+        out, err = proc.output()
+    finally:
+        proc.close()
+    assert returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "stopped by signal 15" in err and "Traceback" not in err
     latest = (run / "checkpoints" / "latest").read_text()
     assert int(latest.split("-")[1]) >= 3 and not (run / "final").exists()
@@ -1066,10 +1072,12 @@ def test_pack_workers_die_with_their_parent(world, tmp_path):
         "from mtrain.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script, "pack", "--source", f"{tmp_path}:jsonl", "--tokenizer",
-                             str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(tmp_path / "packed"),
-                             "--workers", "3", "--no-progress"], cwd=REPO, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (tmp_path / "slow_pack.py").write_text(script)
+    # `python slow_pack.py pack ...`, forked from the CLI's server (tests/ranks.py start: a process of its own)
+    proc = start(1, str(tmp_path / "slow_pack.py"), "pack", "--source", f"{tmp_path}:jsonl", "--tokenizer",
+                 str(TOKENIZER_DIR), "--seq-len", "128", "--out", str(tmp_path / "packed"), "--workers", "3",
+                 "--no-progress", launcher=False)
+    pid = proc.pids[0]
 
     def children() -> list[int]:
         found = []
@@ -1079,7 +1087,7 @@ def test_pack_workers_die_with_their_parent(world, tmp_path):
                     stat = (entry / "stat").read_text()
                 except OSError:
                     continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == proc.pid:
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                     found.append(int(entry.name))
         return found
 
@@ -1089,8 +1097,8 @@ def test_pack_workers_die_with_their_parent(world, tmp_path):
         workers = children()
         time.sleep(0.2)
     assert len(workers) >= 3, "the pack never started its workers"
-    proc.kill()
-    proc.wait()
+    proc.kill()  # SIGKILL, and reaped
+    proc.close()
     deadline = time.time() + 10
     alive = workers
     while time.time() < deadline and alive:
@@ -1116,19 +1124,24 @@ def test_second_pack_into_one_out_fails_at_once(world, tmp_path, capsys):
     )
     argv = ["pack", "--source", f"{world / 'docs.jsonl'}:jsonl", "--tokenizer", str(TOKENIZER_DIR), "--seq-len",
             "128", "--out", str(out), "--workers", "1", "--no-progress"]
-    first = subprocess.Popen([sys.executable, "-c", script, *argv], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (out / ".work" / "config.json").exists():  # the first holds the folder and is tokenizing
-        assert first.poll() is None and time.time() < deadline, first.communicate()
-        time.sleep(0.05)
-    started = time.time()
-    rc, err = run_cli(argv, capsys)
-    assert time.time() - started < 2.0 and first.poll() is None  # refused at once, while the first still runs
-    assert rc == 2
-    assert_one_line(err, str(out), "another `mtrain pack`", "another --out")
-    _, first_err = first.communicate(timeout=120)
-    assert first.returncode == 0, first_err[-3000:]
+    (tmp_path / "slow_pack.py").write_text(script)
+    # the first: `python slow_pack.py ARGV`, forked from the CLI's server (tests/ranks.py start: a process of its own)
+    first = start(1, str(tmp_path / "slow_pack.py"), *argv, launcher=False)
+    try:
+        deadline = time.time() + 60
+        while not (out / ".work" / "config.json").exists():  # the first holds the folder and is tokenizing
+            assert first.poll() is None and time.time() < deadline, first.output()
+            time.sleep(0.05)
+        started = time.time()
+        rc, err = run_cli(argv, capsys)
+        assert time.time() - started < 2.0 and first.poll() is None  # refused at once, while the first still runs
+        assert rc == 2
+        assert_one_line(err, str(out), "another `mtrain pack`", "another --out")
+        returncode = first.wait(timeout=120)
+        first_err = first.output()[1]
+    finally:
+        first.close()
+    assert returncode == 0, first_err[-3000:]
     assert (out / "index.json").is_file() and (out / "manifest.json").is_file() and not (out / ".work").exists()
 
 

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import yaml
+from ranks import start
 from test_eval_helpers import tiny_checkpoint
 
 from mtrain.eval.backends.hf import HFBackend
 from mtrain.eval.runner import ManifestMismatchError, predictions_path, read_records, run_suite
 from mtrain.eval.suite import parse_suite
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = {
     "name": "test", "seed": 0, "lengths": [256, 384], "samples": 2,
     "data": {"essay_path": "synthetic", "pg19_path": "synthetic"},
@@ -59,15 +56,15 @@ def test_killed_run_resumes_without_recomputing(tmp_path, counting):
     model, out = tiny_checkpoint(), str(tmp_path / "out")
     suite_file = tmp_path / "suite.yaml"
     suite_file.write_text(yaml.safe_dump(SUITE))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "mtrain", "eval", str(suite_file), "--model", model, "--out", out,
-                             "--no-progress"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # `python -m mtrain eval`, forked from the CLI's server (tests/ranks.py start: a process of its own)
+    proc = start(1, "-m mtrain", "eval", str(suite_file), "--model", model, "--out", out, "--no-progress",
+                 launcher=False)
     niah_file = predictions_path(out, "niah")
     deadline = time.time() + 120
     while time.time() < deadline and len(read_records(niah_file)) < 3:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)  # no chance to clean up, as with a crash or a lost node
-    proc.wait()
+    proc.kill()  # SIGKILL: no chance to clean up, as with a crash or a lost node
+    proc.close()
     before = _lines(out)
     written = sum(len(read_records(os.path.join(out, "predictions", n))) for n in before)
     assert 3 <= written < TOTAL, written
