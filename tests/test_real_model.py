@@ -9,7 +9,7 @@ from mtrain.models.registry import attention_runtime
 from ranks import run_cli
 from real_model import REAL_MODEL, load_real_model, prose_ids, require_real_model
 
-SEQ = 1024
+SEQ = 512
 
 
 def _logits(model, ids):
