@@ -211,6 +211,9 @@ def _run_deepspeed(tmp_path, recipe, *overrides, cp: int = 2):
                       env={"DS_ACCELERATOR": "cpu"})
 
 
+# slow: ~19 s on 2 cores; the quick suite runs DeepSpeed in test_deepspeed_skips_and_counts_non_finite_updates and the
+# DDP curve in test_train_resume_export
+@pytest.mark.slow
 def test_deepspeed_zero2_cp2_gives_the_ddp_loss_curve(tmp_path, packed):
     """The same CP=2 run under DeepSpeed ZeRO-2 (CPU accelerator, gloo) follows the committed DDP curve.
 
