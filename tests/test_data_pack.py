@@ -7,8 +7,6 @@ import collections
 import json
 import os
 import random
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,8 +16,8 @@ import pytest
 from mtrain.data import pack
 from mtrain.data.mds import MDSFolder, mds_writer
 from mtrain.data.packer import COLUMNS
+from ranks import start
 
-ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("river stone light window market garden paper engine silver winter quiet number seven orange "
          "history signal bridge forest memory ocean yellow cotton north 42 1917 ,. ;").split()
 
@@ -213,9 +211,15 @@ def test_killed_run_resumes_to_identical_output(world, packed, tmp_path, stage, 
     out, _ = packed
     killed = tmp_path / "killed"
     args = pack_args(world, killed)
-    proc = subprocess.run([sys.executable, "-c", KILLER, json.dumps(args), stage, str(after)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -9, proc.stderr[-2000:]
+    (tmp_path / "killer.py").write_text(KILLER)
+    # `python killer.py ARGS`, forked from the CLI's server (tests/ranks.py start: a process of its own)
+    launch = start(1, str(tmp_path / "killer.py"), json.dumps(args), stage, str(after), launcher=False)
+    try:
+        returncode = launch.wait(timeout=120)
+        err = launch.output()[1]
+    finally:
+        launch.close()
+    assert returncode == -9, err[-2000:]
     # nothing looks complete: no index.json / manifest.json; the work journal is there
     assert not (killed / "index.json").exists() and not (killed / "manifest.json").exists()
     assert (killed / ".work" / "config.json").exists()
