@@ -13,7 +13,7 @@ import torch
 from mtrain.data.synthetic import CorpusSpec, generate, write_jsonl
 from mtrain.tiny import MODEL_CONFIG, TOKENIZER_DIR
 from planted import Payload
-from ranks import run_mtrain, start
+from ranks import run_cli, run_mtrain, start
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 256
@@ -307,13 +307,13 @@ def test_deepspeed_zero2_checkpoints_load_tensors_only(tmp_path, packed, config)
     assert "weights_only" not in out
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
-    # the intact step-3 checkpoint exports; planted, it is refused in one line
-    export = [sys.executable, "-m", "mtrain", "export", str(run), "--out"]
-    proc = subprocess.run([*export, str(tmp_path / "hf")], capture_output=True, text=True, cwd=REPO)
+    # the intact step-3 checkpoint exports; planted, it is refused in one line (`python -m mtrain export`, forked from
+    # the CLI's server: tests/ranks.py run_cli)
+    proc = run_cli("export", str(run), "--out", str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     planted = _plant_in_zero_partition(run / "checkpoints" / "step-0000003", marker)
-    proc = subprocess.run([*export, str(tmp_path / "hf2")], capture_output=True, text=True, cwd=REPO)
+    proc = run_cli("export", str(run), "--out", str(tmp_path / "hf2"))
     assert not marker.exists(), "code planted in a ZeRO partition ran on export"
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mtrain ")]
