@@ -238,30 +238,3 @@ def test_min_sparse_document_picks_the_documents_auto_estimates():
         assert sum(r.density is not None for r in RT.records.layers) == estimated
         err = (out.double() - reference(q, k, v, LENGTHS)).norm() / reference(q, k, v, LENGTHS).norm()
         assert err < (1e-5 if estimated == 0 else 0.5)
-
-
-def test_a_document_past_the_break_even_that_runs_sparse_is_not_held_dense(monkeypatch):
-    """Under "auto" in training with dense holds: a document that cleared the per-document break-even
-    (attention.min_sparse_document here) and went sparse is not held dense for its estimate's predicted cost (the
-    break-even's measurement includes the estimate); a call priced by its prediction alone is. The cost table makes the choice sparse and the estimate too dear to pay (estimate_paid False)."""
-    from mtrain.ops.cost import CostTable
-
-    sparse_cheap = dataclasses.replace(cost.CPU, estimate=(1e6, 0.0), sparse={(32, 64): {
-        "train": (0.0, 0.0, 0.0, 0.0), "eval": (0.0, 0.0, 0.0, 0.0)}}, index=(0.0, 0.0, 0.0, 0.0))
-    assert isinstance(sparse_cheap, CostTable)
-    monkeypatch.setattr(cost, "CPU", sparse_cheap)
-    (q, k, v), ids = inputs()
-    RT.settings.sparse_policy, RT.settings.dense_hold, RT.settings.min_sparse_document = "auto", 4, 256
-    RT.set_documents(ids)
-    call(q, k, v, LOCAL, policy="auto")
-    assert [r.path for r in RT.records.layers] == ["sparse"] * 3
-    assert RT.policy.dense_until == {}  # sparse documents past the break-even: nothing held
-    # a sparse choice whose estimate is predicted dearer than what it saves, read by `hold` from its prediction
-    from mtrain.models.policy import hold
-
-    prediction = cost.Prediction(dense_ms=10.0, sparse_ms=1.0, path="sparse", estimate_ms=100.0)
-    assert not prediction.estimate_paid
-    hold(RT, "00@512", prediction, "auto", True, paid=True)
-    assert RT.policy.dense_until == {}
-    hold(RT, "00@512", prediction, "auto", True)
-    assert RT.policy.dense_until == {"00@512": RT.inputs.step + 1 + 4}

@@ -30,9 +30,8 @@ class Site(Protocol):
     lagged: bool
     """Whether the choice reads the layer's previous estimate (attention.lagged_choice: `choose_path`'s layer_idx)."""
     floor: bool
-    """Whether `skip_estimate` prices the call's floor and `hold` the estimate's worth (False: the caller priced the
-    call, e.g. a packed document at least the per-document break-even long, measured with its estimate: only the
-    dense holds apply, and going sparse counts as paid)."""
+    """Whether `skip_estimate` prices the call's floor (False: the caller priced it, e.g. a packed document at least
+    the per-document break-even long: only the dense holds apply)."""
 
     def estimate(self, s):
         """The index estimated under SparseSettings `s` (a SparseIndex, or this rank's rows of one: a RowIndex)."""
@@ -66,9 +65,7 @@ def decide(rt, q, s, site: Site, *, policy: str, training: bool, key, memo_key, 
                                    rows=scored_rows(s, site.seq_len), layer_idx=key if site.lagged else None,
                                    max_error=max_error, **site.costs)
     # wider caps next call where they bind, else the dense hold
-    # a packed document past the per-document break-even: its measurement includes the estimate, so going sparse paid
-    paid = None if site.floor else path == "sparse"
-    cap_scale, widened = widen_or_hold(rt, key, index, s, site.seq_len, prediction, policy, training, paid)
+    cap_scale, widened = widen_or_hold(rt, key, index, s, site.seq_len, prediction, policy, training)
     if checked:
         passed_check(rt, key, path, training)
     record_layer(rt, key, path, index, prediction, cap_scale=cap_scale, widened=widened, layer=layer,
