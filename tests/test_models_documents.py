@@ -238,3 +238,30 @@ def test_min_sparse_document_picks_the_documents_auto_estimates():
         assert sum(r.density is not None for r in RT.records.layers) == estimated
         err = (out.double() - reference(q, k, v, LENGTHS)).norm() / reference(q, k, v, LENGTHS).norm()
         assert err < (1e-5 if estimated == 0 else 0.5)
+
+
+def test_a_document_past_a_measured_break_even_that_runs_sparse_is_not_held_dense(monkeypatch):
+    """Under "auto" in training with dense holds, where the cost table holds a break-even measured on packed
+    documents for the layer's shape (`cost.document_break_even`, which included each document's estimate): a
+    document past it that goes sparse is not held dense for its estimate's predicted cost. Where the length comes
+    from elsewhere (attention.min_sparse_document here; the floor on the CPU's table) the prediction decides as
+    before: the same sparse documents are held. The table makes the choice sparse and the estimate too dear to pay."""
+    from mtrain.models.attention import say_engine
+
+    (q, k, v), ids = inputs()
+    engine = say_engine("auto", q, BS)
+    dear_estimate = dict(estimate=(1e6, 0.0), index=(0.0, 0.0, 0.0, 0.0),
+                         sparse={(D, BS): {"train": (0.0, 0.0, 0.0, 0.0), "eval": (0.0, 0.0, 0.0, 0.0)}})
+    for break_even, held in (({(D, BS, engine): 256}, False), ({}, True)):
+        table = dataclasses.replace(cost.CPU, document_break_even=break_even, **dear_estimate)
+        monkeypatch.setattr(cost, "CPU", table)
+        global RT
+        RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
+        RT.settings.sparse_policy, RT.settings.dense_hold = "auto", 4
+        RT.settings.min_sparse_document = None if break_even else 256
+        RT.set_documents(ids)
+        call(q, k, v, LOCAL, policy="auto")
+        # documents of 300, 520 and 400 tokens: held, the 300's hold (length class 00@512) sends the 400 dense
+        assert [(r.path, r.held) for r in RT.records.layers] == [("sparse", False)] * 2 + [
+            ("dense", True) if held else ("sparse", False)]
+        assert sorted(RT.policy.dense_until) == (["00@1K", "00@512"] if held else [])

@@ -73,16 +73,16 @@ def _graphed(q, prepare, switches) -> bool:
 
 
 def _decide(rt, q, k, v, scaling, s, *, policy, training, layer_idx, key, memo_key, engine, max_error, prepare,
-            graphed, doc_ids=None, floor=True):
+            graphed, doc_ids=None, floor=True, paid_if_sparse=False):
     """("sparse", index) or ("dense", None) for one device's call over q [B, S, Hq, D] under SparseSettings `s`: the
     layer's decision (`mtrain.models.decision.decide`, the ring's too) with the whole sequence at hand
     (`decision.OneDevice`), its state under `key` (the layer index, or on packed documents the layer's documents of
     one length class: `document_key`), its replayed choice under `memo_key`, its records under `layer_idx`.
     doc_ids: the documents masked within this one estimate and index (per_document off), else None. floor False:
     the call is a packed document that cleared the per-document break-even (`_shortest_sparse`, or
-    attention.min_sparse_document), so the floor is not priced again."""
+    attention.min_sparse_document), so the floor is not priced again; paid_if_sparse: `Site.paid_if_sparse`."""
     site = decision.OneDevice(rt, q, k, v, scaling, s, doc_ids, engine=engine, prepare=prepare, graphed=graphed,
-                              floor=floor)
+                              floor=floor, paid_if_sparse=paid_if_sparse)
     return decision.decide(rt, q, s, site, policy=policy, training=training, key=key, memo_key=memo_key,
                            layer=layer_idx, max_error=max_error)
 
@@ -185,7 +185,12 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
     from mtrain.ops.dense import dense_backend
     from mtrain.ops.varlen import Segments, varlen_attention
 
+    from mtrain.ops import cost
+
     B, S, Hq, D = q.shape
+    # a break-even measured on packed documents (in training under auto) was measured with each document's estimate:
+    # a document past it that goes sparse paid for its estimate, whatever the prediction's fixed costs say
+    measured = False
     if policy == "never":
         shortest = S + 1
     elif rt.settings.min_sparse_document is not None:  # attention.min_sparse_document
@@ -193,6 +198,8 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
     else:
         shortest = _shortest_sparse(policy, Hq, D, s.block_size, s, training, q.device, engine, dense_backend(q),
                                     rt.switches)
+        measured = policy == "auto" and training and cost.document_break_even(
+            q.device, head_dim=D, block_size=s.block_size, engine=engine, switches=rt.switches) is not None
     pieces, dense, slot = {}, [], 0
     for b in range(B):
         for start, n in zip(documents.starts(b), documents.lengths[b]):
@@ -206,7 +213,7 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
                                   training=training, layer_idx=layer_idx, key=key,
                                   memo_key=None if key is None else (key, slot), engine=engine,
                                   max_error=max_error, prepare=prepare_spec(qd, kd, engine, None), graphed=False,
-                                  floor=False)
+                                  floor=False, paid_if_sparse=measured)
             slot += 1
             if path == "sparse":
                 pieces[b, start] = vertical_slash_attention(qd, kd, vd, index, softmax_scale=scaling, impl=engine,

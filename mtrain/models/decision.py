@@ -32,6 +32,10 @@ class Site(Protocol):
     floor: bool
     """Whether `skip_estimate` prices the call's floor (False: the caller priced it, e.g. a packed document at least
     the per-document break-even long: only the dense holds apply)."""
+    paid_if_sparse: bool
+    """Whether a sparse choice counts as having paid for its estimate (`hold`'s paid), whatever the prediction's fixed
+    costs say: a packed document past a break-even measured on packed documents with its estimate
+    (`cost.document_break_even`). False: the prediction says (`Prediction.estimate_paid`)."""
 
     def estimate(self, s):
         """The index estimated under SparseSettings `s` (a SparseIndex, or this rank's rows of one: a RowIndex)."""
@@ -65,7 +69,8 @@ def decide(rt, q, s, site: Site, *, policy: str, training: bool, key, memo_key, 
                                    rows=scored_rows(s, site.seq_len), layer_idx=key if site.lagged else None,
                                    max_error=max_error, **site.costs)
     # wider caps next call where they bind, else the dense hold
-    cap_scale, widened = widen_or_hold(rt, key, index, s, site.seq_len, prediction, policy, training)
+    cap_scale, widened = widen_or_hold(rt, key, index, s, site.seq_len, prediction, policy, training,
+                                       paid=(path == "sparse") if site.paid_if_sparse else None)
     if checked:
         passed_check(rt, key, path, training)
     record_layer(rt, key, path, index, prediction, cap_scale=cap_scale, widened=widened, layer=layer,
@@ -95,14 +100,14 @@ class OneDevice:
     seen twice: `mtrain.ops.graphed.estimate_graphed`, with the engine's plans where `prepare` says), the check's
     figure (`quality_error`), a SparseIndex of remembered lines, and the true recall measured by `record_layer` from
     q / k. doc_ids: the documents masked within the one estimate, else None; engine / graphed: what the cost model
-    prices (the concrete engine; whether the estimate runs from a graph that builds the engine's plans); floor:
-    `Site.floor`."""
+    prices (the concrete engine; whether the estimate runs from a graph that builds the engine's plans); floor,
+    paid_if_sparse: `Site`'s."""
 
     lagged = True
 
     def __init__(self, rt, q, k, v, scaling, s, doc_ids=None, *, engine: str, prepare, graphed: bool,
-                 floor: bool = True):
-        self.floor = floor
+                 floor: bool = True, paid_if_sparse: bool = False):
+        self.floor, self.paid_if_sparse = floor, paid_if_sparse
         self.rt, self.q, self.k, self.v, self.scaling, self.doc_ids = rt, q, k, v, scaling, doc_ids
         self.block_size, self.prepare, self.seq_len = s.block_size, prepare, q.shape[1]
         self.costs = {"doc_ids": doc_ids, "engine": engine, "graphed": graphed}
@@ -138,7 +143,7 @@ class RankOfGroup:
     (`gather`, in flight while the estimate runs; None otherwise). s: the layer's SparseSettings."""
 
     lagged = False
-    floor = True
+    floor, paid_if_sparse = True, False
 
     def __init__(self, rt, q, k, v, scale: float, world: int, s):
         import torch.distributed as dist

@@ -203,16 +203,18 @@ def scored_rows(s, seq_len: int) -> int:
 HOLD_BACKOFF_MAX = 8
 
 
-def hold(rt, layer_idx, prediction, policy: str, training: bool) -> None:
+def hold(rt, layer_idx, prediction, policy: str, training: bool, paid: bool | None = None) -> None:
     """After auto decided a training call, skip this layer's estimate (running dense) when estimating did not pay
     for itself: the layer went dense, or it went sparse but the estimate plus the sparse path is predicted no
     cheaper than dense (`Prediction.estimate_paid`). The estimate is paid before the choice, so such a layer
     would pay it every step for nothing or for a loss (a layer's attention pattern, and so its density, moves
     slowly during training). The hold is rt.settings.dense_hold steps, doubled for each further estimate in a row
-    that did not pay (up to HOLD_BACKOFF_MAX x); an estimate that pays resets it."""
+    that did not pay (up to HOLD_BACKOFF_MAX x); an estimate that pays resets it. paid: whether it paid where the
+    caller knows better than the prediction (`mtrain.models.decision.Site.paid_if_sparse`); None = the prediction's
+    `estimate_paid`."""
     if policy != "auto" or not training or rt.settings.dense_hold <= 0 or layer_idx is None or prediction is None:
         return
-    if prediction.estimate_paid:
+    if prediction.estimate_paid if paid is None else paid:
         rt.policy.hold_streak.pop(layer_idx, None)
         return
     streak = rt.policy.hold_streak.get(layer_idx, 0)
@@ -349,13 +351,14 @@ def check_wanted(rt, max_error, policy: str) -> bool:
     return max_error is not None and (policy == "auto" or (policy == "always" and escalating))
 
 
-def widen_or_hold(rt, layer_idx, index, s, seq_len: int, prediction, policy: str, training: bool) -> tuple[int, bool]:
-    """After auto decided a training call: `widen` the layer's caps where they bind, else `hold` it as before.
-    Returns (the cap scale this call estimated with, whether it widened), what `record_layer` records."""
+def widen_or_hold(rt, layer_idx, index, s, seq_len: int, prediction, policy: str, training: bool,
+                  paid: bool | None = None) -> tuple[int, bool]:
+    """After auto decided a training call: `widen` the layer's caps where they bind, else `hold` it as before (paid:
+    `hold`'s). Returns (the cap scale this call estimated with, whether it widened), what `record_layer` records."""
     cap_scale = rt.policy.cap_scale.get(layer_idx, 1)
     widened = widen(rt, layer_idx, index, s, seq_len, policy, training)
     if not widened:
-        hold(rt, layer_idx, prediction, policy, training)
+        hold(rt, layer_idx, prediction, policy, training, paid)
     return cap_scale, widened
 
 
