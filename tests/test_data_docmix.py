@@ -113,3 +113,14 @@ def test_mtrain_docmix_writes_a_mix_the_trainer_reads(tmp_path, capsys):
     samples = list(TrainingReader(str(out), shuffle=False, document_masking=True))
     assert len(samples) == 2
     assert [int(e) for e in samples[1]["doc_spans"][:, 1]] == [25 * (i + 1) for i in range(15)] + [400]
+
+
+def test_python_m_docmix_reads_its_arguments_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """`python -m mtrain.data.docmix ...` (what scripts/gpu_train_docs.sh runs): main() without argv reads sys.argv,
+    refusing a bad request in one line as `mtrain docmix` does."""
+    from mtrain.data import docmix
+
+    monkeypatch.setattr("sys.argv", ["docmix", "--tokenizer", str(TOKENIZER_DIR), "--seq-len", "0", "--samples", "2",
+                                     "--out", str(tmp_path / "out")])
+    assert docmix.main() == 2
+    assert "--seq-len must be a positive integer" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 from mtrain.errors import MtrainError
 
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
 
     from mtrain.offline import set_offline
 
-    set_offline()
+    set_offline(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m mtrain.data.docmix", description=DESCRIPTION)
     add_arguments(ap)
     try:
