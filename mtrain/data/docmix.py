@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     try:
         return run(ap.parse_args(argv))
     except MtrainError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
