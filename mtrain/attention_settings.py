@@ -182,6 +182,16 @@ class PolicySettings:
         return cls(**{**chosen, **fields})
 
 
+TRAINING_ONLY = ("dense_hold_steps", "widen_caps", "widen_max_list_mib")
+"""The PolicySettings fields that only training reads (the dense hold and cap widening act between steps): an
+evaluation takes every other policy field (`mtrain eval --sparse`, `--attention-from`), not these."""
+
+
+def inference_keys(group: type) -> tuple[str, ...]:
+    """The keys of one settings class that an evaluation takes: its fields less TRAINING_ONLY."""
+    return tuple(name for name in keys_of(group) if name not in TRAINING_ONLY)
+
+
 def default_escalation(escalate_recall, recall, max_output_error):
     """escalate_recall, or None where it is the default (DEFAULT_ESCALATE_RECALL) and there is nothing to escalate
     to: no quality check (`max_output_error` None), or a `recall` (None: not known yet) at or above it. An

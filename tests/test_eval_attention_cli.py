@@ -84,7 +84,8 @@ def test_attention_from_a_recipe_or_a_run_folder_carries_the_training_settings(t
     sparse = options["sparse"]
     assert sparse["block_size"] == 64 and sparse["sparse_policy"] == "always" and sparse["recall"] == 0.99
     assert sparse["max_output_error"] == 0.025 and sparse["escalate_recall"] == 0.995
-    assert not {"dense_hold", "widen_caps", "widen_max_list_mib"} & set(sparse)
+    assert not {"dense_hold_steps", "widen_caps", "widen_max_list_mib"} & set(sparse)  # attention_settings.TRAINING_ONLY
+    assert "min_sparse_document" in sparse and "per_document" in sparse  # what an evaluation's per-document path reads
     refined = attention_options(None, ["sparse_policy=never", "recall=0.95"], {}, from_path=recipe)["sparse"]
     assert refined == {**sparse, "sparse_policy": "never", "recall": 0.95}
     run = tmp_path / "run"
@@ -153,3 +154,21 @@ def test_niah_heatmap_title_stays_inside_the_figure(lengths):
     title = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())
     assert fig.bbox.x0 <= title.x0 and title.x1 <= fig.bbox.x1 and title.y1 <= fig.bbox.y1
     _pyplot().close(fig)
+
+
+def test_sparse_takes_every_policy_key_an_evaluation_reads_and_refuses_the_training_only_ones():
+    """--sparse: the SparseSettings fields and the PolicySettings fields less the training-only ones
+    (`mtrain.attention_settings.TRAINING_ONLY`), one list derived from the settings objects."""
+    from mtrain.attention_settings import TRAINING_ONLY, PolicySettings, SparseSettings, keys_of
+    from mtrain.eval.cli import POLICY_KEYS
+
+    options = attention_options("mtraining", ["min_sparse_document=4096", "per_document=false"], {})
+    assert options["sparse"] == {"min_sparse_document": 4096, "per_document": False}
+    for key in keys_of(PolicySettings):
+        if key in TRAINING_ONLY:
+            with pytest.raises(MtrainError, match=f"unknown key '{key}'"):
+                attention_options("mtraining", [f"{key}=1"], {})
+    with pytest.raises(MtrainError, match="min_sparse_document: must be a positive number of tokens"):
+        attention_options("mtraining", ["min_sparse_document=0"], {})
+    assert set(POLICY_KEYS) == set(keys_of(PolicySettings)) - set(TRAINING_ONLY)
+    assert not set(POLICY_KEYS) & set(keys_of(SparseSettings))

@@ -568,7 +568,7 @@ def sparse_overrides(items: list[str]) -> dict:
     policy = sorted(set(settings) & set(POLICY_KEYS))
     if policy:
         raise MtrainError(f"--sparse {policy[0]}=...: set the per-layer policy with this command's own flags "
-                          "(--policy, --engine, --max-output-error, --escalate-recall)")
+                          "(--policy, --engine, --max-output-error, --escalate-recall, --min-document)")
     return settings
 
 

@@ -49,7 +49,7 @@ def register(subparsers) -> None:
     parser.add_argument("--sparse", dest="sparse", action="append", default=[], metavar="KEY=VALUE",
                         help="setting of a sparse --attention (mtrain.attention_settings.SparseSettings fields, "
                         "sparse_policy, engine: auto, triton, flex, fa4, max_output_error, escalate_recall, "
-                        "per_document; the defaults are the recipe's: sparse_policy auto with the quality check), "
+                        "per_document, min_sparse_document: PolicySettings less the training-only keys; the defaults are the recipe's: sparse_policy auto with the quality check), "
                         "e.g. --sparse recall=0.95 --sparse sparse_policy=always (repeatable; VALUE is YAML)")
     parser.add_argument("--tasks", help="comma-separated task names or patterns, e.g. niah,ruler/*,pg19")
     parser.add_argument("--lengths", type=_int_list,
@@ -177,16 +177,22 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
     return options
 
 
-# --sparse keys besides the SparseSettings fields: how the kind runs per layer (PolicySettings fields; its defaults, the
-# recipe's, where not given: sparse_policy auto with the quality check)
-POLICY_KEYS = ("sparse_policy", "engine", "max_output_error", "escalate_recall", "per_document")
+def _policy_keys() -> tuple[str, ...]:
+    from mtrain.attention_settings import PolicySettings, inference_keys
+
+    return inference_keys(PolicySettings)
+
+
+# --sparse keys besides the SparseSettings fields: how the kind runs per layer (the PolicySettings fields an evaluation
+# reads, `inference_keys`; its defaults, the recipe's, where not given: sparse_policy auto with the quality check)
+POLICY_KEYS = _policy_keys()
 
 
 def _recipe_attention(path: str) -> tuple[str, dict]:
     """The attention kind and sparse settings of a recipe YAML, or of a run folder's config.yaml (what `mtrain train`
     saved): the recipe's keys of the settings objects its kind reads (`mtrain.attention_settings`; nulls included:
     they mean no check, no escalation), less those that only training reads (the dense hold, cap widening)."""
-    from mtrain.attention_settings import BaselineSettings, PolicySettings, SparseSettings, keys_of
+    from mtrain.attention_settings import BaselineSettings, PolicySettings, SparseSettings, inference_keys
     from mtrain.config import SETTINGS_KEYS, parse_recipe
     from mtrain.errors import ConfigError
     from mtrain.models import attention
@@ -206,9 +212,8 @@ def _recipe_attention(path: str) -> tuple[str, dict]:
     if kind in attention.KINDS and not attention.KINDS[kind][0]:  # a dense kind reads none of them
         return kind, {}
     groups = (BaselineSettings,) if kind in BASELINE_KINDS else (SparseSettings, PolicySettings)
-    training_only = ("dense_hold_steps", "widen_caps", "widen_max_list_mib")
-    return kind, {key: getattr(recipe.attention, key) for group in groups for key in keys_of(group)
-                  if key in SETTINGS_KEYS and key not in training_only}
+    return kind, {key: getattr(recipe.attention, key) for group in groups for key in inference_keys(group)
+                  if key in SETTINGS_KEYS}
 
 
 def summary(results: dict) -> str:
