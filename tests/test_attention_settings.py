@@ -39,7 +39,7 @@ def test_every_entry_point_has_the_same_defaults():
     assert _fields(registered.policy) == _fields(recipe["policy"]) == _fields(runtime_default.policy) \
         == _fields(PolicySettings())
     assert _fields(registered.sparse) == _fields(recipe["sparse"]) == _fields(SparseSettings())
-    assert registered.policy.sparse_policy == "auto" and registered.dense_hold == 16
+    assert registered.policy.sparse_policy == "auto" and registered.policy.dense_hold == 16
     baseline = attention_runtime("moba").settings.baseline
     assert _fields(baseline) == _fields(recipe["baseline"]) == _fields(BaselineSettings())
 
@@ -77,7 +77,7 @@ def test_registration_takes_the_objects_and_keywords_replace_their_fields():
     plain = PolicySettings.every_layer_sparse()
     rt = attention_runtime("mtraining", sparse=SparseSettings(recall=0.9), policy=plain, last_q=32)
     assert rt.settings.sparse == SparseSettings(recall=0.9, last_q=32)
-    assert rt.settings.policy == plain and rt.settings.sparse_policy == "always" and rt.settings.dense_hold == 0
+    assert rt.settings.policy == plain and rt.settings.policy.sparse_policy == "always" and rt.settings.policy.dense_hold == 0
     with pytest.raises(ConfigError, match="bad attention setting 'recal'; valid settings: recall"):
         attention_runtime("mtraining", recal=0.9)
 
@@ -87,3 +87,20 @@ def test_a_saved_recipe_builds_the_settings_it_trained_with():
     chosen = a.settings()
     assert chosen["policy"].escalate_recall is None and a.escalate_recall is None  # nothing to escalate to
     assert chosen["policy"].dense_hold_steps == 0 and chosen["sparse"].recall == 0.995
+
+
+def test_a_runtime_holds_its_policy_as_one_checked_object():
+    """AttentionSettings holds the policy as the PolicySettings it was built from (no flat working copy); set_policy
+    replaces fields through PolicySettings' own checks, so a bad value is refused naming the key and changes nothing,
+    and it returns the policy it replaced."""
+    from mtrain.models.registry import attention_runtime
+
+    rt = attention_runtime("mtraining")
+    before = rt.settings.policy
+    assert isinstance(before, PolicySettings) and before == PolicySettings()
+    with pytest.raises(ConfigError, match="attention.dense_hold_steps: must be an integer >= 0"):
+        rt.settings.set_policy(dense_hold_steps=-1)
+    assert rt.settings.policy is before
+    assert rt.settings.set_policy(dense_hold_steps=3, sparse_policy="always") is before
+    assert (rt.settings.policy.dense_hold, rt.settings.policy.sparse_policy) == (3, "always")
+    assert not any(hasattr(rt.settings, name) for name in ("dense_hold", "sparse_policy", "max_output_error"))

@@ -46,7 +46,7 @@ def fresh_context(monkeypatch):
     global RT
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
     RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
-    RT.settings.dense_hold = 4
+    RT.settings.set_policy(dense_hold_steps=4)
     yield
 
 
@@ -115,7 +115,7 @@ def test_the_quality_check_widens_caps_that_keep_the_estimate_short(estimates):
     assert [(r.path, r.held, r.cap_scale, r.widened) for r in records] == [
         ("dense", False, 1, True), ("dense", False, 2, True), ("dense", False, 4, True), ("dense", False, 8, False)]
     assert [kw["max_vertical"] for kw, _ in estimates] == [16, 32, 64, 128]
-    assert RT.policy.cap_scale == {5: 8} and RT.policy.dense_until[5] == 3 + 1 + RT.settings.dense_hold
+    assert RT.policy.cap_scale == {5: 8} and RT.policy.dense_until[5] == 3 + 1 + RT.settings.policy.dense_hold
 
 
 def test_the_quality_check_holds_a_layer_whose_estimate_met_its_recall(estimates):
@@ -125,7 +125,7 @@ def test_the_quality_check_holds_a_layer_whose_estimate_met_its_recall(estimates
     _, record = call(met, 0, max_error=1e-6)
     assert float(record.est_recall.mean()) >= met.recall and float(record.output_error.max()) > 1e-6
     assert (record.path, record.widened, RT.policy.cap_scale) == ("dense", False, {})
-    assert RT.policy.dense_until[5] == 0 + 1 + RT.settings.dense_hold
+    assert RT.policy.dense_until[5] == 0 + 1 + RT.settings.policy.dense_hold
 
 
 @pytest.mark.parametrize("case", ["recall", "error"])
@@ -137,7 +137,8 @@ def test_caps_that_cover_the_sequence_hold_dense_as_before(estimates, case):
                            else (COVERING, 1e-6))
 
     def run(widen):
-        RT.policy, RT.records, RT.settings.widen_caps = PolicyState(), Records(), widen
+        RT.policy, RT.records = PolicyState(), Records()
+        RT.settings.set_policy(widen_caps=widen)
         estimates.clear()
         outs = [call(settings, step, max_error=max_error)[0] for step in range(3)]
         records = [(r.path, r.held, r.cap_scale, r.widened) for r in RT.records.layers]
@@ -153,7 +154,7 @@ def test_caps_that_cover_the_sequence_hold_dense_as_before(estimates, case):
     else:
         assert float(first.output_error.max()) > max_error
     assert on[1] == [("dense", False, 1, False), ("dense", True, 1, False), ("dense", True, 1, False)]
-    assert on[2] == {5: 0 + 1 + RT.settings.dense_hold} and on[4] == 1 and RT.policy.cap_scale == {}
+    assert on[2] == {5: 0 + 1 + RT.settings.policy.dense_hold} and on[4] == 1 and RT.policy.cap_scale == {}
 
 
 def test_caps_that_do_not_bind_change_nothing(estimates):
@@ -163,7 +164,8 @@ def test_caps_that_do_not_bind_change_nothing(estimates):
     flat = inputs("flat")
 
     def run(widen):
-        RT.policy, RT.records, RT.settings.widen_caps = PolicyState(), Records(), widen
+        RT.policy, RT.records = PolicyState(), Records()
+        RT.settings.set_policy(widen_caps=widen)
         outs = []
         for step in range(3):
             outs.append(call(dataclasses.replace(SHORT, recall=0.35), step, layer=1)[0])
@@ -172,7 +174,7 @@ def test_caps_that_do_not_bind_change_nothing(estimates):
 
     on, off = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(on[0], off[0])) and on[1:] == off[1:]
-    assert ("sparse" in [p for _, p, _ in on[1]]) and on[2] == {3: 1 + RT.settings.dense_hold}
+    assert ("sparse" in [p for _, p, _ in on[1]]) and on[2] == {3: 1 + RT.settings.policy.dense_hold}
     assert RT.policy.cap_scale == {}
 
 
@@ -186,7 +188,7 @@ def test_at_the_bound_the_layer_is_held_dense(estimates):
     assert paths[:4] == [("dense", False, 1, True), ("dense", False, 2, True), ("dense", False, 4, True),
                          ("dense", False, 8, False)]
     assert paths[4:] == [("dense", True, 8, False)] * 2
-    assert RT.policy.cap_scale == {5: MAX_CAP_SCALE} and RT.policy.dense_until[5] == 3 + 1 + RT.settings.dense_hold
+    assert RT.policy.cap_scale == {5: MAX_CAP_SCALE} and RT.policy.dense_until[5] == 3 + 1 + RT.settings.policy.dense_hold
     assert [kw["max_vertical"] for kw, _ in estimates] == [4, 8, 16, 32]
     call(TINY, RT.policy.dense_until[5])
     assert estimates[-1][0]["max_vertical"] == 4 * MAX_CAP_SCALE
@@ -228,8 +230,8 @@ def test_policy_state_keeps_the_cap_scales_and_old_states_load():
 
 
 def test_widen_caps_is_validated_and_reaches_the_context():
-    assert attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", widen_caps=False).settings.widen_caps is False
-    assert attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto").settings.widen_caps is True
+    assert attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", widen_caps=False).settings.policy.widen_caps is False
+    assert attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto").settings.policy.widen_caps is True
     with pytest.raises(MtrainError, match="attention.widen_caps: expected true or false"):
         register_kind("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", widen_caps="yes")
 
@@ -251,11 +253,12 @@ def widening_paths(first, steps: int = 2) -> list:
     return paths
 
 
-def test_widening_stops_where_the_wider_lists_would_exceed_the_limit(estimates):
+def test_widening_stops_where_the_wider_lists_would_exceed_the_limit(estimates, monkeypatch):
     """attention.widen_max_list_mib: with the limit between the lists' bytes at 4x and at 8x the caps (by
     `list_bytes` over the index's query blocks: per block and head two entries per slash offset, the sink and the
     diagonal, one per vertical, int32), the layer widens to 4x and is then held dense as at MAX_CAP_SCALE; with no
     limit the same calls widen to 8x."""
+    from mtrain.models import policy
     from mtrain.models.policy import list_bytes
 
     _, first = call(SHORT, 0)
@@ -263,10 +266,12 @@ def test_widening_stops_where_the_wider_lists_would_exceed_the_limit(estimates):
     b, h, rows = index.block_ids.shape[:3]
     cap_v, cap_s = short_caps(8)
     assert list_bytes(index, cap_v, cap_s) == b * h * rows * (2 * cap_s + 2 + cap_v) * 4
-    RT.settings.widen_max_list_bytes = (list_bytes(index, *short_caps(4)) + list_bytes(index, *short_caps(8))) // 2
+    # the limit is whole MiB: each byte of these small lists counts as a MiB
+    monkeypatch.setattr(policy, "list_bytes", lambda *args, **kw: list_bytes(*args, **kw) * 2**20)
+    RT.settings.set_policy(widen_max_list_mib=(list_bytes(index, *short_caps(4)) + list_bytes(index, *short_caps(8))) // 2)
     assert widening_paths(first) == [("dense", 1, True), ("dense", 2, True), ("dense", 4, False)]
-    assert RT.policy.cap_scale == {5: 4} and RT.policy.dense_until[5] == 2 + 1 + RT.settings.dense_hold
-    RT.settings.widen_max_list_bytes = 0  # no limit: the next estimate widens on to 8x and reaches the recall
+    assert RT.policy.cap_scale == {5: 4} and RT.policy.dense_until[5] == 2 + 1 + RT.settings.policy.dense_hold
+    RT.settings.set_policy(widen_max_list_mib=0)  # no limit: the next estimate widens on to 8x and reaches the recall
     RT.policy.dense_until.clear()
     _, record = call(SHORT, 3)
     assert (record.path, record.widened) == ("dense", True) and RT.policy.cap_scale == {5: 8}
@@ -274,8 +279,8 @@ def test_widening_stops_where_the_wider_lists_would_exceed_the_limit(estimates):
 
 def test_widen_max_list_mib_is_validated_and_reaches_the_context():
     settings = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", widen_max_list_mib=512).settings
-    assert settings.widen_max_list_bytes == 512 * 2**20
-    assert attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto").settings.widen_max_list_bytes == 0
+    assert settings.policy.widen_max_list_bytes == 512 * 2**20
+    assert attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto").settings.policy.widen_max_list_bytes == 0
     for bad in (-1, 1.5, True):
         with pytest.raises(MtrainError, match="attention.widen_max_list_mib: must be an integer >= 0"):
             register_kind("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", widen_max_list_mib=bad)

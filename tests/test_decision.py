@@ -39,14 +39,14 @@ def _scenarios():
     wide = dataclasses.replace(local, max_vertical=64, max_slash=64)
     tight = SparseSettings(recall=0.95, block_size=BS, max_vertical=2, max_slash=2, min_vertical=0, min_slash=0)
     return {
-        "check-escalates": ({"escalate_recall": 0.46, "dense_hold": 2}, dict(settings=wide, max_error=1e-3),
+        "check-escalates": ({"escalate_recall": 0.46, "dense_hold_steps": 2}, dict(settings=wide, max_error=1e-3),
                             "local", 4, "ring"),
-        "check-passes": ({"escalate_recall": 0.46, "dense_hold": 2}, dict(settings=wide, max_error=10.0), "local", 4,
+        "check-passes": ({"escalate_recall": 0.46, "dense_hold_steps": 2}, dict(settings=wide, max_error=10.0), "local", 4,
                          "ring"),
-        "check-passes-gathered": ({"escalate_recall": 0.46, "dense_hold": 2}, dict(settings=wide, max_error=10.0),
+        "check-passes-gathered": ({"escalate_recall": 0.46, "dense_hold_steps": 2}, dict(settings=wide, max_error=10.0),
                                   "local", 2, "gather"),
-        "widens-then-holds": ({"dense_hold": 2}, dict(settings=tight, max_error=None), "local", 5, "ring"),
-        "flat-holds": ({"dense_hold": 2, "widen_caps": False}, dict(settings=local, max_error=None), "flat", 3, "ring"),
+        "widens-then-holds": ({"dense_hold_steps": 2}, dict(settings=tight, max_error=None), "local", 5, "ring"),
+        "flat-holds": ({"dense_hold_steps": 2, "widen_caps": False}, dict(settings=local, max_error=None), "flat", 3, "ring"),
     }
 
 
@@ -104,8 +104,8 @@ def _worker(rank, world, init_file, out_dir):
     got = {}
     for name, (changes, kwargs, kind, steps, schedule) in _scenarios().items():
         rt = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
-        for key, value in changes.items():
-            setattr(rt.settings, key, value)
+        # the quality check's limit the calls pass, which the escalation needs
+        rt.settings.set_policy(max_output_error=kwargs["max_error"], **changes)
         rt.topology.group, rt.topology.layout, rt.topology.schedule = dist.group.WORLD, layout, schedule
         shard = [layout.shard(t, rank) for t in _inputs(kind)]
         calls = []

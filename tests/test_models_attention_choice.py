@@ -128,7 +128,7 @@ def test_eval_uses_the_forward_only_costs():
 
 
 def test_a_dense_choice_holds_for_dense_hold_steps_in_training(monkeypatch):
-    """With RT.settings.dense_hold = 2 a layer that auto sent dense at step 0 runs dense without estimating at
+    """With attention.dense_hold_steps 2 a layer that auto sent dense at step 0 runs dense without estimating at
     steps 0 (again: recomputation, micro-batches) to 2 and estimates again at step 3; eval calls never hold;
     a sparse choice sets no hold."""
     import mtrain.ops
@@ -139,7 +139,7 @@ def test_a_dense_choice_holds_for_dense_hold_steps_in_training(monkeypatch):
     # the model layer estimates through mtrain.ops.graphed (a CUDA graph on GPUs, eager here)
     monkeypatch.setattr("mtrain.ops.graphed.estimate_vertical_slash",
                         lambda *a, **kw: estimates.append(1) or real(*a, **kw))
-    monkeypatch.setattr(RT.settings, "dense_hold", 2)
+    monkeypatch.setattr(RT.settings, "policy", dataclasses.replace(RT.settings.policy, dense_hold_steps=2))
     monkeypatch.setattr(RT.policy, "dense_until", {})
     monkeypatch.setattr(RT.policy, "hold_streak", {})
     want = dense_kind(q, k, v)
@@ -173,7 +173,7 @@ def test_a_sparse_choice_whose_estimate_does_not_pay_holds_too(monkeypatch):
     margin of dense: the call runs sparse (the estimate is paid) and the layer then holds dense; with a free
     estimate the same call sets no hold."""
     q, k, v = inputs("local")
-    monkeypatch.setattr(RT.settings, "dense_hold", 4)
+    monkeypatch.setattr(RT.settings, "policy", dataclasses.replace(RT.settings.policy, dense_hold_steps=4))
     monkeypatch.setattr(RT.policy, "dense_until", {})
     monkeypatch.setattr(RT.policy, "hold_streak", {})
     monkeypatch.setattr(RT.inputs, "step", 0)
@@ -348,7 +348,7 @@ def test_model_forward_records_every_layer():
 
 
 def _hold_state(monkeypatch, hold=4):
-    monkeypatch.setattr(RT.settings, "dense_hold", hold)
+    monkeypatch.setattr(RT.settings, "policy", dataclasses.replace(RT.settings.policy, dense_hold_steps=hold))
     monkeypatch.setattr(RT.policy, "dense_until", {})
     monkeypatch.setattr(RT.policy, "hold_streak", {})
     monkeypatch.setattr(RT.policy, "memo", {})

@@ -166,7 +166,7 @@ def test_holds_live_per_layer_and_length_class(monkeypatch):
     """Under "auto" in training with dense holds, documents whose estimate did not pay hold their layer's length
     class dense (`document_key`), not the layer as a whole."""
     monkeypatch.setattr(cost, "CPU", dataclasses.replace(cost.CPU, estimate=(0.0, 0.0)))
-    RT.settings.dense_hold = 4
+    RT.settings.set_policy(dense_hold_steps=4)
     (q, k, v), ids = inputs()
     q, k = q * 0.01, k * 0.01  # flat attention: the recall target needs most of each document, dense is cheaper
     RT.set_documents(ids)
@@ -228,12 +228,12 @@ def test_min_sparse_document_picks_the_documents_auto_estimates():
     document runs dense, and within the estimate's error otherwise."""
     (q, k, v), ids = inputs()
     RT.set_documents(ids)
-    RT.settings.sparse_policy = "auto"
+    RT.settings.set_policy(sparse_policy="auto")
     call(q, k, v, LOCAL, policy="auto")
     assert not any(r.density is not None for r in RT.records.layers)  # the floor: nothing estimated
     for threshold, estimated in ((350, 2), (450, 1), (600, 0)):  # documents of 300 / 520 / 400 tokens
         RT.records.layers.clear()
-        RT.settings.min_sparse_document = threshold
+        RT.settings.set_policy(min_sparse_document=threshold)
         out = call(q, k, v, LOCAL, policy="auto")
         assert sum(r.density is not None for r in RT.records.layers) == estimated
         err = (out.double() - reference(q, k, v, LENGTHS)).norm() / reference(q, k, v, LENGTHS).norm()
@@ -257,8 +257,8 @@ def test_a_document_past_a_measured_break_even_that_runs_sparse_is_not_held_dens
         monkeypatch.setattr(cost, "CPU", table)
         global RT
         RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))
-        RT.settings.sparse_policy, RT.settings.dense_hold = "auto", 4
-        RT.settings.min_sparse_document = None if break_even else 256
+        RT.settings.set_policy(sparse_policy="auto", dense_hold_steps=4,
+                               min_sparse_document=None if break_even else 256)
         RT.set_documents(ids)
         call(q, k, v, LOCAL, policy="auto")
         # documents of 300, 520 and 400 tokens: held, the 300's hold (length class 00@512) sends the 400 dense

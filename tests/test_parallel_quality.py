@@ -95,7 +95,8 @@ def _layer_worker(rank, world, init_file, out_dir):
     layout = Layout.create("block-stripe", world_size=world, granularity=BS)
     RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))  # the layer's attention runtime: the group, its holds and records
     RT.topology.group, RT.topology.layout, RT.inputs.doc_ids, RT.topology.schedule = dist.group.WORLD, layout, None, "ring"
-    RT.topology.local_world_size, RT.topology.inner_group, RT.topology.outer_group, RT.settings.dense_hold = None, None, None, 0
+    RT.topology.local_world_size, RT.topology.inner_group, RT.topology.outer_group = None, None, None
+    RT.settings.set_policy(dense_hold_steps=0)
     positions = layout.indices(N, rank)
     shard = [t[:, positions] for t in (q, k, v)]
     vertical, slash = estimate_lines(*shard[:2], positions, positions, N, settings, q.shape[-1] ** -0.5, None)
@@ -119,7 +120,8 @@ def _layer_worker(rank, world, init_file, out_dir):
         lines = estimate_lines(*shard[:2], positions, positions, N, s, q.shape[-1] ** -0.5, None)
         errors[recall] = float(block_output_error(q, k, v, SparseIndex.from_lines(*lines, N, BS), rows)[0])
     RT.records.layers.clear()
-    RT.settings.escalate_recall, RT.policy.layer_recall, RT.policy.choice_stats = 0.46, {}, {}
+    RT.settings.set_policy(max_output_error=(errors[0.4] + errors[0.46]) / 2, escalate_recall=0.46)
+    RT.policy.layer_recall, RT.policy.choice_stats = {}, {}
     mtrain_attention(SimpleNamespace(training=True, layer_idx=0, mtrain_runtime=RT), *(t.transpose(1, 2) for t in shard), None,
                      settings=wide, policy="auto", max_error=(errors[0.4] + errors[0.46]) / 2)
     (layer,) = RT.records.layers

@@ -188,7 +188,7 @@ def test_the_limit_applies_under_auto_only_and_comes_from_the_registration():
     call(q, k, v, LOCAL, policy="always", max_error=1e-6)  # "always" stays sparse, measuring nothing
     assert RT.records.layers[-1].path == "sparse" and RT.records.layers[-1].output_error is None
     rt = attention_runtime("mtraining", policy=PolicySettings.every_layer_sparse(), sparse_policy="auto", max_output_error=1e-6, **dataclasses.asdict(LOCAL))
-    assert rt.settings.max_output_error == 1e-6
+    assert rt.settings.policy.max_output_error == 1e-6
     module = SimpleNamespace(training=True, layer_idx=None, mtrain_runtime=rt)
     mtrain_attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None)  # the runtime's limit
     assert rt.records.layers[-1].path == "dense" and rt.records.layers[-1].output_error is not None
@@ -203,7 +203,7 @@ def test_a_layer_that_passed_the_check_is_measured_again_after_the_hold_and_resu
     q, k, v = inputs("local")
     index = estimate_vertical_slash(q, k, **dataclasses.asdict(LOCAL))
     error = float(reference_error(q, k, v, index, estimate_rows(q.shape[1], **dataclasses.asdict(LOCAL)))[1])
-    RT.settings.dense_hold = 4
+    RT.settings.set_policy(dense_hold_steps=4)
     measured = []
     for step in range(7):
         RT.inputs.step = step
@@ -226,7 +226,8 @@ def test_a_layer_that_passed_the_check_is_measured_again_after_the_hold_and_resu
     # over the limit: dense now, held dense for the hold (no estimate, no check), measured when it ends (LOCAL's
     # 4-line caps keep its estimate short of 0.4: with attention.widen_caps the layer would estimate again with wider
     # caps instead, tests/test_cap_widening.py)
-    RT.policy.checked_until, RT.policy.dense_until, RT.policy.choice_stats, RT.settings.widen_caps = {}, {}, {}, False
+    RT.policy.checked_until, RT.policy.dense_until, RT.policy.choice_stats = {}, {}, {}
+    RT.settings.set_policy(widen_caps=False)
     paths = []
     for step in range(10, 16):
         RT.inputs.step = step
@@ -265,7 +266,8 @@ def test_a_layer_over_the_limit_escalates_its_recall_and_keeps_it():
     assert RT.records.layers[-1].path == "dense" and RT.policy.layer_recall == {}
 
     for policy, layer in (("auto", 1), ("always", 2)):
-        RT.settings.escalate_recall, RT.records.layers, RT.policy.choice_stats = 0.46, [], {}
+        RT.settings.set_policy(max_output_error=limit, escalate_recall=0.46)
+        RT.records.layers, RT.policy.choice_stats = [], {}
         out = call(q, k, v, WIDE, policy=policy, max_error=limit, layer=layer)
         (record,) = RT.records.layers
         assert record.path == "sparse" and record.escalated_recall == 0.46, policy

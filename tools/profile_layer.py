@@ -67,7 +67,7 @@ def main() -> int:
                                   scaling=scale, settings=settings, policy=args.policy, engine=args.engine)
         torch.autograd.backward(out, dout)
 
-    RT.settings.dense_hold = 0
+    RT.settings.set_policy(dense_hold_steps=0)
     for _ in range(3):
         call()
     torch.cuda.synchronize()

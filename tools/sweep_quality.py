@@ -222,14 +222,14 @@ def escalation(rt, limit: float, recall: float):
     """The quality check at `limit` with recall escalation to `recall` (`mtrain.models.policy.escalate`) for the passes
     inside, in attention runtime `rt` (the model's): every layer starts at the setting's recall. Yields a list that
     holds the layers it escalated on exit."""
-    saved = rt.settings.max_output_error, rt.settings.escalate_recall, rt.policy.layer_recall
-    rt.settings.max_output_error, rt.settings.escalate_recall, rt.policy.layer_recall = limit, recall, {}
+    saved = rt.settings.set_policy(max_output_error=limit, escalate_recall=recall), rt.policy.layer_recall
+    rt.policy.layer_recall = {}
     escalated: list[int] = []
     try:
         yield escalated
         escalated.extend(sorted(rt.policy.layer_recall))
     finally:
-        rt.settings.max_output_error, rt.settings.escalate_recall, rt.policy.layer_recall = saved
+        rt.settings.policy, rt.policy.layer_recall = saved
 
 
 HEADER = ("| S | text | setting | ppl dense | ppl sparse | rise | density | true recall mean | worst layer | "

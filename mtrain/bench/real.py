@@ -107,10 +107,11 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
     as_trained = model_layer(layer, scale, rt, settings=settings, policy=policy, engine=engine, max_error=max_error)
 
     marks = len(rt.records.densities), len(rt.records.layers)
-    saved = (rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until,
+    saved = (rt.settings.policy, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until,
              rt.inputs.step)
     try:
-        rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = 0, {}, {}, {}
+        rt.settings.set_policy(dense_hold_steps=0)
+        rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = {}, {}, {}
         # the caps this layer's training settles on (attention.widen_caps), kept in rt.policy.cap_scale for the
         # perplexity pass at this length, which then runs the layer as it was timed
         rt.policy.cap_scale.pop(layer, None)
@@ -122,7 +123,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
         # steady state in training: hold + 1 steps in a row, one estimate then `hold` held-dense steps when the
         # estimate did not pay (else every step estimates); later holds double (HOLD_BACKOFF_MAX), so this is
         # the costliest stretch of a held layer. Queued back to back, as training steps are.
-        rt.settings.dense_hold = hold
+        rt.settings.set_policy(dense_hold_steps=hold)
         step_fn = fwd_bwd(as_trained, q, k, v, dout)
 
         def steps(first: int, count: int):
@@ -143,7 +144,7 @@ def measure_layer(layer: int, q, k, v, settings, scale: float, iters: int, recal
             period = hold * HOLD_BACKOFF_MAX
             long_run_ms = (estimating_ms + period * held_ms) / (period + 1)
     finally:
-        (rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until,
+        (rt.settings.policy, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until,
          rt.inputs.step) = saved
     del rt.records.densities[marks[0]:], rt.records.layers[marks[1]:]
 
@@ -241,9 +242,10 @@ def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "
         mtrain_runtime = rt
 
     marks = len(rt.records.densities), len(rt.records.layers)
-    saved = rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until
+    saved = rt.settings.policy, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until
     try:
-        rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = 0, {}, {}, {}
+        rt.settings.set_policy(dense_hold_steps=0)
+        rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = {}, {}, {}
         rt.policy.cap_scale.pop(layer, None)
 
         def call():
@@ -254,7 +256,7 @@ def training_choice(layer: int, q, k, v, settings, scale: float, policy: str = "
         _settle_caps(rt, call, marks[1])  # the caps training settles on stay in rt.policy.cap_scale, as measure_layer's
         return _last_path(rt, marks[1], policy)
     finally:
-        rt.settings.dense_hold, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = saved
+        rt.settings.policy, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = saved
         del rt.records.densities[marks[0]:], rt.records.layers[marks[1]:]
 
 
@@ -349,7 +351,9 @@ def run(model: str, seq_len: int, *, settings=None, policy: str = "auto", yarn="
 
     rt = runtime_of(net)  # the bench's layer calls share the model's runtime: its caps, escalations and records
     rt.policy.choice_stats.clear()  # a fresh run: no layer's choice reads an estimate from before it (lagged_choice)
-    rt.settings.escalate_recall, rt.policy.layer_recall = escalate_recall, {}  # every layer at the settings' recall
+    # every layer at the settings' recall; the escalation with the check it needs (the calls pass the limit too)
+    rt.settings.set_policy(max_output_error=max_error, escalate_recall=escalate_recall)
+    rt.policy.layer_recall = {}
     t0 = time.perf_counter()
     qkv = capture_qkv(net, ids)
     log(f"captured q/k/v of {len(qkv)} layers in {time.perf_counter() - t0:.1f} s")

@@ -92,17 +92,16 @@ def _time_mtrain(as_trained, q, k, v, dout, iters: int, hold: int, rt, threshold
     policy state (the first one untimed, its records and true recall kept), then the steady state of its dense holds
     (`hold` + 1 steps)."""
     mark = len(rt.records.layers)
-    saved = (rt.settings.dense_hold, rt.settings.min_sparse_document, rt.policy.dense_until, rt.policy.hold_streak,
-             rt.policy.checked_until, rt.inputs.step)
+    saved = (rt.settings.policy, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until, rt.inputs.step)
     try:
-        rt.settings.dense_hold, rt.settings.min_sparse_document = 0, threshold
+        rt.settings.set_policy(dense_hold_steps=0, min_sparse_document=threshold)
         rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until = {}, {}, {}
         rt.inputs.sample_recall, rt.inputs.recall_rows = True, 256  # one untimed call measures the true recall
         fwd_bwd(as_trained, q, k, v, dout)()
         rt.inputs.sample_recall = False
         first = rt.records.layers[mark:]
         mtrain_ms = timed(fwd_bwd(as_trained, q, k, v, dout), iters, warmup=2, back_to_back=True)
-        rt.settings.dense_hold = hold
+        rt.settings.set_policy(dense_hold_steps=hold)
         step_fn = fwd_bwd(as_trained, q, k, v, dout)
 
         def steps():
@@ -112,8 +111,7 @@ def _time_mtrain(as_trained, q, k, v, dout, iters: int, hold: int, rt, threshold
 
         steady_ms = timed(steps, 1, warmup=0, back_to_back=True) / (hold + 1)
     finally:
-        (rt.settings.dense_hold, rt.settings.min_sparse_document, rt.policy.dense_until, rt.policy.hold_streak,
-         rt.policy.checked_until, rt.inputs.step) = saved
+        rt.settings.policy, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until, rt.inputs.step = saved
         rt.inputs.sample_recall = False
     records = [r.as_floats() for r in first]
     del rt.records.layers[mark:], rt.records.densities[:]
@@ -209,9 +207,9 @@ def run(model: str, seq_len: int, mix: str, *, settings, policy: str = "auto", y
         ppl_dense = perplexity_trained(net, ids, None)
         ppl_sweep = []
         for threshold in thresholds:
-            rt.settings.min_sparse_document = threshold
+            rt.settings.set_policy(min_sparse_document=threshold)
             ppl_sweep.append(perplexity_trained(net, ids, fn))
-        rt.settings.min_sparse_document = None
+        rt.settings.set_policy(min_sparse_document=None)
         ppl_trained = ppl_sweep[0]
     finally:
         rt.set_documents(None)

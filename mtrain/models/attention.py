@@ -193,8 +193,8 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
     measured = False
     if policy == "never":
         shortest = S + 1
-    elif rt.settings.min_sparse_document is not None:  # attention.min_sparse_document
-        shortest = max(2 * s.block_size, rt.settings.min_sparse_document)
+    elif rt.settings.policy.min_sparse_document is not None:  # attention.min_sparse_document
+        shortest = max(2 * s.block_size, rt.settings.policy.min_sparse_document)
     else:
         shortest = _shortest_sparse(policy, Hq, D, s.block_size, s, training, q.device, engine, dense_backend(q),
                                     rt.switches)
@@ -305,10 +305,10 @@ def _attention(rt, module, query, key, value, scaling, dropout, *, settings, pol
     """`mtrain_attention`'s work: the call's out [B, S_local, Hq, D]."""
     own = rt.settings
     settings = own.sparse if settings is False else settings
-    policy = policy or own.sparse_policy
-    engine = engine or own.engine
-    max_error = own.max_output_error if max_error is False else max_error
-    per_document = own.per_document if per_document is None else per_document
+    policy = policy or own.policy.sparse_policy
+    engine = engine or own.policy.engine
+    max_error = own.policy.max_output_error if max_error is False else max_error
+    per_document = own.policy.per_document if per_document is None else per_document
     training = bool(getattr(module, "training", True))
     layer_idx = getattr(module, "layer_idx", None)
     settings = layer_settings(rt, settings, layer_idx)  # the layer's caps, widened where `widen` widened them

@@ -208,11 +208,11 @@ def hold(rt, layer_idx, prediction, policy: str, training: bool, paid: bool | No
     for itself: the layer went dense, or it went sparse but the estimate plus the sparse path is predicted no
     cheaper than dense (`Prediction.estimate_paid`). The estimate is paid before the choice, so such a layer
     would pay it every step for nothing or for a loss (a layer's attention pattern, and so its density, moves
-    slowly during training). The hold is rt.settings.dense_hold steps, doubled for each further estimate in a row
+    slowly during training). The hold is rt.settings.policy.dense_hold steps, doubled for each further estimate in a row
     that did not pay (up to HOLD_BACKOFF_MAX x); an estimate that pays resets it. paid: whether it paid where the
     caller knows better than the prediction (`mtrain.models.decision.Site.paid_if_sparse`); None = the prediction's
     `estimate_paid`."""
-    if policy != "auto" or not training or rt.settings.dense_hold <= 0 or layer_idx is None or prediction is None:
+    if policy != "auto" or not training or rt.settings.policy.dense_hold <= 0 or layer_idx is None or prediction is None:
         return
     if prediction.estimate_paid if paid is None else paid:
         rt.policy.hold_streak.pop(layer_idx, None)
@@ -220,7 +220,7 @@ def hold(rt, layer_idx, prediction, policy: str, training: bool, paid: bool | No
     streak = rt.policy.hold_streak.get(layer_idx, 0)
     rt.policy.hold_streak[layer_idx] = streak + 1
     backoff = min(2 ** streak, HOLD_BACKOFF_MAX)
-    rt.policy.dense_until[layer_idx] = rt.inputs.step + 1 + rt.settings.dense_hold * backoff
+    rt.policy.dense_until[layer_idx] = rt.inputs.step + 1 + rt.settings.policy.dense_hold * backoff
 
 
 # The widest a layer's caps grow (`widen`), as a multiple of the recipe's max_vertical / max_slash: the scales 1, 2, 4
@@ -295,13 +295,13 @@ def widen(rt, layer_idx, index, s, seq_len: int, policy: str, training: bool) ->
     would list the same lines: a layer the check sends dense with its recall met is held as before) and doubling
     them gives larger caps for this sequence (`mtrain.ops.estimate.line_caps`: they do not yet cover it). Returns
     False (the caller holds the layer as before) under attention.widen_caps false, at MAX_CAP_SCALE, where the caps
-    do not bind, where the lists at the doubled caps would exceed rt.settings.widen_max_list_bytes (`list_bytes`) or the
+    do not bind, where the lists at the doubled caps would exceed rt.settings.policy.widen_max_list_bytes (`list_bytes`) or the
     entries our kernels can address (`mtrain.ops.lists.MAX_LIST_ENTRIES`), or for any other choice. `s`: the
     settings the layer estimated with (`layer_settings`); `seq_len`: the whole sequence (every rank of a CP group passes the same). Decided from the est_recall / output error the choice read,
     which every rank of a CP group shares, so every rank widens alike. The layer's lagged choice statistics
     (lagged_choice) are dropped: its next choice reads the estimate at the new caps, not the last one at the old."""
     overruled = index._cache.get("overruled")
-    if policy != "auto" or not training or not rt.settings.widen_caps or layer_idx is None or overruled is None:
+    if policy != "auto" or not training or not rt.settings.policy.widen_caps or layer_idx is None or overruled is None:
         return False
     _, recall = overruled
     scale = rt.policy.cap_scale.get(layer_idx, 1)
@@ -313,7 +313,7 @@ def widen(rt, layer_idx, index, s, seq_len: int, policy: str, training: bool) ->
     caps = [line_caps(seq_len, x.block_size, x.max_vertical, x.max_slash, x.cap_fraction) for x in (s, wide)]
     if caps[1] == caps[0]:  # the caps already cover the sequence: wider caps list nothing more
         return False
-    limit = rt.settings.widen_max_list_bytes
+    limit = rt.settings.policy.widen_max_list_bytes
     # lists this wide cost more to build than a dense layer saves
     if limit and list_bytes(index, *caps[1], switches=rt.switches) > limit:
         return False
@@ -327,11 +327,11 @@ def widen(rt, layer_idx, index, s, seq_len: int, policy: str, training: bool) ->
 
 def escalate(rt, layer_idx, index, max_error) -> bool:
     """After the quality check measured a layer (`index._cache["output_error"]`): where the error exceeds `max_error`,
-    rt.settings.escalate_recall is set and the layer does not already estimate at it, make that the layer's recall from
+    rt.settings.policy.escalate_recall is set and the layer does not already estimate at it, make that the layer's recall from
     now on (rt.policy.layer_recall, read by `layer_settings`) and return True: the caller estimates again with the
     layer's settings and checks the new index before its choice. The layer's lagged choice statistics are dropped (its
     choice reads the new estimate). The error is the same on every rank of a CP group, so every rank escalates alike."""
-    er = rt.settings.escalate_recall
+    er = rt.settings.policy.escalate_recall
     error = index._cache.get("output_error")
     if er is None or layer_idx is None or max_error is None or error is None:
         return False
@@ -346,8 +346,8 @@ def escalate(rt, layer_idx, index, max_error) -> bool:
 
 def check_wanted(rt, max_error, policy: str) -> bool:
     """Whether a call measures the quality check at all (its cadence aside: `check_due`): under "auto" with a limit,
-    and under "always" where the check also decides recall escalation (rt.settings.escalate_recall)."""
-    escalating = rt.settings.escalate_recall is not None
+    and under "always" where the check also decides recall escalation (rt.settings.policy.escalate_recall)."""
+    escalating = rt.settings.policy.escalate_recall is not None
     return max_error is not None and (policy == "auto" or (policy == "always" and escalating))
 
 
@@ -368,7 +368,7 @@ def check_due(rt, layer_idx, training: bool) -> bool:
     than dense_hold steps ago (`passed_check`). The check costs two partial-attention calls over the scored rows'
     query blocks; a layer's pattern, and so its error, moves slowly in training (the premise of the holds), so a layer
     that passed is measured once per hold period, the cadence at which a held-dense layer estimates again."""
-    if not training or layer_idx is None or rt.settings.dense_hold <= 0:
+    if not training or layer_idx is None or rt.settings.policy.dense_hold <= 0:
         return True
     return rt.inputs.step >= rt.policy.checked_until.get(layer_idx, -1)
 
@@ -376,9 +376,9 @@ def check_due(rt, layer_idx, training: bool) -> bool:
 def passed_check(rt, layer_idx, path: str, training: bool) -> None:
     """After a training call measured the check and ran sparse: skip the check on this layer for dense_hold steps.
     A layer the check sent dense is held dense by `hold` instead (and is measured again when its hold ends)."""
-    if not training or layer_idx is None or rt.settings.dense_hold <= 0 or path != "sparse":
+    if not training or layer_idx is None or rt.settings.policy.dense_hold <= 0 or path != "sparse":
         return
-    rt.policy.checked_until[layer_idx] = rt.inputs.step + 1 + rt.settings.dense_hold
+    rt.policy.checked_until[layer_idx] = rt.inputs.step + 1 + rt.settings.policy.dense_hold
 
 
 def record_layer(rt, layer_idx, path, index, prediction, q=None, k=None, scaling=None, doc_ids=None,

@@ -41,44 +41,20 @@ ATTR = "mtrain_runtime"
 
 @dataclass
 class AttentionSettings:
-    """What one model's attention runs with: the kind, the recipe's `attention:` settings of it, and the switches.
-    Built from the checked objects of `mtrain.attention_settings` (`of`: `SparseSettings`, `PolicySettings`,
-    `BaselineSettings`, which validate them once and hold the one set of defaults, the recipe's); the policy's fields
-    are kept here flat, under the names the policy reads, as the model's working copy (a benchmark or a test may set
-    one on a runtime it owns), their defaults PolicySettings' (`policy` reads them back as one)."""
+    """What one model's attention runs with: the kind, the recipe's `attention:` settings of it as the checked objects
+    of `mtrain.attention_settings` (`SparseSettings`, `PolicySettings`, `BaselineSettings`, which validate themselves
+    and hold the one set of defaults, the recipe's), and the switches. A benchmark or a test that changes a policy
+    field on a runtime it owns calls `set_policy`, which validates it as a recipe's would be."""
 
     kind: str = "dense"
     sparse: SparseSettings | None = None
     """The estimate's settings of the vertical-slash kinds; None for a dense kind."""
     baseline: BaselineSettings | None = None
     """The baseline kinds' settings; None otherwise."""
-    sparse_policy: str = PolicySettings.sparse_policy
-    """One of SPARSE_POLICIES: per layer, "auto" runs dense where the cost model predicts sparse would not pay."""
-    engine: str = PolicySettings.engine
-    """One of ENGINES: which kernels run a one-device sparse layer (`vertical_slash_attention`'s impl)."""
-    max_output_error: float | None = PolicySettings.max_output_error
-    """Under sparse_policy auto: a layer whose output error on the scored rows exceeds this runs dense
-    (`mtrain.models.policy.quality_error`; in a CP group `mtrain.parallel.quality.gathered_output_error`); None = no
-    quality check. attention.max_output_error."""
-    dense_hold: int = PolicySettings.dense_hold_steps
-    """Under sparse_policy auto, in training: a layer that the choice sent dense runs dense without estimating
-    for this many further steps (0 = estimate every call). attention.dense_hold_steps."""
-    widen_caps: bool = PolicySettings.widen_caps
-    """Under sparse_policy auto, in training: a layer the estimate's recall or the quality check sends dense (where the
-    cost model said sparse) while its caps bind gets its caps doubled for its next estimate instead of a dense hold
-    (`mtrain.models.policy.widen`). attention.widen_caps."""
-    widen_max_list_bytes: int = PolicySettings.widen_max_list_mib * 2**20
-    """`widen` doubles a layer's caps only while the rank's index lists at the doubled caps take at most this many
-    bytes (`mtrain.models.policy.list_bytes`); 0 = no limit. attention.widen_max_list_mib, in bytes."""
-    escalate_recall: float | None = PolicySettings.escalate_recall
-    """With max_output_error: the recall a layer whose output error exceeds it estimates at from then on
-    (`mtrain.models.policy.escalate`); None = no escalation. attention.escalate_recall."""
-    per_document: bool = PolicySettings.per_document
-    """One device with packed documents: each long enough document sparse on its own; False = one estimate over the
-    whole sequence, documents masked (attention.per_document)."""
-    min_sparse_document: int | None = PolicySettings.min_sparse_document
-    """With per_document: the shortest document estimated (tokens); None = the cost model's break-even under auto,
-    two blocks under always (attention.min_sparse_document)."""
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    """How a sparse kind chooses between its sparse and dense paths per layer (`mtrain.models.policy`): the
+    sparse_policy, engine, quality check, escalation, dense hold, cap widening and per-document fields of the
+    recipe's `attention:`."""
     switches: Switches | None = field(default_factory=Switches)
     """The `mtrain.ops.switches.Switches` this model's attention runs with (the trainer's: the recipe's), passed down
     by each call to the readers of the stack; immutable (replace it with `dataclasses.replace`). None: the defaults."""
@@ -91,19 +67,14 @@ class AttentionSettings:
         p = PolicySettings() if policy is None else policy
         if sparse is not None:
             p = p.for_recall(sparse.recall)
-        return cls(kind=kind, sparse=sparse, baseline=baseline, sparse_policy=p.sparse_policy, engine=p.engine,
-                   max_output_error=p.max_output_error, dense_hold=p.dense_hold_steps, widen_caps=p.widen_caps,
-                   widen_max_list_bytes=p.widen_max_list_bytes, escalate_recall=p.escalate_recall,
-                   per_document=p.per_document, min_sparse_document=p.min_sparse_document)
+        return cls(kind=kind, sparse=sparse, baseline=baseline, policy=p)
 
-    @property
-    def policy(self) -> PolicySettings:
-        """The policy's fields as one checked `PolicySettings` (the list limit in whole MiB)."""
-        return PolicySettings(sparse_policy=self.sparse_policy, engine=self.engine,
-                              max_output_error=self.max_output_error, escalate_recall=self.escalate_recall,
-                              dense_hold_steps=self.dense_hold, widen_caps=self.widen_caps,
-                              widen_max_list_mib=self.widen_max_list_bytes // 2**20, per_document=self.per_document,
-                              min_sparse_document=self.min_sparse_document)
+    def set_policy(self, **fields) -> PolicySettings:
+        """Replace these PolicySettings fields (validated by PolicySettings, ConfigError naming a bad one); returns
+        the policy they replace, for a caller that restores it."""
+        before = self.policy
+        self.policy = dataclasses.replace(before, **fields)
+        return before
 
     @property
     def name(self) -> str:

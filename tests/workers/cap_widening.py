@@ -30,7 +30,7 @@ def main(out_path: str) -> None:
     RT = AttentionRuntime(AttentionSettings.of(policy=PolicySettings.every_layer_sparse()))  # the layer's attention runtime: its topology, holds, caps and records
     RT.topology.group, RT.topology.layout, RT.inputs.doc_ids, RT.records.layers = dist.group.WORLD, layout, None, []
     RT.topology.local_world_size, RT.topology.inner_group, RT.topology.outer_group = None, None, None
-    RT.settings.dense_hold, RT.settings.widen_caps = 4, True
+    RT.settings.set_policy(dense_hold_steps=4, widen_caps=True)
     rows = []
     for step in range(4):
         RT.inputs.step = step
