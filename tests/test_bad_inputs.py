@@ -1176,6 +1176,7 @@ def _can_mount_tmpfs(where: Path) -> bool:
 @pytest.mark.parametrize("size, stage", [("8k", "tok/s000/c000000.tokens.npy"),
                                          pytest.param("96k", "output shard 0", marks=pytest.mark.slow)],
                          ids=["tokens", "shard"])  # the output shard's full disk under slow: the same check, ~8 s
+@pytest.mark.slow
 def test_pack_on_a_full_disk_names_the_file_and_resumes(world, tmp_path, size, stage):
     """`mtrain pack` into a small tmpfs (a real full disk, in a private mount namespace): one line naming the file,
     "no space left on device" and the fix, where it used to say "?: 11694 requested and 992 written" (numpy's short
@@ -1294,6 +1295,7 @@ def test_bare_mtrain_with_mistyped_path_never_touches_the_network(world, tmp_pat
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch every process's connections")
+@pytest.mark.slow
 def test_wandb_offline_resolves_no_server_name(world, tmp_path):
     """logging.wandb: offline (the default) opens no internet socket in any process (wandb's own service
     included): no DNS query, no connection; its run log is still written."""

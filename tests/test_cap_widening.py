@@ -296,6 +296,7 @@ def test_the_scales_fit_the_graph_caches():
     assert scales <= min(graphed.MAX_GRAPHS, ring_graphed.MAX_GRAPHS)
 
 
+@pytest.mark.slow
 def test_cp2_ranks_widen_alike(tmp_path):
     """Under context parallelism (2 ranks, gloo) the layer's estimate across the group is short at 16, 32 and 64
     lines: every rank doubles its caps on the same calls (the decision reads the est_recall every rank shares) and

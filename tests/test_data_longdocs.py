@@ -83,6 +83,7 @@ def test_repositories_in_order(tmp_path):
     assert "# file: mtrain/data/longdocs.py\n" in docs[-1][1]
 
 
+@pytest.mark.slow
 def test_pack_long_documents_with_the_real_tokenizer(tmp_path):
     """The CLI writes the sources data/smollm2-512k.yaml names; `mtrain pack` of that manifest with SmolLM2's
     tokenizer gives samples of exactly seq_len tokens in which documents longer than a sample fill it whole

@@ -77,6 +77,7 @@ def _ids(n: int, seed: int = 0) -> list[int]:
     return torch.randint(1, 1024, (n,), generator=generator).tolist()
 
 
+@pytest.mark.slow  # a vLLM engine on the CPU (the module's shared worker starts in ~30 s)
 def test_engine_settings_come_from_the_checkpoint(vllm):
     info = vllm.describe()
     assert vllm.max_length == LIMIT  # max_model_len from YaRN's factor x original length
@@ -86,6 +87,7 @@ def test_engine_settings_come_from_the_checkpoint(vllm):
     assert info["versions"]["vllm"] and info["versions"]["torch"].endswith("+cpu")
 
 
+@pytest.mark.slow  # a vLLM engine on the CPU (the module's shared worker starts in ~30 s)
 def test_yarn_long_prompt_log_probs_match_hf(vllm, hf):
     # 3500 tokens, far past the 1024 the model was "trained" at: vLLM (prefilling 1024 tokens a step) against
     # one full hf forward in float64 log-softmax, token by token.
@@ -110,6 +112,7 @@ def test_yarn_long_prompt_log_probs_match_hf(vllm, hf):
     assert count == 3499 and nll == pytest.approx(-reference.sum().item(), rel=1e-6)
 
 
+@pytest.mark.slow  # a vLLM engine on the CPU (the module's shared worker starts in ~30 s)
 def test_greedy_generation_and_stop_strings_match_hf(vllm, hf):
     prompts = [_ids(n, seed) for seed, n in enumerate((40, 300, 1500, 3000))]
     texts = vllm.generate_many(prompts, 16, stop=())
@@ -121,6 +124,7 @@ def test_greedy_generation_and_stop_strings_match_hf(vllm, hf):
     assert vllm.generate(prompt, 16, stop=(stop,)) == text[: text.find(stop)] == hf.generate(prompt, 16, stop=(stop,))
 
 
+@pytest.mark.slow  # a vLLM engine on the CPU (the module's shared worker starts in ~30 s)
 def test_prompt_over_the_limit_is_refused_not_truncated(vllm):
     from mtrain.eval.backends.base import PromptTooLongError
 
@@ -131,6 +135,7 @@ def test_prompt_over_the_limit_is_refused_not_truncated(vllm):
     assert vllm.loglikelihood(_ids(LIMIT))[1] == LIMIT - 1  # exactly the limit is scored
 
 
+@pytest.mark.slow  # a vLLM engine on the CPU (the module's shared worker starts in ~30 s)
 def test_suite_through_vllm_gives_hf_predictions_and_perplexities(vllm, hf, tmp_path, monkeypatch, checkpoint):
     # Both backends through the same runner on the same checkpoint and prompts; the loaded engines are reused.
     from mtrain.eval import runner

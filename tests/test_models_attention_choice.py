@@ -198,6 +198,7 @@ def test_a_sparse_choice_whose_estimate_does_not_pay_holds_too(monkeypatch):
     assert RT.records.layers[-1].path == "dense" and RT.records.layers[-1].held
 
 
+@pytest.mark.slow
 def test_policy_state_saved_under_auto_resumes_the_same_holds_and_choices():
     """What the trainer saves with a checkpoint under sparse_policy auto (`runtime.state_dict()`, written as JSON) and gives
     back on resume (`load_state_dict`, in a fresh runtime) is the same dense holds, back-off streaks

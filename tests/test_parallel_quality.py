@@ -133,6 +133,7 @@ def _layer_worker(rank, world, init_file, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_the_check_in_a_cp_layer_measures_one_devices_figure_and_decides_by_it():
     """Through `mtrain_attention` on 2 gloo ranks under sparse_policy auto, on a pattern where sparse pays: no limit,
     sparse and no figure; a limit just above the layer's error, sparse; just below, dense on every rank; the logged

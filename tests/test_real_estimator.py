@@ -66,6 +66,7 @@ def float64_row_recall(q, k, index, scale):
     return (torch.softmax(s, dim=-1) * index.to_mask()).sum(-1)
 
 
+@pytest.mark.slow
 def test_true_and_estimated_recall_on_real_attention(model_and_tokenizer):
     model, tok = model_and_tokenizer
     S, layers = 1024, [0, 4, 13, 21]

@@ -256,6 +256,7 @@ def test_deepspeed_zero2_cp4_gives_the_cp1_loss(tmp_path, packed):
         assert abs(loss - want[step]) <= 1e-4 * abs(want[step]), (step, loss, want[step])
 
 
+@pytest.mark.slow
 def test_deepspeed_skips_and_counts_non_finite_updates(tmp_path, packed):
     """An absurd learning rate blows the weights up after the first update: every later step's loss and
     gradients are non-finite, DeepSpeed skips those updates and the trainer counts them."""
