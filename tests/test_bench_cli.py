@@ -101,6 +101,41 @@ def test_cost_fit_smoke(tmp_path):
     assert table["estimate"] == pytest.approx([0.5, 3.0], rel=1e-3)
 
 
+def test_cost_fit_appends_rows_the_measured_asset_builds_its_table_from(tmp_path):
+    """`mtrain bench cost --fit ROWS --rows FILE`: the fitted coefficients become result rows (cost.TABLE.*) that
+    validate, and the cost table built from them (`mtrain.ops.cost.table_from`, what mtrain/assets/measured.json
+    feeds) holds the coefficients the timings were made from (the rows are exact in them: within 0.1%)."""
+    from mtrain.bench.results import read_rows
+    from mtrain.ops.cost import table_from
+
+    dense, sparse, index, estimate = (0.5, 2.0), (0.3, 0.7, 1.5, 4.0), (0.2, 0.01, 3.0, 5.0), (0.4, 3.0)
+    timings = []
+    for S in (8192, 32768, 131072):
+        unit = 9 * S ** 2 / 2 * 64 / 1e12
+        timings.append(dict(kind="dense", D=64, Hq=9, S=S, ms_fwd_bwd=dense[0] + dense[1] * unit,
+                            ms_fwd=(dense[0] + dense[1] * unit) / 2))
+        for i, (blocks, cols) in enumerate(((S // 8, S), (S // 4, 2 * S), (S // 2, S // 2))):
+            x = (1, 9 * S / 1e6, blocks * 64 * 64 * 64 / 1e12, cols * 64 * 64 / 1e12)
+            ms = sum(c * v for c, v in zip(sparse, x))
+            ms_index = sum(c * v for c, v in zip(index, (1, 9 * S / 1e6, blocks / 1e6, cols / 1e6)))
+            timings.append(dict(kind="sparse", D=64, bs=64, Hq=9, S=S, blocks=blocks, cols=cols, ms_fwd_bwd=ms,
+                                ms_fwd=ms, ms_index=ms_index))
+        timings.append(dict(kind="estimate", D=64, Hq=9, S=S, rows=1088, ms_estimate=estimate[0] + estimate[1] * 9 * 1088 * S / 1e9))
+    measured = tmp_path / "timings.jsonl"
+    measured.write_text("".join(json.dumps(r) + "\n" for r in timings))
+    out = tmp_path / "results.jsonl"
+    mtrain("bench", "cost", "--fit", str(measured), "--rows", str(out), "--table", "testgpu", "--gpu", "1x TestGPU",
+           "--versions", "torch 2.13", "--commit", "abc1234")
+    rows = read_rows(out)  # validated as result rows
+    assert {r["gpu"] for r in rows} == {"1x TestGPU"} and all(r["measure"].startswith("cost.testgpu.") for r in rows)
+    table = table_from({r["measure"]: r["value"] for r in rows}, "cost.testgpu.", name="test", source="rows")
+    for got, want in ((table.dense[64]["train"], dense), (table.sparse[(64, 64)]["train"], sparse),
+                      (table.index, index), (table.estimate, estimate)):
+        assert got == pytest.approx(want, rel=1e-3, abs=1e-3)
+    refused = run_cli("bench", "cost", "--fit", str(measured), "--rows", str(out))
+    assert refused.returncode != 0 and "--rows needs --fit JSONL, --gpu and --versions" in refused.stderr + refused.stdout
+
+
 @needs_interpreter  # run by tests/test_ops_interpreter.py in its Triton-interpreter process (QUICK_ELSEWHERE)
 def test_check_smoke(capsys):
     """The gate's Triton engines on the CPU, the list-free columns beside the lists: each case says ok (`mtrain bench

@@ -16,6 +16,7 @@ import torch
 
 from mtrain.bench.synthetic import band_lines
 from mtrain.bench.timing import timed
+from mtrain.errors import MtrainError
 from mtrain.ops import SparseIndex, dense_attention, estimate_vertical_slash, vertical_slash_attention
 
 
@@ -262,6 +263,45 @@ def fit(path: str, table_json: str | None = None) -> dict:
     return out
 
 
+UNITS = {"ms0": "ms", "per_unit": "ms/dense unit", "per_row": "ms/row unit", "per_block": "ms/block unit",
+         "per_column": "ms/column unit", "per_1e6_blocks": "ms/1e6 block entries",
+         "per_1e6_columns": "ms/1e6 column entries", "per_1e9": "ms/1e9 head-row-keys"}
+"""The unit of each cost-table coefficient's result row (`mtrain.ops.cost`'s coefficient names)."""
+
+
+def fitted_rows(fitted: dict, table: str, *, engine: str = "triton", gpu: str, versions: str, command: str,
+                date: str | None = None, commit: str | None = None) -> list[dict]:
+    """`fit`'s coefficients as result rows (benchmarks/results.jsonl's format) under cost.TABLE., in the layout
+    `mtrain.ops.cost.table_from` reads (`python scripts/measured_asset.py` then makes them the built-in table's):
+    dense.d64.train.ms0, sparse.d64_bs64.eval.per_row, index.ms0, estimate.per_1e9, ...; with `engine` other than
+    triton the sparse coefficients go under engines.ENGINE. (they time that engine's kernels)."""
+    import datetime
+
+    from mtrain.ops.cost import COEFFICIENTS
+
+    if not table or not table.replace("_", "").isalnum() or table != table.lower():
+        raise MtrainError(f"--table {table!r}: a lower-case name of letters, digits and _ (e.g. h200)")
+    rows, base = [], dict(date=date or datetime.date.today().isoformat(), commit=commit, gpu=gpu, versions=versions,
+                          command=command, peer=None)
+
+    def add(field: str, where: str, coeffs) -> None:
+        for name, value in zip(COEFFICIENTS[field], coeffs):
+            rows.append(dict(base, measure=f"cost.{table}.{where}.{name}", value=float(value), unit=UNITS[name],
+                             note=f"fitted by mtrain bench cost --fit: {field} {where.split('.', 1)[-1]}"))
+
+    for D, modes in fitted.get("dense", {}).items():
+        for mode, coeffs in modes.items():
+            add("dense", f"dense.d{D}.{mode}", coeffs)
+    sparse = "sparse" if engine == "triton" else f"engines.{engine}"
+    for (D, bs), modes in fitted.get("sparse", {}).items():
+        for mode, coeffs in modes.items():
+            add("sparse", f"{sparse}.d{D}_bs{bs}.{mode}", coeffs)
+    for field in ("index", "estimate", "graphed"):
+        if field in fitted:
+            add(field, field, fitted[field])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cpu", action="store_true", help="measure the CPU path (fp32) instead of the GPU")
@@ -277,9 +317,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", default="triton", choices=("triton", "fa4"),
                     help="block engine of the sparse rows (fa4: its sparse rows at block 128 only; fit them into "
                     "mtrain.ops.cost's CostTable.engines)")
+    ap.add_argument("--rows", metavar="JSONL", help="with --fit: also append the fitted coefficients as result rows "
+                    "(cost.TABLE.*) to this file, e.g. benchmarks/results.jsonl; then python scripts/measured_asset.py "
+                    "makes them the built-in table")
+    ap.add_argument("--table", default="h200", help="with --rows: the table's name in the rows' ids (cost.TABLE.*)")
+    ap.add_argument("--gpu", help="with --rows: the machine the rows were measured on, e.g. '1x H200' (required)")
+    ap.add_argument("--versions", help="with --rows: the measured stack, e.g. 'torch 2.11, triton 3.6' (required)")
+    ap.add_argument("--commit", help="with --rows: the commit that measured them")
     args = ap.parse_args(argv)
+    if args.rows and not (args.fit and args.gpu and args.versions):
+        raise MtrainError("--rows needs --fit JSONL, --gpu and --versions (what the rows say they measured)")
     if args.fit:
-        fit(args.fit, args.write_table)
+        fitted = fit(args.fit, args.write_table)
+        if args.rows:
+            from mtrain.bench.results import append_rows
+
+            command = f"python -m mtrain.bench.cost --out {args.fit}, then --fit {args.fit}"
+            rows = fitted_rows(fitted, args.table, engine=args.engine, gpu=args.gpu, versions=args.versions,
+                               command=command, commit=args.commit)
+            append_rows(args.rows, rows)
+            print(f"# appended {len(rows)} rows to {args.rows}: python scripts/measured_asset.py makes them the "
+                  f"built-in cost.{args.table} table")
         return 0
     device = "cpu" if args.cpu else "cuda"
     dtype = torch.float32 if args.cpu else torch.bfloat16

@@ -76,10 +76,10 @@ class CostTable:
 # from the rows). A row's id names where its figure goes: cost.h200.dense.d64.train.ms0 is dense[64]["train"][0];
 # sparse.d64_bs128 is sparse[(64, 128)]; engines.fa4.d64_bs128 and dense_engines.fa4.d64 the same for an engine;
 # document_break_even.d64_bs128.fa4 is document_break_even[(64, 128, "fa4")]. The coefficients' names, in order:
-_COEFFS = {"dense": ("ms0", "per_unit"), "sparse": ("ms0", "per_row", "per_block", "per_column"),
-           "index": ("ms0", "per_row", "per_1e6_blocks", "per_1e6_columns"), "estimate": ("ms0", "per_1e9"),
-           "graphed": ("ms0", "per_1e9")}
-_COEFFS.update(dense_engines=_COEFFS["dense"], engines=_COEFFS["sparse"])
+COEFFICIENTS = {"dense": ("ms0", "per_unit"), "sparse": ("ms0", "per_row", "per_block", "per_column"),
+                "index": ("ms0", "per_row", "per_1e6_blocks", "per_1e6_columns"), "estimate": ("ms0", "per_1e9"),
+                "graphed": ("ms0", "per_1e9")}
+COEFFICIENTS.update(dense_engines=COEFFICIENTS["dense"], engines=COEFFICIENTS["sparse"])
 _MODES = ("train", "eval")
 
 
@@ -115,7 +115,7 @@ def _table_from(figures: dict, prefix: str, name: str, source: str) -> CostTable
             continue
         depth = {"index": 1, "estimate": 1, "graphed": 1, "dense": 3, "sparse": 3, "engines": 4,
                  "dense_engines": 4}.get(field)
-        if depth != len(parts) or parts[-1] not in _COEFFS[field] or (depth > 1 and parts[-2] not in _MODES):
+        if depth != len(parts) or parts[-1] not in COEFFICIENTS[field] or (depth > 1 and parts[-2] not in _MODES):
             raise ValueError(f"{where}: not a cost-table coefficient")
         at = (field, None, None, None)
         if depth > 1:
@@ -125,7 +125,7 @@ def _table_from(figures: dict, prefix: str, name: str, source: str) -> CostTable
         ids[at] = where.rsplit(".", 1)[0]
 
     def coeffs(at) -> tuple:
-        names, got = _COEFFS[at[0]], groups.get(at, {})
+        names, got = COEFFICIENTS[at[0]], groups.get(at, {})
         if set(got) != set(names):
             raise ValueError(f"{ids.get(at, prefix + at[0])}: needs {', '.join(names)}, has {', '.join(got) or 'none'}")
         return tuple(got[n] for n in names)
