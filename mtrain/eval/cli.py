@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 
+from mtrain.attention_settings import PolicySettings, inference_keys
 from mtrain.errors import MtrainError
 
 DEFAULT_SUITE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -49,7 +50,8 @@ def register(subparsers) -> None:
     parser.add_argument("--sparse", dest="sparse", action="append", default=[], metavar="KEY=VALUE",
                         help="setting of a sparse --attention (mtrain.attention_settings.SparseSettings fields, "
                         "sparse_policy, engine: auto, triton, flex, fa4, max_output_error, escalate_recall, "
-                        "per_document, min_sparse_document: PolicySettings less the training-only keys; the defaults are the recipe's: sparse_policy auto with the quality check), "
+                        "per_document, min_sparse_document: PolicySettings less the training-only keys; the "
+                        "defaults are the recipe's: sparse_policy auto with the quality check), "
                         "e.g. --sparse recall=0.95 --sparse sparse_policy=always (repeatable; VALUE is YAML)")
     parser.add_argument("--tasks", help="comma-separated task names or patterns, e.g. niah,ruler/*,pg19")
     parser.add_argument("--lengths", type=_int_list,
@@ -177,22 +179,16 @@ def attention_options(kind: str | None, sparse_items: list[str], suite_backend: 
     return options
 
 
-def _policy_keys() -> tuple[str, ...]:
-    from mtrain.attention_settings import PolicySettings, inference_keys
-
-    return inference_keys(PolicySettings)
-
-
 # --sparse keys besides the SparseSettings fields: how the kind runs per layer (the PolicySettings fields an evaluation
 # reads, `inference_keys`; its defaults, the recipe's, where not given: sparse_policy auto with the quality check)
-POLICY_KEYS = _policy_keys()
+POLICY_KEYS = inference_keys(PolicySettings)
 
 
 def _recipe_attention(path: str) -> tuple[str, dict]:
     """The attention kind and sparse settings of a recipe YAML, or of a run folder's config.yaml (what `mtrain train`
     saved): the recipe's keys of the settings objects its kind reads (`mtrain.attention_settings`; nulls included:
     they mean no check, no escalation), less those that only training reads (the dense hold, cap widening)."""
-    from mtrain.attention_settings import BaselineSettings, PolicySettings, SparseSettings, inference_keys
+    from mtrain.attention_settings import BaselineSettings, SparseSettings
     from mtrain.config import SETTINGS_KEYS, parse_recipe
     from mtrain.errors import ConfigError
     from mtrain.models import attention

@@ -131,6 +131,19 @@ _SHORTEST: dict = {}
 """`_shortest_sparse`'s lengths by (cost table, arguments): the bisection costs ~0.5 ms of host time, per layer call."""
 
 
+def _measured_break_even(policy: str, head_dim: int, block_size: int, training: bool, device, engine: str,
+                         switches=None) -> int | None:
+    """Under "auto" in training, the break-even measured on packed documents for this head dim, block size and engine
+    (`cost.document_break_even`), else None: the length `_shortest_sparse` then returns, and measured with each
+    document's estimate, so a document past it that goes sparse paid for it (`decision.Site.paid_if_sparse`)."""
+    from mtrain.ops import cost
+
+    if policy != "auto":
+        return None
+    return cost.document_break_even(device, head_dim=head_dim, block_size=block_size, engine=engine,
+                                    backward=training, switches=switches)
+
+
 def _shortest_sparse(policy: str, heads: int, head_dim: int, block_size: int, s, training: bool, device,
                      engine: str, dense_engine: str, switches=None) -> int:
     """The shortest document a sparse layer estimates: two blocks under "always" (a shorter one has no block to
@@ -148,8 +161,7 @@ def _shortest_sparse(policy: str, heads: int, head_dim: int, block_size: int, s,
     shortest = 2 * block_size
     if policy != "auto":
         return shortest
-    measured = cost.document_break_even(device, head_dim=head_dim, block_size=block_size, engine=engine,
-                                        backward=training, switches=switches)
+    measured = _measured_break_even(policy, head_dim, block_size, training, device, engine, switches)
     if measured is not None:
         return max(shortest, -(-measured // block_size) * block_size)
     # the same for every layer and step of a run: computed once per arguments and cost table (a table a test or a
@@ -185,12 +197,8 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
     from mtrain.ops.dense import dense_backend
     from mtrain.ops.varlen import Segments, varlen_attention
 
-    from mtrain.ops import cost
-
     B, S, Hq, D = q.shape
-    # a break-even measured on packed documents (in training under auto) was measured with each document's estimate:
-    # a document past it that goes sparse paid for its estimate, whatever the prediction's fixed costs say
-    measured = False
+    measured = False  # the length is a break-even measured with each document's estimate (`_measured_break_even`)
     if policy == "never":
         shortest = S + 1
     elif rt.settings.policy.min_sparse_document is not None:  # attention.min_sparse_document
@@ -198,8 +206,8 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
     else:
         shortest = _shortest_sparse(policy, Hq, D, s.block_size, s, training, q.device, engine, dense_backend(q),
                                     rt.switches)
-        measured = policy == "auto" and training and cost.document_break_even(
-            q.device, head_dim=D, block_size=s.block_size, engine=engine, switches=rt.switches) is not None
+        measured = _measured_break_even(policy, D, s.block_size, training, q.device, engine,
+                                        rt.switches) is not None
     pieces, dense, slot = {}, [], 0
     for b in range(B):
         for start, n in zip(documents.starts(b), documents.lengths[b]):
