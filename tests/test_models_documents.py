@@ -151,6 +151,35 @@ def test_recomputation_replays_each_documents_own_choice():
     assert torch.equal(first, again)
 
 
+def test_the_dense_documents_segments_are_built_once_per_batch(monkeypatch):
+    """The varlen call over the documents a layer sends dense takes its segments from the batch's `Documents`: built
+    (prefix sums copied to the device, a wait for the device's queue on a GPU) once per batch and set of documents,
+    not again in every layer and recomputed forward; a new batch builds its own. Outputs unchanged."""
+    from mtrain.ops import varlen
+
+    built = []
+    real = varlen.Segments.build.__func__
+    monkeypatch.setattr(varlen.Segments, "build", classmethod(lambda cls, *a, **kw: built.append(a[0]) or
+                                                              real(cls, *a, **kw)))
+    (q, k, v), ids = inputs()
+    RT.set_documents(ids)
+    assert len(built) == 1  # the batch's own segments (every document: the dense kind's one call)
+    outs = [call(q, k, v, LOCAL, layer=layer) for layer in range(3)]
+    RT.inputs.recomputing = True
+    try:
+        outs.append(call(q, k, v, LOCAL, layer=0))
+    finally:
+        RT.inputs.recomputing = False
+    assert built[1:] == [(70, 40)]  # the two short documents, once for three layers and a recomputation
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][:, 300:370].double(), reference(q, k, v, LENGTHS)[:, 300:370], rtol=0,
+                               atol=1e-5)
+    RT.set_documents(ids.clone())  # the next batch: its own Documents, its own segments
+    call(q, k, v, LOCAL)
+    assert built[2:] == [list(LENGTHS), (70, 40)]
+
+
 def test_policy_state_with_document_keys_round_trips_through_json():
     """Holds under per-document keys are saved with checkpoints beside the layer indices and load back."""
     RT.policy.dense_until = {3: 9, document_key(3, 40000): 12, document_key(11, 5000): 7}

@@ -195,7 +195,7 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
     estimated document, under the layer's index."""
     from mtrain.ops import vertical_slash_attention
     from mtrain.ops.dense import dense_backend
-    from mtrain.ops.varlen import Segments, varlen_attention
+    from mtrain.ops.varlen import varlen_attention
 
     B, S, Hq, D = q.shape
     measured = False  # the length is a break-even measured with each document's estimate (`_measured_break_even`)
@@ -236,7 +236,7 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
         return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=documents)
     if dense:
         cat = [torch.cat([t[b, start:start + n] for b, start, n in dense]) for t in (q, k, v)]
-        out = varlen_attention(*cat, Segments.build([n for _, _, n in dense], device=q.device), scaling)
+        out = varlen_attention(*cat, documents.segments_of([n for _, _, n in dense], q.device), scaling)
         for (b, start, n), piece in zip(dense, out.split([n for _, _, n in dense])):
             pieces[b, start] = piece
     rows = [torch.cat([pieces[b, start] for start in documents.starts(b)]) for b in range(B)]

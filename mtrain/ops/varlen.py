@@ -109,6 +109,17 @@ class Documents:
     def max_len(self) -> int:
         return self.segments.max_q
 
+    def segments_of(self, lengths, device=None) -> Segments:
+        """The varlen segments of `lengths` (some of these documents, in order) on `device`, built once per batch:
+        the per-document path's dense call over the documents it sends dense is the same in every layer that
+        chooses alike and again in each recomputed forward, and building its prefix sums copies them to the device
+        (a copy from pageable host memory, which waits for the device's queue to drain)."""
+        device = self.segments.cu_q.device if device is None else torch.device(device)
+        key = ("segments", tuple(int(n) for n in lengths), device)
+        if key not in self.cache:
+            self.cache[key] = Segments.build(key[1], device=device)
+        return self.cache[key]
+
     def starts(self, row: int) -> list[int]:
         """Start offsets of row `row`'s documents."""
         out, at = [], 0
