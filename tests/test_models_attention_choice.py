@@ -324,6 +324,29 @@ def test_attention_stats_per_layer():
     assert attention_stats([]) == {}
 
 
+def test_attention_stats_read_a_steps_records_back_at_once():
+    """A step's records hold their figures as device tensors; logging reads them all back in one copy (per device),
+    not one read per figure (a step of 30 layers and four documents holds a few hundred), with the same values."""
+    from syncs import CountSyncs, count_tolist
+
+    from mtrain.models.context import LayerRecord
+
+    records = [LayerRecord(i % 3, "sparse", torch.tensor(0.1 * (i + 1)), 10.0, 5.0,
+                           est_recall=torch.tensor([[0.9, 0.7]]), true_recall=torch.tensor([[0.8, 0.6]]),
+                           output_error=torch.tensor([0.01 * i])) for i in range(6)]
+    records.append(LayerRecord(3, "dense", None, 10.0, 12.0))
+    mode = CountSyncs()
+    with count_tolist() as reads, mode:
+        stats = attention_stats(records)
+    assert not mode.sites, dict(mode.sites)
+    assert len(reads) == 1 and "models/context.py" in reads[0], reads
+    assert stats["attn_density/L00"] == pytest.approx((0.1 + 0.4) / 2)
+    assert stats["attn_est_recall/L01"] == pytest.approx(0.8)
+    assert stats["attn_true_recall/L02"] == pytest.approx(0.7)
+    assert stats["attn_output_error/L02"] == pytest.approx((0.02 + 0.05) / 2)
+    assert stats["attention_paths"] == "sssd"
+
+
 def test_model_forward_records_every_layer():
     from transformers import AutoModelForCausalLM
 

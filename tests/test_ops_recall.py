@@ -61,6 +61,24 @@ def test_sampled_rows_documents_and_chunking(monkeypatch):
     assert torch.allclose(full.double(), reference_recall(q, k, index, doc_ids=docs), atol=1e-7)
 
 
+def test_sampled_recall_from_host_rows_reads_nothing_back(monkeypatch):
+    """Rows given on the host (as a training step's sampled rows are): their checks and each chunk's key count are
+    host arithmetic, so no op that would make the host wait for a GPU runs (the old code read the rows' min / max
+    and every chunk's last row back from the device); the same recall as the float64 reference."""
+    from syncs import CountSyncs
+
+    from mtrain.ops.recall import sampled_rows
+
+    q, k, index = make_case(seed=2)
+    rows = sampled_rows(150, 16)
+    monkeypatch.setattr(recall_mod, "_CHUNK_ELEMS", 2 * 6 * 150 * 3)  # three rows per chunk: six chunks
+    mode = CountSyncs()
+    with mode:
+        got = true_recall(q, k, index, rows=rows)
+    assert not mode.sites, dict(mode.sites)
+    assert torch.allclose(got.double(), reference_recall(q, k, index, rows=rows), atol=1e-7)
+
+
 def test_dense_index_has_recall_one_and_row_mask_matches_to_mask():
     from mtrain.ops.index import blocks_for_causal_dense
 

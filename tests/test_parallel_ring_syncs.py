@@ -5,43 +5,12 @@ repeat_interleave without a size) is counted on the CPU through a dispatch mode,
 `estimate_ring_index` and `ring_attention` on its index on 2 gloo ranks with the Triton scorer and steps (in the
 interpreter), the gathered schedule's K/V all-gather started before the estimate, as an estimated layer runs."""
 
-import collections
 import json
-import traceback
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-# Ops whose result the host must wait for on a GPU (a data-dependent size or a value read back).
-SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
-           "aten.unique_dim.default", "aten._unique2.default", "aten.unique_consecutive.default",
-           "aten.bincount.default", "aten.repeat_interleave.Tensor"}
-
-
-def _site() -> str:
-    for frame in reversed(traceback.extract_stack()):
-        if "/mtrain/" in frame.filename:
-            return f"{frame.filename.split('/mtrain/')[-1]}:{frame.lineno} {frame.name}"
-    return "?"
-
-
-class CountSyncs(TorchDispatchMode):
-    """Counts the syncing ops by the mtrain line that called them; tolist() (which does not dispatch on the CPU)
-    is counted by `count_tolist`."""
-
-    def __init__(self):
-        super().__init__()
-        self.sites = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        hit = name in SYNCING
-        if name in ("aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default"):
-            hit = any(t is not None and t.dtype == torch.bool for t in args[1])
-        if hit:
-            self.sites[f"{name} {_site()}"] += 1
-        return func(*args, **(kwargs or {}))
+from syncs import CountSyncs, site as _site
 
 
 def _worker(rank, world, init_file, out_file):

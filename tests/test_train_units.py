@@ -45,6 +45,26 @@ def test_chunked_loss_matches_full_cross_entropy(chunk):
         assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-7)
 
 
+def test_chunked_loss_reads_the_chunks_labels_back_once():
+    """Which chunks hold a label is read back in one host read for all chunks, not one per chunk (each a wait for
+    the device between the forward and the backward on a GPU); a chunk with no label (all -100) still adds nothing."""
+    from syncs import CountSyncs, count_tolist
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).double()
+    hidden = torch.randn(1, 40, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (1, 40))
+    labels[0, 8:16] = -100  # the second chunk of 8 holds no label
+    mode = CountSyncs()
+    with count_tolist() as reads, mode:
+        total, count = chunked_lm_loss(hidden, head, labels, chunk=8)
+    assert not mode.sites, dict(mode.sites)
+    assert len(reads) == 1 and "chunked_lm_loss" in reads[0], reads
+    ref = F.cross_entropy(head(hidden).reshape(-1, 50), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    assert int(count) == 32
+    assert torch.allclose(total.double(), ref, rtol=1e-6)
+
+
 def test_document_mask_blocks_cross_document_attention():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
     m = document_mask(pos)[0, 0]

@@ -68,15 +68,42 @@ class LayerRecord:
     """Bytes of this call's index lists on this rank (`mtrain.ops.index.list_bytes`: its rows under CP), 0 where no
     index was estimated."""
 
-    def as_floats(self) -> dict:
-        density = None if self.density is None else float(self.density)
-        out = {"layer": self.layer, "path": self.path, "density": density, "held": self.held, "dense_ms": self.dense_ms,
+    def as_floats(self, read: dict | None = None) -> dict:
+        """The record as plain numbers; `read`: its tensor figures already read back (`records_as_floats`)."""
+        read = read or {}
+        out = {"layer": self.layer, "path": self.path, "held": self.held, "dense_ms": self.dense_ms,
                "sparse_ms": self.sparse_ms, "cap_scale": self.cap_scale, "widened": self.widened,
                "escalated_recall": self.escalated_recall, "index_bytes": self.index_bytes}
-        for name in ("est_recall", "true_recall", "output_error"):
+        for name in TENSOR_FIGURES:
             value = getattr(self, name)
-            out[name] = None if value is None else float(value.float().mean())
+            out[name] = read[name] if name in read else None if value is None else float(_mean(value))
         return out
+
+
+TENSOR_FIGURES = ("density", "est_recall", "true_recall", "output_error")
+"""The `LayerRecord` fields that may hold device tensors (read back when the step is logged)."""
+
+
+def _mean(value):
+    return value.detach().float().mean() if isinstance(value, torch.Tensor) else value
+
+
+def records_as_floats(records) -> list[dict]:
+    """`LayerRecord.as_floats` of every record, their tensor figures read back in one copy per device (a step's
+    records hold a few hundred: one read each would make the host wait for the device as many times)."""
+    slots, parts = [], {}
+    for i, record in enumerate(records):
+        for name in TENSOR_FIGURES:
+            value = getattr(record, name)
+            if isinstance(value, torch.Tensor):
+                part = parts.setdefault(value.device, [])
+                slots.append((i, name, value.device, len(part)))
+                part.append(_mean(value).reshape(1))
+    host = {device: torch.cat(part).tolist() for device, part in parts.items()}
+    read = [{} for _ in records]
+    for i, name, device, j in slots:
+        read[i][name] = host[device][j]
+    return [record.as_floats(values) for record, values in zip(records, read)]
 
 
 def no_mask(*args, **kwargs):

@@ -401,7 +401,7 @@ def record_layer(rt, layer_idx, path, index, prediction, q=None, k=None, scaling
     if rt.inputs.sample_recall and path == "sparse" and q is not None:
         from mtrain.ops.recall import sampled_rows, true_recall
 
-        rows = sampled_rows(q.shape[1], rt.inputs.recall_rows, q.device)
+        rows = sampled_rows(q.shape[1], rt.inputs.recall_rows)  # on the host: true_recall reads none back
         with torch.no_grad():
             record.true_recall = true_recall(q.detach(), k.detach(), index, softmax_scale=scaling, doc_ids=doc_ids,
                                              rows=rows)

@@ -9,6 +9,16 @@ import torch
 import torch.nn.functional as F
 
 
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` (on the host) on `device` without making the host wait: a copy to a CUDA device from pageable memory
+    first waits for the device's queue to drain, so it goes through pinned memory, asynchronously (the caching
+    host allocator keeps the pinned copy alive until the transfer is done). Elsewhere a plain `.to(device)`."""
+    device = torch.device(device) if device is not None else t.device
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def importable(module: str) -> bool:
     """Whether `module` (dotted) is installed, without importing it (a missing parent package is no error)."""
     try:

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from mtrain.ops.backends import host_to_device
 from mtrain.ops.index import SparseIndex
 
 # Elements of one chunk's [B, Hq, rows, keys] score tensor (fp32: 128 MiB).
@@ -69,16 +70,18 @@ def true_recall(
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     dev = q.device
-    rows = torch.arange(S, device=dev) if rows is None else torch.as_tensor(rows, device=dev).long().flatten()
-    if rows.numel() == 0 or rows.min() < 0 or rows.max() >= S:
-        raise ValueError(f"rows must be a non-empty set of query positions in [0, {S}); got {rows.numel()} rows")
-    rows, _ = torch.sort(rows)
+    # the rows on the host (a read only where the caller's are on the device): their checks and each chunk's key
+    # count are host arithmetic, not a wait for the device per chunk
+    host = list(range(S)) if rows is None else sorted(torch.as_tensor(rows).detach().long().reshape(-1).tolist())
+    if not host or host[0] < 0 or host[-1] >= S:
+        raise ValueError(f"rows must be a non-empty set of query positions in [0, {S}); got {len(host)} rows")
+    rows = host_to_device(torch.tensor(host, dtype=torch.long), dev)
     kf = k.to(dt)
     total = torch.zeros(B, Hq, dtype=dt, device=dev)
     step = max(1, _CHUNK_ELEMS // max(1, B * Hq * S))
     for r0 in range(0, rows.numel(), step):
         r = rows[r0 : r0 + step]
-        n_keys = int(r[-1]) + 1  # keys after the chunk's last row are never visible
+        n_keys = host[min(r0 + step, len(host)) - 1] + 1  # keys after the chunk's last row are never visible
         kp = torch.arange(n_keys, device=dev)
         qr = q[:, r].to(dt).reshape(B, r.numel(), Hkv, G, D)
         s = torch.einsum("bqhgd,bkhd->bhgqk", qr, kf[:, :n_keys]).reshape(B, Hq, r.numel(), n_keys) * scale
@@ -90,7 +93,7 @@ def true_recall(
         p = torch.softmax(s, dim=-1)
         inside = index_row_mask(index, r, kp)
         total += torch.where(inside, p, 0.0).sum(-1).sum(-1)
-    return (total / rows.numel()).float()
+    return (total / len(host)).float()
 
 
 def output_error(

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from mtrain.ops.backends import fa4_runs, has_flash_attn, sdpa_attention
+from mtrain.ops.backends import fa4_runs, has_flash_attn, host_to_device, sdpa_attention
 
 # Backends of `varlen_attention`, fastest first where each runs (BENCHMARKS.md, "Dense attention with documents").
 VARLEN_BACKENDS = ("fa4", "flash_attn", "sdpa", "triton")
@@ -38,8 +38,9 @@ class Segments:
             raise ValueError(f"varlen segments need as many key lengths as query lengths, each >= its query length "
                              f"(>= 1); got {q_lengths} / {k_lengths}")
 
-        def prefix(lengths):
-            return torch.tensor((0, *torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32).to(device)
+        def prefix(lengths):  # built on the host, copied without waiting for the device
+            return host_to_device(torch.tensor((0, *torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32),
+                                  device)
 
         return cls(q_lengths, k_lengths, prefix(q_lengths), prefix(k_lengths))
 

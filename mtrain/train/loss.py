@@ -28,15 +28,20 @@ def chunked_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torc
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_y = labels.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, flat_y.numel(), chunk):
-        h, y = flat_h[start : start + chunk], flat_y[start : start + chunk]
-        if not bool((y != -100).any()):
+    starts = range(0, flat_y.numel(), chunk)
+    # which chunks hold a label, in one read for all of them (a read per chunk would make the host wait for the
+    # device once per chunk, between the model's forward and its backward)
+    valid = flat_y != -100
+    labelled = torch.stack([valid[start : start + chunk].any() for start in starts]).tolist()
+    for start, any_label in zip(starts, labelled):
+        if not any_label:
             continue
+        h, y = flat_h[start : start + chunk], flat_y[start : start + chunk]
         if torch.is_grad_enabled():
             total = total + checkpoint(_chunk_loss_sum, h, lm_head.weight, lm_head.bias, y, use_reentrant=False)
         else:
             total = total + _chunk_loss_sum(h, lm_head.weight, lm_head.bias, y)
-    return total, (flat_y != -100).sum()
+    return total, valid.sum()
 
 
 class ChunkedLossLM(torch.nn.Module):

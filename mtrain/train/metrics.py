@@ -125,7 +125,9 @@ def attention_stats(records: list) -> dict:
     """
     if not records:
         return {}
-    rows = [r.as_floats() for r in records]
+    from mtrain.models.context import records_as_floats
+
+    rows = records_as_floats(records)  # one host read for the step's records
     by_layer: dict = {}
     for i, row in enumerate(rows):
         by_layer.setdefault(row["layer"] if row["layer"] is not None else i, []).append(row)
