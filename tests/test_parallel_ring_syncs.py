@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from syncs import CountSyncs, site as _site
+from syncs import CountSyncs, count_tolist
 
 
 def _worker(rank, world, init_file, out_file):
@@ -29,13 +29,6 @@ def _worker(rank, world, init_file, out_file):
     q, k, v = (torch.randn(1, seq, h, 16, generator=gen) for h in (2, 1, 1))
     shards = [layout.shard(t, rank).detach().requires_grad_() for t in (q, k, v)]
     settings = SparseSettings(block_size=bs, max_vertical=32, max_slash=512, last_q=32, sample_blocks=2)
-    tolist = torch.Tensor.tolist
-    reads = []
-
-    def counted(self, *a, **kw):
-        reads.append(_site())
-        return tolist(self, *a, **kw)
-
     from mtrain.ops.switches import DEFAULTS, Switches
 
     def call(schedule, static_bytes):
@@ -61,13 +54,8 @@ def _worker(rank, world, init_file, out_file):
             call(schedule, static_bytes)
             warm.add(schedule)
         mode = CountSyncs()
-        reads.clear()
-        torch.Tensor.tolist = counted
-        try:
-            with mode:
-                call(schedule, static_bytes)
-        finally:
-            torch.Tensor.tolist = tolist
+        with count_tolist() as reads, mode:
+            call(schedule, static_bytes)
         results[case] = {"syncs": dict(mode.sites), "tolist": list(reads)}
     assert os.environ.get("TRITON_INTERPRET") == "1"
     with open(f"{out_file}.{rank}", "w") as f:

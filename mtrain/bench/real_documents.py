@@ -34,6 +34,7 @@ from mtrain.bench.model import as_trained as model_layer
 from mtrain.bench.model import fwd_bwd
 from mtrain.bench.timing import timed
 from mtrain.data.docmix import packed_mix
+from mtrain.models.context import records_as_floats
 
 
 def _peer(documents, scale):
@@ -113,7 +114,7 @@ def _time_mtrain(as_trained, q, k, v, dout, iters: int, hold: int, rt, threshold
     finally:
         rt.settings.policy, rt.policy.dense_until, rt.policy.hold_streak, rt.policy.checked_until, rt.inputs.step = saved
         rt.inputs.sample_recall = False
-    records = [r.as_floats() for r in first]
+    records = records_as_floats(first)  # one read for all the records
     del rt.records.layers[mark:], rt.records.densities[:]
     sparse = [r for r in records if r["path"] == "sparse"]
     return {"min_sparse_document": threshold, "mtrain_ms": mtrain_ms, "steady_ms": steady_ms,

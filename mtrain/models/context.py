@@ -69,23 +69,21 @@ class LayerRecord:
     index was estimated."""
 
     def as_floats(self, read: dict | None = None) -> dict:
-        """The record as plain numbers; `read`: its tensor figures already read back (`records_as_floats`)."""
-        read = read or {}
+        """The record as plain numbers. read: its tensor figures already read back (what `records_as_floats` passes
+        for a step's records); None reads them here, in one copy."""
+        if read is None:
+            return records_as_floats([self])[0]
         out = {"layer": self.layer, "path": self.path, "held": self.held, "dense_ms": self.dense_ms,
                "sparse_ms": self.sparse_ms, "cap_scale": self.cap_scale, "widened": self.widened,
                "escalated_recall": self.escalated_recall, "index_bytes": self.index_bytes}
         for name in TENSOR_FIGURES:
             value = getattr(self, name)
-            out[name] = read[name] if name in read else None if value is None else float(_mean(value))
+            out[name] = read[name] if name in read else None if value is None else float(value)
         return out
 
 
 TENSOR_FIGURES = ("density", "est_recall", "true_recall", "output_error")
 """The `LayerRecord` fields that may hold device tensors (read back when the step is logged)."""
-
-
-def _mean(value):
-    return value.detach().float().mean() if isinstance(value, torch.Tensor) else value
 
 
 def records_as_floats(records) -> list[dict]:
@@ -98,7 +96,7 @@ def records_as_floats(records) -> list[dict]:
             if isinstance(value, torch.Tensor):
                 part = parts.setdefault(value.device, [])
                 slots.append((i, name, value.device, len(part)))
-                part.append(_mean(value).reshape(1))
+                part.append(value.detach().float().mean().reshape(1))
     host = {device: torch.cat(part).tolist() for device, part in parts.items()}
     read = [{} for _ in records]
     for i, name, device, j in slots:

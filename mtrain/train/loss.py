@@ -32,7 +32,7 @@ def chunked_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torc
     # which chunks hold a label, in one read for all of them (a read per chunk would make the host wait for the
     # device once per chunk, between the model's forward and its backward)
     valid = flat_y != -100
-    labelled = torch.stack([valid[start : start + chunk].any() for start in starts]).tolist()
+    labelled = torch.nn.functional.pad(valid, (0, -valid.numel() % chunk)).view(-1, chunk).any(-1).tolist()
     for start, any_label in zip(starts, labelled):
         if not any_label:
             continue
