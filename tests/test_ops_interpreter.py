@@ -35,6 +35,7 @@ QUICK = ["test_ops_sparse_attention.py::test_triton_fp32_matches_float64_referen
 # kernel tests of other files, run in the same quick process (each would otherwise start an interpreter of its own): the
 # quality check's output error, moba and xattention, `mtrain bench check`'s Triton engines
 QUICK_ELSEWHERE = ["test_quality_check.py::test_block_output_error_through_the_triton_kernels_in_the_interpreter",
+                   "test_quality_check.py::test_block_output_error_plans_its_dense_lists_on_the_host",
                    "test_baselines_interpreter.py::test_baselines_through_triton_kernels_in_interpreter",
                    "test_bench_cli.py::test_check_smoke"]
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"

@@ -121,6 +121,24 @@ def test_block_output_error_through_the_triton_kernels_in_the_interpreter():
         torch.testing.assert_close(got.double(), want_head, rtol=1e-4, atol=0.0)
 
 
+@needs_interpreter  # in the quick suite's interpreter process, with the test above
+def test_block_output_error_plans_its_dense_lists_on_the_host():
+    """The check's dense call takes its block lists from the host plan made once per row set: a repeated call runs
+    no op a GPU's host would wait for, apart from the checks of the rows themselves (a CPU tensor: host arithmetic
+    on a GPU too). The old code built the lists on the device in every call: a count read back and two nonzero()."""
+    from syncs import CountSyncs
+
+    q, k, v, _, index = lossy_case(False)
+    rows = torch.tensor([0, 5, 31, 32, 100, 149, 150, 151, 200, 287, 319])
+    first = block_output_error(q, k, v, index, rows, impl="triton")
+    mode = CountSyncs()
+    with mode:
+        again = block_output_error(q, k, v, index, rows, impl="triton")
+    on_device = {site: n for site, n in mode.sites.items() if "_rows_key" not in site}
+    assert not on_device, on_device
+    assert torch.equal(first, again)
+
+
 def test_output_error_is_zero_for_the_dense_pattern():
     q, k, v = inputs("local")
     index = estimate_vertical_slash(q, k, recall=1.0, block_size=BS, max_vertical=q.shape[1], max_slash=q.shape[1])

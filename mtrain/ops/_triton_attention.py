@@ -746,16 +746,25 @@ def _visible_blocks(q_pos, k_pos, block_size, causal):
     return k_min[None, :] <= q_max[:, None]
 
 
+def dense_plan(q_pos, k_pos, block_size: int, causal: bool = True) -> tuple:
+    """What `blocks=None` runs on, shared by all heads: (ids [nQB, M] int32, -1 padded, counts [nQB] int32) of every
+    key block some query of each query block sees, and their ragged transpose (flat query blocks int32, starts int64,
+    counts int32; see `transpose_blocks_csr`), on the positions' device. Built on the device it reads host values
+    back three times (a wait for the GPU's queue each); a caller whose positions repeat plans it once on the host and
+    passes it in `plans["dense"]` (`mtrain.ops.recall.scored_blocks` does)."""
+    vis = _visible_blocks(q_pos, k_pos, block_size, causal)
+    ids, counts = compact(vis)
+    _, t_flat = torch.nonzero(vis.t(), as_tuple=True)  # row-major: per key block, query blocks in order
+    t_counts = vis.sum(0, dtype=torch.int32)
+    t_starts = torch.cumsum(t_counts, 0, dtype=torch.int64) - t_counts
+    return ids, counts, (t_flat.to(torch.int32), t_starts, t_counts)
+
+
 def _dense_lists(q_pos, k_pos, block_size, causal, B, H, plans):
-    """Block lists (and their ragged transpose, see `transpose_blocks_csr`) for `blocks=None`: every
-    visible key block, shared by all heads."""
+    """Block lists (and their ragged transpose) for `blocks=None` (`dense_plan`, kept in plans["dense"]), as
+    zero-stride views over the batch and the heads."""
     if "dense" not in plans:
-        vis = _visible_blocks(q_pos, k_pos, block_size, causal)
-        ids, counts = compact(vis)
-        _, t_flat = torch.nonzero(vis.t(), as_tuple=True)  # row-major: per key block, query blocks in order
-        t_counts = vis.sum(0, dtype=torch.int32)
-        t_starts = torch.cumsum(t_counts, 0, dtype=torch.int64) - t_counts
-        plans["dense"] = (ids, counts, (t_flat.to(torch.int32), t_starts, t_counts))
+        plans["dense"] = dense_plan(q_pos, k_pos, block_size, causal)
     ids, counts, (t_flat, t_starts, t_counts) = plans["dense"]
     # Zero strides over batch and heads: one list in memory for every (b, h).
     return (ids.expand(B, H, *ids.shape), counts.expand(B, H, *counts.shape),

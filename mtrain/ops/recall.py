@@ -162,22 +162,33 @@ def output_error(
 def scored_blocks(rows: torch.Tensor, block_size: int, seq_len: int, device) -> tuple:
     """(positions of the whole query blocks holding `rows` (a CPU tensor of positions), where each row lies among
     them, the blocks), on `device`: planned on the host once per row set (cached) and copied once."""
+    return _row_blocks(_rows_key(rows, seq_len), block_size, seq_len, torch.device(device))[:3]
+
+
+def _rows_key(rows: torch.Tensor, seq_len: int) -> bytes:
+    """`rows` (positions, on the host) checked, sorted and made unique, as the bytes `_row_blocks` is cached by."""
     rows = torch.as_tensor(rows, device="cpu").long().flatten().unique()  # sorted
     if rows.numel() == 0 or rows[0] < 0 or rows[-1] >= seq_len:
         raise ValueError(f"rows must be a non-empty set of query positions in [0, {seq_len}); got {rows.numel()} rows")
-    return _row_blocks(rows.numpy().tobytes(), block_size, seq_len, torch.device(device))
+    return rows.numpy().tobytes()
 
 
 @functools.lru_cache(maxsize=16)
 def _row_blocks(rows_key: bytes, block_size: int, seq_len: int, device: torch.device):
-    """(positions of the whole query blocks holding `rows`, where each row lies among them, the blocks): made on
-    the host once per row set and copied to `device` once (a copy per call would wait for the GPU's queue)."""
+    """(positions of the whole query blocks holding `rows`, where each row lies among them, the blocks, and the
+    dense call's block lists over keys 0..seq_len-1 for those positions: `_triton_attention.dense_plan`): made on the
+    host once per row set and copied to `device` once (a copy per call would wait for the GPU's queue, and the
+    lists built on the device read three values back)."""
+    from mtrain.ops._triton_attention import dense_plan
+
     rows = torch.frombuffer(bytearray(rows_key), dtype=torch.long)
     blocks = torch.unique(rows // block_size)
     pos = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
     pos = pos[pos < seq_len]
     at = torch.searchsorted(pos, rows)
-    return pos.to(device), at.to(device), blocks.to(device)
+    plan = dense_plan(pos, torch.arange(seq_len), block_size, causal=True)
+    on = functools.partial(torch.Tensor.to, device=device)
+    return on(pos), on(at), on(blocks), (on(plan[0]), on(plan[1]), tuple(on(t) for t in plan[2]))
 
 
 def block_output_error(
@@ -204,7 +215,7 @@ def block_output_error(
         raise ValueError(f"index is for [B, Hq] = {tuple(index.block_ids.shape[:2])} and {index.seq_len} tokens; "
                          f"q is [B={B}, S={S}, Hq={Hq}]")
     bs = index.block_size
-    pos, at, blocks = scored_blocks(rows, bs, S, q.device)
+    pos, at, blocks, plan = _row_blocks(_rows_key(rows, S), bs, S, torch.device(q.device))
     k_pos = torch.arange(S, device=q.device)
     qs = q[:, pos]
     docs = {} if doc_ids is None else dict(q_doc=doc_ids[:, pos].to(q.device), k_doc=doc_ids.to(q.device))
@@ -212,7 +223,7 @@ def block_output_error(
     lists = dict(blocks=(index.block_ids[:, :, blocks].contiguous(), index.block_counts[:, :, blocks].contiguous()),
                  columns=(index.col_ids[:, :, blocks].contiguous(), index.col_counts[:, :, blocks].contiguous()))
     sparse, _ = attention_forward(qs, k, v, **common, **lists)
-    dense, _ = attention_forward(qs, k, v, **common)
+    dense, _ = attention_forward(qs, k, v, **common, plans={"dense": plan})  # lists planned on the host
     return relative_error(sparse[:, at], dense[:, at], per_head)
 
 
