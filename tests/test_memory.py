@@ -260,6 +260,31 @@ def test_trainer_profiles_the_step_it_is_asked_to(tmp_path):
         assert int(line.split()[2]) == 2, line  # the forward and the checkpointed recompute
     assert "most self host time" in text  # (the device table only where a GPU was recorded)
     assert "aten::" in text
+    inside = text.split("inside the attention calls")[1].splitlines()[1:]
+    assert inside[-1].startswith("every entry inside") and len(inside) > 3, inside
+    assert not any(x.startswith("mtrain.attention") for x in inside), inside
+
+
+def test_profile_attributes_operators_to_the_attention_calls_they_ran_in():
+    """`inside_attention` counts the operators under an attention call's range (nested ones included) and none
+    outside it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mtrain.models.attention import profile_range
+    from mtrain.train.step_profile import inside_attention
+
+    x = torch.randn(8, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.nn.functional.silu(x)
+        with profile_range(3):
+            torch.mm(x, x)
+            with torch.profiler.record_function("est:1 score"):
+                torch.exp(x)
+        with profile_range(4):
+            torch.mm(x, x)
+    got = inside_attention(prof.events())
+    assert got["aten::mm"][0] == 2 and got["aten::exp"][0] == 1 and got["est:1 score"][0] == 1, got
+    assert "aten::silu" not in got and not any(name.startswith("mtrain.attention") for name in got), got
 
 
 def test_checkpointed_model_holds_no_replayed_index_after_its_layers_forward(monkeypatch):

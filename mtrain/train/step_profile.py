@@ -55,9 +55,45 @@ def _self_device_time(evt) -> float:
     return _attr(evt, ("self_device_time_total", "self_cuda_time_total"))
 
 
-def summarise(averages, wall_s: float, top: int = TOP) -> str:
+def inside_attention(events) -> dict[str, list[float]]:
+    """Per operator name, [calls, self device us, self host us] of the operators run inside an attention call's range
+    (`mtrain.models.attention.profile_range`: the forward and the recomputed forward, its estimate, index building,
+    copies and kernels; the backward runs outside the ranges). `events`: `prof.events()`."""
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.name.startswith(LABEL):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith(LABEL):
+            parent = parent.cpu_parent
+        if parent is None:
+            continue
+        got = totals.setdefault(e.name, [0, 0.0, 0.0])
+        got[0] += 1
+        got[1] += _self_device_time(e)
+        got[2] += float(e.self_cpu_time_total)
+    return totals
+
+
+def _inside_table(totals: dict[str, list[float]], device: bool, top: int) -> list[str]:
+    """`inside_attention`'s figures as text lines: the entries with the most self device time (host time without a
+    device), with the sums over every entry."""
+    if not totals:
+        return []
+    rank = 1 if device else 2
+    lines = ["", f"inside the attention calls (forward, recomputed forward), by self {'device' if device else 'host'} "
+             f"time: name | calls | self device ms | self host ms"]
+    for name, (calls, dev, host) in sorted(totals.items(), key=lambda kv: kv[1][rank], reverse=True)[:top]:
+        lines.append(f"{name[:90]:90s} {int(calls):6d} {dev / 1e3:10.2f} {host / 1e3:10.2f}")
+    calls, dev, host = (sum(v[i] for v in totals.values()) for i in range(3))
+    lines.append(f"{'every entry inside':90s} {int(calls):6d} {dev / 1e3:10.2f} {host / 1e3:10.2f}")
+    return lines
+
+
+def summarise(averages, wall_s: float, top: int = TOP, events=None) -> str:
     """The profile's text: per attention label (by layer) host and device ms; then the entries with the
-    most self device time and the most host time. `averages`: `prof.key_averages()`."""
+    most self device time and the most host time; with `events` (`prof.events()`), the operators inside the
+    attention calls (`inside_attention`). `averages`: `prof.key_averages()`."""
     rows = list(averages)
     lines = [f"# step wall time {wall_s * 1e3:.1f} ms"]
     total_device = sum(_self_device_time(e) for e in rows) / 1e3
@@ -83,6 +119,8 @@ def summarise(averages, wall_s: float, top: int = TOP) -> str:
         for e in sorted((e for e in rows if not e.key.startswith(LABEL)), key=key, reverse=True)[:top]:
             lines.append(f"{e.key[:90]:90s} {e.count:6d} {_self_device_time(e) / 1e3:10.2f} "
                          f"{e.self_cpu_time_total / 1e3:10.2f}")
+    if events is not None:
+        lines += _inside_table(inside_attention(events), total_device > 0, top)
     return "\n".join(lines) + "\n"
 
 
@@ -115,7 +153,7 @@ class StepProfile:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - self.t0
             prof.__exit__(None, None, None)
-            text = f"# step {self.step}{'; ' + reason if reason else ''}\n" + summarise(prof.key_averages(), wall)
+            text = f"# step {self.step}{'; ' + reason if reason else ''}\n" + summarise(prof.key_averages(), wall, events=prof.events())
             write_text_atomic(self.path, text)
             log.info("step %d profile written to %s", self.step, self.path)
         except Exception as exc:  # a diagnostic must not hide the run's own error
