@@ -247,6 +247,39 @@ def test_graphed_estimate_clone_and_comparison():
     assert not same_index(other, eager)
 
 
+def test_graph_cache_does_not_churn_when_more_keys_are_in_use_than_it_keeps():
+    """A training step on packed documents meets one estimate key per document length and recall: three lengths,
+    escalated layers at a second recall (six keys). With room for six no step after the first captures; with room for
+    four, the dropped keys run eagerly instead of being captured again in every step (the old cache deleted them: two
+    to four captures a step, each an eager check and a freed pool), and every kept graph keeps serving."""
+    from mtrain.ops.graphed import GraphCache
+
+    def steps(size, n=5):
+        cache, counts = GraphCache(), []
+        for _ in range(n):
+            got = {"capture": 0, "eager": 0, "replay": 0}
+            for layer in range(30):
+                recall = 0.995 if layer in (7, 18, 20) else 0.99
+                for length in (107479, 81264, 49807):
+                    key = (length, recall)
+                    if cache.graph(key) is not None:
+                        got["replay"] += 1
+                    elif cache.capture_due(key):
+                        got["capture"] += 1
+                        cache.keep(key, object(), size)
+                    else:
+                        got["eager"] += 1
+            counts.append(got)
+        return counts
+
+    roomy = steps(6)
+    assert roomy[0]["capture"] == 6 and all(c == {"capture": 0, "eager": 0, "replay": 90} for c in roomy[1:]), roomy
+    tight = steps(4)
+    assert all(c["capture"] == 0 for c in tight[1:]), tight
+    assert all(c["replay"] + c["eager"] == 90 and c["replay"] >= 4 * 3 for c in tight[1:]), tight
+    assert tight[1] == tight[-1], tight  # a steady state
+
+
 def test_graphed_clone_copies_engine_plans():
     """What prepare_engine adds to an index's cache (here FA4's lists, buildable on the CPU) is copied by the clone
     a replay returns (the packed copy a graph keeps): equal values, the same types and shapes, no storage shared with

@@ -22,8 +22,11 @@ from mtrain.ops.switches import Switches, or_defaults
 log = logging.getLogger(__name__)
 
 # Captured graphs kept at once (each holds its own memory pool: ~0.1-0.3 GB at 128K); the least recently used
-# goes first. A training run needs one; an eval over many lengths would otherwise keep one per length.
-MAX_GRAPHS = 4
+# goes first and its key runs eagerly from then on. A training run needs one per estimate setting and shape it meets
+# every step: on packed documents one per document length that runs sparse, times the recalls its layers estimate at
+# (escalated layers: attention.escalate_recall) and their cap scales (six at 256K on the long mix); an eval over many
+# lengths would otherwise keep one per length.
+MAX_GRAPHS = 8
 
 
 class _Graph:
@@ -138,8 +141,10 @@ def capture(run):
 
 class GraphCache:
     """Captured graphs by key (shapes and settings): a key is "warm" once seen (its kernels compiled), "eager" where
-    its capture failed or did not match, or holds its graph; `keep` keeps at most `size` graphs, the least recently
-    used going first (seen again, its key starts over)."""
+    its capture failed or did not match, or where its graph was dropped, or holds its graph; `keep` keeps at most
+    `size` graphs, the least recently used going first. A dropped key is not captured again: with more keys in use
+    than `size`, capturing them in turn would drop another each time (a capture, an eager check and a pool freed, which
+    waits for the device, per key and step) where eager estimates cost only themselves."""
 
     def __init__(self):
         self.entries: OrderedDict = OrderedDict()
@@ -166,7 +171,7 @@ class GraphCache:
         self.entries[key] = graph
         graphs = [name for name, value in self.entries.items() if not isinstance(value, str)]
         for name in graphs[:-size]:
-            del self.entries[name]
+            self.entries[name] = "eager"
 
 
 # key -> "warm", "eager" or a _Graph
@@ -245,5 +250,6 @@ def estimate_graphed(q: torch.Tensor, k: torch.Tensor, *, doc_ids: torch.Tensor 
         warnings.warn("the CUDA-graph replay of the pattern estimate differs from the eager estimate; it runs eagerly")
         return eager
     _GRAPHS.keep(key, graph, MAX_GRAPHS)
-    log.info("pattern estimate captured as a CUDA graph for q %s", tuple(q.shape))
+    log.info("pattern estimate captured as a CUDA graph for q %s (%d kept)", tuple(q.shape),
+             sum(not isinstance(entry, str) for entry in _GRAPHS.entries.values()))
     return eager

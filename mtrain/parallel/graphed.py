@@ -32,7 +32,7 @@ from mtrain.ops.switches import Switches, or_defaults
 
 log = logging.getLogger(__name__)
 
-MAX_GRAPHS = 4
+MAX_GRAPHS = 8  # as one device's (`mtrain.ops.graphed.MAX_GRAPHS`): a key whose graph was dropped runs eagerly
 # key -> "warm", "eager" (capture failed or did not match on some rank) or a _RankGraph
 _GRAPHS = GraphCache()
 
