@@ -153,7 +153,8 @@ class StepProfile:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - self.t0
             prof.__exit__(None, None, None)
-            text = f"# step {self.step}{'; ' + reason if reason else ''}\n" + summarise(prof.key_averages(), wall, events=prof.events())
+            text = f"# step {self.step}{'; ' + reason if reason else ''}\n" + summarise(
+                prof.key_averages(), wall, events=prof.events())
             write_text_atomic(self.path, text)
             log.info("step %d profile written to %s", self.step, self.path)
         except Exception as exc:  # a diagnostic must not hide the run's own error
