@@ -260,9 +260,10 @@ def test_trainer_profiles_the_step_it_is_asked_to(tmp_path):
         assert int(line.split()[2]) == 2, line  # the forward and the checkpointed recompute
     assert "most self host time" in text  # (the device table only where a GPU was recorded)
     assert "aten::" in text
-    inside = text.split("inside the attention calls")[1].splitlines()[1:]
+    inside = text.split("inside the attention calls")[1].split("\n\n")[0].splitlines()[1:]
     assert inside[-1].startswith("every entry inside") and len(inside) > 3, inside
     assert not any(x.startswith("mtrain.attention") for x in inside), inside
+    assert text.rstrip().endswith("none recorded")  # no CUDA runtime calls on the CPU
 
 
 def test_profile_attributes_operators_to_the_attention_calls_they_ran_in():
@@ -285,6 +286,33 @@ def test_profile_attributes_operators_to_the_attention_calls_they_ran_in():
     got = inside_attention(prof.events())
     assert got["aten::mm"][0] == 2 and got["aten::exp"][0] == 1 and got["est:1 score"][0] == 1, got
     assert "aten::silu" not in got and not any(name.startswith("mtrain.attention") for name in got), got
+
+
+def test_profile_names_where_the_host_waited_and_who_called():
+    """`host_waits` counts the named runtime calls (here aten::_local_scalar_dense, which a GPU's .item() turns into a
+    stream synchronisation, stands in for them), split by inside / outside the attention ranges, with their callers
+    innermost first; other operators are not counted. The table names each and sums per call and place."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mtrain.models.attention import profile_range
+    from mtrain.train.step_profile import _waits_table, host_waits
+
+    x = torch.randn(8, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        x.sum().item()
+        with profile_range(3):
+            with torch.profiler.record_function("est:1 score"):
+                x.sum().item()
+                x.max().item()
+            torch.mm(x, x)
+    got = host_waits(prof.events(), names=("aten::_local_scalar_dense",))
+    assert got[("aten::_local_scalar_dense", "outside", "aten::item")][0] == 1, got
+    assert got[("aten::_local_scalar_dense", "attention", "aten::item < est:1 score")][0] == 2, got
+    assert len(got) == 2, got
+    assert host_waits(prof.events()) == {}  # no CUDA runtime calls on the CPU
+    lines = _waits_table(got, top=10)
+    assert any("every caller" in x and "attention" in x and x.split()[-2] == "2" for x in lines), lines
+    assert "none recorded" in _waits_table({}, top=10)[-1]
 
 
 def test_checkpointed_model_holds_no_replayed_index_after_its_layers_forward(monkeypatch):

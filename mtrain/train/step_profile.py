@@ -3,7 +3,8 @@ on every rank (host and, on a GPU, device activity) and RUN/profile/rankR.txt is
 that step: the step's wall time, the device and host time of each layer's attention call (the `mtrain.attention LNN`
 ranges `mtrain.models.attention.profile_range` puts around every call, recomputed forwards included; the path each
 layer took is the step's `attention_paths` in metrics.jsonl), and the operators and kernels that took the most device
-time and the most host time. A diagnostic: the profiled step runs slower than the
+time and the most host time, the operators run inside the attention calls, and the host's waits for the device
+(stream synchronisations, driver allocations) with their callers. A diagnostic: the profiled step runs slower than the
 others (the profiler's own cost), so its tokens/s is not a speed figure."""
 
 from __future__ import annotations
@@ -75,6 +76,55 @@ def inside_attention(events) -> dict[str, list[float]]:
     return totals
 
 
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMalloc", "cudaFree")
+CHAIN = 3  # callers named per wait
+
+
+def _is_wait(name: str, names: tuple[str, ...]) -> bool:
+    return name.startswith(names) or name == "cudaMemcpy"  # (cudaMemcpy without Async waits for the device)
+
+
+def host_waits(events, names: tuple[str, ...] = WAITS, chain: int = CHAIN) -> dict[tuple[str, str, str], list[float]]:
+    """Where the host waited for the device or the allocator went to the driver: per (runtime call, "attention" or
+    "outside" the attention calls' ranges, its callers innermost first: up to `chain` operator or range names, e.g.
+    "aten::_local_scalar_dense < aten::item < est:1 score"), [calls, host us]. A runtime call matches `names` by
+    prefix (CUDA versions add suffixes). Each such call inside an attention range stalls the host until the device
+    drains, and the device then idles while the host launches what comes next. `events`: `prof.events()`."""
+    totals: dict[tuple[str, str, str], list[float]] = {}
+    for e in events:
+        if not _is_wait(e.name, names):
+            continue
+        callers, where, parent = [], "outside", e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith(LABEL):
+                where = "attention"
+                break
+            if len(callers) < chain:
+                callers.append(parent.name)
+            parent = parent.cpu_parent
+        got = totals.setdefault((e.name, where, " < ".join(callers) or "-"), [0, 0.0])
+        got[0] += 1
+        got[1] += float(e.cpu_time_total)
+    return totals
+
+
+def _waits_table(totals: dict[tuple[str, str, str], list[float]], top: int) -> list[str]:
+    """`host_waits`'s figures as text lines, the most frequent first, with the sums per runtime call and place."""
+    if not totals:
+        return ["", "host waits and driver allocations (" + ", ".join(WAITS) + "): none recorded"]
+    lines = ["", "host waits and driver allocations: runtime call | where | callers (innermost first) | calls | host ms"]
+    for (name, where, callers), (calls, host) in sorted(totals.items(), key=lambda kv: kv[1][0], reverse=True)[:top]:
+        lines.append(f"{name[:28]:28s} {where:9s} {callers[:110]:110s} {int(calls):6d} {host / 1e3:9.2f}")
+    sums: dict[tuple[str, str], list[float]] = {}
+    for (name, where, _), (calls, host) in totals.items():
+        got = sums.setdefault((name, where), [0, 0.0])
+        got[0] += calls
+        got[1] += host
+    for (name, where), (calls, host) in sorted(sums.items()):
+        lines.append(f"{name[:28]:28s} {where:9s} {'every caller':110s} {int(calls):6d} {host / 1e3:9.2f}")
+    return lines
+
+
 def _inside_table(totals: dict[str, list[float]], device: bool, top: int) -> list[str]:
     """`inside_attention`'s figures as text lines: the entries with the most self device time (host time without a
     device), with the sums over every entry."""
@@ -93,7 +143,7 @@ def _inside_table(totals: dict[str, list[float]], device: bool, top: int) -> lis
 def summarise(averages, wall_s: float, top: int = TOP, events=None) -> str:
     """The profile's text: per attention label (by layer) host and device ms; then the entries with the
     most self device time and the most host time; with `events` (`prof.events()`), the operators inside the
-    attention calls (`inside_attention`). `averages`: `prof.key_averages()`."""
+    attention calls (`inside_attention`) and where the host waited for the device (`host_waits`). `averages`: `prof.key_averages()`."""
     rows = list(averages)
     lines = [f"# step wall time {wall_s * 1e3:.1f} ms"]
     total_device = sum(_self_device_time(e) for e in rows) / 1e3
@@ -121,6 +171,7 @@ def summarise(averages, wall_s: float, top: int = TOP, events=None) -> str:
                          f"{e.self_cpu_time_total / 1e3:10.2f}")
     if events is not None:
         lines += _inside_table(inside_attention(events), total_device > 0, top)
+        lines += _waits_table(host_waits(events), top)
     return "\n".join(lines) + "\n"
 
 
