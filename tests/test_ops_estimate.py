@@ -280,6 +280,40 @@ def test_graph_cache_does_not_churn_when_more_keys_are_in_use_than_it_keeps():
     assert tight[1] == tight[-1], tight  # a steady state
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs)")
+def test_graphed_estimates_share_one_pool_and_replay_in_any_order():
+    """Three estimate settings (lengths, one with documents, one with the triton engine's plans) captured into the
+    shared pool, then replayed in an order unlike their capture's, each on new inputs: every replay equals the eager
+    estimate of its own inputs. A graph that read memory it does not write in its replay, where another graph's
+    temporaries or outputs now lie, would differ. The three graphs use one pool."""
+    from mtrain.ops.graphed import _GRAPHS, estimate_graphed, same_index, shared_pool
+
+    _GRAPHS.entries.clear()
+    kw = dict(recall=0.95, block_size=64, sample_blocks=4)
+    cases = {"short": (1024, None, None), "documents": (2048, 700, None), "plans": (1536, None, ("triton", 2, 64))}
+
+    def call(name, seed):
+        S, cut, prepare = cases[name]
+        q, k = planted(S, 4, 2, 64, offset=5 + seed % 7, outlier=50 + 13 * seed, seed=seed)
+        q, k = q.cuda().bfloat16(), k.cuda().bfloat16()
+        docs = None
+        if cut is not None:
+            docs = torch.zeros(1, S, dtype=torch.long, device="cuda")
+            docs[:, cut + seed:] = 1
+        got = estimate_graphed(q, k, doc_ids=docs, prepare=prepare, **kw)
+        want = estimate_vertical_slash(q, k, doc_ids=docs, **kw)
+        return same_index(got, want)
+
+    for name in cases:  # the first call compiles, the second captures
+        assert call(name, 1) and call(name, 2), name
+    graphs = [entry for entry in _GRAPHS.entries.values() if not isinstance(entry, str)]
+    assert len(graphs) == 3, _GRAPHS.entries
+    assert all(g.graph.pool() == shared_pool() for g in graphs)
+    for seed, name in enumerate(["plans", "short", "documents", "short", "plans", "documents", "plans"], start=3):
+        assert call(name, seed), f"replay {seed} ({name}) differs from the eager estimate"
+    _GRAPHS.entries.clear()
+
+
 def test_graphed_clone_copies_engine_plans():
     """What prepare_engine adds to an index's cache (here FA4's lists, buildable on the CPU) is copied by the clone
     a replay returns (the packed copy a graph keeps): equal values, the same types and shapes, no storage shared with

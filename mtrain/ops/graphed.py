@@ -21,8 +21,8 @@ from mtrain.ops.switches import Switches, or_defaults
 
 log = logging.getLogger(__name__)
 
-# Captured graphs kept at once (each holds its own memory pool: ~0.1-0.3 GB at 128K); the least recently used
-# goes first and its key runs eagerly from then on. A training run needs one per estimate setting and shape it meets
+# Captured graphs kept at once (they share one memory pool per device, `capture`: each holds its outputs there,
+# and their temporaries are shared); the least recently used goes first and its key runs eagerly from then on. A training run needs one per estimate setting and shape it meets
 # every step: on packed documents one per document length that runs sparse, times the recalls its layers estimate at
 # (escalated layers: attention.escalate_recall) and their cap scales (six at 256K on the long mix); an eval over many
 # lengths would otherwise keep one per length.
@@ -123,18 +123,37 @@ def same_tree(a, b) -> bool:
     return True
 
 
+# One memory pool per device that every captured estimate allocates from (`capture`).
+_POOLS: dict = {}
+
+
+def shared_pool(device=None):
+    """The memory pool handle that every graph `capture` makes on `device` (default: the current one) shares."""
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    if index not in _POOLS:
+        _POOLS[index] = torch.cuda.graph_pool_handle()
+    return _POOLS[index]
+
+
 def capture(run):
     """(the CUDA graph of `run()`, what `run()` returned in the capture): `run` goes once on a side stream first (lazy
     allocations, plans, kernels compiled), then is captured on the current stream; thread_local: CUDA calls of other
     threads (a data loader pinning memory) stay legal during the capture. Keep the returned outputs: replays write
-    them."""
+    them.
+
+    Every capture on a device allocates from one shared pool (`shared_pool`): a graph's temporaries may lie where an
+    earlier graph's temporaries or a later graph's outputs lie, so a replay overwrites what another graph's last
+    replay wrote there. Callers copy a replay's outputs out before the next replay of any graph on the stream (both
+    estimate caches clone them at once), which makes any replay order safe. Graphs captured in pools of their own
+    would each keep their temporaries reserved: one pool per estimate setting a run meets (six at 256K on the long
+    mix)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=shared_pool(), capture_error_mode="thread_local"):
         out = run()
     return graph, out
 
