@@ -112,3 +112,19 @@ def test_what_a_layer_keeps_of_a_replayed_index_owns_its_memory():
     finally:
         RT.drain()
         RT.policy.memo.pop(3, None)
+
+
+def test_every_kind_of_tensor_packs_in_one_buffer_and_comes_back():
+    """Bool, 0-dim, empty, odd-sized and non-contiguous tensors (packed by one concatenation with filler between
+    them) come back equal, with their dtypes and shapes; a kept tensor takes no room in the buffer."""
+    wide = torch.arange(24, dtype=torch.int64).reshape(4, 6)
+    kept = torch.arange(1000, dtype=torch.int32)
+    tree = {"mask": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+            "odd": torch.arange(7, dtype=torch.int16), "view": wide.t(), "kept": kept,
+            "half": torch.linspace(0, 1, 5, dtype=torch.bfloat16)}
+    packed = PackedTree(tree, keep=(kept,))
+    assert packed.flat.numel() < kept.numel() * kept.element_size()
+    out = packed.unpack()
+    assert out["kept"] is kept and same_tree(out, tree)
+    for name, t in tree.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape and torch.equal(out[name], t), name
