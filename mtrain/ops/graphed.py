@@ -30,8 +30,9 @@ MAX_GRAPHS = 8
 
 
 class _Graph:
-    """One captured estimate: its input buffers (k, and of q only the rows the estimate scores) and the index its
-    replays write."""
+    """One captured estimate: its input buffers (k, and of q only the rows the estimate scores) and the packed copy
+    of the index its replays write (`dropped_bytes`: about what the unpacked index the capture returned took, no
+    longer held)."""
 
     def __init__(self, q, k, doc_ids, kwargs, prepare=None):
         self.rows = estimate_rows(k.shape[1], q.device, **kwargs)
@@ -46,7 +47,11 @@ class _Graph:
             # and a view per tensor (a deep copy of the ~60 tensors costs host time on every layer)
             return index, _Packed(index)
 
-        self.graph, (self.index, self.packed) = capture(run)
+        self.graph, (index, self.packed) = capture(run)
+        # The index the capture returned is not kept: a replay rewrites it before packing it, so its memory is one
+        # more temporary of the shared pool (other graphs' captures may reuse it), not a second copy held per graph.
+        self.dropped_bytes = self.packed.flat.nbytes
+        del index
 
     def __call__(self, q, k, doc_ids) -> SparseIndex:
         torch.index_select(q, 1, self.rows, out=self.q)

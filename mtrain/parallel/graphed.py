@@ -66,7 +66,8 @@ class _RankGraph:
             out = call(self.q, self.k, self.doc_ids)
             return out, PackedTree(out, keep=keep)
 
-        self.graph, (self.out, self.packed) = capture(run)
+        self.graph, (out, self.packed) = capture(run)
+        del out  # rewritten by every replay before it is packed: a temporary of the shared pool (`graphed._Graph`)
 
     def __call__(self, q, k, doc_ids):
         self.q.copy_(q)
