@@ -48,6 +48,8 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[107479, 81264, 49807])
     p.add_argument("--recalls", type=float, nargs="+", default=[0.99, 0.995])
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tools.graph_memory measures CUDA graphs: run it on a GPU machine")
     prepare = ("fa4", 3, 64)
     mib = 2 ** 20
     print(f"{'length':>7s} {'recall':>6s} {'eager idx MiB':>13s} {'replayed MiB':>12s} {'graph holds MiB':>15s} "
@@ -64,8 +66,8 @@ def main(argv=None) -> None:
                 del out
             torch.cuda.synchronize()
             rise = torch.cuda.memory_allocated() - before
-            key = next(reversed(_GRAPHS.entries))
-            graph = _GRAPHS.entries[key]
+            key = next(reversed(_GRAPHS.entries), None)
+            graph = "never seen" if key is None else _GRAPHS.entries[key]
             if isinstance(graph, str):
                 print(f"{S:7d} {recall:6.3f} not captured ({graph})")
                 continue
