@@ -107,6 +107,37 @@ def test_full_recall_equals_dense_within_documents_forward_and_backward():
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=0, atol=1e-4)
 
 
+def test_the_backward_joins_the_documents_gradients_without_whole_tensor_fills():
+    """The per-document path takes each document's q / k / v as views of one split, so the backward joins their
+    gradients in one concatenation per tensor. A slice per document gave each document a zero-filled gradient of the
+    whole tensor, then added them up. The backward runs no zero-fill or addition at the size of the whole q, k or v
+    (torch.profiler with shapes, CPU), and the gradients equal those of a per-document reference call (each
+    document's own sparse call, its short documents dense, at 1e-6 in fp32)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    (q, k, v), ids = inputs(seed=2)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    RT.set_documents(ids)
+    out = call(q, k, v, LOCAL)
+    grad = torch.randn_like(out)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out.backward(grad)
+    whole = {tuple(t.shape) for t in (q, k, v)}
+    wide = [(e.name, e.input_shapes) for e in prof.events()
+            if e.name in ("aten::zero_", "aten::fill_", "aten::add", "aten::add_", "aten::zeros", "aten::new_zeros")
+            and any(tuple(shape) in whole for shape in e.input_shapes if shape)]
+    assert not wide, wide[:6]
+    RT.set_documents(None)
+    start = 0
+    for n in LENGTHS:
+        pieces = [t.detach()[:, start:start + n].clone().requires_grad_() for t in (q, k, v)]
+        alone = call(*pieces, LOCAL if n >= 2 * BS else None)
+        alone.backward(grad[:, start:start + n])
+        for got, piece in zip((q, k, v), pieces):
+            torch.testing.assert_close(got.grad[:, start:start + n], piece.grad, rtol=0, atol=1e-6)
+        start += n
+
+
 def test_short_documents_and_never_run_one_dense_call():
     """Documents all under two blocks, or the policy "never": dense within documents, as the dense kind."""
     (q, k, v), ids = inputs(lengths=(100, 90, 120), seed=2)

@@ -209,13 +209,17 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
         measured = _measured_break_even(policy, D, s.block_size, training, q.device, engine,
                                         rt.switches) is not None
     pieces, dense, slot = {}, [], 0
+    # Each row's documents as views from one split (the documents' lengths cover the row): the backward then joins
+    # their gradients in one concatenation per tensor, where a slice per document made a zero-filled gradient of the
+    # whole q / k / v for each document and added them up.
+    rows_of = [_documents_of(t, documents) for t in (q, k, v)]
     for b in range(B):
-        for start, n in zip(documents.starts(b), documents.lengths[b]):
+        for i, (start, n) in enumerate(zip(documents.starts(b), documents.lengths[b])):
             if n < shortest:
                 dense.append((b, start, n))
                 continue
             key = document_key(layer_idx, n)
-            qd, kd, vd = (t[b:b + 1, start:start + n] for t in (q, k, v))
+            qd, kd, vd = (row[b][i].unsqueeze(0) for row in rows_of)
             # priced with an eager estimate (see `_shortest_sparse`), though a length seen twice replays a graph
             path, index = _decide(rt, qd, kd, vd, scaling, layer_settings(rt, s, key), policy=policy,
                                   training=training, layer_idx=layer_idx, key=key,
@@ -235,12 +239,21 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
 
         return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=documents)
     if dense:
-        cat = [torch.cat([t[b, start:start + n] for b, start, n in dense]) for t in (q, k, v)]
+        where = {(b, start): i for b in range(B) for i, start in enumerate(documents.starts(b))}
+        cat = [torch.cat([row[b][where[b, start]] for b, start, _ in dense]) for row in rows_of]
         out = varlen_attention(*cat, documents.segments_of([n for _, _, n in dense], q.device), scaling)
         for (b, start, n), piece in zip(dense, out.split([n for _, _, n in dense])):
             pieces[b, start] = piece
     rows = [torch.cat([pieces[b, start] for start in documents.starts(b)]) for b in range(B)]
-    return torch.stack(rows)
+    return rows[0].unsqueeze(0) if B == 1 else torch.stack(rows)
+
+
+def _documents_of(t: torch.Tensor, documents) -> list[tuple[torch.Tensor, ...]]:
+    """Per row of t [B, S, ...], its documents' [n, ...] views (`documents.lengths`, which cover the row), from one
+    split: the gradient flows back through one concatenation per row (and, for B > 1, one stack) instead of a
+    zero-filled whole-tensor gradient per document."""
+    rows = [t.squeeze(0)] if t.shape[0] == 1 else t.unbind(0)
+    return [row.split(list(documents.lengths[b]), dim=0) for b, row in enumerate(rows)]
 
 
 def _ring(rt, q, k, v, scaling, settings=None, layer_idx=None, *, policy="always", training=True, engine="auto",
