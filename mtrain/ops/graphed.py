@@ -21,11 +21,11 @@ from mtrain.ops.switches import Switches, or_defaults
 
 log = logging.getLogger(__name__)
 
-# Captured graphs kept at once (they share one memory pool per device, `capture`: each holds its outputs there,
-# and their temporaries are shared); the least recently used goes first and its key runs eagerly from then on. A training run needs one per estimate setting and shape it meets
-# every step: on packed documents one per document length that runs sparse, times the recalls its layers estimate at
-# (escalated layers: attention.escalate_recall) and their cap scales (six at 256K on the long mix); an eval over many
-# lengths would otherwise keep one per length.
+# Captured graphs kept at once (they share one memory pool per device, `capture`; each keeps its input buffers and
+# the packed copy of its index); the least recently used goes first and its key runs eagerly from then on. A
+# training run needs one per estimate setting and shape it meets every step: on packed documents one per document
+# length that runs sparse, times the recalls its layers estimate at (escalated layers: attention.escalate_recall)
+# and their cap scales (six at 256K on the long mix); an eval over many lengths would otherwise keep one per length.
 MAX_GRAPHS = 8
 
 
@@ -150,8 +150,8 @@ def shared_pool(device=None):
 def capture(run):
     """(the CUDA graph of `run()`, what `run()` returned in the capture): `run` goes once on a side stream first (lazy
     allocations, plans, kernels compiled), then is captured on the current stream; thread_local: CUDA calls of other
-    threads (a data loader pinning memory) stay legal during the capture. Keep the returned outputs: replays write
-    them.
+    threads (a data loader pinning memory) stay legal during the capture. Replays write the returned outputs; an
+    output the caller drops is one more temporary of the pool (the estimate caches keep only the packed copy).
 
     Every capture on a device allocates from one shared pool (`shared_pool`): a graph's temporaries may lie where an
     earlier graph's temporaries or a later graph's outputs lie, so a replay overwrites what another graph's last
