@@ -1,8 +1,8 @@
 """What the one-device estimate's CUDA graphs keep allocated (`mtrain.ops.graphed`), on a GPU: per estimate key (a
 document length and recall, as a 256K step of the long mix meets them), the bytes of an eager index, of a replayed
 one (its packed buffer), what the graph holds between replays (its input buffers and the packed copy), what it no
-longer holds (`dropped_bytes`: about the unpacked index its capture returned, a temporary of the shared pool
-now), and `torch.cuda.memory_allocated`'s rise over the key's first calls (the eager call, the capture with
+longer holds (the unpacked index its capture returned, about the packed copy's size: a temporary of the shared
+pool now), and `torch.cuda.memory_allocated`'s rise over the key's first calls (the eager call, the capture with
 its eager check). Inputs are synthetic (a local band and a few strong key columns per head), so list widths,
 and with them bytes, differ from a real model's.
 
@@ -42,7 +42,7 @@ def _inputs(S: int, seed: int, hq: int = 9, hkv: int = 3, d: int = 64):
 
 def main(argv=None) -> None:
     from mtrain.ops import estimate_vertical_slash
-    from mtrain.ops.graphed import _GRAPHS, estimate_graphed
+    from mtrain.ops.graphed import _GRAPHS, estimate_graphed, prepare_engine
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[107479, 81264, 49807])
@@ -72,12 +72,10 @@ def main(argv=None) -> None:
                 print(f"{S:7d} {recall:6.3f} not captured ({graph})")
                 continue
             eager = estimate_vertical_slash(q, k, **kw)
-            from mtrain.ops.graphed import prepare_engine
-
             prepare_engine(eager, prepare)
             replayed = estimate_graphed(q, k, prepare=prepare, **kw)
-            held_out = graph.dropped_bytes
-            held = graph.packed.flat.nbytes + graph.q.nbytes + graph.k.nbytes
+            held_out = graph.packed.flat.nbytes  # the index the capture returned held the same tensors
+            held = held_out + graph.q.nbytes + graph.k.nbytes
             total += rise
             print(f"{S:7d} {recall:6.3f} {_index_bytes(eager) / mib:13.1f} {_index_bytes(replayed) / mib:12.1f} "
                   f"{held / mib:15.1f} {held_out / mib:13.1f} {rise / mib:14.1f}")

@@ -214,9 +214,9 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
     # whole q / k / v for each document and added them up.
     rows_of = [_documents_of(t, documents) for t in (q, k, v)]
     for b in range(B):
-        for i, (start, n) in enumerate(zip(documents.starts(b), documents.lengths[b])):
+        for i, n in enumerate(documents.lengths[b]):
             if n < shortest:
-                dense.append((b, start, n))
+                dense.append((b, i, n))
                 continue
             key = document_key(layer_idx, n)
             qd, kd, vd = (row[b][i].unsqueeze(0) for row in rows_of)
@@ -228,10 +228,10 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
                                   floor=False, paid_if_sparse=measured)
             slot += 1
             if path == "sparse":
-                pieces[b, start] = vertical_slash_attention(qd, kd, vd, index, softmax_scale=scaling, impl=engine,
-                                                            deterministic=_deterministic_backward(engine))[0]
+                pieces[b, i] = vertical_slash_attention(qd, kd, vd, index, softmax_scale=scaling, impl=engine,
+                                                        deterministic=_deterministic_backward(engine))[0]
             else:
-                dense.append((b, start, n))
+                dense.append((b, i, n))
     if slot == 0 and policy != "never":  # no document long enough to estimate: the layer ran dense as a whole
         rt.records.layers.append(LayerRecord(layer_idx, "dense", None))
     if len(dense) == sum(len(row) for row in documents.lengths):  # every document dense: the batch's one call
@@ -239,12 +239,11 @@ def _per_document(rt, q, k, v, scaling, s, documents, *, policy, training, layer
 
         return dense_attention(q, k, v, causal=True, softmax_scale=scaling, documents=documents)
     if dense:
-        where = {(b, start): i for b in range(B) for i, start in enumerate(documents.starts(b))}
-        cat = [torch.cat([row[b][where[b, start]] for b, start, _ in dense]) for row in rows_of]
+        cat = [torch.cat([row[b][i] for b, i, _ in dense]) for row in rows_of]
         out = varlen_attention(*cat, documents.segments_of([n for _, _, n in dense], q.device), scaling)
-        for (b, start, n), piece in zip(dense, out.split([n for _, _, n in dense])):
-            pieces[b, start] = piece
-    rows = [torch.cat([pieces[b, start] for start in documents.starts(b)]) for b in range(B)]
+        for (b, i, n), piece in zip(dense, out.split([n for _, _, n in dense])):
+            pieces[b, i] = piece
+    rows = [torch.cat([pieces[b, i] for i in range(len(documents.lengths[b]))]) for b in range(B)]
     return rows[0].unsqueeze(0) if B == 1 else torch.stack(rows)
 
 

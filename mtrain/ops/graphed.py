@@ -31,8 +31,7 @@ MAX_GRAPHS = 8
 
 class _Graph:
     """One captured estimate: its input buffers (k, and of q only the rows the estimate scores) and the packed copy
-    of the index its replays write (`dropped_bytes`: about what the unpacked index the capture returned took, no
-    longer held)."""
+    of the index its replays write."""
 
     def __init__(self, q, k, doc_ids, kwargs, prepare=None):
         self.rows = estimate_rows(k.shape[1], q.device, **kwargs)
@@ -50,7 +49,6 @@ class _Graph:
         self.graph, (index, self.packed) = capture(run)
         # The index the capture returned is not kept: a replay rewrites it before packing it, so its memory is one
         # more temporary of the shared pool (other graphs' captures may reuse it), not a second copy held per graph.
-        self.dropped_bytes = self.packed.flat.nbytes
         del index
 
     def __call__(self, q, k, doc_ids) -> SparseIndex:
